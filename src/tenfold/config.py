@@ -1,0 +1,255 @@
+"""One typed config for a training run: TOML file + DeepSpeed JSON + CLI flags + `--set`.
+
+Precedence, lowest first: built-in defaults < `--config FILE.toml` < `--deepspeed ds.json`
+< CLI flags < `--set section.key=value`. Every problem becomes a `UserError` naming the
+field and what is allowed (exit 2 in the CLI), before anything is started or written.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from tenfold.errors import UserError
+from tenfold.models.presets import ModelConfig, get_preset
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelSection(_Section):
+    name: str = "tiny"
+    # Optional overrides of the preset's shape (None keeps the preset's value).
+    n_layers: int | None = None
+    d_model: int | None = None
+    n_heads: int | None = None
+    n_kv_heads: int | None = None
+    d_ff: int | None = None
+    vocab_size: int | None = None
+    max_seq_len: int | None = None
+    mlp: Literal["swiglu", "gelu"] | None = None
+    norm: Literal["rmsnorm", "layernorm"] | None = None
+    pos: Literal["rope", "learned"] | None = None
+    bias: bool | None = None
+    tie_embeddings: bool | None = None
+
+    def build(self) -> ModelConfig:
+        overrides = self.model_dump(exclude={"name"})
+        return get_preset(self.name).with_overrides(**overrides)
+
+
+class DataSection(_Section):
+    path: str | None = None  # None: the running Python's standard library sources
+    format: Literal["auto", "text", "jsonl", "bin"] = "auto"
+    tokenizer: Literal["byte", "bpe"] = "byte"
+    bpe_vocab_size: int = Field(4096, gt=256)
+    jsonl_field: str = "text"
+    bin_dtype: Literal["uint16", "uint32"] = "uint16"
+    seq_len: int | None = Field(None, gt=0)  # None: the model's max_seq_len
+    val_fraction: float = Field(0.05, ge=0.0, lt=1.0)
+    max_bytes: int | None = Field(None, gt=0)  # cap on corpus size read (None = all)
+
+
+class TrainSection(_Section):
+    steps: int = Field(200, gt=0)
+    micro_batch: int = Field(8, gt=0)
+    grad_accum: int | None = Field(None, gt=0)
+    global_batch: int | None = Field(None, gt=0)  # sequences per optimizer step, all ranks
+    lr: float = Field(2e-3, gt=0)
+    min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0)
+    warmup_steps: int = Field(10, ge=0)
+    schedule: Literal[
+        "cosine", "linear", "constant", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR"
+    ] = "cosine"
+    schedule_params: dict[str, Any] = Field(default_factory=dict)  # DeepSpeed scheduler params
+    weight_decay: float = Field(0.1, ge=0.0)
+    beta1: float = Field(0.9, ge=0.0, lt=1.0)
+    beta2: float = Field(0.95, ge=0.0, lt=1.0)
+    eps: float = Field(1e-8, gt=0)
+    grad_clip: float = Field(1.0, ge=0.0)  # 0 disables clipping (DeepSpeed semantics)
+    seed: int = 1337
+    eval_every: int = Field(50, ge=0)  # 0: only at the end
+    eval_batches: int = Field(4, gt=0)
+    on_nan: Literal["stop", "skip"] = "stop"
+
+
+class PrecisionSection(_Section):
+    dtype: Literal["fp32", "bf16", "fp16"] = "bf16"
+    # fp16 dynamic loss scaling, DeepSpeed's keys and defaults (engine.md §2.3).
+    loss_scale: float = Field(0.0, ge=0.0)  # 0 = dynamic, > 0 = static scale
+    initial_scale_power: int = Field(16, ge=0, le=63)
+    loss_scale_window: int = Field(1000, gt=0)
+    hysteresis: int = Field(2, gt=0)
+    consecutive_hysteresis: bool = False
+    min_loss_scale: float = Field(1.0, gt=0)
+
+
+class RecomputeSection(_Section):
+    policy: str = "none"  # none | full | every:N | segments:K | selective[:attention|:mlp] | offload
+
+
+class ParallelSection(_Section):
+    zero_stage: int = Field(0, ge=0, le=3)
+    nproc: int = Field(1, gt=0)  # `tenfold train --nproc N` starts N local ranks
+    pp_degree: int = Field(1, gt=0)
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved", "zero-bubble"] = "1f1b"
+    virtual_stages: int = Field(1, gt=0)
+    pp_split: list[int] | None = None
+    param_persistence_threshold: int = Field(100_000, ge=0)  # stage3_param_persistence_threshold
+    reduce_bucket_size: int | None = None
+    overlap_comm: bool | None = None
+    contiguous_gradients: bool = True
+    timeout_s: float = Field(600.0, gt=0)
+
+
+class CheckpointSection(_Section):
+    every: int = Field(0, ge=0)  # 0 = no periodic checkpoints
+    keep_last: int | None = Field(None, gt=0)
+    resume: str | None = None  # "auto" or a checkpoint path
+    export_16bit: bool = False  # stage3_gather_16bit_weights_on_model_save
+
+
+class LogSection(_Section):
+    out: str = "runs/tenfold"
+    log_every: int = Field(1, gt=0)
+    tensorboard: bool = True
+    progress: bool = True
+
+
+class TenfoldConfig(_Section):
+    model: ModelSection = Field(default_factory=ModelSection)
+    data: DataSection = Field(default_factory=DataSection)
+    train: TrainSection = Field(default_factory=TrainSection)
+    precision: PrecisionSection = Field(default_factory=PrecisionSection)
+    recompute: RecomputeSection = Field(default_factory=RecomputeSection)
+    parallel: ParallelSection = Field(default_factory=ParallelSection)
+    checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
+    log: LogSection = Field(default_factory=LogSection)
+
+    @field_validator("model")
+    @classmethod
+    def _model_builds(cls, v: ModelSection) -> ModelSection:
+        v.build()  # raises UserError on unknown preset / bad shape
+        return v
+
+    def model_config_resolved(self) -> ModelConfig:
+        return self.model.build()
+
+    def seq_len(self) -> int:
+        mc = self.model.build()
+        s = self.data.seq_len or mc.max_seq_len
+        if s > mc.max_seq_len:
+            raise UserError(
+                f"data.seq_len ({s}) is above the model's context model.max_seq_len "
+                f"({mc.max_seq_len}); use --seq-len <= {mc.max_seq_len} or set model.max_seq_len"
+            )
+        return s
+
+    def to_dict(self) -> dict:
+        return self.model_dump(mode="json")
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def _format_validation_error(err: ValidationError) -> str:
+    first = err.errors()[0]
+    loc = ".".join(str(p) for p in first["loc"])
+    msg = first["msg"]
+    if first["type"] == "extra_forbidden":
+        section = first["loc"][0] if len(first["loc"]) > 1 else None
+        allowed = _allowed_keys(section)
+        return f"unknown config key {loc!r}; allowed: {', '.join(allowed)}"
+    if first["type"] == "literal_error":
+        return f"invalid value {first.get('input')!r} for {loc}: {msg}"
+    return f"invalid value {first.get('input')!r} for {loc}: {msg}"
+
+
+def _allowed_keys(section: str | int | None) -> list[str]:
+    if section is None or section not in TenfoldConfig.model_fields:
+        return list(TenfoldConfig.model_fields)
+    ann = TenfoldConfig.model_fields[str(section)].annotation
+    return list(ann.model_fields)  # type: ignore[union-attr]
+
+
+def deep_merge(base: dict, update: dict) -> dict:
+    out = dict(base)
+    for k, v in update.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict) and k != "schedule_params":
+            out[k] = deep_merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def parse_set_item(item: str) -> dict:
+    """`section.key=value` -> {"section": {"key": value}}; value parsed as TOML, else a string."""
+    if "=" not in item:
+        raise UserError(f"--set expects section.key=value, got {item!r}")
+    key, raw = item.split("=", 1)
+    parts = key.strip().split(".")
+    if len(parts) != 2 or not all(parts):
+        raise UserError(f"--set expects section.key=value (e.g. train.lr=3e-4), got {item!r}")
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return {parts[0]: {parts[1]: value}}
+
+
+def load_toml(path: str | Path) -> dict:
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"config file not found: {p}")
+    try:
+        return tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise UserError(f"malformed TOML in {p}: {e}") from None
+
+
+def build_config(*layers: dict) -> TenfoldConfig:
+    """Merge dict layers (lowest precedence first) and validate into a `TenfoldConfig`."""
+    merged: dict = {}
+    for layer in layers:
+        if layer:
+            merged = deep_merge(merged, layer)
+    try:
+        cfg = TenfoldConfig.model_validate(merged)
+    except ValidationError as e:
+        raise UserError(_format_validation_error(e)) from None
+    cfg.seq_len()  # context check
+    return cfg
+
+
+def resolve_batch(
+    micro_batch: int | None, grad_accum: int | None, global_batch: int | None, dp_size: int
+) -> tuple[int, int, int]:
+    """DeepSpeed's batch triplet rule (engine.md §2.1): fill what is missing by floor
+    division, then assert `global == micro * accum * dp` with DeepSpeed's message."""
+    for name, v in (("micro_batch", micro_batch), ("grad_accum", grad_accum), ("global_batch", global_batch)):
+        if v is not None and v <= 0:
+            raise UserError(f"train.{name} must be a positive integer, got {v}")
+    if global_batch is not None and micro_batch is not None and grad_accum is None:
+        grad_accum = global_batch // micro_batch // dp_size
+    elif global_batch is not None and grad_accum is not None and micro_batch is None:
+        micro_batch = global_batch // dp_size // grad_accum
+    elif micro_batch is not None and grad_accum is not None and global_batch is None:
+        global_batch = micro_batch * grad_accum * dp_size
+    elif global_batch is not None and micro_batch is None and grad_accum is None:
+        grad_accum, micro_batch = 1, global_batch // dp_size
+    elif micro_batch is not None and global_batch is None and grad_accum is None:
+        grad_accum, global_batch = 1, micro_batch * dp_size
+    elif micro_batch is None and global_batch is None:
+        raise UserError("Either train.global_batch or train.micro_batch needs to be provided")
+    assert micro_batch is not None and grad_accum is not None and global_batch is not None
+    if micro_batch <= 0 or grad_accum <= 0 or global_batch != micro_batch * grad_accum * dp_size:
+        raise UserError(
+            "Check batch related parameters. train.global_batch is not equal to "
+            f"micro_batch * grad_accum * data_parallel_size {global_batch} != "
+            f"{micro_batch} * {grad_accum} * {dp_size}"
+        )
+    return micro_batch, grad_accum, global_batch

@@ -1,0 +1,192 @@
+"""Model shapes as data: named presets, exact parameter counts and FLOPs per token.
+
+Pure Python on purpose: the planner (`tenfold.plan`) imports this module and must not
+import torch. `param_count(cfg)` equals `sum(p.numel() for p in GPT(cfg).parameters())`
+exactly (tests/test_models.py holds the two together).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Literal
+
+from tenfold.errors import UserError
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of a decoder-only transformer (pre-norm, causal)."""
+
+    n_layers: int
+    d_model: int
+    n_heads: int
+    vocab_size: int
+    max_seq_len: int
+    n_kv_heads: int | None = None  # None = n_heads (multi-head); fewer = grouped-query attention
+    d_ff: int | None = None  # None = 4*d (gelu) or the LLaMA rule 2/3*4d rounded to 256 (swiglu)
+    mlp: Literal["swiglu", "gelu"] = "swiglu"
+    norm: Literal["rmsnorm", "layernorm"] = "rmsnorm"
+    pos: Literal["rope", "learned"] = "rope"
+    bias: bool = False
+    tie_embeddings: bool = False
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+
+    def __post_init__(self) -> None:
+        for name in ("n_layers", "d_model", "n_heads", "vocab_size", "max_seq_len"):
+            if getattr(self, name) <= 0:
+                raise UserError(f"model.{name} must be a positive integer, got {getattr(self, name)}")
+        if self.d_model % self.n_heads:
+            raise UserError(
+                f"model.d_model ({self.d_model}) must be divisible by model.n_heads ({self.n_heads})"
+            )
+        if self.kv_heads <= 0 or self.n_heads % self.kv_heads:
+            raise UserError(
+                f"model.n_kv_heads ({self.kv_heads}) must be positive and divide n_heads ({self.n_heads})"
+            )
+        if self.mlp not in ("swiglu", "gelu"):
+            raise UserError(f"model.mlp must be 'swiglu' or 'gelu', got {self.mlp!r}")
+        if self.norm not in ("rmsnorm", "layernorm"):
+            raise UserError(f"model.norm must be 'rmsnorm' or 'layernorm', got {self.norm!r}")
+        if self.pos not in ("rope", "learned"):
+            raise UserError(f"model.pos must be 'rope' or 'learned', got {self.pos!r}")
+        if self.pos == "rope" and self.head_dim % 2:
+            raise UserError(f"RoPE needs an even head dimension, got {self.head_dim}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def ffn_dim(self) -> int:
+        if self.d_ff is not None:
+            return self.d_ff
+        if self.mlp == "gelu":
+            return 4 * self.d_model
+        # LLaMA: 2/3 of 4d, rounded up to a multiple of 256 (Touvron et al. 2023, model.py).
+        hidden = int(2 * 4 * self.d_model / 3)
+        return 256 * ((hidden + 255) // 256)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def with_overrides(self, **overrides) -> "ModelConfig":
+        known = {f.name for f in fields(self)}
+        unknown = sorted(set(overrides) - known)
+        if unknown:
+            raise UserError(
+                f"unknown model field(s) {', '.join(unknown)}; allowed: {', '.join(sorted(known))}"
+            )
+        return replace(self, **{k: v for k, v in overrides.items() if v is not None})
+
+
+def _gpt3(n_layers: int, d_model: int, n_heads: int) -> ModelConfig:
+    # Brown et al. 2020 Table 2.1: GPT-2 style blocks (LayerNorm, GELU 4d MLP, biases,
+    # learned positions, tied embeddings), context 2048, BPE vocabulary of 50257.
+    return ModelConfig(
+        n_layers=n_layers, d_model=d_model, n_heads=n_heads, vocab_size=50257, max_seq_len=2048,
+        mlp="gelu", norm="layernorm", pos="learned", bias=True, tie_embeddings=True,
+    )
+
+
+def _llama(n_layers: int, d_model: int, n_heads: int, d_ff: int, n_kv_heads: int | None = None) -> ModelConfig:
+    # Touvron et al. 2023 (LLaMA / Llama 2): RMSNorm, RoPE, SwiGLU, no biases, untied, vocab 32000.
+    return ModelConfig(
+        n_layers=n_layers, d_model=d_model, n_heads=n_heads, n_kv_heads=n_kv_heads, d_ff=d_ff,
+        vocab_size=32000, max_seq_len=4096,
+    )
+
+
+PRESETS: dict[str, ModelConfig] = {
+    # Byte-level models that train on a laptop CPU (vocab 256 = the default corpus's bytes).
+    "tiny": ModelConfig(n_layers=4, d_model=256, n_heads=4, d_ff=768, vocab_size=256, max_seq_len=256),
+    "small": ModelConfig(n_layers=8, d_model=512, n_heads=8, d_ff=1408, vocab_size=256, max_seq_len=512),
+    # GPT-3 family (Table 2.1). XL lists 24 heads of 128 which cannot make d_model=2048;
+    # we keep d_head=128 (16 heads), as the FLOPs and parameter counts only see d_model.
+    "gpt3-125m": _gpt3(12, 768, 12),
+    "gpt3-350m": _gpt3(24, 1024, 16),
+    "gpt3-760m": _gpt3(24, 1536, 16),
+    "gpt3-1.3b": _gpt3(24, 2048, 16),
+    "gpt3-2.7b": _gpt3(32, 2560, 32),
+    "gpt3-6.7b": _gpt3(32, 4096, 32),
+    "gpt3-13b": _gpt3(40, 5120, 40),  # the paper prints 5140, a typo for 40 x 128
+    "gpt3-175b": _gpt3(96, 12288, 96),
+    "llama-7b": _llama(32, 4096, 32, 11008),
+    "llama-13b": _llama(40, 5120, 40, 13824),
+    "llama-70b": _llama(80, 8192, 64, 28672, n_kv_heads=8),
+}
+
+# Sizes as published, for the tests and the planner's notes.
+PUBLISHED_PARAMS: dict[str, float] = {
+    "gpt3-125m": 125e6, "gpt3-350m": 350e6, "gpt3-760m": 760e6, "gpt3-1.3b": 1.3e9,
+    "gpt3-2.7b": 2.7e9, "gpt3-6.7b": 6.7e9, "gpt3-13b": 13.0e9, "gpt3-175b": 175.0e9,
+    "llama-7b": 6.7e9, "llama-13b": 13.0e9, "llama-70b": 70e9,
+}
+
+
+def get_preset(name: str) -> ModelConfig:
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise UserError(f"unknown model preset {name!r}; allowed: {', '.join(PRESETS)}") from None
+
+
+def _norm_params(cfg: ModelConfig) -> int:
+    return cfg.d_model * (2 if cfg.norm == "layernorm" else 1)
+
+
+def block_param_count(cfg: ModelConfig) -> int:
+    """Parameters of one transformer block."""
+    d, kv = cfg.d_model, cfg.kv_heads * cfg.head_dim
+    attn = d * d + 2 * d * kv + d * d  # q, k, v, out projections
+    if cfg.bias:
+        attn += d + 2 * kv + d
+    ff = cfg.ffn_dim
+    if cfg.mlp == "swiglu":
+        mlp = 3 * d * ff + ((2 * ff + d) if cfg.bias else 0)
+    else:
+        mlp = 2 * d * ff + ((ff + d) if cfg.bias else 0)
+    return attn + mlp + 2 * _norm_params(cfg)
+
+
+def embedding_param_count(cfg: ModelConfig) -> int:
+    n = cfg.vocab_size * cfg.d_model
+    if cfg.pos == "learned":
+        n += cfg.max_seq_len * cfg.d_model
+    return n
+
+
+def head_param_count(cfg: ModelConfig) -> int:
+    """Final norm plus the output projection (zero extra when tied to the embedding)."""
+    return _norm_params(cfg) + (0 if cfg.tie_embeddings else cfg.vocab_size * cfg.d_model)
+
+
+def param_count(cfg: ModelConfig) -> int:
+    """Exact number of parameters of `tenfold.models.gpt.GPT(cfg)`."""
+    return embedding_param_count(cfg) + cfg.n_layers * block_param_count(cfg) + head_param_count(cfg)
+
+
+def non_embedding_param_count(cfg: ModelConfig) -> int:
+    """Kaplan et al. 2020's N: parameters excluding the token and position embeddings."""
+    n = cfg.n_layers * block_param_count(cfg) + _norm_params(cfg)
+    if not cfg.tie_embeddings:
+        n += cfg.vocab_size * cfg.d_model  # the untied output matmul does work per token
+    return n
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Model FLOPs per trained token (forward + backward), the MFU convention.
+
+    6N for the weight matmuls (Kaplan et al. 2020; N counts every block matmul and the
+    output projection, tied or not, since it is a matmul per token; embeddings lookups and
+    norms are not matmuls) plus 12*L*s*d for attention scores and values (PaLM, Chowdhery
+    et al. 2022 App. B, 12*L*H*Q*T with H*Q = d; the causal mask is not discounted, the
+    usual convention). nanoGPT's GPT-2 124M at T=1024 gives 875,062,886,400 per sequence
+    (planner.md V22). Recompute is not counted here (that would be HFU).
+    """
+    n_matmul = cfg.n_layers * block_param_count(cfg) + cfg.vocab_size * cfg.d_model
+    return 6.0 * n_matmul + 12.0 * cfg.n_layers * seq_len * cfg.d_model
