@@ -1,0 +1,178 @@
+"""A decoder-only transformer in one readable file (nanoGPT's spirit, LLaMA's blocks).
+
+Pre-norm blocks: x + Attention(Norm(x)), then x + MLP(Norm(x)). RMSNorm or LayerNorm,
+RoPE or learned positions, SwiGLU or GELU MLP, grouped-query attention, optional biases
+and tied embeddings, all chosen by `ModelConfig` (tenfold/models/presets.py, whose
+`param_count` matches this module exactly). Attention is `F.scaled_dot_product_attention`
+with `is_causal=True`, so no s x s mask is materialised (flash/memory-efficient kernels).
+
+The attention core and the MLP are their own submodules (`Block.attn.core`, `Block.mlp`)
+so that selective recompute can wrap exactly them (Korthikanti et al. 2022).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from tenfold.models.presets import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 for stability under autocast, as LLaMA does.
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * self.weight.float()).type_as(x)
+
+
+def make_norm(cfg: ModelConfig) -> nn.Module:
+    if cfg.norm == "rmsnorm":
+        return RMSNorm(cfg.d_model, cfg.norm_eps)
+    return nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps)
+
+
+def rope_tables(head_dim: int, seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables for rotary embeddings (Su et al. 2021), shape (seq_len, head_dim/2)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float64), inv_freq)
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: (b, h, s, hd); rotate pairs (x[..., ::2], x[..., 1::2]).
+    s = x.shape[-2]
+    cos, sin = cos[:s].to(x.dtype), sin[:s].to(x.dtype)
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+    return out.flatten(-2)
+
+
+class AttentionCore(nn.Module):
+    """softmax(QK^T/sqrt(d))V: no parameters, the part selective recompute targets."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if k.shape[1] != q.shape[1]:  # grouped-query attention: share each kv head
+            rep = q.shape[1] // k.shape[1]
+            k = k.repeat_interleave(rep, dim=1)
+            v = v.repeat_interleave(rep, dim=1)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads, self.kv_heads, self.head_dim = cfg.n_heads, cfg.kv_heads, cfg.head_dim
+        self.use_rope = cfg.pos == "rope"
+        kv_dim = cfg.kv_heads * cfg.head_dim
+        self.wq = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
+        self.wk = nn.Linear(cfg.d_model, kv_dim, bias=cfg.bias)
+        self.wv = nn.Linear(cfg.d_model, kv_dim, bias=cfg.bias)
+        self.wo = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
+        self.core = AttentionCore()
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None) -> torch.Tensor:
+        b, s, _ = x.shape
+        q = self.wq(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        if self.use_rope:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        y = self.core(q, k, v)
+        return self.wo(y.transpose(1, 2).reshape(b, s, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.swiglu = cfg.mlp == "swiglu"
+        ff = cfg.ffn_dim
+        self.w1 = nn.Linear(cfg.d_model, ff, bias=cfg.bias)
+        if self.swiglu:  # Shazeer 2020: W2(silu(W1 x) * W3 x)
+            self.w3 = nn.Linear(cfg.d_model, ff, bias=cfg.bias)
+        self.w2 = nn.Linear(ff, cfg.d_model, bias=cfg.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.swiglu:
+            return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(F.gelu(self.w1(x), approximate="tanh"))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.norm1 = make_norm(cfg)
+        self.attn = Attention(cfg)
+        self.norm2 = make_norm(cfg)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), cos, sin)
+        return x + self.mlp(self.norm2(x))
+
+
+class GPT(nn.Module):
+    """Token ids (b, s) -> logits (b, s, vocab). Blocks live in `self.layers` (a ModuleDict
+    keyed "0".."L-1", torchtitan's convention) so a pipeline stage can delete the blocks it
+    does not own and keep every parameter's name, and so checkpoints stay portable."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos_emb = nn.Embedding(cfg.max_seq_len, cfg.d_model) if cfg.pos == "learned" else None
+        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
+        self.norm = make_norm(cfg)
+        self.output = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.output.weight = self.tok_emb.weight
+        if cfg.pos == "rope":
+            cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+            self.register_buffer("rope_cos", cos, persistent=False)
+            self.register_buffer("rope_sin", sin, persistent=False)
+        else:
+            self.rope_cos = self.rope_sin = None
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self, generator: torch.Generator | None = None) -> None:
+        """GPT-2 initialisation: N(0, 0.02), residual output projections scaled by
+        1/sqrt(2L) (Radford et al. 2019), norms at 1, biases at 0."""
+        std = 0.02
+        for name, p in self.named_parameters():
+            if p.dim() == 1:
+                if name.endswith("bias"):
+                    p.zero_()
+                else:
+                    p.fill_(1.0)
+                continue
+            s = std / math.sqrt(2 * self.cfg.n_layers) if name.endswith(("wo.weight", "w2.weight")) else std
+            p.normal_(0.0, s, generator=generator)
+        if self.cfg.pos == "rope":  # buffers are recomputed, never loaded
+            cos, sin = rope_tables(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta)
+            self.rope_cos.copy_(cos)
+            self.rope_sin.copy_(sin)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(input_ids)
+        for block in self.layers.values():
+            h = block(h, self.rope_cos, self.rope_sin)
+        return self.head(h)
+
+    # Pieces a pipeline stage calls on its own (embedding on the first stage, head on the last).
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self.tok_emb(input_ids)
+        if self.pos_emb is not None:
+            h = h + self.pos_emb(torch.arange(input_ids.shape[1], device=input_ids.device))
+        return h
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        return self.output(self.norm(h))
