@@ -1,0 +1,26 @@
+"""Data: default corpus (the Python standard library), text / JSONL / `.bin` files, byte or
+BPE tokens, packing, a validation split, and the resumable split-independent loader.
+
+    bundle = build_data(cfg.data, seq_len, seed, model_vocab_size=...)
+    loader = GlobalBatchLoader(bundle.train, global_batch, micro_batch, grad_accum, dp_rank, dp_size, seed)
+    micro_batches = loader.next_step()          # grad_accum dicts of input_ids / labels
+    for batch in iter_eval(bundle.val, batch_size, max_batches): ...
+
+See docs/data.md.
+"""
+
+from tenfold.data.build import DataBundle, build_data
+from tenfold.data.loader import IGNORE_INDEX, GlobalBatchLoader, iter_eval, to_batch
+from tenfold.data.tokenizer import BPETokenizer, ByteTokenizer, IdTokenizer
+
+__all__ = [
+    "BPETokenizer",
+    "ByteTokenizer",
+    "DataBundle",
+    "GlobalBatchLoader",
+    "IGNORE_INDEX",
+    "IdTokenizer",
+    "build_data",
+    "iter_eval",
+    "to_batch",
+]
