@@ -1,0 +1,190 @@
+"""`tenfold train | plan | ladder | export`: parse, call, print. Thin on purpose.
+
+Only the requested subcommand's module is imported, so `tenfold plan` never imports torch.
+Bad input of any kind (flag, config, data file, checkpoint) -> one line on stderr, exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from pathlib import Path
+
+from tenfold import __version__
+from tenfold.errors import RunError, UserError
+
+# name -> (module with register(subparsers), one-line help). `train` is registered here.
+SUBCOMMANDS: dict[str, tuple[str | None, str]] = {
+    "train": (None, "train a model with the configured techniques (defaults: tiny, stdlib corpus, bf16)"),
+    "plan": ("tenfold.plan.cli", "predict memory and time per GPU for a model, fleet and strategy; search strategies"),
+    "ladder": ("tenfold.ladder", "measure the seed's optimization path step by step on this machine"),
+    "export": ("tenfold.engine.export", "write a checkpoint's weights as one safetensors file (+ model config)"),
+}
+
+EXAMPLES = """examples:
+  tenfold train                                   # tiny on the stdlib corpus, bf16, a few minutes on a CPU
+  tenfold train --model small --steps 500 --micro-batch 4 --grad-accum 8
+  tenfold train --precision fp16 --deepspeed ds_config.json
+  tenfold train --nproc 2 --zero 3 --ac full      # two local ranks, ZeRO-3, full recompute
+  tenfold plan --model gpt3-175b --gpu a100-80gb --gpus 64 --zero 3 --ac full
+"""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with the project's contract for bad flags: one line, exit status 2."""
+
+    def error(self, message: str):  # type: ignore[override]
+        sys.stderr.write(f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        raise SystemExit(2)
+
+
+def _add_train_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "train", help=SUBCOMMANDS["train"][1], description=__doc__.splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EXAMPLES,
+    )
+    g = p.add_argument_group("run")
+    g.add_argument("--config", metavar="FILE.toml", help="TOML config (sections model, data, train, precision, recompute, parallel, checkpoint, log)")
+    g.add_argument("--deepspeed", metavar="DS.json", help="a DeepSpeed JSON config; unsupported keys are named in one warning")
+    g.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override any config key (repeatable), e.g. --set train.weight_decay=0.05")
+    g.add_argument("--out", help="output directory (metrics.jsonl, summary.json, tensorboard/, checkpoints/); default runs/tenfold")
+    g.add_argument("--no-progress", action="store_true", help="no live progress bar")
+    m = p.add_argument_group("model and data")
+    m.add_argument("--model", help="preset: tiny, small, gpt3-125m ... gpt3-175b, llama-7b/13b/70b (default tiny)")
+    m.add_argument("--seq-len", type=int, help="tokens per sequence (default: the model's context)")
+    m.add_argument("--data", help="text / JSONL / .bin file or directory (default: this Python's stdlib sources)")
+    t = p.add_argument_group("optimization")
+    t.add_argument("--steps", type=int, help="optimizer steps (default 200)")
+    t.add_argument("--micro-batch", type=int, help="sequences per micro-batch per rank (default 8)")
+    t.add_argument("--grad-accum", type=int, help="micro-batches accumulated per optimizer step")
+    t.add_argument("--global-batch", type=int, help="sequences per optimizer step over all ranks")
+    t.add_argument("--lr", type=float, help="peak learning rate (default 2e-3)")
+    t.add_argument("--seed", type=int, help="seed for init and data order (default 1337)")
+    t.add_argument("--eval-every", type=int, help="validation loss every N steps (0: at the end only)")
+    t.add_argument("--on-nan", help="non-finite loss in bf16/fp32: stop (default) or skip")
+    x = p.add_argument_group("techniques")
+    x.add_argument("--precision", help="fp32 | bf16 (default) | fp16 (dynamic loss scaling)")
+    x.add_argument("--ac", help="activation recompute: none | full | every:N | segments:K | selective[:attention|:mlp] | offload")
+    x.add_argument("--zero", type=int, help="ZeRO stage 0-3 across data-parallel ranks")
+    x.add_argument("--nproc", type=int, help="start N local ranks (a torchrun shortcut)")
+    x.add_argument("--pp", type=int, help="pipeline stages")
+    x.add_argument("--pp-schedule", help="gpipe | 1f1b | interleaved | zero-bubble")
+    x.add_argument("--virtual-stages", type=int, help="stages per rank for interleaved schedules")
+    c = p.add_argument_group("checkpoints")
+    c.add_argument("--checkpoint-every", type=int, help="save every N steps (0: never)")
+    c.add_argument("--keep-last", type=int, help="keep only the newest K checkpoints")
+    c.add_argument("--resume", help="auto (newest complete checkpoint in --out) or a checkpoint path")
+    p.add_argument("--memory-report", action="store_true", help="print the per-module memory of one step and exit")
+    p.set_defaults(func=run_train)
+
+
+# flag -> (section, key)
+_TRAIN_FLAGS = {
+    "out": ("log", "out"), "model": ("model", "name"), "seq_len": ("data", "seq_len"), "data": ("data", "path"),
+    "steps": ("train", "steps"), "micro_batch": ("train", "micro_batch"), "grad_accum": ("train", "grad_accum"),
+    "global_batch": ("train", "global_batch"), "lr": ("train", "lr"), "seed": ("train", "seed"),
+    "eval_every": ("train", "eval_every"), "on_nan": ("train", "on_nan"), "precision": ("precision", "dtype"),
+    "ac": ("recompute", "policy"), "zero": ("parallel", "zero_stage"), "nproc": ("parallel", "nproc"),
+    "pp": ("parallel", "pp_degree"), "pp_schedule": ("parallel", "pp_schedule"),
+    "virtual_stages": ("parallel", "virtual_stages"), "checkpoint_every": ("checkpoint", "every"),
+    "keep_last": ("checkpoint", "keep_last"), "resume": ("checkpoint", "resume"),
+}
+
+
+def config_from_args(args: argparse.Namespace):
+    """Layers, lowest precedence first: TOML file < DeepSpeed JSON < flags < --set."""
+    from tenfold.config import build_config, load_toml, parse_set_item
+
+    layers: list[dict] = []
+    if args.config:
+        layers.append(load_toml(args.config))
+    if args.deepspeed:
+        from tenfold.deepspeed_json import load_deepspeed_json
+
+        ds_layer, unsupported = load_deepspeed_json(args.deepspeed)
+        if unsupported:
+            print(f"tenfold: warning: DeepSpeed keys not supported by tenfold (ignored): {', '.join(unsupported)}", file=sys.stderr)
+        layers.append(ds_layer)
+    flags: dict = {}
+    for name, (section, key) in _TRAIN_FLAGS.items():
+        value = getattr(args, name, None)
+        if value is not None:
+            flags.setdefault(section, {})[key] = value
+    if args.no_progress:
+        flags.setdefault("log", {})["progress"] = False
+    layers.append(flags)
+    layers.extend(parse_set_item(item) for item in args.set)
+    return build_config(*layers)
+
+
+def run_train(args: argparse.Namespace) -> int:
+    cfg = config_from_args(args)
+    from tenfold.engine.distributed import launched_by_torchrun
+
+    if cfg.parallel.nproc > 1 and not launched_by_torchrun():
+        from tenfold.engine.launch import run_under_torchrun
+
+        return run_under_torchrun(sys.argv[1:], cfg.parallel.nproc)
+    from tenfold.engine.trainer import Trainer
+
+    trainer = Trainer(cfg)
+    if args.memory_report:
+        return trainer.memory_report()
+    trainer.fit()
+    return 0
+
+
+def build_parser(argv: list[str]) -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="tenfold",
+        description="tenfold: predict, then train transformers faster on fewer GPUs.",
+        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EXAMPLES,
+    )
+    parser.add_argument("--version", action="version", version=f"tenfold {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="{" + ",".join(SUBCOMMANDS) + "}", parser_class=_Parser)
+    wanted = next((a for a in argv if not a.startswith("-")), None)
+    for name, (module, help_text) in SUBCOMMANDS.items():
+        if name == "train":
+            _add_train_parser(sub)
+        elif name == wanted and module is not None and _module_exists(module):
+            importlib.import_module(module).register(sub)
+        else:  # listed in --help; registered fully only when asked for (keeps `plan` torch-free)
+            sub.add_parser(name, help=help_text, add_help=False)
+    return parser
+
+
+def _module_exists(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(argv)
+    if not argv:
+        parser.print_help()
+        return 0
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if not hasattr(args, "func"):
+        print(f"tenfold: error: `tenfold {args.command}` is not available in this build", file=sys.stderr)
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except UserError as e:
+        print(f"tenfold: error: {e}", file=sys.stderr)
+        return 2
+    except RunError as e:
+        print(f"tenfold: run stopped: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("tenfold: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
