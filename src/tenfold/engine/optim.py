@@ -1,0 +1,81 @@
+"""AdamW with decoupled weight decay, and gradient clipping by the global norm.
+
+Weight decay choice: decay every parameter with 2 or more dimensions (all matmul weights
+AND the embeddings), none for 1-D parameters (norm gains, biases). This is nanoGPT's rule
+(`configure_optimizers`: "all weight tensors in matmuls + embeddings decay, all biases and
+layernorms don't"). Why embeddings too: with tied embeddings the embedding *is* the output
+projection, a matmul weight, so excluding it would also exclude the head; the rule is by
+shape only, so it is identical whether a parameter is a plain tensor or an FSDP2 DTensor
+shard (DTensor reports the global shape), and a planner can reproduce it.
+
+Build the optimizer AFTER the techniques are applied (`parallelize`), so that FSDP2's
+sharded DTensor parameters are the ones it holds.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Two AdamW groups: decayed (ndim >= 2) and not decayed (ndim < 2); frozen params left out."""
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (decay if p.ndim >= 2 else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
+
+
+def adamw_kwargs(train_cfg: Any, device: torch.device) -> dict[str, Any]:
+    """lr/betas/eps from `[train]`; the multi-tensor kernel: fused on CUDA, foreach elsewhere."""
+    kw: dict[str, Any] = {"lr": train_cfg.lr, "betas": (train_cfg.beta1, train_cfg.beta2), "eps": train_cfg.eps}
+    if device.type == "cuda":
+        kw["fused"] = True  # one kernel for the whole update (supports DTensor params)
+    else:
+        kw["foreach"] = True  # fused AdamW on CPU exists but is not faster than foreach here
+    return kw
+
+
+def build_optimizer(model: nn.Module, train_cfg: Any, device: torch.device) -> torch.optim.AdamW:
+    return torch.optim.AdamW(param_groups(model, train_cfg.weight_decay), **adamw_kwargs(train_cfg, device))
+
+
+def clip_grad_norm(
+    params: Iterable[nn.Parameter],
+    max_norm: float,
+    norm_type: float = 2.0,
+    extra_groups: Sequence[dist.ProcessGroup] = (),
+) -> float:
+    """Clip gradients to a global norm of `max_norm`; return the PRE-clip global norm.
+
+    `max_norm == 0` disables clipping (DeepSpeed's `gradient_clipping: 0`) but the norm is
+    still computed and returned. DTensor gradients (FSDP2) give a DTensor norm whose
+    `full_tensor()` is already the norm over all shards (torchtitan's `clip_grad_norm_`
+    does the same). `extra_groups` are process groups whose ranks hold *disjoint* parameters
+    that this rank's `params` don't cover (pipeline stages): the local norms are combined
+    over them (sum of norm**p, or max for the inf-norm) before clipping.
+    """
+    params = [p for p in params if p.grad is not None]
+    grads = [p.grad for p in params]
+    if not grads:
+        return 0.0
+    total = torch.nn.utils.get_total_norm(grads, norm_type=norm_type, foreach=True)
+    full_tensor = getattr(total, "full_tensor", None)
+    if callable(full_tensor):
+        total = full_tensor()
+    for group in extra_groups:
+        if math.isinf(norm_type):
+            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)
+        else:
+            total = total**norm_type
+            dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+            total = total ** (1.0 / norm_type)
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
+    return float(total.item())

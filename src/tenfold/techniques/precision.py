@@ -1,0 +1,352 @@
+"""Mixed precision (seed §1): autocast policy, fp32 master weights, loss scaling.
+
+Design (the "fp32 master weights" recipe, Micikevicius et al. 2018, as torch.amp does it):
+
+* Parameters, gradients and optimizer states stay **fp32**. `torch.autocast` casts each
+  op's inputs to bf16/fp16 on the fly (matmuls, SDPA), and autocast's own op lists keep the
+  numerically sensitive ops (softmax, norms, losses) in fp32. So there is no separate fp16
+  copy of the weights to keep in sync: the fp32 parameter *is* the master weight, and the
+  optimizer updates it in fp32. (Under FSDP2 the ZeRO code uses `MixedPrecisionPolicy`
+  instead, with fp32 sharded master weights; the loss scaler below is the same.)
+* fp16 has a narrow range (max 65504, smallest normal 6e-5), so small gradients underflow.
+  The loss is multiplied by a scale before backward and the gradients divided by it
+  after; `DynamicLossScaler` moves the scale exactly as DeepSpeed's does
+  (engine.md §2.9, `deepspeed/runtime/fp16/loss_scaler.py`).
+* bf16 has fp32's exponent range, so it needs no scaler: it gets a no-op scaler (scale 1),
+  as DeepSpeed's `CreateLossScaler` does. Non-finite gradients still skip the step (as
+  DeepSpeed's `bf16.check_grad_overflow=true`, its default since PR #8035).
+
+Order inside one optimizer step (`finish_step` implements the part after backward):
+
+    for each micro-batch: scaler.scale_loss(loss).backward()
+    scaler.unscale_grads_(params)                 # true gradients, before clipping
+    overflow = grads_have_inf_or_nan(params)      # one all-reduce(MAX): global decision
+    if overflow:  zero grads; skip optimizer.step AND scheduler.step; scaler.update(True)
+    else:         norm = clip (pre-clip norm reported); optimizer.step(); scheduler.step();
+                  scaler.update(False)
+
+The overflow decision is global (all ranks skip together), so every rank's scale, step
+count and LR stay identical (issue 5, item 5).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import warnings
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any, Callable, ContextManager, Iterable
+
+import torch
+import torch.distributed as dist
+
+from tenfold.errors import UserError
+
+log = logging.getLogger(__name__)
+
+DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+_warned_fp16_on_cpu = False
+
+
+# --------------------------------------------------------------------------- dtype policy
+
+
+def bf16_supported(device: torch.device) -> bool:
+    """Whether bf16 autocast works on `device` (CUDA: Ampere or newer; CPU: torch's CPU autocast)."""
+    if device.type == "cuda":
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    return torch.amp.is_autocast_available(device.type)
+
+
+def resolve_dtype(name: str, device: torch.device) -> str:
+    """Validate `precision.dtype` and adapt it to the device.
+
+    bf16 falls back to fp32 (with a warning) where bf16 autocast is unsupported. fp16 on a
+    CPU is allowed but warned about once per process: CPU fp16 matmuls have no fast kernels
+    (measured 2026-12-02 on this 2-core CPU: a 512x512 matmul is ~40x slower than fp32 and
+    ~100x slower than bf16 under autocast).
+    """
+    global _warned_fp16_on_cpu
+    if name not in DTYPES:
+        raise UserError(f"invalid precision {name!r}; allowed: {', '.join(DTYPES)}")
+    if name == "bf16" and not bf16_supported(device):
+        warnings.warn(f"bf16 autocast is not supported on {device}; training in fp32", stacklevel=2)
+        return "fp32"
+    if name == "fp16" and device.type == "cpu" and not _warned_fp16_on_cpu:
+        _warned_fp16_on_cpu = True
+        warnings.warn(
+            "fp16 on a CPU is very slow (no fast fp16 kernels: ~40-100x slower than fp32/bf16 "
+            "here); use --precision bf16 on CPUs",
+            stacklevel=2,
+        )
+    return name
+
+
+def autocast_context(dtype_name: str, device: torch.device) -> ContextManager:
+    """Context for the forward pass (and loss): autocast for bf16/fp16, nothing for fp32.
+
+    Backward needs no context: autograd runs each op's backward in the dtype its forward used.
+    """
+    if dtype_name == "fp32":
+        return nullcontext()
+    if dtype_name not in DTYPES:
+        raise UserError(f"invalid precision {dtype_name!r}; allowed: {', '.join(DTYPES)}")
+    return torch.autocast(device_type=device.type, dtype=DTYPES[dtype_name])
+
+
+# --------------------------------------------------------------------------- gradients
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The rank-local storage of a tensor: DTensor (FSDP2 shards) -> its local shard."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
+
+
+def _local_grads(params: Iterable[torch.nn.Parameter]) -> list[torch.Tensor]:
+    return [_local(p.grad) for p in params if p.grad is not None]
+
+
+def grads_have_inf_or_nan(
+    params: Iterable[torch.nn.Parameter], group: dist.ProcessGroup | None = None
+) -> bool:
+    """True if any gradient element on ANY rank of `group` is inf or NaN.
+
+    One flag per device on the device (max |g| over all local grads: inf/NaN propagate through
+    max, and unlike a sum or 2-norm a finite value cannot overflow it), then one
+    all_reduce(MAX) when torch.distributed is initialized, then one host sync (`.item()`).
+    So one rank's overflow skips the step on every rank and the scalers stay identical.
+    """
+    grads = _local_grads(params)
+    device = grads[0].device if grads else torch.device("cpu")
+    flag = torch.zeros((), dtype=torch.float32, device=device)
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for g in grads:
+        if g.numel():
+            by_device.setdefault(g.device, []).append(g)
+    for dev_grads in by_device.values():
+        maxabs = torch.stack(torch._foreach_norm(dev_grads, math.inf)).max()
+        flag = torch.maximum(flag, (~torch.isfinite(maxabs)).float().to(device))
+    if dist.is_available() and dist.is_initialized():
+        if dist.get_backend(group) == "nccl" and flag.device.type != "cuda":
+            flag = flag.cuda()
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    return bool(flag.item())
+
+
+# --------------------------------------------------------------------------- loss scalers
+
+
+class LossScaleAtMinimumError(RuntimeError):
+    """fp16 keeps overflowing at `min_loss_scale` (DeepSpeed raises here too, §2.9 note 3)."""
+
+
+class LossScaler:
+    """Static loss scale (DeepSpeed's `LossScaler`): scale 1.0 is the no-op for bf16/fp32.
+
+    `update()` never changes the scale; an overflow still skips the step (counted).
+    """
+
+    dynamic = False
+
+    def __init__(self, scale: float = 1.0):
+        self.cur_scale = float(scale)
+        self.skipped_steps = 0
+        self.last_message: str | None = None
+
+    @property
+    def scale(self) -> float:
+        return self.cur_scale
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss if self.cur_scale == 1.0 else loss * self.cur_scale
+
+    def unscale_grads_(self, params: Iterable[torch.nn.Parameter]) -> None:
+        """Divide every gradient by the scale, in place (DTensor grads through their shard)."""
+        if self.cur_scale == 1.0:
+            return
+        grads = _local_grads(params)
+        if grads:
+            torch._foreach_div_(grads, self.cur_scale)
+
+    def update(self, overflow: bool) -> None:
+        self.last_message = None
+        if overflow:
+            self.skipped_steps += 1
+            self.last_message = f"OVERFLOW! Skipping step. Loss scale: {self.cur_scale:g} (static)"
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"kind": "static", "cur_scale": self.cur_scale, "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._check_kind(state)
+        self.cur_scale = float(state["cur_scale"])
+        self.skipped_steps = int(state["skipped_steps"])
+
+    def _check_kind(self, state: dict[str, Any]) -> None:
+        mine = self.state_dict()["kind"]
+        if state.get("kind") != mine:
+            raise UserError(
+                f"checkpoint holds a {state.get('kind')!r} loss scaler but this run uses a {mine!r} "
+                "one; resume with the same precision settings"
+            )
+
+
+class DynamicLossScaler(LossScaler):
+    """DeepSpeed's `DynamicLossScaler`, line for line (engine.md §2.9).
+
+    init_scale = 2**initial_scale_power; on overflow: if hysteresis is used up, halve the scale
+    (never below `min_scale`; already at `min_scale` -> raise, as DeepSpeed does by default),
+    else use up one unit of hysteresis. After `scale_window` clean iterations since the last
+    overflow: double the scale (and refill hysteresis). With `consecutive_hysteresis`,
+    every clean iteration refills hysteresis, so only *consecutive* overflows shrink the scale.
+    """
+
+    dynamic = True
+    scale_factor = 2.0  # hard-coded in DeepSpeed
+
+    def __init__(
+        self,
+        init_scale: float = 2.0**16,
+        scale_window: int = 1000,
+        min_scale: float = 1.0,
+        delayed_shift: int = 2,
+        consecutive_hysteresis: bool = False,
+        raise_error_at_min_scale: bool = True,
+    ):
+        if scale_window <= 0 or min_scale <= 0 or delayed_shift <= 0 or init_scale <= 0:
+            raise UserError(
+                "fp16 dynamic loss scaling needs loss_scale_window > 0, min_loss_scale > 0, "
+                f"hysteresis > 0 (got {scale_window}, {min_scale}, {delayed_shift})"
+            )
+        super().__init__(init_scale)
+        self.cur_iter = 0
+        self.last_overflow_iter = -1
+        self.scale_window = int(scale_window)
+        self.min_scale = float(min_scale)
+        self.delayed_shift = int(delayed_shift)
+        self.cur_hysteresis = int(delayed_shift)
+        self.consecutive_hysteresis = bool(consecutive_hysteresis)
+        self.raise_error_at_min_scale = bool(raise_error_at_min_scale)
+
+    def update(self, overflow: bool) -> None:
+        self.last_message = None
+        if overflow:
+            self.skipped_steps += 1
+            if self.delayed_shift == 1 or self.cur_hysteresis == 1:
+                if self.cur_scale == self.min_scale and self.raise_error_at_min_scale:
+                    raise LossScaleAtMinimumError(
+                        f"Current loss scale already at minimum ({self.min_scale:g}) - cannot decrease "
+                        "scale anymore: fp16 gradients keep overflowing. Try precision=bf16, a lower "
+                        "lr, or a lower precision.min_loss_scale."
+                    )
+                new_scale = max(self.cur_scale / self.scale_factor, self.min_scale)
+                self.last_message = (
+                    f"OVERFLOW! Skipping step. Attempted loss scale: {self.cur_scale:g}, "
+                    f"reducing to {new_scale:g}"
+                )
+                self.cur_scale = new_scale
+            else:
+                self.last_message = (
+                    f"OVERFLOW! Skipping step. Attempted loss scale: {self.cur_scale:g}, but "
+                    f"hysteresis is {self.cur_hysteresis}. Reducing hysteresis to {self.cur_hysteresis - 1}"
+                )
+                self.cur_hysteresis -= 1
+            self.last_overflow_iter = self.cur_iter
+        else:
+            if self.consecutive_hysteresis:
+                self.cur_hysteresis = self.delayed_shift
+            stable_interval = (self.cur_iter - self.last_overflow_iter) - 1
+            if stable_interval > 0 and stable_interval % self.scale_window == 0:
+                if not self.consecutive_hysteresis:
+                    self.cur_hysteresis = self.delayed_shift
+                self.cur_scale *= self.scale_factor
+        self.cur_iter += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "kind": "dynamic",
+            "cur_scale": self.cur_scale,
+            "cur_iter": self.cur_iter,
+            "last_overflow_iter": self.last_overflow_iter,
+            "cur_hysteresis": self.cur_hysteresis,
+            "skipped_steps": self.skipped_steps,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._check_kind(state)
+        self.cur_scale = float(state["cur_scale"])
+        self.cur_iter = int(state["cur_iter"])
+        self.last_overflow_iter = int(state["last_overflow_iter"])
+        self.cur_hysteresis = int(state["cur_hysteresis"])
+        self.skipped_steps = int(state["skipped_steps"])
+
+
+def build_loss_scaler(precision_section: Any, dtype_name: str) -> LossScaler:
+    """DeepSpeed's `CreateLossScaler`: dynamic only for fp16 with `loss_scale == 0`;
+    fp16 with `loss_scale > 0` gets that static scale; bf16/fp32 get the no-op (scale 1).
+
+    `dtype_name` is the resolved dtype (after `resolve_dtype`), the rest comes from the
+    `[precision]` section (DeepSpeed's `fp16` keys, engine.md §2.3).
+    """
+    if dtype_name != "fp16":
+        return LossScaler(1.0)
+    p = precision_section
+    if p.loss_scale > 0:
+        return LossScaler(p.loss_scale)
+    return DynamicLossScaler(
+        init_scale=2.0 ** p.initial_scale_power,
+        scale_window=p.loss_scale_window,
+        min_scale=p.min_loss_scale,
+        delayed_shift=p.hysteresis,
+        consecutive_hysteresis=p.consecutive_hysteresis,
+        raise_error_at_min_scale=getattr(p, "raise_error_at_min_scale", True),
+    )
+
+
+# --------------------------------------------------------------------------- the step
+
+
+@dataclass
+class StepResult:
+    skipped: bool  # overflow: no optimizer/scheduler step happened
+    grad_norm: float | None  # pre-clip global norm of the unscaled grads; None when skipped
+    loss_scale: float  # the scale this step's backward used
+
+
+def finish_step(
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    scaler: LossScaler,
+    params: list[torch.nn.Parameter],
+    max_norm: float,
+    clip_fn: Callable[[list[torch.nn.Parameter], float], float] | None = None,
+    group: dist.ProcessGroup | None = None,
+    zero_grad: bool = True,
+) -> StepResult:
+    """Everything after the last micro-batch's backward, in the order in the module docstring.
+
+    `clip_fn(params, max_norm) -> pre-clip norm` defaults to `engine.optim.clip_grad_norm`;
+    ZeRO/pipeline code passes one that reduces the norm over its shards/stages. `group` is the
+    process group of the overflow vote (None: the default group = all ranks).
+    """
+    if clip_fn is None:
+        from tenfold.engine.optim import clip_grad_norm as clip_fn
+    used_scale = scaler.scale
+    scaler.unscale_grads_(params)
+    if grads_have_inf_or_nan(params, group):
+        optimizer.zero_grad(set_to_none=True)
+        scaler.update(True)  # may raise LossScaleAtMinimumError
+        if scaler.last_message:
+            log.warning(scaler.last_message)
+        return StepResult(skipped=True, grad_norm=None, loss_scale=used_scale)
+    norm = clip_fn(params, max_norm)
+    optimizer.step()
+    if scheduler is not None:
+        scheduler.step()
+    scaler.update(False)
+    if zero_grad:
+        optimizer.zero_grad(set_to_none=True)
+    return StepResult(skipped=False, grad_norm=norm, loss_scale=used_scale)
