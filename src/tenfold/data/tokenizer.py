@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -138,11 +139,11 @@ def build_bpe(docs: list[bytes], vocab_size: int) -> tuple[BPETokenizer, np.ndar
         key.update(d)
     key.update(f"|vocab={vocab_size}|train_bytes={BPE_TRAIN_BYTES}|tokenizers={tokenizers.__version__}".encode())
     entry = bpe_cache_dir() / key.hexdigest()[:32]
-    if (entry / "tokens.npy").is_file() and (entry / "tokenizer.json").is_file():
+    if _complete(entry):
         try:
             return BPETokenizer.from_file(entry / "tokenizer.json"), np.load(entry / "tokens.npy", mmap_mode="r")
         except Exception:  # a damaged cache entry is rebuilt, not trusted
-            pass
+            shutil.rmtree(entry, ignore_errors=True)
     texts = [d.decode("utf-8", errors="replace") for d in docs]
     tok = BPETokenizer.train(texts, vocab_size)
     tokens = tok.encode_documents(texts)
@@ -150,20 +151,26 @@ def build_bpe(docs: list[bytes], vocab_size: int) -> tuple[BPETokenizer, np.ndar
     return tok, tokens
 
 
+def _complete(entry: Path) -> bool:
+    return (entry / "tokens.npy").is_file() and (entry / "tokenizer.json").is_file()
+
+
 def _write_cache(entry: Path, tok: BPETokenizer, tokens: np.ndarray) -> None:
-    """Write into a private temp folder, then rename: concurrent ranks never see half an entry."""
+    """Write into a private temp folder, then rename: concurrent ranks never see half an entry.
+    An entry that failed to load (damaged, partial) is replaced; one that another rank has
+    just completed is kept (its content is identical)."""
     try:
         entry.parent.mkdir(parents=True, exist_ok=True)
         tmp = entry.parent / f".{entry.name}.{os.getpid()}.tmp"
         tmp.mkdir(exist_ok=True)
         tok.save(tmp / "tokenizer.json")
         np.save(tmp / "tokens.npy", tokens)
+        if entry.exists() and not _complete(entry):
+            shutil.rmtree(entry, ignore_errors=True)
         try:
             os.replace(tmp, entry)
-        except OSError:  # another process finished first: its entry is identical
-            for f in tmp.iterdir():
-                f.unlink()
-            tmp.rmdir()
+        except OSError:  # another process finished first
+            shutil.rmtree(tmp, ignore_errors=True)
     except OSError:
         pass  # a read-only home is fine: the cache only saves time
 
