@@ -28,7 +28,7 @@ class DataBundle:
 
     def describe(self) -> str:
         return (
-            f"data: {self.source} | {self.num_tokens:,} tokens | {len(self.train):,} train + "
+            f"{self.source} | {self.num_tokens:,} tokens | {len(self.train):,} train + "
             f"{len(self.val):,} val sequences of {self.seq_len}+1 | tokenizer "
             f"{self.tokenizer.name} (vocab {self.vocab_size})"
         )
