@@ -1,0 +1,351 @@
+"""Memory of one training step, measured and predicted, with the same keys.
+
+Measured (`measure_step_memory`):
+  * CPU: a tensor-level tracker, PyTorch's `torch.distributed._tools.mem_tracker.MemTracker`
+    (a TorchDispatchMode that sees every storage the step creates and frees, and tells
+    parameters, buffers, gradients, optimizer states and activations apart through module,
+    gradient and optimizer hooks). The process's RSS cannot separate these categories.
+  * CUDA: the caching allocator's statistics (`max_memory_allocated`) for the peak and tensor
+    sizes for the model states (params, gradients, optimizer states, buffers).
+
+Keys (ints, bytes; `MEMORY_KEYS`), the names the planner (`tenfold.plan`) uses:
+  params_bytes, grads_bytes, optimizer_bytes  model states as held at the optimizer step
+                                              (after backward, before gradients are freed)
+  activations_bytes                           at the step's peak: tensors saved for backward
+                                              plus temporaries (MemTracker's Activation + Temp)
+  buffers_bytes, other_bytes                  non-parameter module buffers (RoPE tables), other
+  peak_bytes                                  the step's peak total (every category at that moment)
+  total_bytes                                 params + grads + optimizer + activations, the
+                                              planner's sum (an upper bound of the peak: not all
+                                              gradients are live when activations peak)
+
+Predicted (`predicted_memory`): the planner's `Plan.memory` for the resolved config, with
+peak_bytes = the planner's total (its estimate of the peak).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+MEMORY_KEYS = (
+    "params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes",
+    "buffers_bytes", "other_bytes", "peak_bytes", "total_bytes",
+)
+COMPARED_KEYS = ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes", "peak_bytes")
+
+
+# --------------------------------------------------------------------------- CPU tracker
+
+
+def _make_tracker_class():
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    class StepMemTracker(MemTracker):
+        """MemTracker that accepts several forwards of the root module in one step.
+
+        Gradient accumulation (and pipeline micro-batches) call the model once per
+        micro-batch; MemTracker raises NotImplementedError on a second root forward. We
+        restart the module-wise statistics at each root forward instead (the report shows the
+        last micro-batch, every one has the same shapes); the global peak is kept.
+        """
+
+        def _pre_fw_hook(self, module: nn.Module, inputs: Any) -> None:
+            if module in self.memory_tracking and not self._mod_tracker.is_bw:
+                name = self._mod_tracker.get_known_fqn(module)
+                if set(self._mod_tracker.parents) - {name} == {"Global"}:
+                    self.reset_mod_stats()
+            super()._pre_fw_hook(module, inputs)
+
+    return StepMemTracker
+
+
+def _category_bytes(snapshot: dict, device: torch.device | None = None) -> dict[str, int]:
+    """MemTracker snapshot {device: {reftype: bytes}} -> our keys, summed over devices."""
+    out = dict.fromkeys(("param", "buffer", "grad", "act", "temp", "opt", "other", "total"), 0)
+    names = {
+        "Parameter": "param", "Buffer": "buffer", "Gradient": "grad", "Activation": "act",
+        "Temp": "temp", "Optstate": "opt", "Other": "other", "Total": "total",
+    }
+    for dev, snap in snapshot.items():
+        if device is not None and torch.device(dev).type != device.type:
+            continue
+        for ref, nbytes in snap.items():
+            key = names.get(getattr(ref, "value", ref))
+            if key:
+                out[key] += int(nbytes)
+    return out
+
+
+def _optimizers_of(optimizer: Any) -> list[torch.optim.Optimizer]:
+    """The torch optimizers behind `optimizer` (a plain one, or a container with `.optimizers`)."""
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return [optimizer]
+    inner = getattr(optimizer, "optimizers", None) or getattr(optimizer, "optim", None)
+    if isinstance(inner, torch.optim.Optimizer):
+        return [inner]
+    return [o for o in (inner or []) if isinstance(o, torch.optim.Optimizer)]
+
+
+def _tracked_step(model: nn.Module, optimizer: Any, run_step: Callable[[], None], device: torch.device):
+    """Run `run_step` once under the tracker. Returns (tracker, snapshots at the optimizer
+    step: {'pre': ..., 'post': ...}, peak snapshot)."""
+    tracker = _make_tracker_class()()
+    optimizers = _optimizers_of(optimizer)
+    tracker.track_external(model, *optimizers)
+    at_step: dict[str, dict] = {}
+    handles = []
+
+    def snap(key: str) -> None:
+        if key == "post" or key not in at_step:
+            at_step[key] = tracker.get_tracker_snapshot("current")
+
+    for opt in optimizers:
+        # Model states as held at the optimizer step: after backward, before zero_grad frees
+        # the gradients (pre-hook); optimizer states once they exist (post-hook: covers step 1).
+        # (Hooks must return None: a pre-hook's return value would replace step's arguments.)
+        handles.append(opt.register_step_pre_hook(lambda *_: snap("pre")))
+        handles.append(opt.register_step_post_hook(lambda *_: snap("post")))
+    try:
+        with tracker:
+            run_step()
+    finally:
+        for h in handles:
+            h.remove()
+    return tracker, at_step, tracker.get_tracker_snapshot("peak")
+
+
+def _measure_cpu(model, optimizer, run_step, device) -> tuple[dict, Any]:
+    tracker, at_step, peak_snap = _tracked_step(model, optimizer, run_step, device)
+    peak = _category_bytes(peak_snap, device)
+    pre = _category_bytes(at_step.get("pre", peak_snap), device)
+    post = _category_bytes(at_step.get("post", at_step.get("pre", peak_snap)), device)
+    measured = {
+        "params_bytes": pre["param"],
+        "grads_bytes": pre["grad"],
+        "optimizer_bytes": max(post["opt"], pre["opt"]),
+        # Saved-for-backward tensors and temporaries at the peak. MemTracker may file some
+        # recomputed tensors under Temp rather than Activation (its documented limitation);
+        # the sum is exact.
+        "activations_bytes": peak["act"] + peak["temp"],
+        "buffers_bytes": peak["buffer"],
+        "other_bytes": peak["other"],
+        "peak_bytes": peak["total"],
+    }
+    measured["total_bytes"] = _model_states_plus_activations(measured)
+    return measured, tracker
+
+
+def _model_states_plus_activations(m: dict) -> int:
+    return int(m["params_bytes"] + m["grads_bytes"] + m["optimizer_bytes"] + m["activations_bytes"])
+
+
+# --------------------------------------------------------------------------- CUDA allocator
+
+
+def _unique_nbytes(tensors) -> int:
+    """Bytes of the distinct storages behind `tensors` (local shards for DTensors)."""
+    seen, total = set(), 0
+    for t in tensors:
+        if t is None:
+            continue
+        if hasattr(t, "to_local"):
+            t = t.to_local()
+        st = t.untyped_storage()
+        key = (st.data_ptr(), st.nbytes())
+        if key not in seen:
+            seen.add(key)
+            total += st.nbytes()
+    return total
+
+
+def _optimizer_state_tensors(optimizers) -> list[torch.Tensor]:
+    return [v for opt in optimizers for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+
+
+def _measure_cuda(model, optimizer, run_step, device) -> dict:
+    """Peak from the allocator; model states from tensor sizes. The allocator cannot tell
+    activations from gradients, so activations_bytes = peak - (memory held when the step
+    started: params, buffers, optimizer states) - gradients live at the peak, the last
+    bounded by the gradients held at the optimizer step (a lower bound of activations)."""
+    optimizers = _optimizers_of(optimizer)
+    params = [p for p in model.parameters()]
+    grads_at_step: dict[str, int] = {}
+    handles = [
+        opt.register_step_pre_hook(
+            lambda *_: grads_at_step.setdefault("g", _unique_nbytes(p.grad for p in params)))
+        for opt in optimizers
+    ]
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    start = torch.cuda.memory_allocated(device)
+    try:
+        run_step()
+    finally:
+        for h in handles:
+            h.remove()
+    torch.cuda.synchronize(device)
+    peak = int(torch.cuda.max_memory_allocated(device))
+    grads = grads_at_step.get("g", 0)
+    measured = {
+        "params_bytes": _unique_nbytes(params),
+        "grads_bytes": grads,
+        "optimizer_bytes": _unique_nbytes(_optimizer_state_tensors(optimizers)),
+        "activations_bytes": max(0, peak - start - grads),
+        "buffers_bytes": _unique_nbytes(model.buffers()),
+        "other_bytes": 0,
+        "peak_bytes": peak,
+    }
+    measured["total_bytes"] = _model_states_plus_activations(measured)
+    return measured
+
+
+# --------------------------------------------------------------------------- public API
+
+
+def _device_of(model: nn.Module, device: torch.device | str | None) -> torch.device:
+    if device is not None:
+        return torch.device(device)
+    p = next(model.parameters(), None)
+    return p.device if p is not None else torch.device("cpu")
+
+
+def measure_step_memory(
+    model: nn.Module, optimizer: Any, run_step: Callable[[], None], device: torch.device | str | None = None
+) -> dict[str, int]:
+    """Run `run_step()` (forward + backward over all micro-batches + optimizer step) once and
+    return its memory by category (`MEMORY_KEYS`, bytes). Call it on a step >= 2, when the
+    optimizer states exist before the step (as in every later step); on step 1 they are
+    created inside the step and are still counted (from the end of the optimizer step)."""
+    dev = _device_of(model, device)
+    if dev.type == "cuda":
+        return _measure_cuda(model, optimizer, run_step, dev)
+    return _measure_cpu(model, optimizer, run_step, dev)[0]
+
+
+class MemoryReport:
+    """The result of `memory_report`: `measured` (MEMORY_KEYS), `rows` (per module) and a rich
+    rendering (category summary beside `predicted` if given, then the per-module table)."""
+
+    def __init__(self, measured: dict, rows: list[dict], predicted: dict | None = None):
+        self.measured, self.rows, self.predicted = measured, rows, predicted
+
+    def __rich__(self):
+        from rich.console import Group
+
+        return Group(comparison_table(self.measured, self.predicted), rows_table(self.rows))
+
+    def __str__(self) -> str:
+        from rich.console import Console
+
+        console = Console(width=120, record=True, file=open("/dev/null", "w"))
+        console.print(self)
+        return console.export_text()
+
+
+def memory_report(
+    model: nn.Module, optimizer: Any, run_step: Callable[[], None], device: torch.device | str | None = None,
+    depth: int = 4, predicted: dict | None = None,
+) -> MemoryReport:
+    """Measure one step with the tensor-level tracker (also on GPU: it attributes memory to
+    modules) and return a `MemoryReport` (printable with rich): the category summary and the
+    per-module breakdown (FQN depth <= `depth`; the root is depth 1, tenfold's blocks
+    `GPT.layers.i` depth 3, their attention/MLP depth 4). `tenfold train --memory-report` prints it.
+    As for `measure_step_memory`, run a warm-up step first so the optimizer states exist."""
+    dev = _device_of(model, device)
+    measured, tracker = _measure_cpu(model, optimizer, run_step, dev)
+    if dev.type == "cuda":  # the allocator's peak is the truth on GPU; keep both visible
+        measured["peak_bytes"] = max(measured["peak_bytes"], int(torch.cuda.max_memory_allocated(dev)))
+    return MemoryReport(measured, module_rows(tracker, dev, depth), predicted)
+
+
+def module_rows(tracker, device: torch.device, depth: int = 4) -> list[dict]:
+    """Per module (the last micro-batch's forward/backward): parameters, buffers, input and
+    output, what its forward left allocated (saved activations + output), peak during its
+    forward and its backward."""
+    from torch.distributed._tools.mem_tracker import _ModState
+
+    def total(snaps) -> int:
+        return max((_category_bytes(s, device)["total"] for s in snaps or []), default=0)
+
+    rows = []
+    for stats in tracker.memory_tracking.values():
+        fqn = stats.mod_fqn
+        if fqn.count(".") + 1 > depth:
+            continue
+        pre = stats.snapshots.get(_ModState.PRE_FW, [])
+        post = stats.snapshots.get(_ModState.POST_FW, [])
+        kept = (
+            _category_bytes(post[-1], device)["total"] - _category_bytes(pre[-1], device)["total"]
+            if pre and post else 0
+        )
+        rows.append({
+            "module": fqn, "params": getattr(stats, "parameter_mem", 0), "buffers": getattr(stats, "buffer_mem", 0),
+            "input": getattr(stats, "input_mem", 0), "output": getattr(stats, "output_mem", 0),
+            "forward_kept": kept, "peak_forward": total(stats.snapshots.get(_ModState.PEAK_FW)),
+            "peak_backward": total(stats.snapshots.get(_ModState.PEAK_BW)),
+        })
+    return sorted(rows, key=lambda r: _natural_key(r["module"]))
+
+
+def _natural_key(s: str) -> list:
+    import re
+
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", s)]
+
+
+def fmt_bytes(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit, div in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= div:
+            return f"{n / div:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def rows_table(rows: list[dict]):
+    from rich.table import Table
+
+    t = Table(title="memory by module, MiB (one step, last micro-batch; fw kept = left allocated by its forward)",
+              title_justify="left")
+    t.add_column("module", no_wrap=True)
+    for col in ("param", "buf", "in", "out", "fw kept", "pk fw", "pk bw"):
+        t.add_column(col, justify="right")
+    for r in rows:
+        t.add_row(r["module"], *(f"{r[k] / 2**20:.2f}" for k in (
+            "params", "buffers", "input", "output", "forward_kept", "peak_forward", "peak_backward")))
+    return t
+
+
+def percent_diff(measured: dict, predicted: dict | None) -> dict[str, float | None]:
+    """100 * (measured - predicted) / predicted, per key (None where undefined)."""
+    out: dict[str, float | None] = {}
+    for k in COMPARED_KEYS + ("total_bytes",):
+        p, m = (predicted or {}).get(k), measured.get(k)
+        out[k] = None if not p or m is None else round(100.0 * (m - p) / p, 2)
+    return out
+
+
+def comparison_table(measured: dict, predicted: dict | None = None, title: str = "memory per rank, one step"):
+    from rich.table import Table
+
+    t = Table(title=title, title_justify="left")
+    t.add_column("")
+    if predicted is not None:
+        t.add_column("predicted", justify="right")
+    t.add_column("measured", justify="right")
+    if predicted is not None:
+        t.add_column("diff", justify="right")
+    diff = percent_diff(measured, predicted)
+    for key in ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes", "buffers_bytes",
+                "peak_bytes", "total_bytes"):
+        row = [key.removesuffix("_bytes")]
+        if predicted is not None:
+            row.append(fmt_bytes(predicted.get(key)))
+        row.append(fmt_bytes(measured.get(key)))
+        if predicted is not None:
+            row.append("-" if diff.get(key) is None else f"{diff[key]:+.1f}%")
+        t.add_row(*row)
+    return t
