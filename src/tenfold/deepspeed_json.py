@@ -6,7 +6,7 @@ sections (model/data/train/precision/recompute/parallel/checkpoint/log) and `uns
 names every key tenfold does not honour (`"fp16.auto_cast=true"`, `"wandb"`, ...); the CLI
 prints them in ONE warning, never silently. A key whose value only restates what tenfold
 does anyway (e.g. `bf16.check_grad_overflow: true`, `zero_optimization.reduce_scatter:
-true`) is accepted quietly. `"auto"` values (Hugging Face's convention) mean "not given".
+true`) is accepted quietly. `"auto"` values (Hugging Face's convention) and `null` mean "not given".
 
 Mapping decisions (documented in docs/precision.md):
 * precision: `fp16.enabled` -> fp16, `bf16.enabled` (alias `bfloat16`) -> bf16, and a
@@ -32,9 +32,6 @@ from pathlib import Path
 from typing import Any, Callable
 
 from tenfold.errors import UserError
-
-_MISSING = object()
-
 
 class _Reader:
     """Walks one JSON object, converting values and recording unsupported keys."""
@@ -83,7 +80,8 @@ def _put(layer: dict, dotted: str, value: Any) -> None:
 
 
 def _is_auto(v: Any) -> bool:
-    return isinstance(v, str) and v.lower() == "auto"
+    """`"auto"` (Hugging Face's placeholder) or JSON null: the key is treated as not given."""
+    return v is None or (isinstance(v, str) and v.lower() == "auto")
 
 
 # --------------------------------------------------------------------------- sections
@@ -171,9 +169,6 @@ def _read_zero(r: _Reader, sec: dict, layer: dict) -> None:
             r.unsupported.append(key)
 
 
-_ADAM_KEEP = {"torch_adam": _MISSING, "adam_w_mode": True, "bias_correction": True, "amsgrad": False}
-
-
 def _read_optimizer(r: _Reader, sec: dict, layer: dict) -> None:
     kind = sec.get("type")
     if not isinstance(kind, str) or kind.lower() not in ("adam", "adamw"):
@@ -182,8 +177,15 @@ def _read_optimizer(r: _Reader, sec: dict, layer: dict) -> None:
         if k not in ("type", "params"):
             r.unsupported.append(f"optimizer.{k}")
     params = r.section("optimizer.params", sec.get("params", {}))
-    # DeepSpeed builds the optimizer from these params alone: its constructor defaults apply.
-    values = {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}
+    if "max_grad_norm" in params:  # DeepSpeed raises here too
+        raise r.bad("optimizer.params.max_grad_norm", params["max_grad_norm"], "use gradient_clipping instead")
+    # DeepSpeed builds the optimizer from these params alone, so its constructor defaults
+    # apply (engine.py `_configure_basic_optimizer`): FusedAdam lr 1e-3, betas (0.9, 0.999),
+    # eps 1e-8, weight_decay 0; with torch_adam torch.optim.AdamW, whose weight_decay is 0.01.
+    torch_adam = params.get("torch_adam", False) is True
+    values = {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01 if torch_adam else 0.0}
+    # "Adam" is decoupled (AdamW) unless adam_w_mode is false; "AdamW" always is
+    decoupled = kind.lower() == "adamw" or params.get("adam_w_mode", True) is not False
     for k, v in params.items():
         key = f"optimizer.params.{k}"
         if _is_auto(v):
@@ -194,11 +196,16 @@ def _read_optimizer(r: _Reader, sec: dict, layer: dict) -> None:
             if not (isinstance(v, list) and len(v) == 2):
                 raise r.bad(key, v, "expected [beta1, beta2]")
             values[k] = [float(r.as_number(key, b, 0)) for b in v]
-        elif k in _ADAM_KEEP:
-            if _ADAM_KEEP[k] is not _MISSING:
-                r.keep_if(key, v, _ADAM_KEEP[k])
+        elif k in ("torch_adam", "adam_w_mode"):
+            r.as_bool(key, v)  # implementation choice / handled by `decoupled`
+        elif k in ("bias_correction", "fp32_optimizer_states"):
+            r.keep_if(key, v, True)
+        elif k == "amsgrad":
+            r.keep_if(key, v, False)
         else:
             r.unsupported.append(key)
+    if not decoupled and values["weight_decay"] > 0:
+        r.unsupported.append("optimizer.params.adam_w_mode=false (tenfold decays decoupled, as AdamW)")
     for k in ("lr", "eps", "weight_decay"):
         _put(layer, f"train.{k}", values[k])
     _put(layer, "train.beta1", values["betas"][0])

@@ -1,0 +1,177 @@
+"""DeepSpeed JSON -> tenfold config: the seed's config loads and maps, every unsupported key
+is reported, malformed input is a UserError naming the file and position."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tenfold.config import build_config, resolve_batch
+from tenfold.deepspeed_json import load_deepspeed_json, unsupported_warning
+from tenfold.errors import UserError
+
+SEED = Path(__file__).parent / "data" / "ds_seed.json"
+
+
+def _write(tmp_path: Path, obj_or_text, name: str = "ds.json") -> Path:
+    p = tmp_path / name
+    p.write_text(obj_or_text if isinstance(obj_or_text, str) else json.dumps(obj_or_text))
+    return p
+
+
+def test_the_seeds_config_loads_and_maps():
+    layer, unsupported = load_deepspeed_json(SEED)
+    assert unsupported == []
+    assert layer == {
+        "parallel": {"zero_stage": 3, "param_persistence_threshold": 10000, "contiguous_gradients": True},
+        "checkpoint": {"export_16bit": True},
+        "precision": {"dtype": "fp16", "loss_scale": 0.0, "loss_scale_window": 1000, "initial_scale_power": 16},
+        "train": {"grad_clip": 1.0},
+    }
+    cfg = build_config(layer)
+    assert cfg.precision.dtype == "fp16" and cfg.precision.hysteresis == 2  # DeepSpeed's default kept
+    assert cfg.parallel.zero_stage == 3 and cfg.checkpoint.export_16bit is True
+
+
+def test_a_full_config_maps_every_supported_key(tmp_path):
+    ds = {
+        "train_batch_size": 16,
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 4,
+        "gradient_clipping": 0.5,
+        "steps_per_print": 10,
+        "bf16": {"enabled": True, "check_grad_overflow": True},
+        "zero_optimization": {
+            "stage": 2, "reduce_bucket_size": 5e8, "overlap_comm": True, "contiguous_gradients": False,
+            "stage3_gather_fp16_weights_on_model_save": True, "reduce_scatter": True,
+            "offload_optimizer": {"device": "none"},
+        },
+        "optimizer": {"type": "adamw", "params": {"lr": 3e-4, "betas": [0.9, 0.95], "eps": 1e-6,
+                                                  "weight_decay": 0.1, "bias_correction": True}},
+        "scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": 100, "warmup_num_steps": 5}},
+        "activation_checkpointing": {"partition_activations": False, "number_checkpoints": 4},
+        "tensorboard": {"enabled": False},
+        "wall_clock_breakdown": False,
+    }
+    layer, unsupported = load_deepspeed_json(_write(tmp_path, ds))
+    assert unsupported == []
+    cfg = build_config(layer)
+    t = cfg.train
+    assert (t.global_batch, t.micro_batch, t.grad_accum, t.grad_clip) == (16, 2, 4, 0.5)
+    assert resolve_batch(t.micro_batch, t.grad_accum, t.global_batch, dp_size=2) == (2, 4, 16)
+    assert (t.lr, t.beta1, t.beta2, t.eps, t.weight_decay) == (3e-4, 0.9, 0.95, 1e-6, 0.1)
+    assert t.schedule == "WarmupCosineLR"
+    assert t.schedule_params == {"total_num_steps": 100, "warmup_num_steps": 5}
+    assert cfg.precision.dtype == "bf16"
+    p = cfg.parallel
+    assert (p.zero_stage, p.reduce_bucket_size, p.overlap_comm, p.contiguous_gradients) == (2, 500_000_000, True, False)
+    assert cfg.checkpoint.export_16bit is True  # the old alias
+    assert cfg.recompute.policy == "segments:4"
+    assert cfg.log.log_every == 10 and cfg.log.tensorboard is False
+
+
+def test_deepspeed_defaults_apply_inside_its_own_sections(tmp_path):
+    # an optimizer section without params gets DeepSpeed's FusedAdam defaults, not tenfold's
+    layer, _ = load_deepspeed_json(_write(tmp_path, {"optimizer": {"type": "Adam"}}))
+    t = build_config(layer).train
+    assert (t.lr, t.beta1, t.beta2, t.eps, t.weight_decay) == (1e-3, 0.9, 0.999, 1e-8, 0.0)
+    # no fp16/bf16 enabled -> DeepSpeed trains in fp32
+    assert build_config(layer).precision.dtype == "fp32"
+    # WarmupDecayLR's default warmup_max_lr (0.001) is made explicit and becomes the peak lr
+    layer, _ = load_deepspeed_json(_write(tmp_path, {"scheduler": {"type": "WarmupDecayLR",
+                                                                   "params": {"total_num_steps": 50}}}))
+    t = build_config(layer).train
+    assert t.schedule_params == {"total_num_steps": 50, "warmup_max_lr": 0.001} and t.lr == 0.001
+    # cpu_checkpointing -> offload; pipeline activation_checkpoint_interval -> every:N
+    layer, _ = load_deepspeed_json(_write(tmp_path, {"activation_checkpointing": {"cpu_checkpointing": True}}))
+    assert build_config(layer).recompute.policy == "offload"
+    layer, _ = load_deepspeed_json(_write(tmp_path, {"pipeline": {"activation_checkpoint_interval": 2}}))
+    assert layer["recompute"]["policy"] == "every:2"
+
+
+def test_auto_and_null_values_mean_not_given(tmp_path):
+    ds = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": 4,
+          "fp16": {"enabled": "auto", "loss_scale_window": 500}, "zero_optimization": {"overlap_comm": None}}
+    layer, unsupported = load_deepspeed_json(_write(tmp_path, ds))
+    assert unsupported == []
+    assert "global_batch" not in layer["train"] and layer["train"]["micro_batch"] == 4
+    assert layer["precision"] == {"loss_scale_window": 500, "dtype": "fp32"}
+    assert "overlap_comm" not in layer.get("parallel", {})
+
+
+def test_unsupported_keys_are_all_reported_in_one_warning(tmp_path):
+    ds = {
+        "fp16": {"enabled": True, "auto_cast": True, "fp16_master_weights_and_grads": False},
+        "zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": 5e7, "reduce_scatter": True,
+                              "offload_param": {"device": "cpu"}},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "amsgrad": True}},
+        "activation_checkpointing": {"partition_activations": True},
+        "wandb": {"enabled": True},
+        "wall_clock_breakdown": True,
+    }
+    path = _write(tmp_path, ds)
+    layer, unsupported = load_deepspeed_json(path)
+    assert set(unsupported) == {
+        "fp16.auto_cast=true",
+        "zero_optimization.stage3_prefetch_bucket_size",
+        'zero_optimization.offload_param.device="cpu"',
+        "optimizer.params.amsgrad=true",
+        "activation_checkpointing.partition_activations=true",
+        "wandb",
+        "wall_clock_breakdown=true",
+    }
+    build_config(layer)  # the supported part still loads
+    msg = unsupported_warning(path, unsupported)
+    assert msg.count("\n") == 0 and "wandb" in msg and str(path) in msg
+    assert unsupported_warning(path, []) is None
+
+
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ('{\n  "fp16": {"enabled": True}\n}', r"malformed JSON in .*ds.json: line 2 column 23"),
+        ('{"a": 1,}', r"malformed JSON .*line 1 column 9"),
+        ("[1, 2]", "must be a JSON object"),
+        ('"fp16"', "must be a JSON object"),
+    ],
+)
+def test_malformed_json_is_a_user_error_naming_file_and_position(tmp_path, text, match):
+    with pytest.raises(UserError, match=match):
+        load_deepspeed_json(_write(tmp_path, text))
+
+
+@pytest.mark.parametrize(
+    "ds, match",
+    [
+        ({"zero_optimization": {"stage": "three"}}, "'zero_optimization.stage'.*integer"),
+        ({"zero_optimization": {"stage": 4}}, "expected 0, 1, 2 or 3"),
+        ({"fp16": {"enabled": "yes"}}, "'fp16.enabled'.*true or false"),
+        ({"fp16": {"loss_scale": -1}}, "'fp16.loss_scale'.*>= 0"),
+        ({"fp16": {"min_loss_scale": 0}}, "'fp16.min_loss_scale'.*> 0"),
+        ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "cannot both be enabled"),
+        ({"optimizer": {"type": "Lamb"}}, "allowed: Adam, AdamW"),
+        ({"optimizer": {"type": "AdamW", "params": {"max_grad_norm": 1.0}}}, "gradient_clipping"),
+        ({"scheduler": {"type": "OneCycle"}}, "allowed: WarmupLR, WarmupDecayLR, WarmupCosineLR"),
+        ({"scheduler": {"type": "WarmupLR", "params": {"warmup_step": 3}}}, r"\['warmup_step'\].*allowed"),
+        ({"train_batch_size": 2.5}, "'train_batch_size'.*integer"),
+        ({"zero_optimization": [3]}, "expected a JSON object"),
+    ],
+)
+def test_bad_values_name_the_deepspeed_key(tmp_path, ds, match):
+    with pytest.raises(UserError, match=match):
+        load_deepspeed_json(_write(tmp_path, ds))
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(UserError, match="not found"):
+        load_deepspeed_json(tmp_path / "nope.json")
+
+
+def test_inconsistent_batch_triplet_fails_with_deepspeeds_rule(tmp_path):
+    layer, _ = load_deepspeed_json(_write(tmp_path, {"train_batch_size": 16, "train_micro_batch_size_per_gpu": 3,
+                                                     "gradient_accumulation_steps": 4}))
+    t = build_config(layer).train
+    with pytest.raises(UserError, match="16 != 3 \\* 4 \\* 1"):
+        resolve_batch(t.micro_batch, t.grad_accum, t.global_batch, dp_size=1)
