@@ -1,0 +1,636 @@
+"""Pipeline parallelism: split the GPT into stages and stream micro-batches through them.
+
+Everything that schedules, sends and receives is `torch.distributed.pipelining`
+(`PipelineStage` + `ScheduleGPipe` / `Schedule1F1B` / `ScheduleInterleaved1F1B` /
+`ScheduleInterleavedZeroBubble`); this module only decides *what* each stage owns and
+*how the loss is normalised*, following torchtitan (engine.md §5.1):
+
+1. Split by FQN (`split_fqns`): the block stack is cut by layer count with the token
+   embedding and the output head each weighted as one layer, torchtitan's
+   `generate_llm_fqn_per_model_part`. `--pp-split` sets the blocks per stage by hand.
+2. Each stage keeps the full model's modules it owns, under the same names
+   (`tok_emb.weight`, `layers.7.attn.wq.weight`, `output.weight`), so a stage's
+   state_dict is a slice of the full model's and checkpoints stay portable across pp
+   degrees. `GPTStage.forward` runs embed (first stage), its blocks, head (last stage).
+3. Recompute and ZeRO (FSDP2) are applied to each stage afterwards by
+   `tenfold.engine.parallelize` (order: pipeline split -> recompute -> ZeRO).
+4. The schedule is built with `scale_grads=False` and a loss that is already
+   `sum(token CE) / global_tokens * dp_size` (torchtitan normalises by global valid
+   tokens in the trainer, TTp train.py:547-600): the schedule must not divide by the
+   micro-batch count again, and the dp average in DDP/FSDP then cancels the `* dp_size`,
+   leaving exactly the single-process gradient of the mean token loss.
+
+Looped placement for multi-stage schedules: rank r owns stages r, r+P, r+2P, ...
+(torchtitan's `stage_ids_this_rank` for "loop" style schedules).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from tenfold.errors import UserError
+
+SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved", "zero-bubble")
+# Schedules that place several (virtual) stages on each rank.
+MULTI_STAGE_SCHEDULES = ("interleaved", "zero-bubble")
+IGNORE_INDEX = -100  # F.cross_entropy's default; padding targets are not counted as tokens
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def num_stages(pp_size: int, schedule: str, virtual_stages: int) -> int:
+    """Total pipeline stages: P for single-stage schedules, P*V for interleaved ones."""
+    return pp_size * (virtual_stages if schedule in MULTI_STAGE_SCHEDULES else 1)
+
+
+def validate_pipeline(
+    *,
+    n_layers: int,
+    world_size: int,
+    pp_size: int,
+    schedule: str,
+    virtual_stages: int,
+    n_microbatches: int,
+    pp_split: Sequence[int] | None = None,
+    tie_embeddings: bool = False,
+) -> None:
+    """Every way a pipeline config can be wrong, as a `UserError` (exit 2) naming the field,
+    the value and what is allowed, before any process group or model is touched."""
+    if schedule not in SCHEDULE_NAMES:
+        raise UserError(
+            f"parallel.pp_schedule must be one of {', '.join(SCHEDULE_NAMES)}, got {schedule!r}"
+        )
+    check_pp_degree(pp_size, world_size)
+    if virtual_stages < 1:
+        raise UserError(f"parallel.virtual_stages must be >= 1, got {virtual_stages}")
+    if virtual_stages > 1 and schedule not in MULTI_STAGE_SCHEDULES:
+        raise UserError(
+            f"parallel.virtual_stages={virtual_stages} needs an interleaved schedule "
+            f"({' or '.join(MULTI_STAGE_SCHEDULES)}); parallel.pp_schedule is {schedule!r}"
+        )
+    if pp_size == 1:
+        return
+    if tie_embeddings:
+        raise UserError(
+            "model.tie_embeddings=true cannot be pipelined: the embedding (first stage) and the "
+            "output head (last stage) would share one weight across ranks; set "
+            "model.tie_embeddings=false or use --pp 1"
+        )
+    stages = num_stages(pp_size, schedule, virtual_stages)
+    if stages > n_layers:
+        raise UserError(
+            f"{stages} pipeline stages (parallel.pp_degree={pp_size} x virtual_stages="
+            f"{virtual_stages if schedule in MULTI_STAGE_SCHEDULES else 1}) is more than the "
+            f"model's {n_layers} layers; use fewer stages"
+        )
+    if pp_split is not None:
+        check_manual_split(pp_split, stages, n_layers)
+    # Every stage must see every micro-batch at least once per step, otherwise the
+    # schedule deadlocks or idles (torch's Schedule1F1B raises for m < P itself).
+    if n_microbatches < pp_size:
+        raise UserError(
+            f"pipeline needs at least as many micro-batches per step as stages: "
+            f"train.grad_accum={n_microbatches} < parallel.pp_degree={pp_size}; "
+            f"raise --grad-accum to >= {pp_size}"
+        )
+    # The interleaved schedules run in rounds of P micro-batches (torch: m % rounds == 0,
+    # rounds = m // P); we ask for the simpler sufficient rule m % P == 0.
+    if schedule in MULTI_STAGE_SCHEDULES and n_microbatches % pp_size:
+        raise UserError(
+            f"the {schedule} schedule needs train.grad_accum ({n_microbatches}) to be a multiple "
+            f"of parallel.pp_degree ({pp_size})"
+        )
+
+
+def check_pp_degree(pp_size: int, world_size: int) -> None:
+    if pp_size < 1:
+        raise UserError(f"parallel.pp_degree must be >= 1, got {pp_size}")
+    if world_size % pp_size:
+        raise UserError(
+            f"parallel.pp_degree ({pp_size}) must divide the number of processes ({world_size}); "
+            f"world = pp x dp, so use --pp in {divisors(world_size)} or change --nproc"
+        )
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def check_manual_split(pp_split: Sequence[int], stages: int, n_layers: int) -> None:
+    if len(pp_split) != stages:
+        raise UserError(
+            f"parallel.pp_split has {len(pp_split)} entries but there are {stages} stages; "
+            f"give one block count per stage"
+        )
+    if any(n < 0 for n in pp_split) or sum(pp_split) != n_layers:
+        raise UserError(
+            f"parallel.pp_split {list(pp_split)} must be non-negative block counts summing to "
+            f"model.n_layers ({n_layers})"
+        )
+    if any(n == 0 for n in pp_split[1:-1]):
+        raise UserError(
+            f"parallel.pp_split {list(pp_split)}: a middle stage with no blocks would do no "
+            f"work; only the first (embedding) and last (head) stage may have 0 blocks"
+        )
+
+
+# --------------------------------------------------------------------------- the split
+
+
+def layer_counts(n_layers: int, stages: int, input_weight: int = 1, output_weight: int = 1) -> list[int]:
+    """Blocks per stage with the embedding and the head weighted as `input_weight` and
+    `output_weight` layers (torchtitan `generate_llm_fqn_per_model_part`): the
+    L + w_in + w_out "effective layers" are cut into equal parts, earlier stages taking
+    the remainder, and the first/last stage give up w_in/w_out of their share."""
+    if stages == 1:
+        return [n_layers]
+    effective = n_layers + input_weight + output_weight
+    per_stage, extra = divmod(effective, stages)
+    if per_stage < max(input_weight, output_weight):
+        raise UserError(
+            f"cannot split {n_layers} layers into {stages} stages with the embedding and head "
+            f"weighted as layers; use fewer stages or --pp-split"
+        )
+    counts, left = [], n_layers
+    for s in range(stages):
+        share = per_stage + (1 if s < extra else 0)
+        if s == 0:
+            share -= input_weight
+        if s == stages - 1:
+            share -= output_weight
+        take = min(share, left) if s < stages - 1 else left
+        counts.append(take)
+        left -= take
+    return counts
+
+
+def split_fqns(n_layers: int, counts: Sequence[int], has_pos_emb: bool) -> list[list[str]]:
+    """Module names (FQNs in `GPT`) owned by each stage, given blocks per stage."""
+    out, start = [], 0
+    for s, n in enumerate(counts):
+        names = []
+        if s == 0:
+            names += ["tok_emb"] + (["pos_emb"] if has_pos_emb else [])
+        names += [f"layers.{i}" for i in range(start, start + n)]
+        if s == len(counts) - 1:
+            names += ["norm", "output"]
+        out.append(names)
+        start += n
+    return out
+
+
+def local_stage_ids(pp_rank: int, pp_size: int, n_stages: int) -> list[int]:
+    """Looped placement: rank r runs stages r, r+P, ... (Megatron's interleaving)."""
+    return list(range(pp_rank, n_stages, pp_size))
+
+
+class GPTStage(nn.Module):
+    """A slice of `tenfold.models.gpt.GPT` that keeps the full model's parameter names.
+
+    It holds the GPT's own submodules (not copies) that the stage owns; the others are None
+    and skipped. `forward` reuses `GPT.embed` / `GPT.head`, so a stage computes exactly
+    what the full model computes on its slice.
+    """
+
+    def __init__(self, model: nn.Module, fqns: Sequence[str], stage_id: int, n_stages: int):
+        super().__init__()
+        from tenfold.models.gpt import GPT  # local: keep this module importable for planning
+
+        if not isinstance(model, GPT):
+            raise TypeError(f"GPTStage splits tenfold's GPT, got {type(model).__name__}")
+        self.cfg = model.cfg
+        self.stage_id, self.n_stages = stage_id, n_stages
+        owned = set(fqns)
+        self.tok_emb = model.tok_emb if "tok_emb" in owned else None
+        self.pos_emb = model.pos_emb if "pos_emb" in owned else None
+        self.layers = nn.ModuleDict(
+            {k: b for k, b in model.layers.items() if f"layers.{k}" in owned}
+        )
+        self.norm = model.norm if "norm" in owned else None
+        self.output = model.output if "output" in owned else None
+        # RoPE tables are non-persistent buffers: every stage with blocks needs them.
+        if model.rope_cos is not None:
+            self.register_buffer("rope_cos", model.rope_cos, persistent=False)
+            self.register_buffer("rope_sin", model.rope_sin, persistent=False)
+        else:
+            self.rope_cos = self.rope_sin = None
+
+    @property
+    def is_first(self) -> bool:
+        return self.tok_emb is not None
+
+    @property
+    def is_last(self) -> bool:
+        return self.output is not None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from tenfold.models.gpt import GPT
+
+        h = GPT.embed(self, x) if self.is_first else x  # type: ignore[arg-type]
+        for block in self.layers.values():
+            h = block(h, self.rope_cos, self.rope_sin)
+        return GPT.head(self, h) if self.is_last else h  # type: ignore[arg-type]
+
+
+@dataclass
+class PipelineSplit:
+    """What this rank owns: stage ids, the stage modules, and the whole plan for printing."""
+
+    stage_ids: list[int]
+    modules: list[GPTStage]
+    n_stages: int
+    pp_size: int
+    counts: list[int]  # blocks per stage, all stages
+    fqns: list[list[str]]  # module names per stage, all stages
+
+
+def split_model(
+    model: nn.Module,
+    pp_rank: int,
+    pp_size: int,
+    schedule: str = "1f1b",
+    virtual_stages: int = 1,
+    pp_split: Sequence[int] | None = None,
+) -> PipelineSplit:
+    """Cut the (fully initialised) GPT into stages and keep this rank's.
+
+    Every rank builds the same full model from the same seed first, so the pipeline starts
+    from exactly the weights a single process would have; the modules a rank does not own
+    are dropped with the full model (for models too large for one host, build on the meta
+    device and load a seed checkpoint by FQN, as torchtitan recommends).
+    """
+    cfg = model.cfg
+    n = num_stages(pp_size, schedule, virtual_stages)
+    if pp_split is not None:
+        check_manual_split(pp_split, n, cfg.n_layers)
+        counts = list(pp_split)
+    else:
+        counts = layer_counts(cfg.n_layers, n)
+    fqns = split_fqns(cfg.n_layers, counts, model.pos_emb is not None)
+    ids = local_stage_ids(pp_rank, pp_size, n)
+    modules = [GPTStage(model, fqns[s], s, n) for s in ids]
+    return PipelineSplit(
+        stage_ids=ids, modules=modules, n_stages=n, pp_size=pp_size, counts=counts, fqns=fqns
+    )
+
+
+def describe_split(split: PipelineSplit, model_cfg) -> list[str]:
+    """One line per stage: its modules and parameter count (from the presets' exact counts)."""
+    from tenfold.models.presets import block_param_count, embedding_param_count, head_param_count
+
+    lines = []
+    for s, (names, n_blocks) in enumerate(zip(split.fqns, split.counts)):
+        params = n_blocks * block_param_count(model_cfg)
+        params += embedding_param_count(model_cfg) if s == 0 else 0
+        params += head_param_count(model_cfg) if s == split.n_stages - 1 else 0
+        blocks = [x for x in names if x.startswith("layers.")]
+        if not blocks:
+            span = "no blocks"
+        elif len(blocks) == 1:
+            span = f"layer {blocks[0][7:]}"
+        else:
+            span = f"layers {blocks[0][7:]}-{blocks[-1][7:]}"
+        extras = [x for x in names if not x.startswith("layers.")]
+        lines.append(
+            f"stage {s} (pp rank {s % split.pp_size}): "
+            f"{span}{' + ' + ', '.join(extras) if extras else ''}; {params:,} params"
+        )
+    return lines
+
+
+# --------------------------------------------------------------------------- the step
+
+
+def predicted_bubble(pp_size: int, n_microbatches: int, virtual_stages: int = 1) -> float:
+    """Planner's bubble fraction (P-1)/m, divided by V for interleaved schedules
+    (Narayanan et al. 2021 §2.2): idle time relative to the ideal compute time."""
+    return (pp_size - 1) / (n_microbatches * virtual_stages)
+
+
+class _StageTimer:
+    """Busy time of this rank's stages: wraps the forward/backward chunk methods of each
+    `PipelineStage`; idle share = 1 - busy / step wall time (waits on p2p count as idle)."""
+
+    def __init__(self) -> None:
+        self.busy_s = 0.0
+
+    def wrap(self, stage, method: str) -> None:
+        fn = getattr(stage, method)
+
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.busy_s += time.perf_counter() - t0
+
+        setattr(stage, method, timed)
+
+
+def _autocast_forward(stage, dtype: torch.dtype) -> None:
+    """Run the stage's forward chunks under autocast, and only those: the schedule calls
+    backward outside forward_one_chunk, and backward must not run under autocast
+    (autograd replays each op in the dtype its forward used)."""
+    fn = stage.forward_one_chunk
+
+    def forward_one_chunk(*args, **kwargs):
+        with torch.autocast(stage.device.type, dtype=dtype):
+            return fn(*args, **kwargs)
+
+    stage.forward_one_chunk = forward_one_chunk
+
+
+@dataclass
+class PipelineStepResult:
+    loss: float  # global mean token loss (same value on every rank)
+    global_tokens: int  # target tokens of the whole global batch
+    step_s: float  # wall time of the schedule step on this rank
+    busy_s: float  # time this rank spent in its stages' forward/backward
+    bubble: float  # measured idle share on this rank: 1 - busy_s / step_s
+
+
+class PipelineRunner:
+    """One optimizer step's forward+backward through the pipeline.
+
+    `train_step(inputs, targets, global_tokens)` takes this dp rank's m micro-batches
+    (lists of (b, s) tensors, or whole (m*b, s) tensors), runs the schedule and returns a
+    `PipelineStepResult` whose `.loss` is the global mean token loss on every rank
+    (computed on the last stage, one all_reduce). Gradients are left in the parameters,
+    equal to the single-process gradients (after the dp average done by DDP/FSDP) times
+    `loss_scale`.
+    """
+
+    def __init__(
+        self,
+        stage_modules: Sequence[nn.Module],
+        stage_ids: Sequence[int],
+        n_stages: int,
+        schedule: str,
+        n_microbatches: int,
+        *,
+        device: torch.device,
+        pp_group: dist.ProcessGroup | None = None,
+        dp_size: int = 1,
+        autocast_dtype: torch.dtype | None = None,
+    ):
+        from torch.distributed.pipelining import PipelineStage
+
+        self.schedule_name = schedule
+        self.n_microbatches = n_microbatches
+        self.stage_ids = list(stage_ids)
+        self.n_stages = n_stages
+        self.dp_size = dp_size
+        self.device = device
+        self.pp_group = pp_group
+        self.loss_scale = 1.0  # fp16: the trainer passes the dynamic scale to each step
+        self.global_tokens = 1
+        self.modules = list(stage_modules)
+        self.stages = [
+            PipelineStage(m, s, n_stages, device, group=pp_group)
+            for m, s in zip(self.modules, self.stage_ids)
+        ]
+        self.timer = _StageTimer()
+        for st in self.stages:
+            if autocast_dtype is not None and autocast_dtype != torch.float32:
+                _autocast_forward(st, autocast_dtype)
+            for method in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
+                self.timer.wrap(st, method)
+        self.schedule = build_schedule(schedule, self.stages, n_microbatches, self._loss_fn)
+        self.micro_shape: tuple[int, ...] | None = None  # (b, s) fixed by the first step
+
+    @property
+    def has_first_stage(self) -> bool:
+        return 0 in self.stage_ids
+
+    @property
+    def has_last_stage(self) -> bool:
+        return (self.n_stages - 1) in self.stage_ids
+
+    def _loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        # sum CE / GLOBAL tokens * dp_size: micro-batch losses add up to this dp rank's share
+        # of the global mean, and the dp average (divide by dp_size) in DDP/FSDP makes it the
+        # exact global mean; the schedule itself must not rescale (scale_grads=False).
+        ce = F.cross_entropy(
+            logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+        )
+        return ce * (self.dp_size * self.loss_scale / self.global_tokens)
+
+    def _run(self, inputs: torch.Tensor, targets: torch.Tensor, train: bool) -> list[torch.Tensor]:
+        b, rem = divmod(inputs.shape[0], self.n_microbatches)
+        if rem or (self.micro_shape is not None and (b, *inputs.shape[1:]) != self.micro_shape):
+            raise ValueError(
+                f"a pipeline step takes {self.n_microbatches} micro-batches of shape "
+                f"{self.micro_shape}; got a batch of shape {tuple(inputs.shape)}"
+            )
+        self.micro_shape = (b, *inputs.shape[1:])  # p2p buffers are sized by the first step
+        inputs, targets = inputs.to(self.device), targets.to(self.device)
+        args = (inputs,) if self.has_first_stage else ()
+        tgt = targets if self.has_last_stage else None
+        losses: list[torch.Tensor] = []
+        run = self.schedule.step if train else self.schedule.eval
+        run(*args, target=tgt, losses=losses, return_outputs=False)
+        return losses
+
+    def train_step(self, inputs, targets, global_tokens: int, loss_scale: float = 1.0) -> PipelineStepResult:
+        if isinstance(inputs, (list, tuple)):
+            inputs, targets = torch.cat(list(inputs)), torch.cat(list(targets))
+        self.global_tokens, self.loss_scale = max(int(global_tokens), 1), float(loss_scale)
+        self.timer.busy_s = 0.0
+        t0 = time.perf_counter()
+        losses = self._run(inputs, targets, train=True)
+        step_s = time.perf_counter() - t0
+        # Last stages hold sum(mb losses) = (their dp share of the mean) * dp_size * scale.
+        local = sum(l.detach().double() for l in losses) / self.loss_scale if losses else 0.0
+        loss = self._sum_over_world(local) / self.dp_size
+        busy = self.timer.busy_s
+        return PipelineStepResult(loss, int(global_tokens), step_s, busy, max(0.0, 1.0 - busy / step_s))
+
+    @torch.no_grad()
+    def eval_loss_sum(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        """Sum of token CE over (inputs, targets), forward only, on every rank. Rows are
+        padded with ignored targets to whole steps of the training shape (the p2p buffers
+        keep the shape of the first training step)."""
+        per_step = self.n_microbatches * (self.micro_shape[0] if self.micro_shape else 1)
+        pad = (-inputs.shape[0]) % per_step
+        if pad:
+            inputs = torch.cat([inputs, inputs.new_zeros((pad, *inputs.shape[1:]))])
+            targets = torch.cat([targets, targets.new_full((pad, *targets.shape[1:]), IGNORE_INDEX)])
+        self.global_tokens, self.loss_scale, dp = 1, 1.0, self.dp_size
+        self.dp_size = 1
+        try:
+            total = 0.0
+            for i in range(0, inputs.shape[0], per_step):
+                losses = self._run(inputs[i : i + per_step], targets[i : i + per_step], train=False)
+                total += float(sum(l.double() for l in losses)) if losses else 0.0
+        finally:
+            self.dp_size = dp
+        # Every dp group scores the same rows (Trainer.evaluate), so the world sum counts
+        # them dp times.
+        return self._sum_over_world(total) / dp
+
+    def _sum_over_world(self, value) -> float:
+        """Only the last stage has the loss; an all_reduce over every rank (other stages add
+        0) gives the value everywhere, so rank 0 (a first stage) can report it."""
+        t = torch.as_tensor(value, dtype=torch.float64).reshape(()).to(self.device).clone()
+        if dist.is_initialized():
+            dist.all_reduce(t)
+        return float(t)
+
+
+def build_schedule(name: str, stages: list, n_microbatches: int, loss_fn: Callable):
+    from torch.distributed import pipelining as pl
+
+    classes = {
+        "gpipe": pl.ScheduleGPipe,
+        "1f1b": pl.Schedule1F1B,
+        "interleaved": pl.ScheduleInterleaved1F1B,
+        "zero-bubble": pl.ScheduleInterleavedZeroBubble,
+    }
+    cls = classes[name]
+    if name in MULTI_STAGE_SCHEDULES:
+        return cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
+    if len(stages) != 1:
+        raise UserError(f"the {name} schedule runs one stage per rank, got {len(stages)}")
+    return cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
+
+
+# --------------------------------------------------------------------------- engine glue
+
+
+def microbatches_per_step(cfg, dp_size: int) -> int:
+    """m = the accumulation steps per dp rank (DeepSpeed's batch triplet, config.resolve_batch)."""
+    from tenfold.config import resolve_batch
+
+    return resolve_batch(cfg.train.micro_batch, cfg.train.grad_accum, cfg.train.global_batch, dp_size)[1]
+
+
+def validate_config(cfg, world_size: int) -> None:
+    """`validate_pipeline` for a `TenfoldConfig` on `world_size` processes; call it before
+    the process group exists (pp must divide the world before the pp x dp mesh is built)."""
+    par = cfg.parallel
+    pp = par.pp_degree
+    check_pp_degree(pp, world_size)  # before dividing by it below
+    model_cfg = cfg.model_config_resolved()
+    validate_pipeline(
+        n_layers=model_cfg.n_layers, world_size=world_size, pp_size=pp, schedule=par.pp_schedule,
+        virtual_stages=par.virtual_stages, n_microbatches=microbatches_per_step(cfg, world_size // pp),
+        pp_split=par.pp_split, tie_embeddings=model_cfg.tie_embeddings,
+    )
+
+
+def split_for_rank(model: nn.Module, cfg, dist_info) -> PipelineSplit:
+    """Step 1 of `engine.parallelize` under PP: validate, split, print the split once."""
+    validate_config(cfg, dist_info.world_size)
+    par = cfg.parallel
+    split = split_model(model, dist_info.pp_rank, dist_info.pp_size, par.pp_schedule,
+                        par.virtual_stages, par.pp_split)
+    if dist_info.is_main:
+        print(f"pipeline: {split.n_stages} stages on {dist_info.pp_size} ranks, schedule "
+              f"{par.pp_schedule}, {microbatches_per_step(cfg, dist_info.dp_size)} micro-batches/step")
+        for line in describe_split(split, model.cfg):
+            print("  " + line)
+    return split
+
+
+class PipelinedModel(nn.Module):
+    """This rank's pipeline stages as one module with the full model's parameter names.
+
+    It registers the GPT submodules this rank owns (`tok_emb`, `layers.k`, `norm`,
+    `output`) under their original names, so `named_parameters()` / `state_dict()` are a
+    slice of the full model's and the optimizer, clipping, overflow check and checkpoints
+    treat it like any model. The work is done by `self.runner` (a `PipelineRunner` over the
+    parts as wrapped by recompute/ZeRO); calling the module directly is an error, because one
+    rank cannot run the whole forward.
+    """
+
+    def __init__(self, split: PipelineSplit, parts: Sequence[nn.Module], runner: PipelineRunner):
+        super().__init__()
+        for m in split.modules:
+            for name in ("tok_emb", "pos_emb", "norm", "output"):
+                if getattr(m, name) is not None:
+                    setattr(self, name, getattr(m, name))
+        blocks = {k: b for m in split.modules for k, b in m.layers.items()}
+        self.layers = nn.ModuleDict({k: blocks[k] for k in sorted(blocks, key=int)})
+        self.cfg = split.modules[0].cfg
+        self.split = split
+        self.parts = list(parts)  # plain list: the parts' modules are registered above
+        self.runner = runner
+        self.bubbles: list[float] = []  # measured idle share of each step on this rank
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError(
+            "a pipelined model holds only this rank's stages; run steps with "
+            "PipelinedModel.train_step / eval_loss_sum"
+        )
+
+    def train_step(self, micro_batches: list[dict], loss_scale: float = 1.0,
+                   dp_group: dist.ProcessGroup | None = None) -> PipelineStepResult:
+        """Forward+backward of this dp rank's micro-batches (dicts with input_ids, labels)
+        through the pipeline; the loss is normalised by the GLOBAL target-token count."""
+        from tenfold.techniques.accumulation import all_reduce_sum, count_targets
+
+        global_tokens = int(all_reduce_sum(count_targets(micro_batches), dp_group))
+        inputs = torch.cat([mb["input_ids"] for mb in micro_batches])
+        labels = torch.cat([mb["labels"] for mb in micro_batches])
+        result = self.runner.train_step(inputs, labels, global_tokens, loss_scale)
+        self.bubbles.append(result.bubble)
+        return result
+
+    def eval_loss_sum(self, batches: list[dict]) -> float:
+        inputs = torch.cat([b["input_ids"] for b in batches])
+        labels = torch.cat([b["labels"] for b in batches])
+        return self.runner.eval_loss_sum(inputs, labels)
+
+    def report(self, dist_info) -> dict:
+        """Split, schedule and bubble (measured per pp rank vs predicted), for summary.json.
+        Collective: every rank must call it. The first step is left out of the measured
+        bubble (it includes the p2p shape handshake)."""
+        steady = self.bubbles[1:] or self.bubbles
+        mine = sum(steady) / len(steady) if steady else float("nan")
+        per_rank = gather_per_rank(mine)
+        pp, dp = dist_info.pp_size, dist_info.dp_size
+        per_stage_rank = [  # mean over the dp replicas of each pp rank (global rank = pp*dp + dp)
+            sum(per_rank[r * dp:(r + 1) * dp]) / dp for r in range(pp)
+        ]
+        v = len(self.runner.stage_ids)
+        return {
+            "schedule": self.runner.schedule_name,
+            "stages": self.split.n_stages, "virtual_stages": v,
+            "blocks_per_stage": self.split.counts,
+            "microbatches": self.runner.n_microbatches,
+            "bubble_predicted": predicted_bubble(pp, self.runner.n_microbatches, v),
+            "bubble_measured_per_pp_rank": per_stage_rank,
+        }
+
+
+def build_pipelined_model(split: PipelineSplit, parts: Sequence[nn.Module], cfg, dist_info) -> PipelinedModel:
+    """Last step of `engine.parallelize` under PP: the parts (after recompute and ZeRO) go
+    into `PipelineStage`s and the configured schedule."""
+    from tenfold.techniques.precision import DTYPES, resolve_dtype
+
+    dtype = DTYPES[resolve_dtype(cfg.precision.dtype, dist_info.device)]
+    runner = PipelineRunner(
+        parts, split.stage_ids, split.n_stages, cfg.parallel.pp_schedule,
+        microbatches_per_step(cfg, dist_info.dp_size), device=dist_info.device,
+        pp_group=dist_info.mesh["pp"].get_group(), dp_size=dist_info.dp_size,
+        autocast_dtype=dtype,
+    )
+    return PipelinedModel(split, parts, runner)
+
+
+def gather_per_rank(value) -> list:
+    """[value of rank 0, rank 1, ...] on every rank (one all_gather_object)."""
+    if not dist.is_initialized():
+        return [value]
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out

@@ -1,0 +1,331 @@
+"""Pipeline parallelism (techniques/pipeline.py): the split, its validation, and the
+equivalence of torch.distributed.pipelining over gloo with one plain process.
+
+PyTorch's own CI runs its multi-process pipelining schedules only on accelerators
+(engine.md §5.4), so these gloo tests are our guard: every schedule on pp=2 must give the
+single-process loss curve (fp32, rel 1e-5), and pp=2 x dp=2 with FSDP2 on the dp axis too.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tenfold.errors import UserError
+from tenfold.models.gpt import GPT
+from tenfold.models.presets import get_preset, param_count
+from tenfold.techniques import pipeline as pp
+
+# A narrow `tiny` (same 4 layers, byte vocabulary) so the multi-process runs take seconds.
+CFG = get_preset("tiny").with_overrides(d_model=64, n_heads=4, d_ff=128, max_seq_len=16)
+SEQ, ROWS, STEPS, SEED, LR = 16, 8, 3, 7, 1e-2  # ROWS: sequences per global batch
+
+
+# --------------------------------------------------------------------------- the split
+
+
+@pytest.mark.parametrize("n_layers,stages", [(4, 2), (4, 4), (8, 3), (12, 4), (5, 2), (3, 3)])
+def test_layer_counts_cover_every_layer_once(n_layers, stages):
+    counts = pp.layer_counts(n_layers, stages)
+    assert len(counts) == stages and sum(counts) == n_layers and min(counts) >= 0
+    # Embedding and head weigh one layer each: the effective loads differ by at most one.
+    loads = [c + (s == 0) + (s == stages - 1) for s, c in enumerate(counts)]
+    assert max(loads) - min(loads) <= 1, loads
+
+
+def test_layer_counts_match_torchtitan_examples():
+    # torchtitan generate_llm_fqn_per_model_part: L + 2 effective layers cut evenly,
+    # the remainder going to the earliest stages.
+    assert pp.layer_counts(4, 2) == [2, 2]
+    assert pp.layer_counts(4, 4) == [1, 2, 1, 0]
+    assert pp.layer_counts(8, 3) == [3, 3, 2]
+    assert pp.layer_counts(6, 1) == [6]
+
+
+def test_split_keeps_parameter_names_and_tensors():
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    full = model.state_dict()
+    seen: dict[str, torch.Tensor] = {}
+    for rank in range(2):
+        split = pp.split_model(model, rank, 2, "interleaved", 2)
+        assert split.stage_ids == [rank, rank + 2]
+        for stage in split.modules:
+            for name, t in stage.state_dict().items():
+                assert name not in seen, f"{name} owned by two stages"
+                seen[name] = t
+    assert set(seen) == set(full)
+    for name, t in seen.items():  # the GPT's own tensors, not copies
+        assert t.data_ptr() == full[name].data_ptr(), name
+
+
+def test_chained_stages_compute_the_full_forward():
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    ids = torch.randint(0, CFG.vocab_size, (2, SEQ))
+    split = pp.split_model(model, 0, 1, "interleaved", 3)  # all 3 stages on one "rank"
+    h = ids
+    for stage in split.modules:
+        h = stage(h)
+    assert torch.equal(h, model(ids))
+
+
+def test_manual_split_and_description():
+    model = GPT(CFG)
+    split = pp.split_model(model, 1, 2, "1f1b", 1, pp_split=[1, 3])
+    assert list(split.modules[0].layers) == ["1", "2", "3"] and split.modules[0].is_last
+    lines = pp.describe_split(split, CFG)
+    assert lines[0].startswith("stage 0 (pp rank 0): layer 0 + tok_emb")
+    total = sum(int(line.rsplit("; ", 1)[1].split()[0].replace(",", "")) for line in lines)
+    assert total == param_count(CFG)
+
+
+def test_predicted_bubble():
+    assert pp.predicted_bubble(2, 4) == 0.25
+    assert pp.predicted_bubble(4, 8, 2) == 3 / 16
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _check(**overrides):
+    kw = dict(n_layers=4, world_size=2, pp_size=2, schedule="1f1b", virtual_stages=1, n_microbatches=4)
+    kw.update(overrides)
+    pp.validate_pipeline(**kw)
+
+
+@pytest.mark.parametrize(
+    "overrides,needle",
+    [
+        ({"n_microbatches": 1}, "train.grad_accum=1 < parallel.pp_degree=2"),
+        ({"world_size": 3}, "parallel.pp_degree (2) must divide the number of processes (3)"),
+        ({"pp_size": 4, "world_size": 4, "schedule": "interleaved", "virtual_stages": 2, "n_microbatches": 8},
+         "8 pipeline stages"),
+        ({"n_layers": 1}, "more than the model's 1 layers"),
+        ({"schedule": "interleaved", "virtual_stages": 2, "n_microbatches": 5}, "multiple of parallel.pp_degree"),
+        ({"virtual_stages": 2}, "needs an interleaved schedule"),
+        ({"schedule": "dualpipe"}, "parallel.pp_schedule must be one of"),
+        ({"tie_embeddings": True}, "model.tie_embeddings=true cannot be pipelined"),
+        ({"pp_split": [4]}, "parallel.pp_split has 1 entries but there are 2 stages"),
+        ({"pp_split": [3, 3]}, "summing to model.n_layers (4)"),
+        ({"pp_split": [2, 0, 2], "schedule": "interleaved", "virtual_stages": 3, "pp_size": 1},
+         None),  # pp=1: nothing to check
+    ],
+)
+def test_validation_names_the_problem(overrides, needle):
+    if needle is None:
+        _check(**overrides)
+        return
+    with pytest.raises(UserError) as e:
+        _check(**overrides)
+    assert needle in str(e.value)
+
+
+def test_valid_configs_pass():
+    _check()
+    _check(schedule="gpipe", n_microbatches=2)
+    _check(schedule="zero-bubble", virtual_stages=2, n_microbatches=4)
+    _check(pp_split=[0, 4])
+
+
+# --------------------------------------------------------------------------- multi-process
+
+
+def batch_for_step(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global batch of a step: ROWS x SEQ ids and targets, some targets ignored (-100)
+    so micro-batches carry different token counts and a wrong normalisation shows."""
+    g = torch.Generator().manual_seed(1000 + step)
+    seq = torch.randint(0, CFG.vocab_size, (ROWS, SEQ + 1), generator=g)
+    ids, tgt = seq[:, :-1].clone(), seq[:, 1:].clone()
+    n_pad = torch.randint(0, SEQ // 2, (ROWS,), generator=g)
+    for r in range(ROWS):
+        if n_pad[r]:
+            tgt[r, -int(n_pad[r]):] = pp.IGNORE_INDEX
+    return ids, tgt
+
+
+def reference_run(dtype: torch.dtype = torch.float32, steps: int = STEPS) -> dict:
+    """The plain single-process loop: micro-batches of 2 rows, token-weighted loss,
+    global-norm clipping at 1.0, AdamW."""
+    from tenfold.engine.optim import clip_grad_norm
+
+    torch.manual_seed(SEED)
+    model = GPT(CFG)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses, norms = [], []
+    for step in range(steps):
+        ids, tgt = batch_for_step(step)
+        tokens = int((tgt != pp.IGNORE_INDEX).sum())
+        total = 0.0
+        for i in range(0, ROWS, 2):
+            with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+                logits = model(ids[i:i + 2])
+            ce = F.cross_entropy(logits.float().flatten(0, 1), tgt[i:i + 2].flatten(), reduction="sum")
+            (ce / tokens).backward()
+            total += float(ce.detach())
+        norms.append(clip_grad_norm(list(model.parameters()), 1.0))
+        opt.step()
+        opt.zero_grad()
+        losses.append(total / tokens)
+    ids, tgt = batch_for_step(99)
+    with torch.no_grad():
+        logits = model(ids)
+    eval_sum = float(F.cross_entropy(logits.float().flatten(0, 1), tgt.flatten(), reduction="sum"))
+    return {"loss": losses, "grad_norm": norms, "eval_sum": eval_sum}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, cases: list[dict], out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    from tenfold.engine.distributed import init_distributed
+
+    results = []
+    try:
+        for case in cases:
+            results.append(run_case(init_distributed(case["pp"]), case))
+    except Exception as e:  # surface the rank's error in the parent's assertion
+        results.append({"error": f"rank {rank}: {type(e).__name__}: {e}"})
+        raise
+    finally:
+        Path(out, f"rank{rank}.json").write_text(json.dumps(results))
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_case(d, case: dict) -> dict:
+    """One training run through the pipeline, as engine.parallelize orders it:
+    split -> recompute -> ZeRO (FSDP2 on the dp axis) -> stages + schedule."""
+    from tenfold.config import build_config
+    from tenfold.engine.optim import clip_grad_norm
+    from tenfold.techniques import recompute
+
+    cfg = build_config({
+        "model": {"name": "tiny", "d_model": 64, "n_heads": 4, "d_ff": 128, "max_seq_len": SEQ},
+        "train": {"micro_batch": ROWS // d.dp_size // case["m"], "grad_accum": case["m"]},
+        "precision": {"dtype": case.get("dtype", "fp32")},
+        "parallel": {"pp_degree": case["pp"], "pp_schedule": case["schedule"],
+                     "virtual_stages": case.get("v", 1), "pp_split": case.get("split")},
+    })
+    torch.manual_seed(SEED)
+    model = GPT(CFG)
+    split = pp.split_for_rank(model, cfg, d)
+    parts = list(split.modules)
+    for part in parts:
+        recompute.apply_recompute(part, case.get("ac", "none"))
+    if d.dp_size > 1:
+        parts = [shard_on_dp(p, d, case["reshard"]) for p in parts]
+    pm = pp.build_pipelined_model(split, parts, cfg, d)
+    opt = torch.optim.AdamW(pm.parameters(), lr=LR)
+    dp_group = d.mesh["dp"].get_group()
+    rows = ROWS // d.dp_size
+    losses, norms, bubbles = [], [], []
+    for step in range(STEPS):
+        ids, tgt = batch_for_step(step)
+        mine = slice(d.dp_rank * rows, (d.dp_rank + 1) * rows)
+        mb = rows // case["m"]
+        micro = [{"input_ids": ids[mine][i:i + mb], "labels": tgt[mine][i:i + mb]} for i in range(0, rows, mb)]
+        res = pm.train_step(micro, dp_group=dp_group)
+        norms.append(clip_grad_norm(list(pm.parameters()), 1.0, extra_groups=(d.mesh["pp"].get_group(),)))
+        opt.step()
+        opt.zero_grad()
+        losses.append(res.loss)
+        bubbles.append(res.bubble)
+    ids, tgt = batch_for_step(99)
+    eval_sum = pm.eval_loss_sum([{"input_ids": ids, "labels": tgt}])
+    names = pp.gather_per_rank(sorted(n for n, _ in pm.named_parameters()))
+    return {"loss": losses, "grad_norm": norms, "eval_sum": eval_sum, "bubble": bubbles,
+            "names": sorted(set(sum(names, []))), "report": pm.report(d)}
+
+
+def shard_on_dp(part, d, reshard_after_forward: bool):
+    """FSDP2 on the dp axis of this stage: each block, then the stage root (torchtitan's
+    apply_fsdp). reshard_after_forward=True is ZeRO-3, False keeps params gathered
+    between forward and backward (ZeRO-2-like memory, the PP default)."""
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = d.mesh["dp"]
+    for block in part.layers.values():
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    return fully_shard(part, mesh=mesh, reshard_after_forward=reshard_after_forward)
+
+
+def launch(world: int, cases: list[dict], tmp_path) -> list[dict]:
+    import torch.multiprocessing as mp
+
+    mp.spawn(_worker, args=(world, _free_port(), cases, str(tmp_path)), nprocs=world, join=True)
+    return json.loads(Path(tmp_path, "rank0.json").read_text())
+
+
+def assert_close_curve(got: list[float], want: list[float], rel: float, what: str) -> None:
+    for step, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert math.isclose(g, w, rel_tol=rel), f"{what} step {step}: {g} vs {w} (rel {abs(g - w) / abs(w):.2e})"
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return reference_run()
+
+
+PP2_CASES = [
+    {"pp": 2, "schedule": "gpipe", "m": 4},
+    {"pp": 2, "schedule": "1f1b", "m": 4},
+    {"pp": 2, "schedule": "interleaved", "v": 2, "m": 4},
+    {"pp": 2, "schedule": "zero-bubble", "v": 2, "m": 4},
+    {"pp": 2, "schedule": "1f1b", "m": 2, "split": [1, 3], "ac": "full"},
+    {"pp": 2, "schedule": "1f1b", "m": 4, "dtype": "bf16"},
+]
+
+
+@pytest.mark.slow
+def test_pp2_every_schedule_matches_one_process(reference, tmp_path):
+    results = launch(2, PP2_CASES, tmp_path)
+    assert len(results) == len(PP2_CASES), results[-1]
+    full_names = sorted(n for n, _ in GPT(CFG).named_parameters())
+    bf16 = reference_run(torch.bfloat16)
+    for case, res in zip(PP2_CASES, results):
+        what = f"{case}"
+        want = bf16 if case.get("dtype") == "bf16" else reference
+        # bf16: the same autocast ops in the same order per row; tolerance for the
+        # different micro-batch grouping of the matmuls (2 rows vs ROWS/m rows).
+        rel = 2e-3 if case.get("dtype") == "bf16" else 1e-5
+        assert_close_curve(res["loss"], want["loss"], rel, what + " loss")
+        assert_close_curve(res["grad_norm"], want["grad_norm"], max(rel, 1e-5), what + " grad norm")
+        assert math.isclose(res["eval_sum"], want["eval_sum"], rel_tol=max(rel, 1e-5)), what
+        assert res["names"] == full_names, what  # stages together hold the full model's FQNs
+        rep = res["report"]
+        assert rep["bubble_predicted"] == pp.predicted_bubble(2, case["m"], case.get("v", 1))
+        assert len(rep["bubble_measured_per_pp_rank"]) == 2
+        assert all(0.0 <= b < 1.0 for b in rep["bubble_measured_per_pp_rank"])
+
+
+DP_CASES = [
+    {"pp": 2, "schedule": "1f1b", "m": 4, "reshard": False},  # ZeRO-2-like (PP default)
+    {"pp": 2, "schedule": "gpipe", "m": 2, "reshard": True},  # ZeRO-3
+    {"pp": 2, "schedule": "interleaved", "v": 2, "m": 2, "reshard": True, "ac": "full"},
+]
+
+
+@pytest.mark.slow
+def test_pp2_dp2_fsdp_matches_one_process(reference, tmp_path):
+    results = launch(4, DP_CASES, tmp_path)
+    assert len(results) == len(DP_CASES), results[-1]
+    for case, res in zip(DP_CASES, results):
+        assert_close_curve(res["loss"], reference["loss"], 1e-5, f"{case} loss")
+        assert_close_curve(res["grad_norm"], reference["grad_norm"], 1e-5, f"{case} grad norm")
+        assert math.isclose(res["eval_sum"], reference["eval_sum"], rel_tol=1e-5), case
