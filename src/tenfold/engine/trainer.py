@@ -100,6 +100,8 @@ class Trainer:
 
         self.dtype_name = resolve_dtype(cfg.precision.dtype, self.dist.device)
         self.data = self._build_data()
+        if self.user_dataset is not None:  # a user's packed rows set the sequence length
+            self.seq_len = int(np.asarray(self.data.train[:1]).shape[1]) - 1
         seed_everything(cfg.train.seed)
         self.model = self._build_model()
         self.param_count = sum(p.numel() for p in self.model.parameters())
@@ -125,7 +127,8 @@ class Trainer:
         from tenfold.data import build_data
 
         if self.user_dataset is None:
-            bundle = build_data(self.cfg.data, self.seq_len, self.cfg.train.seed)
+            vocab = self.cfg.model_config_resolved().vocab_size
+            bundle = build_data(self.cfg.data, self.seq_len, self.cfg.train.seed, model_vocab_size=vocab)
         elif hasattr(self.user_dataset, "train") and hasattr(self.user_dataset, "val"):
             bundle = self.user_dataset
         else:
@@ -177,13 +180,18 @@ class Trainer:
         return acc.token_loss_sum(logits, batch["labels"])
 
     def train_step(self, micro_batches: list[dict]) -> StepResult:
+        loss, global_tokens = self.accumulate_gradients(micro_batches)
+        return self.apply_gradients(loss, global_tokens)
+
+    def accumulate_gradients(self, micro_batches: list[dict]) -> tuple[float, int]:
+        """Forward + backward over this rank's micro-batches; returns (global mean loss,
+        global target tokens). Gradients are left in `.grad`, scaled by the loss scale."""
         from tenfold.techniques import zero
-        from tenfold.techniques.precision import autocast_context, grads_have_inf_or_nan
+        from tenfold.techniques.precision import autocast_context
 
         dev = self.dist.device
         dp_group = self.dist.mesh["dp"].get_group() if self.dist.mesh is not None else None
         global_tokens = int(acc.all_reduce_sum(acc.count_targets(micro_batches), dp_group))
-        params = [p for p in self.model.parameters() if p.requires_grad]
         loss_sum = torch.zeros((), dtype=torch.float64, device=dev)
         for i, mb in enumerate(micro_batches):
             batch = {k: v.to(dev, non_blocking=True) for k, v in mb.items()}
@@ -193,8 +201,14 @@ class Trainer:
                 loss = acc.scaled_for_backward(mb_loss_sum, global_tokens, self.dist.dp_size)
                 self.scaler.scale_loss(loss).backward()
             loss_sum += mb_loss_sum.detach().double()
-        loss = acc.all_reduce_sum(float(loss_sum), dp_group) / max(global_tokens, 1)
+        return acc.all_reduce_sum(float(loss_sum), dp_group) / max(global_tokens, 1), global_tokens
 
+    def apply_gradients(self, loss: float, global_tokens: int) -> StepResult:
+        """Unscale, check for inf/NaN (globally), clip, step; or skip the step."""
+        from tenfold.techniques import zero
+        from tenfold.techniques.precision import grads_have_inf_or_nan
+
+        params = [p for p in self.model.parameters() if p.requires_grad]
         self.scaler.unscale_grads_(params)
         non_finite = grads_have_inf_or_nan(params) if self.dtype_name == "fp16" else not math.isfinite(loss)
         if non_finite:
@@ -224,21 +238,19 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
-        """Mean validation loss over the first eval_batches micro-batches (all ranks the same)."""
+        """Mean validation loss over the first eval_batches micro-batches. Every rank scores
+        the same batches: sharded models need every rank in each forward anyway."""
         from tenfold.techniques.precision import autocast_context
 
         val = self.data.val
         if val is None or len(val) == 0:
             return None
+        from tenfold.data import iter_eval
+
         self.model.eval()
         total, count = 0.0, 0
-        mb = self.micro_batch
-        for i in range(self.cfg.train.eval_batches):
-            rows = val[i * mb : (i + 1) * mb]
-            if len(rows) == 0:
-                break
-            seq = torch.as_tensor(np.asarray(rows, dtype=np.int64), device=self.dist.device)
-            batch = {"input_ids": seq[:, :-1], "labels": seq[:, 1:]}
+        for batch in iter_eval(val, self.micro_batch, self.cfg.train.eval_batches):
+            batch = {k: v.to(self.dist.device) for k, v in batch.items()}
             with autocast_context(self.dtype_name, self.dist.device):
                 total += float(self.forward_loss(batch))
             count += int((batch["labels"] != acc.IGNORE_INDEX).sum())

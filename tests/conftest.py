@@ -1,0 +1,42 @@
+"""Shared test helpers: a very small model shape so that CPU tests stay fast."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+# `tiny` shrunk further: the same code paths, a fraction of the FLOPs.
+SMALL_MODEL = {"name": "tiny", "n_layers": 2, "d_model": 64, "n_heads": 4, "d_ff": 128, "max_seq_len": 64}
+SMALL_DATA = {"max_bytes": 300_000, "seq_len": 32}
+
+
+def small_config(tmp_path: Path, **sections) -> dict:
+    """A config dict for a fast run writing into tmp_path; sections override the defaults."""
+    cfg = {
+        "model": dict(SMALL_MODEL),
+        "data": dict(SMALL_DATA),
+        "train": {"steps": 3, "micro_batch": 4, "lr": 3e-3, "warmup_steps": 0, "eval_every": 0, "eval_batches": 2},
+        "precision": {"dtype": "fp32"},
+        "log": {"out": str(tmp_path / "run"), "progress": False, "tensorboard": False},
+    }
+    for name, values in sections.items():
+        cfg.setdefault(name, {}).update(values)
+    return cfg
+
+
+SMALL_FLAGS = [
+    "--set", "model.n_layers=2", "--set", "model.d_model=64", "--set", "model.n_heads=4",
+    "--set", "model.d_ff=128", "--set", "model.max_seq_len=64", "--seq-len", "32",
+    "--set", "data.max_bytes=300000", "--no-progress", "--set", "train.eval_batches=2",
+]
+
+
+def read_metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture
+def small_cfg(tmp_path):
+    return lambda **sections: small_config(tmp_path, **sections)
