@@ -1,0 +1,391 @@
+"""`predict(model, hardware, gpus, strategy) -> Plan`: the planner's one entry point.
+
+The training engine calls it on every run (predicted vs measured memory) and the ladder per
+rung; the CLI prints it. Every figure carries the formula and source it came from
+(`Plan.explain`)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+from tenfold.errors import UserError
+from tenfold.models.presets import ModelConfig
+from tenfold.plan import comm, memory
+from tenfold.plan import time as tm
+from tenfold.plan.flops import model_flops_per_token, recompute_flops_per_token, recomputed_layers
+from tenfold.plan.hardware import Hardware, get_hardware, with_gpus_per_node
+from tenfold.plan.shape import ModelShape, largest_unit_params, layers_on_stage, shape_of, stage_params
+from tenfold.plan.strategy import Resolved, Strategy, resolve
+
+__all__ = ["Plan", "MemoryBreakdown", "TimeBreakdown", "Strategy", "predict", "predict_memory"]
+
+
+@dataclass
+class Explained:
+    key: str
+    value: float | None
+    formula: str
+    source: str
+
+
+@dataclass
+class MemoryBreakdown:
+    """Bytes on the most loaded rank (the first pipeline stage unless the last holds more)."""
+
+    params_bytes: float
+    grads_bytes: float
+    optimizer_bytes: float  # master weights + Adam moments (+ fp32 grad copy)
+    master_weights_bytes: float
+    optimizer_moments_bytes: float
+    model_states_bytes: float
+    activations_bytes: float | None  # None when only --params is known
+    activation_working_bytes: float | None
+    activations_per_layer_bytes: float | None
+    inflight_microbatches: float | None
+    comm_buffers_bytes: float
+    autocast_weight_copies_bytes: float
+    allocated_bytes: float  # what torch.cuda.max_memory_allocated would show
+    allocator_reserve_bytes: float
+    runtime_overhead_bytes: float
+    total_bytes: float
+    capacity_bytes: float
+    cpu_bytes: float  # offloaded optimizer/params/activations (host RAM per rank)
+    stage: str  # "first", "last" or "only"
+
+    @property
+    def peak_bytes(self) -> float:
+        return self.allocated_bytes
+
+
+@dataclass
+class TimeBreakdown:
+    compute_s: float  # forward + backward of all micro-batches on the slowest stage, no bubble
+    recompute_s: float
+    tp_comm_s: float
+    pp_comm_s: float
+    bubble_s: float
+    dp_comm_s: float  # total DP/ZeRO collective time
+    dp_comm_exposed_s: float
+    optimizer_s: float
+    step_s: float
+    bubble_fraction: float
+    source: str  # "model" or "achieved_tflops"
+
+
+@dataclass
+class Plan:
+    model: str
+    params: float
+    hardware: str
+    gpus: int
+    gpus_per_node: int
+    strategy: dict
+    dp: int
+    micro_batch: int
+    grad_accum: int
+    global_batch: int
+    seq_len: int
+    memory: MemoryBreakdown
+    time: TimeBreakdown
+    fits: bool
+    tokens_per_step: float
+    model_flops_per_step: float
+    hardware_flops_per_step: float
+    tokens_per_s: float
+    tflops_per_gpu: float  # model FLOPs (MFU convention) per GPU per second / 1e12
+    hardware_tflops_per_gpu: float
+    mfu: float
+    hfu: float
+    tokens: float | None
+    train_days: float | None
+    gpu_hours: float | None
+    notes: list[str] = field(default_factory=list)
+    explain: list[Explained] = field(default_factory=list)
+
+    @property
+    def step_time_s(self) -> float:
+        return self.time.step_s
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["step_time_s"] = self.time.step_s
+        d["memory"]["peak_bytes"] = self.memory.peak_bytes
+        return d
+
+
+def _no_trace(key, value, formula, source):
+    return value
+
+
+OVERLAP_CONTENTION = 0.15  # assumption: overlapped comm slows the concurrent GEMMs by 15% of its time
+
+
+class _Trace:
+    def __init__(self) -> None:
+        self.items: list[Explained] = []
+
+    def __call__(self, key: str, value, formula: str, source: str):
+        self.items.append(Explained(key, None if value is None else float(value), formula, source))
+        return value
+
+
+def _prepare(model, hardware, gpus, strategy, gpus_per_node):
+    s = strategy or Strategy()
+    shape = shape_of(model)
+    hw = with_gpus_per_node(get_hardware(hardware), gpus_per_node)
+    cfg = shape.cfg
+    r = resolve(s, gpus, cfg.n_layers if cfg else None, cfg.n_heads if cfg else None, cfg.max_seq_len if cfg else None)
+    if cfg is not None and r.seq_len > cfg.max_seq_len and cfg.pos == "learned":
+        raise UserError(f"--seq-len {r.seq_len} exceeds the model's learned positions ({cfg.max_seq_len})")
+    return s, shape, hw, r
+
+
+def predict_memory(model: "ModelConfig | str | float | ModelShape", hardware: "str | Hardware", gpus: int,
+                   strategy: Strategy | None = None, gpus_per_node: int | None = None) -> MemoryBreakdown:
+    """Only the memory side of `predict` (what `--search` checks first)."""
+    s, shape, hw, r = _prepare(model, hardware, gpus, strategy, gpus_per_node)
+    return _memory(shape, hw, r, _no_trace, [])
+
+
+def predict(model: "ModelConfig | str | float | ModelShape", hardware: "str | Hardware", gpus: int,
+            strategy: Strategy | None = None, gpus_per_node: int | None = None) -> Plan:
+    """Predict memory, step time, throughput and days for one strategy on one fleet.
+
+    model: preset name, ModelConfig, parameter count or ModelShape; hardware: catalog name,
+    "cpu", a .toml path or a Hardware; strategy: see tenfold.plan.strategy.Strategy."""
+    s, shape, hw, r = _prepare(model, hardware, gpus, strategy, gpus_per_node)
+    tr = _Trace()
+    notes: list[str] = []
+    mem = _memory(shape, hw, r, tr, notes)
+    t, flops_model, flops_hw = _time(shape, hw, r, tr, notes)
+    tokens_step = r.global_batch * r.seq_len
+    peak = hw.peak(s.precision) * _compute_share(hw, gpus)
+    tps = tokens_step / t.step_s
+    tflops = flops_model / t.step_s / gpus
+    hw_tflops = flops_hw / t.step_s / gpus
+    mfu = tflops / peak
+    hfu = hw_tflops / peak
+    tr("tokens_per_s", tps, "global_batch x seq_len / step_time", "definition")
+    tr("mfu", mfu, "model FLOPs per step / (step_time x gpus x peak)", "PaLM (Chowdhery et al. 2022) §4.1, no recompute, no causal halving")
+    tr("hfu", hfu, "(model + recompute FLOPs) / (step_time x gpus x peak)", "Korthikanti et al. 2022 App. A")
+    days = hours = None
+    if s.tokens is not None:
+        if s.tokens <= 0:
+            raise UserError(f"--tokens must be positive, got {s.tokens}")
+        days = tr("train_days", s.tokens / tps / 86400, "tokens / tokens_per_s / 86400", "definition")
+        hours = days * 24 * gpus
+    fits = mem.total_bytes <= mem.capacity_bytes
+    if not fits:
+        notes.append(
+            f"does not fit: {mem.total_bytes / 2**30:.1f} GiB needed on the {mem.stage} stage vs {mem.capacity_bytes / 2**30:.1f} GiB"
+        )
+    if not shape.known:
+        notes.append("only --params given: activations unknown (null); FLOPs = 6 x params per token; no TP/PP shapes")
+    return Plan(
+        model=shape.name, params=shape.params, hardware=hw.name, gpus=gpus, gpus_per_node=hw.gpus_per_node,
+        strategy={**vars(s), "ac": r.policy.text, "virtual_stages": r.v}, dp=r.dp, micro_batch=r.micro_batch,
+        grad_accum=r.grad_accum, global_batch=r.global_batch, seq_len=r.seq_len, memory=mem, time=t, fits=fits,
+        tokens_per_step=tokens_step, model_flops_per_step=flops_model, hardware_flops_per_step=flops_hw,
+        tokens_per_s=tps, tflops_per_gpu=tflops / 1e12, hardware_tflops_per_gpu=hw_tflops / 1e12, mfu=mfu, hfu=hfu,
+        tokens=s.tokens, train_days=days, gpu_hours=hours, notes=notes, explain=tr.items,
+    )
+
+
+def _compute_share(hw: Hardware, gpus: int) -> float:
+    """Ranks on one CPU share its cores (the measured peak is for the whole machine)."""
+    return 1.0 / min(gpus, hw.gpus_per_node) if hw.shared_compute else 1.0
+
+
+# --------------------------------------------------------------------------- memory
+def _memory(shape: ModelShape, hw: Hardware, r: Resolved, tr: _Trace, notes: list[str]) -> MemoryBreakdown:
+    s, cfg = r.s, shape.cfg
+    stages = [0] if s.pp == 1 else [0, s.pp - 1]
+    best: MemoryBreakdown | None = None
+    for stage in stages:
+        m = _stage_memory(shape, hw, r, stage)
+        if best is None or m.total_bytes > best.total_bytes:
+            best = m
+    assert best is not None
+    b = memory.bytes_per_param(s)
+    tr("params_bytes", best.params_bytes, f"{b.params:g} B/param x stage params{' / N_d' if s.zero >= 3 else ''}",
+       "ZeRO §5 (Rajbhandari et al. 2020); Megatron first-stage layout")
+    tr("grads_bytes", best.grads_bytes, f"{b.grads:g} B/param x stage params{' / N_d' if s.zero >= 2 else ''}", "ZeRO §5")
+    tr("master_weights_bytes", best.master_weights_bytes, f"{b.master:g} B/param (fp32 copy){' / N_d' if s.zero >= 1 else ''}",
+       "ZeRO §3.1: K = 12 = fp32 params + momentum + variance")
+    tr("optimizer_moments_bytes", best.optimizer_moments_bytes, f"{b.optimizer:g} B/param (Adam m, v){' / N_d' if s.zero >= 1 else ''}", "ZeRO §3.1")
+    tr("model_states_bytes", best.model_states_bytes, "stage 0: 16Ψ; 1: 4Ψ + 12Ψ/N_d; 2: 2Ψ + 14Ψ/N_d; 3: 16Ψ/N_d",
+       "ZeRO Table 1 / §5.1-5.3")
+    if best.activations_bytes is not None:
+        tr("activations_per_layer_bytes", best.activations_per_layer_bytes,
+           "sbh(34 + 5as/h) no parallelism; TP: sbh(10 + 24/t + 5as/(ht)); per-term table, docs/planner.md",
+           "Korthikanti et al. 2022 Eq. (1), Table 2")
+        tr("inflight_microbatches", best.inflight_microbatches,
+           "none: 1; GPipe: m; 1F1B: min(p, m); interleaved: p (1 + (p-1)/(p v))", "Narayanan §2.2; Korthikanti §4.2.3")
+        tr("activations_bytes", best.activations_bytes,
+           f"layers x per-layer({r.policy.text}) x in-flight + working layer + embedding/logits extras",
+           "Korthikanti Table 2 and §4.3; torch.utils.checkpoint semantics")
+    tr("comm_buffers_bytes", best.comm_buffers_bytes, "ZeRO-3: 2 gathered units + 1 grad unit; else 2 x 25 MiB buckets",
+       "PyTorch FSDP notes / PR #128884; DDP bucket_cap_mb")
+    tr("allocator_reserve_bytes", best.allocator_reserve_bytes,
+       f"{memory.ALLOCATOR_RESERVE_FRACTION:.0%} x (activations + buffers)", "assumption (ZeRO §3.2: fragmentation)")
+    tr("total_bytes", best.total_bytes, "model states + activations + buffers + reserve + runtime overhead", "sum")
+    if best.cpu_bytes and best.cpu_bytes * min(r.gpus, hw.gpus_per_node) > 0.9 * _host_ram_guess(hw):
+        notes.append(f"offloaded host memory {best.cpu_bytes * min(r.gpus, hw.gpus_per_node) / 2**30:.0f} GiB per node may exceed host RAM")
+    if s.pp > 1:
+        notes.append(f"memory shown for the most loaded pipeline stage ({best.stage})")
+    return best
+
+
+def _host_ram_guess(hw: Hardware) -> float:
+    return hw.memory_bytes if hw.shared_compute else 2 * 2**40  # DGX-class nodes: 2 TiB
+
+
+def _stage_memory(shape: ModelShape, hw: Hardware, r: Resolved, stage: int) -> MemoryBreakdown:
+    s, cfg = r.s, shape.cfg
+    n_params = stage_params(shape, s.pp, stage, s.tp)
+    st = memory.model_states(n_params, s, r.dp)
+    first, last = stage == 0, stage == s.pp - 1
+    act = act_work = per_layer = inflight = None
+    cpu = st.cpu_bytes
+    tp_seq_bytes = 0.0
+    if cfg is not None:
+        layers = layers_on_stage(cfg.n_layers, s.pp, stage)
+        sa = memory.stage_activations(cfg, s, r.policy, r.seq_len, r.micro_batch, s.tp, s.pp, r.grad_accum, r.v,
+                                      layers, first, last)
+        act, act_work, per_layer, inflight = sa.total, sa.working_bytes, sa.layer_full_bytes, sa.inflight
+        cpu += sa.cpu_bytes
+        tp_seq_bytes = r.micro_batch * r.seq_len * cfg.d_model * (2.0 if s.precision != "fp32" else 4.0)
+    buffers, _ = memory.comm_buffer_bytes(s, largest_unit_params(shape, s.tp), tp_seq_bytes)
+    autocast = memory.autocast_weight_copy_bytes(n_params, s, r.dp)
+    allocated = st.total + (act or 0.0) + buffers + autocast
+    reserve = memory.ALLOCATOR_RESERVE_FRACTION * ((act or 0.0) + buffers + autocast)
+    total = allocated + reserve + hw.runtime_overhead_bytes
+    name = "only" if s.pp == 1 else ("first" if first else "last")
+    return MemoryBreakdown(
+        params_bytes=st.params_bytes, grads_bytes=st.grads_bytes, optimizer_bytes=st.optimizer_bytes,
+        master_weights_bytes=st.master_weights_bytes, optimizer_moments_bytes=st.optimizer_moments_bytes,
+        model_states_bytes=st.total, activations_bytes=act, activation_working_bytes=act_work,
+        activations_per_layer_bytes=per_layer, inflight_microbatches=inflight, comm_buffers_bytes=buffers,
+        autocast_weight_copies_bytes=autocast, allocated_bytes=allocated, allocator_reserve_bytes=reserve,
+        runtime_overhead_bytes=hw.runtime_overhead_bytes, total_bytes=total, capacity_bytes=hw.memory_bytes,
+        cpu_bytes=cpu, stage=name,
+    )
+
+
+# --------------------------------------------------------------------------- time
+def _time(shape: ModelShape, hw: Hardware, r: Resolved, tr: _Trace, notes: list[str]) -> tuple[TimeBreakdown, float, float]:
+    s, cfg = r.s, shape.cfg
+    tokens_step = r.global_batch * r.seq_len
+    if cfg is not None:
+        model_flops = model_flops_per_token(cfg, r.seq_len) * tokens_step
+        rc_flops = recompute_flops_per_token(cfg, r.seq_len, r.policy) * tokens_step
+    else:
+        model_flops = 6.0 * shape.params * tokens_step
+        rc_flops = (2.0 * shape.params * tokens_step) if r.policy.kind == "full" else 0.0
+    tr("model_flops_per_step", model_flops, "(6N + 12 L s d) x tokens (N = matmul params incl. output layer)",
+       "Kaplan et al. 2020; PaLM App. B; nanoGPT estimate_mfu")
+    tr("recompute_flops_per_step", rc_flops, "full: +1 forward per layer; selective: +4 s h per layer; every:N / segments:K: their share",
+       "Narayanan Eq. (3) (96 vs 72); Korthikanti Eq. (8)")
+    hw_flops = model_flops + rc_flops
+    if s.achieved_tflops is not None:
+        if s.achieved_tflops <= 0:
+            raise UserError(f"--achieved-tflops must be positive, got {s.achieved_tflops}")
+        step = hw_flops / (r.gpus * s.achieved_tflops * 1e12)
+        tr("step_time_s", step, "(model + recompute FLOPs) / (gpus x X)", "Narayanan et al. 2021 Eq. (4): 8TP/(nX)")
+        return TimeBreakdown(step, 0, 0, 0, 0, 0, 0, 0, step, 0, "achieved_tflops"), model_flops, hw_flops
+    peak = hw.peak(s.precision) * _compute_share(hw, r.gpus)
+    gpn = hw.gpus_per_node
+    tp_group = comm.group_layout(s.tp, 1, gpn)
+    dp_group = comm.group_layout(r.dp, s.tp, gpn)
+    pp_crosses = s.tp * r.dp >= gpn and s.pp > 1
+    elem = 2.0 if s.precision != "fp32" else 4.0
+    m = r.grad_accum
+    if cfg is not None:
+        act_bytes = r.micro_batch * r.seq_len * cfg.d_model * elem
+        tp_ar = comm.all_reduce_time(act_bytes, hw, tp_group)
+        lt = tm.layer_times(cfg, s, hw, peak, r.seq_len, r.micro_batch, s.tp, tp_ar)
+        rc_layers = recomputed_layers(r.policy, cfg.n_layers)
+        per_stage = []
+        for stage in sorted({0, s.pp - 1}):
+            layers = layers_on_stage(cfg.n_layers, s.pp, stage)
+            fwd, bwd = layers * lt.fwd, layers * lt.bwd
+            if stage == s.pp - 1:
+                hf, hb = tm.head_time(cfg, s, hw, peak, r.seq_len, r.micro_batch, s.tp)
+                fwd, bwd = fwd + hf, bwd + hb
+            rc = layers * tm.recompute_time_per_layer(lt, r.policy, cfg.n_layers, rc_layers)
+            tpc = layers * (2 * lt.tp_comm_fwd) + rc_layers / cfg.n_layers * layers * lt.tp_comm_fwd * (
+                1 if r.policy.kind in ("full", "every", "segments") else 0)
+            per_stage.append((fwd + bwd + rc + tpc, fwd, bwd, rc, tpc))
+        t_mb, fwd, bwd, rc, tpc = max(per_stage)
+        ppc = 2 * r.v * comm.p2p_time(act_bytes / s.tp, hw, pp_crosses) if s.pp > 1 else 0.0
+        if s.offload == "optimizer+params":
+            # ZeRO-Infinity: each micro-batch streams the rank's 16-bit parameter shard up twice.
+            ppc += 0.0
+    else:
+        flops_mb = 6.0 * shape.params * r.micro_batch * r.seq_len / (s.tp * s.pp)
+        fwd = flops_mb / 3 / (peak * hw.gemm_efficiency)
+        bwd = 2 * fwd
+        rc = fwd if r.policy.kind == "full" else 0.0
+        tpc = ppc = 0.0
+        t_mb = fwd + bwd + rc
+    t_mb_total = t_mb + ppc
+    bubble = (s.pp - 1) / r.v * t_mb_total if s.pp > 1 else 0.0
+    pipeline = m * t_mb_total + bubble
+    tr("bubble_fraction", bubble / (m * t_mb_total), "(p - 1) / (v m)", "Narayanan et al. 2021 §2.2 (GPipe, 1F1B, interleaved)")
+    # ---- data parallel / ZeRO
+    n_params = max(stage_params(shape, s.pp, st, s.tp) for st in {0, s.pp - 1})
+    bpp = memory.bytes_per_param(s)
+    g_bytes = bpp.grads * n_params
+    p_bytes = (2.0 if s.precision != "fp32" else 4.0) * n_params
+    dp_total, dp_exposed = _dp_comm(s, hw, dp_group, r.dp, m, g_bytes, p_bytes, fwd, bwd, shape, tr)
+    offload = s.offload != "none"
+    opt = tm.optimizer_step_time(n_params / (r.dp if s.zero >= 1 else 1), hw, offload, min(r.gpus, gpn))
+    step = pipeline + dp_exposed + opt
+    tr("step_time_s", step, "m x t_mb + bubble + exposed DP/ZeRO comm + optimizer step", "tenfold time model (docs/planner.md)")
+    t = TimeBreakdown(
+        compute_s=m * (fwd + bwd), recompute_s=m * rc, tp_comm_s=m * tpc, pp_comm_s=m * ppc, bubble_s=bubble,
+        dp_comm_s=dp_total, dp_comm_exposed_s=dp_exposed, optimizer_s=opt, step_s=step,
+        bubble_fraction=bubble / (m * t_mb_total), source="model",
+    )
+    return t, model_flops, hw_flops
+
+
+def _dp_comm(s: Strategy, hw: Hardware, g: comm.Group, dp: int, m: int, g_bytes: float, p_bytes: float,
+             fwd: float, bwd: float, shape: ModelShape, tr: _Trace) -> tuple[float, float]:
+    """Per-step DP/ZeRO collective time and the part not hidden behind compute (ZeRO §7:
+    DP all-reduce 2Ψ; P_os+g 2Ψ; P_os+g+p 3Ψ per pass)."""
+    if dp == 1:
+        return 0.0, 0.0
+    overlap = bwd if s.overlap_comm else 0.0
+    if s.zero == 0:
+        total = comm.all_reduce_time(g_bytes, hw, g)
+        exposed = max(0.0, total - overlap)
+        formula = "all-reduce 2Ψ: 2(n-1)/n x S/B, overlapped with the last backward"
+    elif s.zero == 1:
+        rs = comm.reduce_scatter_time(g_bytes, hw, g)
+        ag = comm.all_gather_time(p_bytes, hw, g)
+        total = rs + ag
+        exposed = max(0.0, rs - overlap) + ag
+        formula = "reduce-scatter Ψ (overlapped) + all-gather Ψ of updated params (exposed)"
+    elif s.zero == 2:
+        rs = comm.reduce_scatter_time(g_bytes, hw, g)
+        ag = comm.all_gather_time(p_bytes, hw, g)
+        total = m * rs + ag
+        exposed = m * max(0.0, rs - overlap) + ag
+        formula = "reduce-scatter Ψ per micro-batch (overlapped with its backward) + all-gather Ψ after the step"
+    else:
+        ag = comm.all_gather_time(p_bytes, hw, g)
+        rs = comm.reduce_scatter_time(g_bytes, hw, g)
+        total = m * (2 * ag + rs)
+        unit = largest_unit_params(shape, s.tp) / max(1.0, shape.params / s.tp) if shape.known else 0.0
+        first_unit = ag * unit
+        hide_f = fwd if s.overlap_comm else 0.0
+        exposed = m * (max(0.0, ag - hide_f) + max(0.0, ag + rs - overlap) + first_unit)
+        formula = "per micro-batch: all-gather Ψ (fwd) + all-gather Ψ (bwd) + reduce-scatter Ψ = 3Ψ, prefetched under compute"
+    # Overlapped collectives still cost: NCCL kernels occupy SMs and HBM bandwidth while the
+    # GEMMs run, so hidden communication slows compute by a fraction of its own time.
+    exposed += OVERLAP_CONTENTION * max(0.0, total - exposed)
+    tr("dp_comm_s", total, formula, "ZeRO §7; nccl-tests PERFORMANCE.md ring formulas")
+    tr("dp_comm_exposed_s", exposed, "comm time not hidden behind backward/forward compute", "tenfold time model")
+    return total, exposed

@@ -1,0 +1,301 @@
+"""Hardware catalog: dense peak FLOP/s per dtype, memory, bandwidths, each with its source.
+
+Conventions (stated once, used everywhere):
+- `peak_flops[dtype]` is the DENSE (no 2:4 sparsity) tensor-core peak for bf16/fp16 and the
+  plain FP32 (non-TF32) peak for fp32, because PyTorch runs fp32 matmuls without TF32 by
+  default (`torch.backends.cuda.matmul.allow_tf32 = False` since 1.12). `None` = unsupported.
+- `memory_bytes` is the device capacity in bytes (the "80 GB" of an A100 is 80 GiB).
+- `intra_node_bw` is the per-GPU, one-direction NVLink/fabric bandwidth in bytes/s (NVLink3
+  on A100 is 600 GB/s bidirectional = 300 GB/s each way). `nic_bw` is the per-GPU network
+  bandwidth (one 200 Gb/s HDR NIC per GPU on a DGX A100 = 25 GB/s).
+- Collectives reach `bus_efficiency` (0.8, an assumption) of those link rates: NVIDIA's
+  nccl-tests report ~230 GB/s all-reduce bus bandwidth on an 8xA100 NVLink3 node (~0.77).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import tomllib
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+from tenfold.errors import UserError
+
+GiB = 2**30
+GB = 1e9
+TFLOPS = 1e12
+
+# One GEMM-efficiency ceiling for all GPUs: the fraction of datasheet peak that a large,
+# well-shaped transformer GEMM reaches. Calibrated ONLY on Narayanan et al. 2021 Table 1
+# (see tenfold/plan/calibration.py and docs/planner.md); the shape, roofline and
+# communication effects are modelled, not fitted.
+GPU_GEMM_EFFICIENCY = 0.665
+
+
+@dataclass(frozen=True, eq=False)  # hashed by identity: the planner caches per-hardware results
+class Hardware:
+    name: str
+    peak_flops: dict[str, float | None]  # dense FLOP/s per dtype: fp32, bf16, fp16
+    memory_bytes: float
+    hbm_bw: float  # bytes/s
+    intra_node_bw: float  # bytes/s, per GPU, one direction
+    nic_bw: float  # bytes/s, per GPU, one direction
+    gpus_per_node: int = 8
+    intra_latency_s: float = 5e-6  # per collective step (NCCL ~ a few us on NVLink)
+    inter_latency_s: float = 10e-6  # per collective step across IB/RoCE
+    host_link_bw: float = 25 * GB  # PCIe to host memory, per GPU (offload traffic)
+    bus_efficiency: float = 0.8
+    gemm_efficiency: float = GPU_GEMM_EFFICIENCY
+    runtime_overhead_bytes: float = 1.0 * GiB  # CUDA context + NCCL/cuBLAS workspaces (estimate)
+    shared_compute: bool = False  # True for `cpu`: ranks on one machine share its cores
+    sm_count: int = 0  # streaming multiprocessors (wave quantization of GEMM tiles); 0 = ignore
+    sources: dict[str, str] = field(default_factory=dict)
+
+    def peak(self, dtype: str) -> float:
+        value = self.peak_flops.get(dtype)
+        if not value:
+            allowed = [k for k, v in self.peak_flops.items() if v]
+            raise UserError(
+                f"--precision {dtype} is not supported on {self.name} (no {dtype} peak); allowed: {', '.join(allowed)}"
+            )
+        return float(value)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+_NV = "NVIDIA datasheet"
+
+
+def _gpu(name, fp32, bf16, fp16, mem_gib, hbm_gbs, intra_gbs, nic_gbs, sources, **kw) -> Hardware:
+    return Hardware(
+        name=name,
+        peak_flops={"fp32": fp32 * TFLOPS, "bf16": bf16 * TFLOPS if bf16 else None, "fp16": fp16 * TFLOPS},
+        memory_bytes=mem_gib * GiB, hbm_bw=hbm_gbs * GB, intra_node_bw=intra_gbs * GB,
+        nic_bw=nic_gbs * GB, sources=sources, **kw,
+    )
+
+
+CATALOG: dict[str, Hardware] = {
+    "v100": _gpu("v100", 15.7, None, 125, 32, 900, 150, 12.5, {
+        "peak": f"{_NV} Tesla V100 SXM2: 15.7 TFLOPS FP32, 125 TFLOPS tensor (fp16); no bf16",
+        "memory": f"{_NV}: 32 GB HBM2, 900 GB/s",
+        "intra": "NVLink2: 300 GB/s bidirectional per GPU = 150 GB/s each way",
+        "nic": "DGX-1: 4x 100 Gb/s EDR for 8 GPUs = 12.5 GB/s per GPU (one 100Gb NIC per 2 GPUs, rounded up)",
+    }, sm_count=80),
+    "a100-40gb": _gpu("a100-40gb", 19.5, 312, 312, 40, 1555, 300, 25, {
+        "peak": f"{_NV} A100 SXM: 19.5 TFLOPS FP32, 312 TFLOPS bf16/fp16 dense (Narayanan 2021: 312)",
+        "memory": f"{_NV}: 40 GB HBM2, 1555 GB/s (llm-analysis gpu_configs agree)",
+        "intra": "NVLink3: 600 GB/s bidirectional = 300 GB/s each way (llm-analysis: 300)",
+        "nic": "DGX A100: 8x 200 Gb/s HDR, one per GPU = 25 GB/s",
+    }, sm_count=108),
+    "a100-80gb": _gpu("a100-80gb", 19.5, 312, 312, 80, 2039, 300, 25, {
+        "peak": f"{_NV} A100 SXM: 19.5 TFLOPS FP32, 312 TFLOPS bf16/fp16 dense",
+        "memory": f"{_NV} A100 80GB SXM: 80 GB HBM2e, 2039 GB/s",
+        "intra": "NVLink3: 600 GB/s bidirectional = 300 GB/s each way",
+        "nic": "DGX A100: 8x 200 Gb/s HDR, one per GPU = 25 GB/s",
+    }, sm_count=108),
+    "h100-sxm": _gpu("h100-sxm", 67, 989, 989, 80, 3350, 450, 50, {
+        "peak": f"{_NV} H100 SXM5: 67 TFLOPS FP32, 989 TFLOPS bf16/fp16 dense (torchtitan get_peak_flops: 989e12)",
+        "memory": f"{_NV}: 80 GB HBM3, 3.35 TB/s",
+        "intra": "NVLink4: 900 GB/s bidirectional = 450 GB/s each way",
+        "nic": "DGX H100: 8x 400 Gb/s NDR ConnectX-7, one per GPU = 50 GB/s",
+    }, sm_count=132),
+    "h100-pcie": _gpu("h100-pcie", 51, 756, 756, 80, 2000, 64, 25, {
+        "peak": f"{_NV} H100 PCIe: 51 TFLOPS FP32, 756 TFLOPS bf16/fp16 dense (torchtitan: 756e12)",
+        "memory": f"{_NV}: 80 GB HBM2e, 2.0 TB/s",
+        "intra": "PCIe Gen5 x16: 64 GB/s each way (no NVLink bridge assumed)",
+        "nic": "assumed one 200 Gb/s NIC per GPU = 25 GB/s",
+    }, host_link_bw=50 * GB, sm_count=114),
+    "h200": _gpu("h200", 67, 989, 989, 141e9 / GiB, 4800, 450, 50, {
+        "peak": f"{_NV} H200 SXM: same compute as H100 SXM, 989 TFLOPS bf16 dense (torchtitan: 989e12)",
+        "memory": "141 GB HBM3e (MLCommons v4.1 system JSON); 4.8 TB/s [secondary: TensorRT-LLM #1570]",
+        "intra": "NVLink4: 900 GB/s bidirectional = 450 GB/s each way",
+        "nic": "8x 400 Gb/s NDR, one per GPU = 50 GB/s",
+    }, sm_count=132),
+    "b200": _gpu("b200", 75, 2250, 2250, 180e9 / GiB, 8000, 900, 50, {
+        "peak": f"{_NV} HGX B200: 2.25 PFLOPS bf16 dense per GPU (torchtitan: 2.25e15); FP32 600 TFLOPS / 8 GPUs",
+        "memory": f"{_NV} HGX B200: 1.44 TB for 8 GPUs = 180 GB each, 8 TB/s",
+        "intra": "NVLink5: 1.8 TB/s bidirectional = 900 GB/s each way",
+        "nic": "8x 400 Gb/s ConnectX-7, one per GPU = 50 GB/s",
+    }, host_link_bw=50 * GB, sm_count=148),
+    "mi300x": _gpu("mi300x", 163.4, 1307.4, 1307.4, 192e9 / GiB, 5300, 448, 50, {
+        "peak": "AMD Instinct MI300X datasheet: 1307.4 TFLOPS bf16/fp16 dense, 163.4 TFLOPS FP32 matrix (torchtitan: 1300e12)",
+        "memory": "AMD datasheet: 192 GB HBM3, 5.3 TB/s",
+        "intra": "Infinity Fabric: 7 links x 64 GB/s = 448 GB/s each way",
+        "nic": "assumed one 400 Gb/s NIC per GPU = 50 GB/s",
+    }, host_link_bw=50 * GB, sm_count=304),
+    "l40s": _gpu("l40s", 91.6, 362, 362, 48e9 / GiB, 864, 32, 25, {
+        "peak": f"{_NV} L40S: 91.6 TFLOPS FP32, 362 TFLOPS bf16/fp16 dense (733 with sparsity)",
+        "memory": f"{_NV}: 48 GB GDDR6, 864 GB/s",
+        "intra": "PCIe Gen4 x16: 32 GB/s each way (no NVLink)",
+        "nic": "assumed one 200 Gb/s NIC per GPU = 25 GB/s",
+    }, sm_count=142),
+    "rtx4090": _gpu("rtx4090", 82.6, 165.2, 165.2, 24e9 / GiB, 1008, 32, 12.5, {
+        "peak": f"{_NV} Ada whitepaper, RTX 4090: 82.6 TFLOPS FP32, 165.2 TFLOPS bf16/fp16 with fp32 accumulate (dense)",
+        "memory": "24 GB GDDR6X, 1008 GB/s",
+        "intra": "PCIe Gen4 x16: 32 GB/s each way, no peer-to-peer (assumed through host)",
+        "nic": "assumed 100 Gb/s Ethernet = 12.5 GB/s",
+    }, sm_count=128),
+}
+ALIASES = {"a100": "a100-80gb", "h100": "h100-sxm", "a100-80": "a100-80gb", "a100-40": "a100-40gb", "4090": "rtx4090"}
+
+# Rough constants for `cpu` (stated as such): gloo over loopback moves ~2 GB/s with ~50 us per
+# message; a server's memory streams ~20 GB/s to one socket's worth of cores.
+CPU_LOOPBACK_BW = 2 * GB
+CPU_LOOPBACK_LATENCY_S = 50e-6
+CPU_MEMORY_BW = 20 * GB
+
+
+def _cpu_model_name() -> str:
+    model = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return model
+
+
+def _cpu_peak_cache_path() -> Path:
+    # Same rule as tenfold.engine.peak.cache_path (replicated: that module's siblings import torch).
+    root = os.environ.get("TENFOLD_CACHE_DIR") or os.path.join(Path.home(), ".cache", "tenfold")
+    return Path(root) / "cpu_peak.json"
+
+
+def _cached_cpu_peak() -> dict[str, float] | None:
+    """The engine's cached GEMM peak for this CPU, if measured (any thread count: torch's
+    default thread count is not knowable without torch, so prefer os.cpu_count())."""
+    try:
+        cache = json.loads(_cpu_peak_cache_path().read_text())
+    except (OSError, ValueError):
+        return None
+    model = _cpu_model_name()
+    entries = {k: v for k, v in cache.items() if k.split("|")[0] == model and all(d in v for d in ("fp32", "bf16", "fp16"))}
+    if not entries:
+        return None
+    preferred = f"{model}|threads={os.cpu_count()}"
+    return entries.get(preferred) or next(iter(entries.values()))
+
+
+def _measured_cpu_peak() -> dict[str, float]:
+    cached = _cached_cpu_peak()
+    if cached:
+        return cached
+    try:  # measure in a subprocess so that the planner never imports torch itself
+        out = subprocess.run(
+            [sys.executable, "-m", "tenfold.engine.peak"], capture_output=True, text=True, timeout=120, check=True
+        )
+        return {k: float(v) for k, v in json.loads(out.stdout.strip().splitlines()[-1]).items()}
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError) as exc:
+        raise UserError(f"--gpu cpu: could not measure this CPU's peak with `python -m tenfold.engine.peak` ({exc})") from None
+
+
+def _ram_bytes() -> float:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def cpu_hardware() -> Hardware:
+    """This machine: measured GEMM peak per dtype, its RAM, rough loopback constants."""
+    peak = _measured_cpu_peak()
+    return Hardware(
+        name="cpu", peak_flops=dict(peak), memory_bytes=_ram_bytes(), hbm_bw=CPU_MEMORY_BW,
+        intra_node_bw=CPU_LOOPBACK_BW, nic_bw=CPU_LOOPBACK_BW, gpus_per_node=os.cpu_count() or 1,
+        intra_latency_s=CPU_LOOPBACK_LATENCY_S, inter_latency_s=CPU_LOOPBACK_LATENCY_S,
+        host_link_bw=CPU_MEMORY_BW, bus_efficiency=1.0,
+        gemm_efficiency=1.0,  # the peak is itself a measured large GEMM
+        runtime_overhead_bytes=0.0, shared_compute=True,
+        sources={
+            "peak": f"measured by `python -m tenfold.engine.peak` on {_cpu_model_name()} (cached in {_cpu_peak_cache_path()})",
+            "memory": "MemTotal from /proc/meminfo",
+            "intra": "rough constant: gloo over loopback ~2 GB/s, 50 us per message",
+            "nic": "rough constant: gloo over loopback ~2 GB/s",
+        },
+    )
+
+
+def load_hardware_toml(path: str | os.PathLike) -> Hardware:
+    """User-defined hardware. Keys: name, memory_gb, hbm_gbs, intra_node_gbs, nic_gbs,
+    [peak_tflops] fp32/bf16/fp16, optional gpus_per_node, latencies, efficiencies, sources."""
+    p = Path(path)
+    try:
+        data = tomllib.loads(p.read_text())
+    except OSError as exc:
+        raise UserError(f"--hardware-file {path}: cannot read ({exc.strerror})") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise UserError(f"--hardware-file {path}: invalid TOML ({exc})") from None
+    required = ("name", "memory_gb", "hbm_gbs", "intra_node_gbs", "nic_gbs", "peak_tflops")
+    missing = [k for k in required if k not in data]
+    if missing:
+        raise UserError(f"--hardware-file {path}: missing key(s) {', '.join(missing)}; required: {', '.join(required)}")
+    peaks = data["peak_tflops"]
+    if not isinstance(peaks, dict) or not any(peaks.get(d) for d in ("fp32", "bf16", "fp16")):
+        raise UserError(f"--hardware-file {path}: [peak_tflops] needs at least one of fp32, bf16, fp16")
+    for key in ("memory_gb", "hbm_gbs", "intra_node_gbs", "nic_gbs"):
+        if not isinstance(data[key], (int, float)) or data[key] <= 0:
+            raise UserError(f"--hardware-file {path}: {key} must be a positive number, got {data[key]!r}")
+    extra = {k: data[k] for k in ("gpus_per_node", "intra_latency_s", "inter_latency_s", "bus_efficiency",
+                                   "gemm_efficiency") if k in data}
+    return Hardware(
+        name=str(data["name"]),
+        peak_flops={d: (float(peaks[d]) * TFLOPS if peaks.get(d) else None) for d in ("fp32", "bf16", "fp16")},
+        memory_bytes=float(data["memory_gb"]) * GB, hbm_bw=float(data["hbm_gbs"]) * GB,
+        intra_node_bw=float(data["intra_node_gbs"]) * GB, nic_bw=float(data["nic_gbs"]) * GB,
+        sources={"file": str(p), **{k: str(v) for k, v in data.get("sources", {}).items()}}, **extra,
+    )
+
+
+def get_hardware(name: str | Hardware) -> Hardware:
+    if isinstance(name, Hardware):
+        return name
+    key = name.lower()
+    key = ALIASES.get(key, key)
+    if key == "cpu":
+        return cpu_hardware()
+    if key in CATALOG:
+        return CATALOG[key]
+    if key.endswith(".toml"):
+        return load_hardware_toml(name)
+    raise UserError(f"unknown --gpu {name!r}; allowed: {', '.join([*CATALOG, 'cpu'])} or a .toml file")
+
+
+def with_gpus_per_node(hw: Hardware, gpus_per_node: int | None) -> Hardware:
+    return hw if not gpus_per_node else replace(hw, gpus_per_node=gpus_per_node)
+
+
+_DEVICE_PATTERNS = [  # (substring of torch.cuda.get_device_name().lower(), catalog key); first match wins
+    ("h100 pcie", "h100-pcie"), ("h100", "h100-sxm"), ("h200", "h200"), ("gh200", "h200"), ("b200", "b200"),
+    ("a100", "a100-80gb"), ("v100", "v100"), ("mi300x", "mi300x"), ("l40s", "l40s"), ("4090", "rtx4090"),
+]
+
+
+def catalog_name_for_device(device_name: str) -> str | None:
+    """Catalog key for a CUDA/ROCm device name ("NVIDIA A100-SXM4-40GB" -> "a100-40gb"), or None."""
+    name = device_name.lower()
+    for pattern, key in _DEVICE_PATTERNS:
+        if pattern in name:
+            if key == "a100-80gb" and "40gb" in name:
+                return "a100-40gb"
+            return key
+    return None
+
+
+def gpu_peak_flops_for_device(device_name: str, dtype: str) -> float | None:
+    """Dense peak FLOP/s of a named GPU for `dtype` (the engine's MFU denominator), or None
+    when the device is not in the catalog or lacks that dtype."""
+    key = catalog_name_for_device(device_name)
+    if key is None:
+        return None
+    value = CATALOG[key].peak_flops.get(dtype)
+    return float(value) if value else None

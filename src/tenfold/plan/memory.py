@@ -1,0 +1,356 @@
+"""Per-GPU memory: model states (ZeRO), activations (Korthikanti et al.), buffers, reserve.
+
+Every function returns bytes. Sources are cited beside each formula; docs/planner.md lists
+them all with worked examples.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+from tenfold.models.presets import ModelConfig
+from tenfold.plan.strategy import RecomputePolicy, Strategy
+
+MiB = 2**20
+
+
+# --------------------------------------------------------------------------- model states
+@dataclass(frozen=True)
+class BytesPerParam:
+    """Bytes per parameter of each model state before ZeRO partitioning."""
+
+    params: float
+    grads: float
+    master: float  # fp32 master weights (mixed precision with 16-bit params)
+    optimizer: float  # Adam momentum + variance (fp32)
+    grad_copy: float  # Megatron fp16: fp32 copy of the gradients for the optimizer
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.master + self.optimizer + self.grad_copy
+
+
+def bytes_per_param(s: Strategy) -> BytesPerParam:
+    """ZeRO §3.1: mixed-precision Adam keeps 2 (fp16 params) + 2 (fp16 grads) + K = 12
+    (fp32 params, momentum, variance) = 16 bytes/param. fp32 training: 4 + 4 + 8 = 16.
+    Megatron's table (dist_optimizer.md): bf16 with fp32 main grads 18; fp16/fp16 20
+    (an extra fp32 gradient copy). torch.amp (master_weights=False): fp32 params and grads."""
+    if s.precision == "fp32" or not s.master_weights:
+        return BytesPerParam(4, 4, 0, 8, 0)
+    return BytesPerParam(2, 4 if s.grads_fp32 else 2, 4, 8, 4 if s.fp32_grad_copy else 0)
+
+
+@dataclass
+class ModelStates:
+    params_bytes: float
+    grads_bytes: float
+    master_weights_bytes: float
+    optimizer_moments_bytes: float
+    grad_copy_bytes: float
+    cpu_bytes: float  # offloaded to host memory
+
+    @property
+    def optimizer_bytes(self) -> float:  # optimizer states incl. master weights (ZeRO's K)
+        return self.master_weights_bytes + self.optimizer_moments_bytes + self.grad_copy_bytes
+
+    @property
+    def total(self) -> float:
+        return self.params_bytes + self.grads_bytes + self.optimizer_bytes
+
+
+def model_states(n_params: float, s: Strategy, dp: int) -> ModelStates:
+    """ZeRO §5 / Table 1 for one rank holding `n_params` (already divided by tp and pp):
+    stage 0: (2+2+K)Ψ; stage 1 (P_os): 2Ψ + 2Ψ + KΨ/N_d; stage 2 (P_os+g): 2Ψ + (2+K)Ψ/N_d;
+    stage 3 (P_os+g+p): (2+2+K)Ψ/N_d. Offload (ZeRO-Offload, DeepSpeed estimators §1.2):
+    optimizer states and gradients live on the CPU; `optimizer+params` moves parameters too."""
+    b = bytes_per_param(s)
+    z = s.zero
+    opt_div = dp if z >= 1 else 1
+    grad_div = dp if z >= 2 else 1
+    param_div = dp if z >= 3 else 1
+    st = ModelStates(
+        params_bytes=b.params * n_params / param_div,
+        grads_bytes=b.grads * n_params / grad_div,
+        master_weights_bytes=b.master * n_params / opt_div,
+        optimizer_moments_bytes=b.optimizer * n_params / opt_div,
+        grad_copy_bytes=b.grad_copy * n_params / opt_div,
+        cpu_bytes=0.0,
+    )
+    if s.offload in ("optimizer", "optimizer+params"):
+        # DeepSpeed estimate_zero2/3 (cpu_offload=True): GPU keeps only 16-bit params; the
+        # fp32 master, moments and gradients are on the host, partitioned over dp.
+        st.cpu_bytes = st.optimizer_bytes + b.grads * n_params / dp
+        st.master_weights_bytes = st.optimizer_moments_bytes = st.grad_copy_bytes = st.grads_bytes = 0.0
+    if s.offload == "optimizer+params":
+        st.cpu_bytes += st.params_bytes
+        st.params_bytes = 0.0
+    return st
+
+
+def zero_model_states_gb(psi: float, stage: int, dp: int, k: float = 12.0) -> float:
+    """ZeRO Table 1 cell in GB (1e9 bytes): the paper's formulas with K = 12."""
+    s = Strategy(precision="fp16", zero=stage)
+    st = model_states(psi, s, dp)
+    assert k == 12.0, "Table 1 uses K = 12"
+    return st.total / 1e9
+
+
+def largest_model_that_fits(memory_bytes: float, stage: int, dp: int) -> float:
+    """ZeRO Table 2 'max theoretical model size': Ψ = M / (bytes per param at this stage)."""
+    return memory_bytes / model_states(1.0, Strategy(precision="fp16", zero=stage), dp).total
+
+
+# --------------------------------------------------------------------------- activations
+@dataclass(frozen=True)
+class ActTerm:
+    """One saved tensor of a transformer layer: bytes per token, or per token x seq for the
+    s^2 attention terms. `tp` says how tensor parallelism treats it: "shard" (divided by t),
+    "replicated" (divided by t only with sequence parallelism). `part` is what selective
+    recompute can drop: "attn_core" or "mlp" internals, or "keep"."""
+
+    name: str
+    bytes_per_token: float
+    tp: str
+    part: str
+    per_seq: bool = False  # True: multiply by s as well (a*s^2*b terms)
+    source: str = ""
+
+
+def layer_activation_terms(cfg: ModelConfig, s: Strategy) -> tuple[ActTerm, ...]:
+    """The per-layer saved activations of one micro-batch (cached; see _layer_terms)."""
+    return _layer_terms(cfg, s.precision != "fp32", s.activation_style, s.flash_attention, s.dropout)
+
+
+@functools.lru_cache(maxsize=256)
+def _layer_terms(cfg: ModelConfig, half: bool, style: str, flash: bool, drop: bool) -> tuple[ActTerm, ...]:
+    """The per-layer saved activations of one micro-batch, per token (multiply by b*s).
+
+    style "megatron" reproduces Korthikanti et al. 2022 §4.1, Eq. (1): sbh(34 + 5as/h) with
+    16-bit activations, 1-byte dropout masks, LayerNorm, a 4h GeLU MLP and no flash attention.
+    The same terms generalise to GQA (k, v of size kv_dim), SwiGLU (Megatron's fused bias-swiglu
+    keeps the 2f input and the f output), fp32 training (4-byte elements), no dropout, and flash
+    attention (no s^2 terms; output O + logsumexp instead).
+
+    style "tenfold" describes tenfold's own model under eager PyTorch + torch.amp
+    (tenfold/models/gpt.py): dropout-free, the residual stream stays fp32 (fp32 params, the
+    embedding output is fp32), RMSNorm computes in fp32 and saves its fp32 input and fp32
+    normalised value, the following Linear saves its own 16-bit cast; SDPA with is_causal saves
+    q, k, v (GQA heads already repeat_interleave'd to full size), output and logsumexp; the
+    output is transposed+reshaped (a copy) for wo; SwiGLU saves w1(x), silu(w1 x), w3(x) and
+    their product. RoPE saves only cos/sin tables (constants, not counted).
+    """
+    h, f = cfg.d_model, cfg.ffn_dim
+    kv = cfg.kv_heads * cfg.head_dim
+    a = cfg.n_heads
+    B = 2.0 if half else 4.0  # bytes of one activation element
+    terms: list[ActTerm] = []
+    add = terms.append
+    K = "Korthikanti et al. 2022 §4.1"
+    if style == "megatron":
+        add(ActTerm("norm1 input", B * h, "replicated", "keep", source=f"{K}: LayerNorm input 2sbh"))
+        add(ActTerm("qkv input", B * h, "replicated", "keep", source=f"{K}: QKV input 2sbh"))
+        add(ActTerm("q, k", B * (h + kv), "shard", "keep", source=f"{K}: Q and K 4sbh (GQA: k is kv_dim)"))
+        add(ActTerm("v", B * kv, "shard", "keep", source=f"{K}: V 2sbh"))
+        if flash:
+            add(ActTerm("attention output O + logsumexp", 4.0 * a, "shard", "attn_core",
+                        source="FlashAttention (Dao 2022): saves O (shared with the out-proj input) and fp32 logsumexp"))
+        else:
+            add(ActTerm("softmax output", B * a, "shard", "attn_core", per_seq=True, source=f"{K}: 2as^2b"))
+            if drop:
+                add(ActTerm("softmax dropout mask", 1.0 * a, "shard", "attn_core", per_seq=True, source=f"{K}: as^2b"))
+                add(ActTerm("softmax dropout output", B * a, "shard", "attn_core", per_seq=True, source=f"{K}: 2as^2b"))
+        add(ActTerm("out-proj input", B * h, "shard", "keep", source=f"{K}: 2sbh"))
+        if drop:
+            add(ActTerm("attention dropout mask", 1.0 * h, "replicated", "keep", source=f"{K}: sbh"))
+        add(ActTerm("norm2 input", B * h, "replicated", "keep", source=f"{K}: LayerNorm input 2sbh"))
+        add(ActTerm("mlp input", B * h, "replicated", "keep", source=f"{K}: linear input 2sbh"))
+        if cfg.mlp == "gelu":
+            add(ActTerm("gelu input", B * f, "shard", "mlp", source=f"{K}: GeLU input 8sbh (f = 4h)"))
+            add(ActTerm("fc2 input", B * f, "shard", "mlp", source=f"{K}: linear input 8sbh (f = 4h)"))
+        else:
+            add(ActTerm("swiglu input (w1 x, w3 x)", 2 * B * f, "shard", "mlp",
+                        source="Megatron fused bias_swiglu saves its 2f input"))
+            add(ActTerm("fc2 input", B * f, "shard", "mlp", source="linear input, f"))
+        if drop:
+            add(ActTerm("mlp dropout mask", 1.0 * h, "replicated", "keep", source=f"{K}: sbh"))
+        return tuple(terms)
+    # ---- tenfold: eager PyTorch, fp32 residual stream, autocast casts for each Linear.
+    T = "tenfold/models/gpt.py under torch.amp"
+    lin_in = B if half else 4.0  # the Linear's saved (cast) input
+    norm_saved = (4.0 + 4.0 + lin_in) if cfg.norm == "rmsnorm" else (4.0 + lin_in)
+    norm_src = (f"{T}: RMSNorm saves its fp32 input and fp32 x*rsqrt, the next Linear its cast input"
+                if cfg.norm == "rmsnorm" else f"{T}: LayerNorm (autocast fp32) saves its input, the next Linear its cast input")
+    add(ActTerm("norm1 (+ qkv input)", norm_saved * h, "replicated", "keep", source=norm_src))
+    add(ActTerm("q, k, v (SDPA inputs)", 3 * B * h, "shard", "keep",
+                source=f"{T}: SDPA saves q, k, v; GQA k/v are repeat_interleave'd to full width"))
+    if flash:
+        add(ActTerm("SDPA output + logsumexp", B * h + 4.0 * a, "shard", "attn_core",
+                    source=f"{T}: flash SDPA saves its output and fp32 logsumexp"))
+    else:
+        add(ActTerm("attention probabilities", B * a, "shard", "attn_core", per_seq=True, source="math SDPA: softmax output as^2b"))
+    add(ActTerm("wo input (transposed copy)", B * h, "shard", "keep", source=f"{T}: y.transpose(1, 2).reshape copies"))
+    add(ActTerm("norm2 (+ mlp input)", norm_saved * h, "replicated", "keep", source=norm_src))
+    if cfg.mlp == "swiglu":
+        add(ActTerm("w1 x, silu(w1 x), w3 x, product", 4 * B * f, "shard", "mlp",
+                    source=f"{T}: silu saves its input, mul both operands, w2 its input"))
+    else:
+        add(ActTerm("w1 x, gelu(w1 x)", 2 * B * f, "shard", "mlp", source=f"{T}: gelu saves its input, w2 its input"))
+    return tuple(terms)
+
+
+def layer_input_bytes_per_token(cfg: ModelConfig, s: Strategy) -> float:
+    """What a fully recomputed layer keeps: its input. Korthikanti Table 2 'full activation
+    recomputation': sbh(2) for a 16-bit residual; tenfold's residual stream is fp32 (4 bytes)."""
+    if s.activation_style == "tenfold" or s.precision == "fp32":
+        return 4.0 * cfg.d_model
+    return 2.0 * cfg.d_model
+
+
+def activation_bytes_per_layer(cfg: ModelConfig, s: Strategy, seq_len: int, micro_batch: int,
+                               tp: int = 1, drop_parts: tuple[str, ...] = ()) -> float:
+    """Korthikanti Table 2 generalised: sum of the saved tensors of one layer, one micro-batch.
+    TP divides "shard" terms by t; sequence parallelism also divides the "replicated" ones
+    (Eq. 4: sbh/t (34 + 5as/h)). `drop_parts` are the parts that selective recompute frees."""
+    total = 0.0
+    for term in layer_activation_terms(cfg, s):
+        if term.part in drop_parts:
+            continue
+        n = term.bytes_per_token * micro_batch * seq_len * (seq_len if term.per_seq else 1)
+        if term.tp == "shard" or s.sequence_parallel:
+            n /= tp
+        total += n
+    return total
+
+
+def recompute_layer_bytes(cfg: ModelConfig, s: Strategy, seq_len: int, micro_batch: int, tp: int) -> float:
+    """Bytes kept by a checkpointed layer: its input (divided by t only with SP)."""
+    n = layer_input_bytes_per_token(cfg, s) * micro_batch * seq_len
+    return n / tp if s.sequence_parallel else n
+
+
+@dataclass
+class StageActivations:
+    """Activations held by one pipeline stage at its peak (the start of a backward)."""
+
+    stored_bytes: float  # kept for backward: in-flight micro-batches x layers
+    working_bytes: float  # one layer's recomputed activations during backward
+    extra_bytes: float  # embedding / final norm / logits
+    cpu_bytes: float  # offloaded activations
+    layer_full_bytes: float  # one layer, one micro-batch, nothing recomputed
+    inflight: float  # micro-batches in flight (times the interleave factor)
+
+    @property
+    def total(self) -> float:
+        return self.stored_bytes + self.working_bytes + self.extra_bytes
+
+
+def inflight_microbatches(schedule: str, pp: int, m: int, v: int) -> float:
+    """Micro-batches whose activations a first-stage rank keeps at once.
+    No pipeline: 1 (accumulation frees each micro-batch's activations in its backward).
+    GPipe: m (all forwards before any backward; Huang et al. 2019, Narayanan §2.2.1).
+    1F1B: min(p, m) (Narayanan §2.2.1: 'at most p'); Korthikanti §4.2.3: so the first stage
+    holds L layers' worth regardless of p. Interleaved: p (1 + (p-1)/(p v)) (Korthikanti §4.2.3,
+    Megatron theoretical_memory_usage)."""
+    if pp == 1:
+        return 1.0
+    if schedule == "gpipe":
+        return float(m)
+    if schedule == "interleaved" and v > 1:
+        return pp * (1 + (pp - 1) / (pp * v))
+    return float(min(pp, m))
+
+
+def stage_activations(cfg: ModelConfig, s: Strategy, policy: RecomputePolicy, seq_len: int, micro_batch: int,
+                      tp: int, pp: int, m: int, v: int, layers: int, first: bool, last: bool) -> StageActivations:
+    full = activation_bytes_per_layer(cfg, s, seq_len, micro_batch, tp)
+    ckpt = recompute_layer_bytes(cfg, s, seq_len, micro_batch, tp)
+    inflight = inflight_microbatches(s.pp_schedule, pp, m, v) if first else 1.0
+    working, cpu = 0.0, 0.0
+    k = policy.kind
+    if k == "none":
+        per_mb = layers * full
+    elif k == "full":
+        per_mb = layers * ckpt
+        working = full  # one layer recomputed at a time in backward
+    elif k == "every":
+        n_ckpt = math.ceil(layers / policy.n)
+        per_mb = n_ckpt * ckpt + (layers - n_ckpt) * full
+        working = full
+    elif k == "segments":
+        # torch.utils.checkpoint.checkpoint_sequential: K segments, every segment but the last
+        # is checkpointed (keeps its input); the last runs normally. Peak at backward start.
+        segs = min(policy.n, layers)
+        last_seg = layers - (segs - 1) * (layers // segs)
+        per_mb = (segs - 1) * ckpt + last_seg * full
+    elif k == "selective":
+        dropped = ("attn_core",) if policy.part == "attention" else ("mlp",)
+        per_mb = layers * activation_bytes_per_layer(cfg, s, seq_len, micro_batch, tp, dropped)
+        working = full - activation_bytes_per_layer(cfg, s, seq_len, micro_batch, tp, dropped)
+    elif k == "offload":
+        # torch.autograd.graph.save_on_cpu: saved tensors go to pinned host memory; the GPU
+        # keeps about one layer in flight while it is copied out / back in.
+        per_mb = full
+        cpu = layers * full * inflight
+        working = 0.0
+    else:  # pragma: no cover - parse_ac rejects anything else
+        raise AssertionError(k)
+    stored = per_mb if k == "offload" else per_mb * inflight
+    extra = 0.0
+    if first:
+        # Korthikanti §4.3: embedding dropout mask sbhp/t (p micro-batches in flight).
+        if s.dropout:
+            extra += micro_batch * seq_len * cfg.d_model * inflight / (tp if s.sequence_parallel else 1)
+    if last:
+        extra += final_layer_activation_bytes(cfg, s, seq_len, micro_batch, tp)
+    return StageActivations(stored, working, extra, cpu, full, inflight)
+
+
+def final_layer_activation_bytes(cfg: ModelConfig, s: Strategy, seq_len: int, micro_batch: int, tp: int) -> float:
+    """Korthikanti §4.3 (counted on the last stage): final norm input 2sbh/t, output projection
+    input 2sbh/t, fp32 logits 4sbv/t. tenfold keeps fp32 log-probabilities for the loss and, at
+    the start of backward, their fp32 gradient too: 8 bytes x b x s x V (the engine's loss)."""
+    bs = micro_batch * seq_len
+    h = cfg.d_model
+    if s.activation_style == "tenfold":
+        half = s.precision != "fp32"
+        norm = ((4.0 + 4.0) if cfg.norm == "rmsnorm" else 4.0) + (2.0 if half else 4.0)
+        return bs * (norm * h + 8.0 * cfg.vocab_size / tp)
+    B = 2.0 if s.precision != "fp32" else 4.0
+    return bs * (2 * B * h / (tp if s.sequence_parallel else 1) + 4.0 * cfg.vocab_size / tp)
+
+
+# --------------------------------------------------------------------------- buffers
+DDP_BUCKET_BYTES = 25 * MiB  # torch DDP bucket_cap_mb default
+
+
+def comm_buffer_bytes(s: Strategy, largest_unit: float, tp_seq_bytes: float) -> tuple[float, str]:
+    """Communication buffers.
+    ZeRO-0/1/2 (DDP / ZeroRedundancyOptimizer): two gradient buckets in flight (bucket_cap_mb=25).
+    ZeRO-3 (FSDP2): two all-gathered units alive at once in forward (PyTorch PR #128884, the
+    prefetch) plus one unsharded gradient unit for the reduce-scatter. PP: send/recv buffers."""
+    b = bytes_per_param(s)
+    unit_param_bytes = 2.0 if s.precision != "fp32" else 4.0
+    if s.zero == 3:
+        n = largest_unit * (2 * unit_param_bytes + max(b.grads, unit_param_bytes))
+        why = "FSDP2: 2 gathered units + 1 unsharded grad unit"
+    else:
+        n = 2 * DDP_BUCKET_BYTES
+        why = "2 x 25 MiB DDP gradient buckets"
+    if s.pp > 1:
+        n += 2 * tp_seq_bytes
+        why += " + 2 p2p activation buffers"
+    return n, why
+
+
+def autocast_weight_copy_bytes(stage_params: float, s: Strategy, dp: int) -> float:
+    """torch.amp with fp32 params (master_weights=False): each Linear saves the 16-bit cast of
+    its weight for backward, so a full 16-bit copy of the rank's (gathered) matmul weights is
+    alive from forward to backward (2 bytes/param; under ZeRO-3 FSDP2 casts per unit instead)."""
+    if s.precision == "fp32" or s.master_weights or s.zero == 3:
+        return 0.0
+    return 2.0 * stage_params
+
+
+ALLOCATOR_RESERVE_FRACTION = 0.10  # caching-allocator fragmentation on churning tensors (assumption)

@@ -1,0 +1,167 @@
+"""Rich tables for `tenfold plan` (the JSON form is `Plan.to_dict()`)."""
+
+from __future__ import annotations
+
+import sys
+
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
+from tenfold.plan.api import Plan
+from tenfold.plan.hardware import Hardware
+
+GiB = 2**30
+
+
+def _gib(x: float | None) -> str:
+    return "null" if x is None else f"{x / GiB:,.2f}"
+
+
+def _secs(x: float) -> str:
+    if x >= 1:
+        return f"{x:,.2f} s"
+    return f"{x * 1e3:,.1f} ms"
+
+
+def _layout(p: Plan) -> str:
+    s = p.strategy
+    parts = [f"dp={p.dp}", f"tp={s['tp']}", f"pp={s['pp']}"]
+    if s["pp"] > 1:
+        parts.append(s["pp_schedule"] + (f"(v={s['virtual_stages']})" if s["virtual_stages"] > 1 else ""))
+    parts += [f"zero={s['zero']}", f"ac={s['ac']}", f"mb={p.micro_batch}", f"accum={p.grad_accum}", f"gb={p.global_batch}"]
+    if s["offload"] != "none":
+        parts.append(f"offload={s['offload']}")
+    return " ".join(parts)
+
+
+def print_plan(p: Plan, hw: Hardware, explain: bool = False, console: Console | None = None) -> None:
+    c = console or Console()
+    c.print(f"[bold]{p.model}[/] ({p.params / 1e9:,.3g}B params) on {p.gpus} x {p.hardware} "
+            f"({p.gpus_per_node}/node), {p.strategy['precision']}, seq {p.seq_len}")
+    c.print(f"layout: {_layout(p)}")
+    m = p.memory
+    t = Table(title=f"Memory per GPU ({m.stage} stage)", box=box.SIMPLE_HEAVY)
+    t.add_column("component")
+    t.add_column("GiB", justify="right")
+    t.add_column("how")
+    rows = [
+        ("parameters", m.params_bytes, "B/param x params on this rank"),
+        ("gradients", m.grads_bytes, "B/param x params (÷dp from ZeRO-2)"),
+        ("optimizer: fp32 master weights", m.master_weights_bytes, "4 B/param (÷dp from ZeRO-1)"),
+        ("optimizer: Adam moments", m.optimizer_moments_bytes, "8 B/param (÷dp from ZeRO-1)"),
+        ("= model states", m.model_states_bytes, "ZeRO Table 1"),
+        ("activations", m.activations_bytes,
+         "null (only --params)" if m.activations_bytes is None else
+         f"{_gib(m.activations_per_layer_bytes)} GiB/layer, {m.inflight_microbatches:g} micro-batch(es) in flight"),
+        ("communication buffers", m.comm_buffers_bytes, "buckets / gathered units"),
+        ("autocast weight copies", m.autocast_weight_copies_bytes, "16-bit casts kept for backward"),
+        ("allocator reserve", m.allocator_reserve_bytes, "10% of dynamic memory"),
+        ("CUDA context + workspaces", m.runtime_overhead_bytes, "estimate"),
+    ]
+    for name, v, how in rows:
+        if v == 0 and name in ("autocast weight copies",):
+            continue
+        t.add_row(name, _gib(v), how)
+    verdict = "[green]fits[/]" if p.fits else "[red]does not fit[/]"
+    t.add_row("[bold]total[/]", f"[bold]{_gib(m.total_bytes)}[/]", f"of {_gib(m.capacity_bytes)} GiB: {verdict}")
+    if m.cpu_bytes:
+        t.add_row("host memory (offload)", _gib(m.cpu_bytes), "per rank")
+    c.print(t)
+    tt = Table(title="Time per optimizer step", box=box.SIMPLE_HEAVY)
+    tt.add_column("component")
+    tt.add_column("time", justify="right")
+    if p.time.source == "achieved_tflops":
+        tt.add_row("step (from --achieved-tflops)", _secs(p.time.step_s))
+    else:
+        for name, v in (("compute (fwd + bwd)", p.time.compute_s), ("recompute", p.time.recompute_s),
+                        ("TP communication (exposed)", p.time.tp_comm_s), ("PP communication", p.time.pp_comm_s),
+                        (f"pipeline bubble ({p.time.bubble_fraction:.1%})", p.time.bubble_s),
+                        (f"DP/ZeRO comm exposed (of {_secs(p.time.dp_comm_s)})", p.time.dp_comm_exposed_s),
+                        ("optimizer step", p.time.optimizer_s)):
+            tt.add_row(name, _secs(v))
+        tt.add_row("[bold]step[/]", f"[bold]{_secs(p.time.step_s)}[/]")
+    c.print(tt)
+    r = Table(title="Throughput", box=box.SIMPLE_HEAVY)
+    r.add_column("metric")
+    r.add_column("value", justify="right")
+    r.add_row("tokens/s", f"{p.tokens_per_s:,.0f}")
+    r.add_row("TFLOP/s per GPU (model FLOPs)", f"{p.tflops_per_gpu:,.1f}")
+    r.add_row("TFLOP/s per GPU (incl. recompute)", f"{p.hardware_tflops_per_gpu:,.1f}")
+    r.add_row("MFU / HFU", f"{p.mfu:.1%} / {p.hfu:.1%}")
+    if p.train_days is not None:
+        r.add_row(f"days for {p.tokens:.3g} tokens", f"{p.train_days:,.1f}")
+        r.add_row("GPU-hours", f"{p.gpu_hours:,.0f}")
+    c.print(r)
+    for n in p.notes:
+        c.print(f"note: {n}")
+    if explain:
+        print_explain(p, hw, c)
+
+
+def print_explain(p: Plan, hw: Hardware, c: Console) -> None:
+    t = Table(title="Where each figure comes from", box=box.SIMPLE, show_lines=False)
+    t.add_column("figure")
+    t.add_column("value", justify="right")
+    t.add_column("formula")
+    t.add_column("source")
+    for e in p.explain:
+        v = "null" if e.value is None else (f"{e.value / GiB:,.3f} GiB" if e.key.endswith("_bytes") else f"{e.value:,.4g}")
+        t.add_row(e.key, v, e.formula, e.source)
+    c.print(t)
+    h = Table(title=f"Hardware: {hw.name}", box=box.SIMPLE)
+    h.add_column("item")
+    h.add_column("value")
+    h.add_column("source")
+    peaks = ", ".join(f"{k} {v / 1e12:,.1f}" for k, v in hw.peak_flops.items() if v)
+    h.add_row("peak TFLOP/s (dense)", peaks, hw.sources.get("peak", ""))
+    h.add_row("memory", f"{hw.memory_bytes / GiB:,.1f} GiB, HBM {hw.hbm_bw / 1e9:,.0f} GB/s", hw.sources.get("memory", ""))
+    h.add_row("intra-node", f"{hw.intra_node_bw / 1e9:,.0f} GB/s per GPU", hw.sources.get("intra", ""))
+    h.add_row("inter-node", f"{hw.nic_bw / 1e9:,.1f} GB/s per GPU", hw.sources.get("nic", ""))
+    h.add_row("GEMM efficiency ceiling", f"{hw.gemm_efficiency:.3f}", "calibrated on Narayanan et al. 2021 Table 1 only")
+    c.print(h)
+
+
+def print_search(result, hw: Hardware, gpus: int, console: Console | None = None) -> None:
+    c = console or Console()
+    c.print(f"evaluated {result.evaluated} strategies on {gpus} x {hw.name}; {result.fitting} fit")
+    if not result.best:
+        c.print("[red]no strategy fits[/]: more GPUs, --offload, or a smaller global batch")
+        return
+    t = Table(title="Fastest strategies that fit", box=box.SIMPLE_HEAVY)
+    for col in ("#", "layout", "GiB/GPU", "step", "tokens/s", "MFU", "days"):
+        t.add_column(col, justify="right" if col not in ("layout",) else "left")
+    for i, p in enumerate(result.best, 1):
+        t.add_row(str(i), _layout(p), _gib(p.memory.total_bytes), _secs(p.step_time_s), f"{p.tokens_per_s:,.0f}",
+                  f"{p.mfu:.1%}", "-" if p.train_days is None else f"{p.train_days:,.1f}")
+    c.print(t)
+
+
+def print_ladder(rungs, console: Console | None = None) -> None:
+    c = console or Console(width=None if sys.stdout.isatty() else 120)
+    seed = rungs[0].seed is not None
+    first = rungs[0].plan
+    c.print(f"[bold]Optimization ladder[/]: {first.model} on {first.hardware}, {first.tokens:.3g} tokens, seq {first.seq_len}"
+            + (" (beside the seed's own claims)" if seed else ""))
+    t = Table(box=box.SIMPLE_HEAVY)
+    cols = ["#", "rung", "GPUs", "GiB/GPU", "fits", "days", "time x"]
+    if seed:
+        cols += ["seed days", "seed x"]
+    for col in cols:
+        if col == "rung":
+            t.add_column(col, min_width=26)
+        else:
+            t.add_column(col, justify="right", no_wrap=True)
+    for i, r in enumerate(rungs):
+        p = r.plan
+        row = [str(i), r.name, str(r.gpus), f"{p.memory.total_bytes / GiB:,.0f}", "yes" if p.fits else "[red]no[/]",
+               f"{p.train_days:,.0f}" if p.train_days >= 100 else f"{p.train_days:,.1f}", "-" if r.factor is None else f"{r.factor:.2f}"]
+        if seed:
+            row += [f"{r.seed.days:g}", r.seed.factor]
+        t.add_row(*row)
+    c.print(t)
+    for i, r in enumerate(rungs):
+        if r.seed is not None:
+            c.print(f"[bold]{i}[/] seed memory claim: {r.seed.memory_text}")
+        for n in r.notes:
+            c.print(f"  - {n}")

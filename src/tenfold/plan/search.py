@@ -1,0 +1,101 @@
+"""`--search`: every valid strategy (TP x PP x schedule x ZeRO x micro-batch x recompute x
+offload) for a model, fleet and global batch; the top k that fit, by predicted throughput.
+
+Valid means: tp divides the heads and stays inside a node (TP over the network is never
+worth it: 4 all-reduces per layer per micro-batch); tp x pp divides the GPUs; the micro-batch
+and data-parallel size divide the global batch; interleaving needs layers divisible by p x v
+and micro-batches divisible by p. Memory is checked first (cheap); time only for what fits.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from tenfold.errors import UserError
+from tenfold.plan.api import Plan, predict, predict_memory
+from tenfold.plan.hardware import Hardware, get_hardware, with_gpus_per_node
+from tenfold.plan.shape import ModelShape, shape_of
+from tenfold.plan.strategy import Strategy
+
+AC_CHOICES = ("none", "selective", "full")
+OFFLOAD_CHOICES = ("none", "optimizer")
+
+
+@dataclass
+class SearchResult:
+    best: list[Plan]  # the top k that fit, fastest first
+    evaluated: int  # strategies whose memory was computed
+    fitting: int  # of which fit
+    candidates: list[tuple[float, float, bool]]  # (total GiB, tokens/s or 0, fits) for --plot
+
+
+def _powers_of_two_upto(n: int) -> list[int]:
+    out, k = [], 1
+    while k <= n:
+        out.append(k)
+        k *= 2
+    return out
+
+
+def default_global_batch(seq_len: int, dp_max: int) -> int:
+    """About 4M tokens (GPT-3 175B used 3.2M, LLaMA 4M), a power of two in sequences."""
+    return max(1, 2 ** round(math.log2(max(1, 4 * 2**20 / seq_len))))
+
+
+def search(model, hardware: "str | Hardware", gpus: int, base: Strategy, top_k: int = 5,
+           gpus_per_node: int | None = None) -> SearchResult:
+    shape: ModelShape = shape_of(model)
+    if not shape.known:
+        raise UserError("--search needs a model shape (--model, dimensions or --hf-config), not only --params")
+    hw = with_gpus_per_node(get_hardware(hardware), gpus_per_node)
+    cfg = shape.cfg
+    seq = base.seq_len or cfg.max_seq_len
+    glob = base.global_batch or default_global_batch(seq, gpus)
+    tps = [t for t in _powers_of_two_upto(min(hw.gpus_per_node, gpus)) if cfg.n_heads % t == 0]
+    pps = [p for p in range(1, cfg.n_layers + 1) if gpus % p == 0 and cfg.n_layers % p == 0]
+    mbs = [b for b in _powers_of_two_upto(min(glob, 16))]
+    plans: list[Plan] = []
+    candidates: list[tuple[float, float, bool]] = []
+    evaluated = 0
+    for tp in tps:
+        for pp in pps:
+            if gpus % (tp * pp):
+                continue
+            dp = gpus // (tp * pp)
+            for mb in mbs:
+                if glob % (mb * dp):
+                    continue
+                m = glob // (mb * dp)
+                for sched, v in _schedules(pp, m, cfg.n_layers):
+                    for zero in (0, 1, 2, 3):
+                        if zero and dp == 1:
+                            continue  # nothing to partition
+                        for off in OFFLOAD_CHOICES:
+                            if off != "none" and zero == 0:
+                                continue
+                            for ac in AC_CHOICES:
+                                s = replace(base, tp=tp, pp=pp, micro_batch=mb, global_batch=glob, grad_accum=None,
+                                            seq_len=seq, pp_schedule=sched, virtual_stages=v, zero=zero, offload=off,
+                                            ac=ac, sequence_parallel=base.sequence_parallel and tp > 1)
+                                evaluated += 1
+                                mem = predict_memory(shape, hw, gpus, s)
+                                if mem.total_bytes > mem.capacity_bytes:
+                                    candidates.append((mem.total_bytes / 2**30, 0.0, False))
+                                    continue
+                                p = predict(shape, hw, gpus, s)
+                                candidates.append((p.memory.total_bytes / 2**30, p.tokens_per_s, True))
+                                plans.append(p)
+    plans.sort(key=lambda p: -p.tokens_per_s)
+    return SearchResult(plans[:top_k], evaluated, len(plans), candidates)
+
+
+def _schedules(pp: int, m: int, layers: int) -> list[tuple[str, int]]:
+    if pp == 1:
+        return [("1f1b", 1)]
+    out = [("1f1b", 1), ("gpipe", 1)]
+    if m % pp == 0:
+        for v in (2, 3, 4):
+            if layers % (pp * v) == 0:
+                out.append(("interleaved", v))
+    return out

@@ -1,0 +1,127 @@
+"""The model as the planner sees it: a `ModelConfig` (preset, dimensions or HF config.json)
+or only a parameter count (`--params N`: model states only, activations unknown)."""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from tenfold.errors import UserError
+from tenfold.models.presets import (
+    ModelConfig,
+    block_param_count,
+    embedding_param_count,
+    get_preset,
+    head_param_count,
+    param_count,
+)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    cfg: ModelConfig | None  # None: only the parameter count is known
+    params: float
+    name: str = "custom"
+
+    @property
+    def known(self) -> bool:
+        return self.cfg is not None
+
+
+def shape_of(model: "ModelConfig | str | float | int | ModelShape", name: str | None = None) -> ModelShape:
+    if isinstance(model, ModelShape):
+        return model if name is None else ModelShape(model.cfg, model.params, name)
+    if isinstance(model, ModelConfig):
+        return ModelShape(model, float(param_count(model)), name or "custom")
+    if isinstance(model, str):
+        return ModelShape(get_preset(model), float(param_count(get_preset(model))), model)
+    if isinstance(model, (int, float)) and not isinstance(model, bool):
+        if model <= 0:
+            raise UserError(f"--params must be positive, got {model}")
+        return ModelShape(None, float(model), name or f"{model:.3g} params")
+    raise UserError(f"model must be a preset name, ModelConfig or parameter count, got {model!r}")
+
+
+def stage_params(shape: ModelShape, pp: int, stage: int, tp: int) -> float:
+    """Parameters held by one rank of pipeline stage `stage` (0-based) before ZeRO sharding.
+
+    Megatron's layout: stage 0 holds the embedding, the last stage the final norm and output
+    layer (with tied embeddings the last stage keeps its own copy of the embedding matrix,
+    Narayanan et al. 2021 §2 / Megatron `setup_embeddings_and_output_layer`); blocks are split
+    evenly (the first stages take the remainder). TP shards matmul weights and the vocabulary
+    by t; norm weights are replicated. Without a shape: params / (tp * pp).
+    """
+    if not shape.known:
+        return shape.params / (tp * pp)
+    cfg = shape.cfg
+    layers = layers_on_stage(cfg.n_layers, pp, stage)
+    norm = cfg.d_model * (2 if cfg.norm == "layernorm" else 1)
+    block = _block_params(cfg)
+    per_block = (block - 2 * norm) / tp + 2 * norm
+    n = layers * per_block
+    if stage == 0:
+        n += embedding_param_count(cfg) / tp
+    if stage == pp - 1:
+        head = head_param_count(cfg) - norm
+        if cfg.tie_embeddings and pp > 1:
+            head = cfg.vocab_size * cfg.d_model
+        n += head / tp + norm
+    return n
+
+
+def layers_on_stage(n_layers: int, pp: int, stage: int) -> int:
+    base, extra = divmod(n_layers, pp)
+    return base + (1 if stage < extra else 0)
+
+
+def largest_unit_params(shape: ModelShape, tp: int) -> float:
+    """The largest FSDP/ZeRO-3 unit gathered at once: one block or the embedding (DeepSpeed's
+    `largest_layer_params`; FSDP2 wraps each block and the root)."""
+    if not shape.known:
+        return 0.0
+    cfg = shape.cfg
+    return max(_block_params(cfg) / tp, embedding_param_count(cfg) / tp)
+
+
+@functools.lru_cache(maxsize=256)
+def _block_params(cfg: ModelConfig) -> int:
+    return block_param_count(cfg)
+
+
+def _get(d: dict, *keys, default=None):
+    for k in keys:
+        if k in d and d[k] is not None:
+            return d[k]
+    return default
+
+
+def model_from_hf_config(path: str) -> ModelConfig:
+    """A Hugging Face `config.json` (LLaMA/Mistral/Qwen-style or GPT-2/NeoX-style keys)."""
+    try:
+        d = json.loads(Path(path).read_text())
+    except OSError as exc:
+        raise UserError(f"--hf-config {path}: cannot read ({exc.strerror})") from None
+    except ValueError as exc:
+        raise UserError(f"--hf-config {path}: not valid JSON ({exc})") from None
+    layers = _get(d, "num_hidden_layers", "n_layer", "num_layers")
+    hidden = _get(d, "hidden_size", "n_embd", "d_model")
+    heads = _get(d, "num_attention_heads", "n_head")
+    vocab = _get(d, "vocab_size")
+    if None in (layers, hidden, heads, vocab):
+        raise UserError(
+            f"--hf-config {path}: needs num_hidden_layers, hidden_size, num_attention_heads and vocab_size (or GPT-2's n_layer, n_embd, n_head)"
+        )
+    act = str(_get(d, "hidden_act", "activation_function", default="gelu")).lower()
+    swiglu = act in ("silu", "swish", "swiglu")
+    model_type = str(d.get("model_type", "")).lower()
+    gpt2_like = model_type in ("gpt2", "gpt_neox", "gptj", "gpt_neo", "opt", "bloom")
+    return ModelConfig(
+        n_layers=int(layers), d_model=int(hidden), n_heads=int(heads), vocab_size=int(vocab),
+        max_seq_len=int(_get(d, "max_position_embeddings", "n_positions", "n_ctx", default=2048)),
+        n_kv_heads=_get(d, "num_key_value_heads"), d_ff=_get(d, "intermediate_size", "n_inner"),
+        mlp="swiglu" if swiglu else "gelu", norm="layernorm" if gpt2_like or "layer_norm_epsilon" in d else "rmsnorm",
+        pos="learned" if model_type == "gpt2" else "rope", bias=bool(d.get("attention_bias", gpt2_like)),
+        tie_embeddings=bool(d.get("tie_word_embeddings", model_type == "gpt2")),
+    )

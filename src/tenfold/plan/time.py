@@ -1,0 +1,138 @@
+"""Step time: GEMMs at a shape-dependent efficiency, memory-bound elementwise work, attention,
+recompute, TP/PP/DP communication with what overlaps, and the pipeline bubble.
+
+The physics, in order:
+1. GEMM time = max(FLOPs / (peak x e_max x tile utilisation), bytes / HBM bandwidth): the
+   roofline (Williams et al. 2009) with tile and wave quantisation (128x128 output tiles spread
+   over the SMs: a GEMM with 1.1 waves of tiles runs as 2). e_max is the one calibrated number
+   (hardware.GPU_GEMM_EFFICIENCY, Narayanan Table 1 only).
+2. Backward = 2 x forward matmuls (grad wrt inputs and wrt weights); recompute adds forwards.
+3. Norms, activations, residual adds, RoPE, softmax: memory-bound, bytes / (0.8 x HBM).
+4. Flash attention skips the masked half of a causal s x s (executed work), its backward
+   recomputes P (2.5x forward).
+5. TP all-reduces (Megatron, 2 forward + 2 backward per layer, + 2 per recomputed layer) are
+   on the critical path (not overlapped, as in Megatron 2021/2022).
+6. Pipeline: (m + (p-1)/v) x t_microbatch (Narayanan Eq. 1; interleaving divides the bubble by v
+   and multiplies p2p traffic by v).
+7. DP / ZeRO: gradient reduction overlaps the last micro-batch's backward when overlap_comm;
+   parameter all-gathers (ZeRO-1/2 after the step) are exposed; ZeRO-3's per-micro-batch
+   gathers overlap that micro-batch's compute (prefetch), the first unit's gather is exposed.
+8. Optimizer step: memory-bound over the rank's shard (~30 bytes/param read+written).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from tenfold.models.presets import ModelConfig
+from tenfold.plan.flops import Gemm, attention_core_gemms, head_gemm, layer_gemms
+from tenfold.plan.hardware import Hardware
+from tenfold.plan.strategy import RecomputePolicy, Strategy
+
+MEMORY_EFFICIENCY = 0.8  # fraction of HBM bandwidth that streaming kernels reach (assumption)
+TILE_MN = 128
+TILE_K = 64
+FLASH_KERNEL_EFFICIENCY = 0.85  # flash attention vs a plain GEMM of the same shape (FA2 paper: 50-73% of peak fwd)
+
+
+def _quantised(x: int, tile: int) -> float:
+    return x / (math.ceil(x / tile) * tile)
+
+
+def gemm_efficiency(g: Gemm, hw: Hardware) -> float:
+    """e_max x tile utilisation x wave utilisation (GPU only)."""
+    eff = hw.gemm_efficiency
+    if hw.sm_count:
+        eff *= _quantised(g.m, TILE_MN) * _quantised(g.n, TILE_MN) * _quantised(g.k, TILE_K)
+        tiles = math.ceil(g.m / TILE_MN) * math.ceil(g.n / TILE_MN) * g.count
+        waves = math.ceil(tiles / hw.sm_count)
+        eff *= tiles / (waves * hw.sm_count)
+    return eff
+
+
+def gemm_time(g: Gemm, hw: Hardware, peak: float, elem_bytes: float) -> float:
+    compute = g.flops / (peak * gemm_efficiency(g, hw))
+    memory = g.count * (g.m * g.k + g.k * g.n + g.m * g.n) * elem_bytes / (hw.hbm_bw * MEMORY_EFFICIENCY)
+    return max(compute, memory)
+
+
+def elementwise_bytes_per_token(cfg: ModelConfig, s: Strategy, seq_len: int, tp: int) -> float:
+    """Forward bytes moved by the non-matmul ops of one layer, per token (backward ~2x).
+    megatron (fused kernels): 2 norms read+write h, 2 bias-dropout-adds read 2h write h, a fused
+    GeLU (f) or SwiGLU (3f), RoPE on q, k, a fused scale-mask-softmax without flash.
+    tenfold (eager PyTorch): RMSNorm is ~8 fp32 passes, casts for each Linear, RoPE's
+    stack/flatten, the transposed copy, SwiGLU's silu and mul as separate kernels."""
+    h, f = cfg.d_model, cfg.ffn_dim
+    kv = cfg.kv_heads * cfg.head_dim
+    B = 2.0 if s.precision != "fp32" else 4.0
+    rep = 1 if s.sequence_parallel else tp  # replicated work is not split by plain TP
+    if s.activation_style == "tenfold":
+        per_norm = 8 * 8.0 * h
+        replicated = 2 * per_norm + 2 * (3 * 4.0 * h) + 3 * 2 * B * h
+        sharded = 6 * 2 * B * (h + kv) + 2 * 2 * B * h + (5 * B * f if cfg.mlp == "swiglu" else 8 * B * f)
+    else:
+        replicated = (4 + 6) * B * h + (3.0 * h if s.dropout else 0.0)
+        sharded = 2 * B * (h + kv) + (3 * B * f if cfg.mlp == "swiglu" else 2 * B * f)
+    if not s.flash_attention:
+        a = cfg.n_heads
+        sharded += 2 * B * a * seq_len + ((2 * B + 1) * a * seq_len if s.dropout else 0.0)
+    return replicated / rep + sharded / tp
+
+
+@dataclass
+class LayerTimes:
+    fwd: float  # one layer, one micro-batch: matmuls + attention + elementwise
+    bwd: float
+    attn_fwd: float
+    mlp_fwd: float
+    tp_comm_fwd: float  # exposed TP all-reduce time (forward; backward the same)
+
+
+def layer_times(cfg: ModelConfig, s: Strategy, hw: Hardware, peak: float, seq_len: int, micro_batch: int,
+                tp: int, tp_ar_time: float) -> LayerTimes:
+    B = 2.0 if s.precision != "fp32" else 4.0
+    gemms = layer_gemms(cfg, micro_batch, seq_len, tp)
+    g_times = {g.name: gemm_time(g, hw, peak, B) for g in gemms}
+    core = attention_core_gemms(cfg, micro_batch, seq_len, tp)
+    core_t = sum(gemm_time(g, hw, peak, B) for g in core)
+    if s.flash_attention:
+        attn_f = 0.5 * core_t / FLASH_KERNEL_EFFICIENCY  # causal: masked blocks skipped
+        attn_b = 2.5 * attn_f  # FA2 backward: 5 matmuls vs 2
+    else:
+        attn_f, attn_b = core_t, 2 * core_t
+    elem = elementwise_bytes_per_token(cfg, s, seq_len, tp) * micro_batch * seq_len / (hw.hbm_bw * MEMORY_EFFICIENCY)
+    mm = sum(g_times.values())
+    fwd = mm + attn_f + elem
+    bwd = 2 * mm + attn_b + 2 * elem
+    mlp_f = g_times["mlp-in"] + g_times["mlp-out"]
+    return LayerTimes(fwd, bwd, attn_f, mlp_f, 2 * tp_ar_time)
+
+
+def recompute_time_per_layer(lt: LayerTimes, policy: RecomputePolicy, n_layers: int, recomputed: float) -> float:
+    """Average extra time per layer per micro-batch."""
+    if policy.kind in ("full", "every", "segments"):
+        return lt.fwd * recomputed / n_layers  # its TP all-reduces are counted with TP comm
+    if policy.kind == "selective":
+        return lt.attn_fwd if policy.part == "attention" else lt.mlp_fwd
+    return 0.0
+
+
+def head_time(cfg: ModelConfig, s: Strategy, hw: Hardware, peak: float, seq_len: int, micro_batch: int, tp: int) -> tuple[float, float]:
+    """Output layer forward and backward, plus the fp32 cross-entropy (memory-bound)."""
+    B = 2.0 if s.precision != "fp32" else 4.0
+    g = head_gemm(cfg, micro_batch, seq_len, tp)
+    t = gemm_time(g, hw, peak, B)
+    ce = micro_batch * seq_len * cfg.vocab_size / tp * (B + 4.0 * 3) / (hw.hbm_bw * MEMORY_EFFICIENCY)
+    return t + ce, 2 * t + ce
+
+
+def optimizer_step_time(params_on_rank: float, hw: Hardware, offload: bool, gpus_on_node: int) -> float:
+    """Adam over the rank's shard: read param, grad, master, m, v; write master, m, v, param:
+    ~30 bytes/param, memory-bound. Offloaded: on the host, whose memory bandwidth (taken as
+    8 x one GPU's host link) is shared by the node's ranks, plus the PCIe round trip of
+    16-bit grads and params."""
+    if offload:
+        host_bw = 8 * hw.host_link_bw / max(1, gpus_on_node)
+        return params_on_rank * (30.0 / host_bw + 4.0 / hw.host_link_bw)
+    return params_on_rank * 30.0 / (hw.hbm_bw * MEMORY_EFFICIENCY)
