@@ -154,11 +154,11 @@ def batch_for_step(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 def reference_run(dtype: torch.dtype = torch.float32, steps: int = STEPS) -> dict:
     """The plain single-process loop: micro-batches of 2 rows, token-weighted loss,
     global-norm clipping at 1.0, AdamW."""
-    from tenfold.engine.optim import clip_grad_norm
+    from tenfold.engine.optim import build_optimizer, clip_grad_norm
 
     torch.manual_seed(SEED)
     model = GPT(CFG)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    opt = build_optimizer(model, run_config({"pp": 1, "schedule": "1f1b", "m": 4}, 1).train, torch.device("cpu"))
     losses, norms = [], []
     for step in range(steps):
         ids, tgt = batch_for_step(step)
@@ -209,29 +209,21 @@ def _worker(rank: int, world: int, port: int, cases: list[dict], out: str) -> No
 
 
 def run_case(d, case: dict) -> dict:
-    """One training run through the pipeline, as engine.parallelize orders it:
-    split -> recompute -> ZeRO (FSDP2 on the dp axis) -> stages + schedule."""
-    from tenfold.config import build_config
+    """One training run through the pipeline, in engine.parallelize's order:
+    split -> recompute -> ZeRO on the dp axis (techniques/zero.py) -> stages + schedule."""
     from tenfold.engine.optim import clip_grad_norm
-    from tenfold.techniques import recompute
+    from tenfold.techniques import recompute, zero
 
-    cfg = build_config({
-        "model": {"name": "tiny", "d_model": 64, "n_heads": 4, "d_ff": 128, "max_seq_len": SEQ},
-        "train": {"micro_batch": ROWS // d.dp_size // case["m"], "grad_accum": case["m"]},
-        "precision": {"dtype": case.get("dtype", "fp32")},
-        "parallel": {"pp_degree": case["pp"], "pp_schedule": case["schedule"],
-                     "virtual_stages": case.get("v", 1), "pp_split": case.get("split")},
-    })
+    cfg = run_config(case, d.dp_size)
     torch.manual_seed(SEED)
     model = GPT(CFG)
     split = pp.split_for_rank(model, cfg, d)
     parts = list(split.modules)
     for part in parts:
-        recompute.apply_recompute(part, case.get("ac", "none"))
-    if d.dp_size > 1:
-        parts = [shard_on_dp(p, d, case["reshard"]) for p in parts]
+        recompute.apply_recompute(part, cfg.recompute.policy)
+    parts = [zero.apply_zero(p, cfg.parallel, d) for p in parts]
     pm = pp.build_pipelined_model(split, parts, cfg, d)
-    opt = torch.optim.AdamW(pm.parameters(), lr=LR)
+    opt = zero.build_optimizer_for(pm, cfg.train, cfg.parallel, d)
     dp_group = d.mesh["dp"].get_group()
     rows = ROWS // d.dp_size
     losses, norms, bubbles = [], [], []
@@ -253,16 +245,17 @@ def run_case(d, case: dict) -> dict:
             "names": sorted(set(sum(names, []))), "report": pm.report(d)}
 
 
-def shard_on_dp(part, d, reshard_after_forward: bool):
-    """FSDP2 on the dp axis of this stage: each block, then the stage root (torchtitan's
-    apply_fsdp). reshard_after_forward=True is ZeRO-3, False keeps params gathered
-    between forward and backward (ZeRO-2-like memory, the PP default)."""
-    from torch.distributed.fsdp import fully_shard
+def run_config(case: dict, dp_size: int):
+    from tenfold.config import build_config
 
-    mesh = d.mesh["dp"]
-    for block in part.layers.values():
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
-    return fully_shard(part, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    return build_config({
+        "model": {"name": "tiny", "d_model": 64, "n_heads": 4, "d_ff": 128, "max_seq_len": SEQ},
+        "train": {"micro_batch": ROWS // dp_size // case["m"], "grad_accum": case["m"], "lr": LR},
+        "precision": {"dtype": case.get("dtype", "fp32")},
+        "recompute": {"policy": case.get("ac", "none")},
+        "parallel": {"pp_degree": case["pp"], "pp_schedule": case["schedule"], "zero_stage": case.get("zero", 0),
+                     "virtual_stages": case.get("v", 1), "pp_split": case.get("split")},
+    })
 
 
 def launch(world: int, cases: list[dict], tmp_path) -> list[dict]:
@@ -314,15 +307,15 @@ def test_pp2_every_schedule_matches_one_process(reference, tmp_path):
         assert all(0.0 <= b < 1.0 for b in rep["bubble_measured_per_pp_rank"])
 
 
-DP_CASES = [
-    {"pp": 2, "schedule": "1f1b", "m": 4, "reshard": False},  # ZeRO-2-like (PP default)
-    {"pp": 2, "schedule": "gpipe", "m": 2, "reshard": True},  # ZeRO-3
-    {"pp": 2, "schedule": "interleaved", "v": 2, "m": 2, "reshard": True, "ac": "full"},
+DP_CASES = [  # ZeRO 1 = DDP + ZeroRedundancyOptimizer, 2/3 = FSDP2 (techniques/zero.py)
+    {"pp": 2, "schedule": "1f1b", "m": 4, "zero": 0},
+    {"pp": 2, "schedule": "gpipe", "m": 2, "zero": 3},
+    {"pp": 2, "schedule": "interleaved", "v": 2, "m": 2, "zero": 2, "ac": "full"},
 ]
 
 
 @pytest.mark.slow
-def test_pp2_dp2_fsdp_matches_one_process(reference, tmp_path):
+def test_pp2_dp2_zero_matches_one_process(reference, tmp_path):
     results = launch(4, DP_CASES, tmp_path)
     assert len(results) == len(DP_CASES), results[-1]
     for case, res in zip(DP_CASES, results):
