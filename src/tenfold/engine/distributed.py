@@ -1,14 +1,26 @@
 """Process-group setup: one process or many under torchrun; gloo on CPU, NCCL on GPU.
 
-Minimal first version (single process and env:// under torchrun); the ZeRO work extends it
-(device meshes for dp x pp, failure handling, timeouts).
+* `init_distributed(pp_size, timeout_s)`: reads torchrun's env:// variables, picks the backend
+  from the device (NCCL with one GPU per rank, else gloo), builds the ("pp", "dp") device mesh
+  (pipeline stages x data-parallel replicas; dp is the inner, contiguous dimension, so the
+  dp ranks of one stage sit on one node as FSDP's traffic wants).
+* Failures: every rank's stderr lines are prefixed with `[rank k]`, an uncaught exception is
+  recorded in torchelastic's error file (torchrun's failure summary then shows the rank and
+  its error), and `tighten_timeouts` shortens the collective timeout after the first step, so
+  a rank that hangs makes the others raise within that bound instead of waiting
+  `timeout_s` (a rank that dies is noticed by torchrun's agent, which stops the others).
+* Only rank 0 prints (`print0`) and writes shared files; `gather_to_main` collects per-rank
+  results (memory) on rank 0.
 """
 
 from __future__ import annotations
 
+import io
 import os
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -46,15 +58,27 @@ def pick_device(local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
+def backend_for(device: torch.device) -> str:
+    """NCCL for CUDA ranks, gloo otherwise (the only CPU backend that ships with torch)."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
 def init_distributed(pp_size: int = 1, timeout_s: float = 600.0) -> DistInfo:
     if not launched_by_torchrun() or int(os.environ["WORLD_SIZE"]) == 1:
         return DistInfo(device=pick_device(0))
+    from tenfold.errors import UserError
+
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if pp_size < 1 or world % pp_size:
+        raise UserError(f"parallel.pp_degree ({pp_size}) must divide the number of processes ({world})")
+    install_failure_reporting(rank)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device = pick_device(local_rank)
     if not dist.is_initialized():
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+        kwargs: dict[str, Any] = {"backend": backend_for(device), "timeout": timedelta(seconds=timeout_s)}
+        if device.type == "cuda":
+            kwargs["device_id"] = device  # eager NCCL init, one communicator per device
+        dist.init_process_group(**kwargs)
     dp_size = world // pp_size
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -66,6 +90,116 @@ def init_distributed(pp_size: int = 1, timeout_s: float = 600.0) -> DistInfo:
     )
 
 
+# --------------------------------------------------------------------------- timeouts
+
+
+def _all_groups(info: DistInfo) -> list:
+    groups = [None]  # the default group
+    if info.mesh is not None:
+        for name in ("pp", "dp"):
+            groups.append(info.mesh[name].get_group())
+    return groups
+
+
+def tightened_timeout_s(first_step_s: float, timeout_s: float, floor_s: float = 120.0, factor: float = 20.0) -> float:
+    """The collective timeout after the first step: `factor` x the first step (which also paid
+    for warm-up), at least `floor_s` (evaluation and checkpoint saves run collectives too),
+    never more than the configured `timeout_s`."""
+    return min(timeout_s, max(floor_s, factor * first_step_s))
+
+
+def tighten_timeouts(info: DistInfo, timeout_s: float) -> None:
+    """Set the timeout of every process group this rank uses (default, pp, dp). The first
+    step runs under the generous `parallel.timeout_s` (process start, data build, lazy FSDP
+    init); afterwards a rank that stops answering is detected within `timeout_s`."""
+    if not (info.initialized and dist.is_initialized()):
+        return
+    from torch.distributed.distributed_c10d import _set_pg_timeout
+
+    for group in _all_groups(info):
+        _set_pg_timeout(timedelta(seconds=timeout_s), group)
+
+
+# --------------------------------------------------------------------------- output
+
+
+def print0(*args: Any, **kwargs: Any) -> None:
+    """print() on rank 0 only (every rank of a one-process run is rank 0)."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(*args, **kwargs)
+
+
+def gather_to_main(obj: Any, info: DistInfo) -> list | None:
+    """Every rank's `obj` (picklable) as a list indexed by rank on rank 0, None elsewhere.
+    A collective: every rank must call it."""
+    if not (info.initialized and dist.is_initialized()):
+        return [obj]
+    out = [None] * info.world_size if info.is_main else None
+    dist.gather_object(obj, out, dst=0)
+    return out
+
+
+class _RankPrefixed(io.TextIOBase):
+    """A text stream that starts every line with `[rank k] ` (stderr of a multi-rank job:
+    torchrun interleaves the ranks' output, so each line must say whose it is)."""
+
+    def __init__(self, stream, prefix: str, already: str):
+        self._stream, self._prefix, self._at_line_start = stream, prefix, True
+        self._already = already  # torch's own excepthook writes "[rank0]:" lines
+
+    def write(self, s: str) -> int:
+        if not s:
+            return 0
+        out = []
+        for piece in s.splitlines(keepends=True):
+            if self._at_line_start and not piece.startswith(self._already):
+                out.append(self._prefix)
+            out.append(piece)
+            self._at_line_start = piece.endswith("\n")
+        self._stream.write("".join(out))
+        return len(s)
+
+    def flush(self) -> None:
+        self._stream.flush()
+
+    def isatty(self) -> bool:
+        return self._stream.isatty()
+
+    def fileno(self) -> int:
+        return self._stream.fileno()
+
+    @property
+    def encoding(self):  # type: ignore[override]
+        return getattr(self._stream, "encoding", "utf-8")
+
+
+def install_failure_reporting(rank: int) -> None:
+    """Prefix this rank's stderr lines and record an uncaught exception in torchelastic's
+    error file (torchrun prints it in its failure summary, with the rank)."""
+    if not isinstance(sys.stderr, _RankPrefixed):
+        sys.stderr = _RankPrefixed(sys.stderr, f"[rank {rank}] ", already=f"[rank{rank}]:")
+    previous = sys.excepthook
+
+    def hook(exc_type, exc, tb):
+        if os.environ.get("TORCHELASTIC_ERROR_FILE") and not issubclass(exc_type, KeyboardInterrupt):
+            try:
+                from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+                ErrorHandler().record_exception(exc)
+            except Exception:  # reporting must never mask the original error
+                pass
+        previous(exc_type, exc, tb)
+
+    sys.excepthook = hook
+
+
 def shutdown() -> None:
-    if dist.is_initialized():
+    """Leave the process group cleanly. The barrier first: a rank that destroys its gloo
+    group while a peer is still in a collective can abort the peer ("terminate called
+    without an active exception", seen with torch 2.13 + gloo)."""
+    if not dist.is_initialized():
+        return
+    try:
+        dist.barrier()
+    finally:
         dist.destroy_process_group()

@@ -1,36 +1,244 @@
-"""ZeRO stages 0-3 on PyTorch's own sharding (DDP, ZeroRedundancyOptimizer, FSDP2).
+"""ZeRO stages 0-3 (Rajbhandari et al. 2020; seed §4) on PyTorch's own sharding engines.
 
-PLACEHOLDER for one process only, replaced by the ZeRO work (issue 5): with a single
-process there is nothing to shard, so every stage is the plain model.
+    stage 0  DDP                                 every rank holds everything; grads all-reduced
+    stage 1  DDP + ZeroRedundancyOptimizer       optimizer states 1/N; grads and params full
+    stage 2  FSDP2 fully_shard(reshard_after_forward=False)   optimizer states + grads 1/N
+    stage 3  FSDP2 fully_shard(reshard_after_forward=True)    + params 1/N between uses
+
+Why these engines (engine.md §6.3, DESIGN.md "existing engines"):
+  * Stage 1 is DDP + `ZeroRedundancyOptimizer`, not FSDP2 with resharding switched off: at the
+    optimizer step ZeRO-1 holds FULL gradients and 1/N of the optimizer states. FSDP2 always
+    reduce-scatters at the last micro-batch, which leaves 1/N gradients at the step (that is
+    ZeRO-2's memory), so FSDP2 cannot show ZeRO-1.
+  * Stage 2/3 are FSDP2, one unit per transformer block plus the root (torchtitan's
+    `apply_fsdp`), applied AFTER recompute wrapping so each unit is a (recomputed) block and the
+    re-gather for recompute happens inside the block (engine.md §5.2).
+  * FSDP2 reshards after backward in both stages, so at the optimizer step the parameters are
+    1/N at stage 2 as well; the stages differ between forward and backward (stage 2 keeps the
+    gathered block, stage 3 frees it and re-gathers it in backward). docs/zero.md has the table.
+
+Loss normalization: the trainer backpropagates `local_loss_sum / global_tokens * dp_size`
+and both DDP and FSDP2 AVERAGE gradients over the dp group, so the reduced gradient is exactly
+the single-process gradient of the global-token mean. We never call FSDP2's
+`set_gradient_divide_factor` (gloo has no PREMUL_SUM, and the average is what we want).
+
+Mixed precision: with `param_dtype` (bf16/fp16), FSDP2's `MixedPrecisionPolicy(param_dtype,
+reduce_dtype=fp32)` all-gathers 16-bit copies of the fp32 sharded master weights and reduces
+gradients in fp32. Stages 0/1 keep fp32 params and rely on autocast (precision.py).
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
+import warnings
+from typing import Any
 
 import torch
+import torch.distributed as torch_dist
 import torch.nn as nn
 
 from tenfold.errors import UserError
 
+ENGINES = {
+    0: "DDP",
+    1: "DDP + ZeroRedundancyOptimizer",
+    2: "FSDP2 fully_shard(reshard_after_forward=False)",
+    3: "FSDP2 fully_shard(reshard_after_forward=True)",
+}
+_STAGE_ATTR = "_tenfold_zero_stage"
 
-def apply_zero(model: nn.Module, parallel_cfg, dist, param_dtype: torch.dtype | None = None) -> nn.Module:
-    if dist.dp_size > 1:
-        raise UserError("data parallelism is not available yet in this build (issue 5)")
+
+# --------------------------------------------------------------------------- wrapping
+
+
+def apply_zero(model: nn.Module, parallel_cfg: Any, dist: Any, param_dtype: torch.dtype | None = None) -> nn.Module:
+    """Wrap `model` for ZeRO stage `parallel_cfg.zero_stage` over the data-parallel group.
+
+    One data-parallel rank: there is nothing to shard or reduce, the model is returned as is
+    for every stage (a single-process run is the reference the stages are tested against).
+    """
+    stage = int(parallel_cfg.zero_stage)
+    if stage not in ENGINES:
+        raise UserError(f"parallel.zero_stage must be 0, 1, 2 or 3, got {stage}")
+    if dist.dp_size <= 1:
+        return model
+    _warn_unmapped_knobs(parallel_cfg, stage, dist)
+    _broadcast_from_dp_rank0(model, dist)
+    if stage <= 1:
+        wrapped = _wrap_ddp(model, parallel_cfg, dist)
+    else:
+        wrapped = _wrap_fsdp2(model, parallel_cfg, dist, stage, param_dtype)
+    setattr(wrapped, _STAGE_ATTR, stage)
+    return wrapped
+
+
+def dp_group(dist: Any):
+    """The data-parallel process group (None: the default group)."""
+    return dist.mesh["dp"].get_group() if getattr(dist, "mesh", None) is not None else None
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The user's module under a DDP wrapper (FSDP2 modifies the module in place)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
+@torch.no_grad()
+def _broadcast_from_dp_rank0(model: nn.Module, dist: Any) -> None:
+    """Every dp rank starts from dp-rank 0's weights. DDP does this itself; FSDP2 keeps each
+    rank's own slice of its local tensor, so differently initialised ranks would silently
+    assemble a model that no rank ever had."""
+    group = dp_group(dist)
+    src = torch_dist.get_global_rank(group, 0) if group is not None else 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        torch_dist.broadcast(t.data, src=src, group=group)
+
+
+def _wrap_ddp(model: nn.Module, parallel_cfg: Any, dist: Any) -> nn.Module:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    kwargs: dict[str, Any] = {
+        "process_group": dp_group(dist),
+        # DeepSpeed's contiguous_gradients: gradients live in DDP's contiguous buckets.
+        "gradient_as_bucket_view": bool(parallel_cfg.contiguous_gradients),
+    }
+    if parallel_cfg.reduce_bucket_size:
+        # DeepSpeed counts elements, DDP megabytes of the gradient dtype (fp32 here).
+        kwargs["bucket_cap_mb"] = parallel_cfg.reduce_bucket_size * 4 / 2**20
+    if dist.device.type == "cuda":
+        kwargs["device_ids"] = [dist.device.index]
+    return DDP(model, **kwargs)
+
+
+def _wrap_fsdp2(model: nn.Module, parallel_cfg: Any, dist: Any, stage: int, param_dtype) -> nn.Module:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = dist.mesh["dp"]
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    threshold = int(parallel_cfg.param_persistence_threshold)
+    blocks = list(model.layers.values()) if hasattr(model, "layers") else []
+    for block in blocks:
+        fully_shard(block, mesh=mesh, mp_policy=mp,
+                    reshard_after_forward=_reshard_after_forward(stage, _numel(block), threshold))
+    block_params = {id(p) for b in blocks for p in b.parameters()}
+    root_numel = sum(p.numel() for p in model.parameters() if id(p) not in block_params)
+    fully_shard(model, mesh=mesh, mp_policy=mp,
+                reshard_after_forward=_reshard_after_forward(stage, root_numel, threshold))
     return model
 
 
-def build_optimizer_for(model: nn.Module, train_cfg, parallel_cfg, dist) -> torch.optim.Optimizer:
+def _numel(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def _reshard_after_forward(stage: int, unit_numel: int, persistence_threshold: int) -> bool:
+    """Stage 3 frees a unit's gathered parameters after its forward; stage 2 keeps them to the
+    backward. DeepSpeed's `stage3_param_persistence_threshold`: a unit with at most that many
+    elements stays gathered from forward to backward (FSDP2 gathers a whole unit in one
+    collective, so DeepSpeed's per-parameter latency saving maps to units; docs/zero.md)."""
+    return stage == 3 and unit_numel > persistence_threshold
+
+
+def _warn_unmapped_knobs(parallel_cfg: Any, stage: int, dist: Any) -> None:
+    """Name, in one warning, the DeepSpeed knobs that have no PyTorch counterpart here."""
+    unmapped = []
+    if stage >= 2 and parallel_cfg.reduce_bucket_size:
+        unmapped.append("reduce_bucket_size (FSDP2 reduces one unit = one block per collective)")
+    if stage >= 2 and not parallel_cfg.contiguous_gradients:
+        unmapped.append("contiguous_gradients=false (FSDP2 always reduce-scatters into one flat buffer)")
+    if parallel_cfg.overlap_comm is False:
+        unmapped.append("overlap_comm=false (DDP and FSDP2 always overlap communication with backward)")
+    if unmapped and dist.is_main:
+        warnings.warn(
+            f"ZeRO-{stage} on {ENGINES[stage]}: DeepSpeed settings without a PyTorch knob, "
+            f"ignored: {'; '.join(unmapped)}", stacklevel=3,
+        )
+
+
+# --------------------------------------------------------------------------- optimizer
+
+
+def build_optimizer_for(model: nn.Module, train_cfg: Any, parallel_cfg: Any, dist: Any) -> torch.optim.Optimizer:
+    """The AdamW of `tenfold.engine.optim` over the (wrapped) model; at ZeRO-1 with more than
+    one dp rank, the same optimizer inside `ZeroRedundancyOptimizer`, which gives each rank
+    the states of ~1/N of the parameters (whole tensors, largest first, greedy) and broadcasts
+    the updated parameters after each step."""
     from tenfold.engine.optim import build_optimizer
 
-    return build_optimizer(model, train_cfg, dist.device)
+    optimizer = build_optimizer(unwrap(model), train_cfg, dist.device)
+    if int(parallel_cfg.zero_stage) != 1 or dist.dp_size <= 1:
+        return optimizer
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    # Only the constructor's own keywords: AdamW's `defaults` also carry internal entries
+    # (e.g. `decoupled_weight_decay`) its __init__ does not accept.
+    accepted = set(inspect.signature(type(optimizer).__init__).parameters) - {"self", "params"}
+    defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+    groups = [{k: v for k, v in g.items() if k == "params" or k in accepted} for g in optimizer.param_groups]
+    return ZeroRedundancyOptimizer(
+        groups, optimizer_class=type(optimizer), process_group=dp_group(dist), **defaults
+    )
+
+
+def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer that holds this rank's states (ZeroRedundancyOptimizer keeps its shard in
+    `.optim`; others hold their own)."""
+    inner = getattr(optimizer, "optim", None)
+    return inner if isinstance(inner, torch.optim.Optimizer) else optimizer
+
+
+# --------------------------------------------------------------------------- the step
+
+
+def zero_stage_of(model: nn.Module) -> int | None:
+    """The stage `apply_zero` wrapped `model` with (None: not wrapped, one dp rank)."""
+    return getattr(model, _STAGE_ATTR, None)
 
 
 def grad_sync(model: nn.Module, enabled: bool):
-    return contextlib.nullcontext()
+    """Context for one micro-step's forward + backward.
+
+    Stages 0/1 (DDP): `no_sync()` on non-boundary micro-steps, so gradients accumulate
+    locally and are all-reduced once, on the last micro-batch. Stages 2/3 (FSDP2):
+    reduce-scatter on EVERY micro-step and accumulate the 1/N shards; this keeps only 1/N of
+    the gradients alive between micro-steps (the reason for ZeRO-2), as torchtitan and
+    DeepSpeed ZeRO-2/3 do (engine.md §1b)."""
+    stage = zero_stage_of(model)
+    if enabled or stage is None or stage >= 2:
+        return contextlib.nullcontext()
+    return model.no_sync()
 
 
-def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
+def clip_grad_norm(model: nn.Module, max_norm: float, extra_groups=()) -> float:
+    """Clip to the GLOBAL gradient norm (over all shards) and return the pre-clip norm.
+
+    FSDP2 gradients are DTensors sharded on dim 0: the norm of the local shards is a Partial
+    DTensor whose `full_tensor()` all-reduces the squares (tenfold.engine.optim.clip_grad_norm).
+    DDP gradients are already full on every rank. `max_norm == 0` only measures."""
     from tenfold.engine.optim import clip_grad_norm as _clip
 
-    return _clip([p for p in model.parameters() if p.grad is not None], max_norm)
+    return _clip([p for p in model.parameters() if p.grad is not None], max_norm, extra_groups=extra_groups)
+
+
+# --------------------------------------------------------------------------- inspection
+
+
+def local_numel(t: torch.Tensor) -> int:
+    return t.to_local().numel() if hasattr(t, "to_local") else t.numel()
+
+
+def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Bytes of this rank's own parameters, gradients and optimizer states right now (local
+    shards of DTensors; ZeroRedundancyOptimizer's local states). Tests use it to check the
+    1/N claims independently of the memory tracker."""
+    params = [p for p in model.parameters()]
+    opt = local_optimizer(optimizer)
+    states = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
+    nbytes = lambda ts: sum(local_numel(t) * t.element_size() for t in ts)  # noqa: E731
+    return {
+        "params_bytes": nbytes(params),
+        "grads_bytes": nbytes([p.grad for p in params if p.grad is not None]),
+        "optimizer_bytes": nbytes(states),
+    }
