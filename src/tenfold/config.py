@@ -86,6 +86,7 @@ class PrecisionSection(_Section):
     hysteresis: int = Field(2, gt=0)
     consecutive_hysteresis: bool = False
     min_loss_scale: float = Field(1.0, gt=0)
+    raise_error_at_min_scale: bool = True  # DeepSpeed: an overflow at min_loss_scale ends the run
 
 
 class RecomputeSection(_Section):
