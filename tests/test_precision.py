@@ -137,6 +137,8 @@ def test_build_loss_scaler_follows_deepspeed_create_loss_scaler():
     cfg = build_config({"precision": {"dtype": "fp16", "loss_scale": 512, "initial_scale_power": 3}})
     static = build_loss_scaler(cfg.precision, "fp16")
     assert not static.dynamic and static.scale == 512.0
+    cfg = build_config({"precision": {"dtype": "fp16", "raise_error_at_min_scale": False}})
+    assert build_loss_scaler(cfg.precision, "fp16").raise_error_at_min_scale is False
     for name in ("bf16", "fp32"):
         noop = build_loss_scaler(cfg.precision, name)
         assert not noop.dynamic and noop.scale == 1.0

@@ -64,9 +64,9 @@ def resolve_dtype(name: str, device: torch.device) -> str:
     """Validate `precision.dtype` and adapt it to the device.
 
     bf16 falls back to fp32 (with a warning) where bf16 autocast is unsupported. fp16 on a
-    CPU is allowed but warned about once per process: CPU fp16 matmuls have no fast kernels
-    (measured 2026-12-02 on this 2-core CPU: a 512x512 matmul is ~40x slower than fp32 and
-    ~100x slower than bf16 under autocast).
+    CPU is allowed but warned about once per process: CPUs have no fast fp16 matmul kernels
+    (measured on this 2-core EPYC, docs/precision.md: a 512x512 matmul 8-40x slower than fp32,
+    a `tiny` training step 3-7x slower).
     """
     global _warned_fp16_on_cpu
     if name not in DTYPES:
@@ -77,8 +77,8 @@ def resolve_dtype(name: str, device: torch.device) -> str:
     if name == "fp16" and device.type == "cpu" and not _warned_fp16_on_cpu:
         _warned_fp16_on_cpu = True
         warnings.warn(
-            "fp16 on a CPU is very slow (no fast fp16 kernels: ~40-100x slower than fp32/bf16 "
-            "here); use --precision bf16 on CPUs",
+            "fp16 on a CPU is very slow (no fast fp16 matmul kernels; 3-40x "
+            "slower than fp32, see docs/precision.md); use --precision bf16 or fp32 on CPUs",
             stacklevel=2,
         )
     return name
@@ -302,7 +302,7 @@ def build_loss_scaler(precision_section: Any, dtype_name: str) -> LossScaler:
         min_scale=p.min_loss_scale,
         delayed_shift=p.hysteresis,
         consecutive_hysteresis=p.consecutive_hysteresis,
-        raise_error_at_min_scale=getattr(p, "raise_error_at_min_scale", True),
+        raise_error_at_min_scale=p.raise_error_at_min_scale,
     )
 
 
