@@ -72,3 +72,14 @@ def p2p_time(nbytes: float, hw: Hardware, crosses_nodes: bool) -> float:
         return 0.0
     bw = (hw.nic_bw if crosses_nodes else hw.intra_node_bw) * hw.bus_efficiency
     return nbytes / bw + (hw.inter_latency_s if crosses_nodes else hw.intra_latency_s)
+
+
+def tp_volume_elements_per_layer(b: int, s: int, h: int, t: int) -> float:
+    """Narayanan §3.2: 2 all-reduces forward + 2 backward of b*s*h elements; a ring all-reduce
+    moves 2 (t-1)/t of its buffer per device: 8 b s h (t-1)/t elements per layer per device."""
+    return 4 * 2 * (t - 1) / t * b * s * h
+
+
+def pp_volume_elements(b: int, s: int, h: int, t: int = 1, scatter_gather: bool = True) -> float:
+    """Narayanan §4.1: b*s*h per micro-batch per stage boundary; b*s*h/t with scatter/gather."""
+    return b * s * h / (t if scatter_gather else 1)

@@ -1,0 +1,263 @@
+"""The planner against published numbers (/work/shared/reference/planner.md §3, cases V1-V28).
+
+Each test names its case. Tolerances follow the reference's suggestions unless stated."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+
+from tenfold.models.presets import PRESETS, PUBLISHED_PARAMS, ModelConfig, param_count
+from tenfold.plan import comm, memory
+from tenfold.plan.api import predict
+from tenfold.plan.calibration import NARAYANAN_TABLE1, fit, row_model
+from tenfold.plan.flops import (
+    korthikanti_hardware_flops_selective,
+    korthikanti_model_flops,
+    narayanan_days,
+    narayanan_params,
+    palm_flops_per_token,
+)
+from tenfold.plan.hardware import CATALOG, GPU_GEMM_EFFICIENCY
+from tenfold.plan.memory import activation_bytes_per_layer, largest_model_that_fits, stage_activations, zero_model_states_gb
+from tenfold.plan.strategy import Strategy, parse_ac
+
+# ZeRO Table 1 verbatim: {psi: {dp: (P_os, P_os+g, P_os+g+p)}} in GB (1e9 bytes).
+ZERO_TABLE1 = {
+    7.5e9: {1: (120, 120, 120), 4: (52.5, 41.3, 30), 16: (35.6, 21.6, 7.5), 64: (31.4, 16.6, 1.88),
+            256: (30.4, 15.4, 0.47), 1024: (30.1, 15.1, 0.12)},
+    128e9: {1: (2048, 2048, 2048), 4: (896, 704, 512), 16: (608, 368, 128), 64: (536, 284, 32),
+            256: (518, 263, 8), 1024: (513, 257, 2)},
+    1e12: {1: (16000, 16000, 16000), 4: (7000, 5500, 4000), 16: (4750, 2875, 1000), 64: (4187, 2218, 250),
+           256: (4046, 2054, 62.5), 1024: (4011, 2013, 15.6)},
+}
+
+
+def test_v1_zero_7_5b_dp64():
+    expected = {0: 120, 1: 31.4, 2: 16.6, 3: 1.88}
+    for stage, gb in expected.items():
+        assert zero_model_states_gb(7.5e9, stage, 64) == pytest.approx(gb, rel=0.005)
+
+
+@pytest.mark.parametrize("psi", sorted(ZERO_TABLE1))
+def test_v2_full_zero_table1_grid_within_1pct(psi):
+    # The paper truncates several cells (4187.5 -> 4187), so 1% (the issue's tolerance), or half
+    # a unit of the last printed digit where that is larger: 0.1172 is printed as 0.12 (2.4%).
+    for dp, cells in ZERO_TABLE1[psi].items():
+        for stage, published in zip((1, 2, 3), cells):
+            got = zero_model_states_gb(psi, stage, dp)
+            decimals = len(repr(float(published)).split(".")[1].rstrip("0")) if published % 1 else 0
+            tol = max(0.01 * published, 0.5 * 10**-decimals)
+            assert abs(got - published) <= tol, (psi, dp, stage, got, published)
+
+
+def test_v2_through_predict_params_only():
+    # The same cell through the public API, as `tenfold plan --params` computes it.
+    plan = predict(1e12, "a100-80gb", 1024, Strategy(precision="fp16", zero=3))
+    assert plan.memory.model_states_bytes / 1e9 == pytest.approx(15.6, rel=0.01)
+    assert plan.memory.activations_bytes is None
+
+
+# ZeRO Table 2: MP, GPUs -> largest model (B params) for baseline, P_os, P_os+g, P_os+g+p.
+ZERO_TABLE2 = [
+    (1, 64, (2, 7.6, 14.4, 128)), (2, 128, (4, 15.2, 28.8, 256)), (4, 256, (8, 30.4, 57.6, 500)),
+    (8, 512, (16, 60.8, 115.2, 1000)), (16, 1024, (32, 121.6, 230.4, 2000)),
+]
+
+
+@pytest.mark.parametrize("mp,gpus,sizes", ZERO_TABLE2)
+def test_v3_zero_table2_largest_model_that_fits(mp, gpus, sizes):
+    dp = gpus // mp
+    for stage, published in zip((0, 1, 2, 3), sizes):
+        got = mp * largest_model_that_fits(32e9, stage, dp) / 1e9  # MP splits the model over mp GPUs
+        # The table rounds 7.64 -> 7.6 and 14.42 -> 14.4, and 512 -> "0.5T", 2048 -> "2T".
+        assert got == pytest.approx(published, rel=0.025), (mp, stage, got)
+
+
+@pytest.mark.parametrize("dp", [1, 8, 64])
+def test_v8_megatron_distributed_optimizer_bytes_per_param(dp):
+    def per_param(stage, **kw):
+        return memory.model_states(1.0, Strategy(zero=stage, **kw), dp).total
+
+    assert per_param(0, precision="bf16", grads_fp32=True) == pytest.approx(18)
+    assert per_param(1, precision="bf16", grads_fp32=True) == pytest.approx(6 + 12 / dp)
+    assert per_param(0, precision="fp16", fp32_grad_copy=True) == pytest.approx(20)
+    assert per_param(1, precision="fp16", fp32_grad_copy=True) == pytest.approx(4 + 16 / dp)
+    assert per_param(0, precision="fp32") == pytest.approx(16)
+    assert per_param(1, precision="fp32") == pytest.approx(8 + 8 / dp)
+
+
+GPT3 = ModelConfig(n_layers=96, d_model=12288, n_heads=96, vocab_size=51200, max_seq_len=2048, mlp="gelu",
+                   norm="layernorm", pos="learned", bias=True, tie_embeddings=True)
+KORTHIKANTI = Strategy(precision="fp16", dropout=True, flash_attention=False, activation_style="megatron")
+
+
+@pytest.mark.parametrize("label,tp,sp,ac,expected", [
+    ("none", 1, False, "none", 2.869e9),
+    ("TP baseline", 8, False, "none", 5.79e8),
+    ("TP + SP", 8, True, "none", 3.59e8),
+    ("TP + selective", 8, False, "selective", 3.27e8),
+    ("TP + SP + selective", 8, True, "selective", 1.07e8),
+])
+def test_v9_korthikanti_table2_bytes_per_layer(label, tp, sp, ac, expected):
+    s = replace(KORTHIKANTI, sequence_parallel=sp, tp=tp)
+    dropped = ("attn_core",) if ac == "selective" else ()
+    got = activation_bytes_per_layer(GPT3, s, 2048, 1, tp, dropped)
+    assert got == pytest.approx(expected, rel=0.005), label
+
+
+def test_v9_eq1_is_34_plus_5as_over_h():
+    s, b, h, a = 2048, 1, 12288, 96
+    assert activation_bytes_per_layer(GPT3, KORTHIKANTI, s, b, 1) == s * b * h * (34 + 5 * a * s / h)
+    full = memory.recompute_layer_bytes(GPT3, KORTHIKANTI, s, b, 8)
+    assert full == pytest.approx(5.03e7, rel=0.005)  # sbh(2)
+
+
+def test_v9_selective_saves_70_and_65_percent():
+    mtnlg = replace(GPT3, n_heads=128, d_model=20480, n_layers=105)
+    for cfg, saving in ((GPT3, 0.70), (mtnlg, 0.65)):
+        none = activation_bytes_per_layer(cfg, KORTHIKANTI, 2048, 1, 1)
+        sel = activation_bytes_per_layer(cfg, KORTHIKANTI, 2048, 1, 1, ("attn_core",))
+        assert 1 - sel / none == pytest.approx(saving, abs=0.005)
+
+
+def test_v9_first_stage_total_eq6_and_interleave():
+    # TP=8, SP, selective, p=8: the first stage holds p micro-batches x L/p layers = L layers.
+    s = replace(KORTHIKANTI, tp=8, pp=8, sequence_parallel=True, pp_schedule="1f1b")
+    pol = parse_ac("selective")
+    sa = stage_activations(GPT3, s, pol, 2048, 1, 8, 8, 64, 1, 12, first=True, last=False)
+    assert sa.stored_bytes / 2**30 == pytest.approx(9.56, rel=0.005)
+    s3 = replace(s, pp_schedule="interleaved", virtual_stages=3)
+    sa3 = stage_activations(GPT3, s3, pol, 2048, 1, 8, 8, 64, 3, 12, first=True, last=False)
+    assert sa3.stored_bytes / 2**30 == pytest.approx(12.35, rel=0.005)
+
+
+# Korthikanti Table 3 + 5: (heads, hidden, layers, gpus, global batch, time s, MFU %, HFU %).
+KORTHIKANTI_T5 = [
+    (64, 6144, 48, 8, 4, 1.10, 41.5, 43.7),
+    (96, 12288, 96, 64, 64, 13.75, 51.4, 52.8),
+    (128, 20480, 105, 280, 280, 37.83, 56.0, 57.0),
+    (160, 25600, 128, 512, 512, 71.49, 56.3, 57.0),
+]
+
+
+@pytest.mark.parametrize("a,h,L,gpus,B,secs,mfu,hfu", KORTHIKANTI_T5)
+def test_v10_korthikanti_table5_mfu_hfu(a, h, L, gpus, B, secs, mfu, hfu):
+    peak = 312e12
+    assert 100 * korthikanti_model_flops(B, L, 2048, h, 51200) / (secs * gpus * peak) == pytest.approx(mfu, abs=0.2)
+    assert 100 * korthikanti_hardware_flops_selective(B, L, 2048, h, 51200) / (secs * gpus * peak) == pytest.approx(hfu, abs=0.2)
+    # The planner's own MFU numerator for the same model agrees with Eq. (7) to 0.2 pt.
+    cfg = ModelConfig(n_layers=L, d_model=h, n_heads=a, vocab_size=51200, max_seq_len=2048, mlp="gelu",
+                      norm="layernorm", pos="learned", bias=True, tie_embeddings=True)
+    plan = predict(cfg, "a100-80gb", gpus, Strategy(precision="bf16", tp=8, pp=gpus // 8, global_batch=B, seq_len=2048,
+                                                    ac="selective", achieved_tflops=100))
+    assert 100 * plan.model_flops_per_step / (secs * gpus * peak) == pytest.approx(mfu, abs=0.2)
+
+
+def test_v12_recompute_time_overheads_22b():
+    # Korthikanti Table 4 (22B, TP=8, b=4): full recompute +39% (ideal +33%), selective +7%.
+    cfg = ModelConfig(n_layers=48, d_model=6144, n_heads=64, vocab_size=51200, max_seq_len=2048, mlp="gelu",
+                      norm="layernorm", pos="learned", bias=True, tie_embeddings=True)
+    base = Strategy(precision="fp16", tp=8, micro_batch=4, global_batch=4, seq_len=2048, dropout=True,
+                    flash_attention=False)
+    t = {ac: predict(cfg, "a100-80gb", 8, replace(base, ac=ac)).step_time_s for ac in ("none", "full", "selective")}
+    assert 0.28 <= t["full"] / t["none"] - 1 <= 0.42
+    assert 0.0 < t["selective"] / t["none"] - 1 <= 0.10
+
+
+@pytest.mark.parametrize("row", NARAYANAN_TABLE1, ids=lambda r: f"{r[0]}B")
+def test_v13_narayanan_eq2_parameter_counts(row):
+    published, heads, h, L = row[:4]
+    assert narayanan_params(L, h, 51200, 2048) / 1e9 == pytest.approx(published, abs=0.051)
+    # The presets' exact count for the same GPT block (+ the final LayerNorm) agrees too.
+    assert param_count(row_model(row)) / 1e9 == pytest.approx(published, abs=0.051)
+
+
+def test_v15_narayanan_34_and_84_days():
+    assert narayanan_days(300e9, 175e9, 1024, 140e12) == pytest.approx(33.9, abs=0.05)
+    assert narayanan_days(450e9, 1008.0e9, 3072, 163e12) == pytest.approx(83.9, abs=0.05)
+
+
+def test_v15_through_predict_with_achieved_tflops():
+    s = Strategy(precision="bf16", tp=8, pp=16, micro_batch=1, global_batch=1536, seq_len=2048, ac="full",
+                 tokens=300e9, achieved_tflops=140)
+    assert predict("gpt3-175b", "a100-80gb", 1024, s).train_days == pytest.approx(34, rel=0.05)
+    cfg = ModelConfig(n_layers=128, d_model=25600, n_heads=160, vocab_size=51200, max_seq_len=2048, mlp="gelu",
+                      norm="layernorm", pos="learned", bias=True, tie_embeddings=True)
+    s1t = replace(s, pp=64, global_batch=3072, tokens=450e9, achieved_tflops=163)
+    assert predict(cfg, "a100-80gb", 3072, s1t).train_days == pytest.approx(84, rel=0.05)
+
+
+def test_v17_pipeline_bubble_and_memory_identities():
+    cfg = replace(GPT3, n_layers=96)
+    base = Strategy(precision="bf16", tp=8, pp=8, micro_batch=1, global_batch=64, seq_len=2048, ac="full")
+    p = predict(cfg, "a100-80gb", 64, base)
+    assert p.grad_accum == 64
+    assert p.time.bubble_fraction == pytest.approx(7 / 64)  # 10.9%
+    pi = predict(cfg, "a100-80gb", 64, replace(base, pp_schedule="interleaved", virtual_stages=3))
+    assert pi.time.bubble_fraction == pytest.approx(7 / 64 / 3, abs=1e-9)  # 3.6%
+    assert memory.inflight_microbatches("1f1b", 8, 64, 1) == 8
+    assert memory.inflight_microbatches("1f1b", 8, 4, 1) == 4
+    assert memory.inflight_microbatches("gpipe", 8, 64, 1) == 64
+    assert memory.inflight_microbatches("interleaved", 8, 64, 3) == pytest.approx(8 * (1 + 7 / 24))
+
+
+def test_v18_tp_and_pp_volumes():
+    assert comm.tp_volume_elements_per_layer(1, 2048, 12288, 8) == pytest.approx(1.76e8, rel=0.005)
+    assert 2 * comm.tp_volume_elements_per_layer(1, 2048, 12288, 8) / 1e6 == pytest.approx(352, rel=0.005)
+    assert comm.pp_volume_elements(1, 2048, 12288, 8) == 2048 * 12288 / 8
+    # The time model's 4 all-reduces per layer move exactly that volume (no latency, full bandwidth).
+    hw = replace(CATALOG["a100-80gb"], bus_efficiency=1.0, intra_latency_s=0.0)
+    t = 4 * comm.all_reduce_time(2048 * 12288 * 2, hw, comm.Group(8, 8))
+    assert t == pytest.approx(comm.tp_volume_elements_per_layer(1, 2048, 12288, 8) * 2 / hw.intra_node_bw)
+
+
+def test_v22_nanogpt_124m():
+    cfg = ModelConfig(n_layers=12, d_model=768, n_heads=12, vocab_size=50257, max_seq_len=1024, mlp="gelu",
+                      norm="layernorm", pos="learned", bias=False, tie_embeddings=True)
+    # nanoGPT's N excludes the position embedding; its LayerNorms have no bias (ours do: +19,200).
+    n = 124_337_664 - 1024 * 768
+    assert palm_flops_per_token(n, 12, 12, 64, 1024) * 1024 == 875_062_886_400
+    plan = predict(cfg, "a100-80gb", 1, Strategy(precision="bf16", micro_batch=100, seq_len=1024, achieved_tflops=1))
+    per_seq = plan.model_flops_per_step / 100
+    assert per_seq == pytest.approx(875_062_886_400, rel=2e-4)
+    assert per_seq / 874_944_921_600 == pytest.approx(1.0001, abs=2e-4)  # vs the notebook's exact count
+    assert 100 * per_seq * 100 / (0.755 * 312e12) == pytest.approx(37.14, abs=0.05)  # MFU at 0.755 s/iter
+    # 6ND at 300B tokens on 8 A100 at 30% MFU: 3.46 days (params-only mode uses 6N).
+    p = predict(124_337_664, "a100-80gb", 8, Strategy(tokens=300e9, achieved_tflops=0.3 * 312))
+    assert p.train_days == pytest.approx(3.46, abs=0.01)
+
+
+def test_v27_ring_allreduce_and_zero3_volume():
+    hw = replace(CATALOG["a100-80gb"], bus_efficiency=1.0, intra_latency_s=0.0, inter_latency_s=0.0)
+    S = 2 * 1e9
+    assert comm.all_reduce_time(S, hw, comm.Group(8, 8)) == pytest.approx(1.75 * S / hw.intra_node_bw)
+    # ZeRO-3 moves 3Ψ where DP moves 2Ψ (one micro-batch, nothing overlapped).
+    cfg = PRESETS["gpt3-1.3b"]
+    base = Strategy(precision="bf16", micro_batch=1, global_batch=8, seq_len=2048, overlap_comm=False)
+    t0 = predict(cfg, hw, 8, replace(base, zero=0)).time.dp_comm_s
+    t3 = predict(cfg, hw, 8, replace(base, zero=3)).time.dp_comm_s
+    assert t3 / t0 == pytest.approx(1.5, rel=1e-6)
+
+
+def test_v28_gpt3_table21_shapes():
+    derived = {"gpt3-125m": 0.124, "gpt3-350m": 0.353, "gpt3-760m": 0.757, "gpt3-1.3b": 1.311, "gpt3-2.7b": 2.645,
+               "gpt3-6.7b": 6.648, "gpt3-13b": 12.84, "gpt3-175b": 174.56}
+    for name, value in derived.items():
+        cfg = PRESETS[name]
+        approx = (12 * cfg.n_layers * cfg.d_model**2 + cfg.vocab_size * cfg.d_model) / 1e9
+        assert approx == pytest.approx(value, abs=0.006), name  # the reference rounds to 3 significant digits
+        assert param_count(cfg) / PUBLISHED_PARAMS[name] == pytest.approx(1.0, abs=0.025), name
+
+
+def test_time_model_calibration_reproduces_constant_and_table1():
+    """The only fitted number: e_max on Narayanan Table 1 (every other effect is modelled)."""
+    e, rows = fit()
+    assert e == pytest.approx(GPU_GEMM_EFFICIENCY, abs=0.01)
+    for params, published, predicted in rows:
+        assert predicted == pytest.approx(published, rel=0.10), params
+    # log-RMS error over the table
+    rms = math.sqrt(sum(math.log(p / q) ** 2 for _, q, p in rows) / len(rows))
+    assert rms < 0.05
