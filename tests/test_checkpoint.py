@@ -1,0 +1,388 @@
+"""Checkpoints on one process: exact resume, atomic saves, faults (corrupt, truncated, foreign,
+full disk, kill -9 mid-save), safe loading, --keep-last, NaN never saved.
+
+The loop here is deliberately plain (tenfold's GPT, AdamW, the project's LR schedule, the
+DeepSpeed-style dynamic loss scaler with a short window so its scale moves, the resumable
+GlobalBatchLoader) and uses all three RNGs (torch, numpy, python) in the gradient, so a
+resume that forgot any piece of state gives a different curve. The trainer-level checks
+(`tenfold train ... --resume auto`) are in test_checkpoint_trainer.py.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import pickle
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as torch_dist
+
+from tenfold.config import TrainSection
+from tenfold.data import GlobalBatchLoader
+from tenfold.engine import checkpoint as ck
+from tenfold.engine.schedule import build_scheduler
+from tenfold.errors import RunError, UserError
+from tenfold.models.gpt import GPT
+from tenfold.models.presets import ModelConfig
+from tenfold.techniques.accumulation import IGNORE_INDEX, token_loss_sum
+from tenfold.techniques.precision import DynamicLossScaler
+
+MC = ModelConfig(n_layers=2, d_model=32, n_heads=2, vocab_size=64, max_seq_len=16)
+SEQ, GLOBAL_BATCH, STEPS = 16, 4, 6
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny shapes: one intra-op thread is faster and immune to a loaded 2-core machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def dataset() -> np.ndarray:
+    return np.random.default_rng(0).integers(0, MC.vocab_size, size=(64, SEQ + 1))
+
+
+def make_run(rank: int = 0, world: int = 1, zero: int = 0, noise: bool = True) -> SimpleNamespace:
+    """Model, optimizer, schedule, scaler, loader and counters of a plain training run.
+    world > 1 needs an initialised process group; zero=3 shards with FSDP2 `fully_shard`
+    per block + root, zero=0 replicates with DDP."""
+    torch.manual_seed(0)
+    model = GPT(MC)
+    if world > 1 and zero == 3:
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.layers.values():
+            fully_shard(block)
+        fully_shard(model)
+    elif world > 1:
+        from torch.nn.parallel import DistributedDataParallel
+
+        model = DistributedDataParallel(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    sched = build_scheduler(opt, TrainSection(steps=STEPS, warmup_steps=2, schedule="cosine"), STEPS)
+    scaler = DynamicLossScaler(init_scale=2.0**4, scale_window=2)
+    loader = GlobalBatchLoader(dataset(), GLOBAL_BATCH, GLOBAL_BATCH // world, 1, rank, world, seed=0)
+    # Every rank draws from its own streams, as a real run's dropout would.
+    torch.manual_seed(100 + rank)
+    np.random.seed(200 + rank)
+    random.seed(300 + rank)
+    return SimpleNamespace(model=model, optimizer=opt, scheduler=sched, scaler=scaler, loader=loader,
+                           state={"step": 0, "tokens": 0}, noise=noise, world=world)
+
+
+def train_step(run: SimpleNamespace) -> dict:
+    (mb,) = run.loader.next_step()
+    labels = mb["labels"]
+    if run.noise:  # token dropout drawn from the torch, numpy and python RNG streams
+        labels = labels.clone()
+        labels[torch.rand(labels.shape) < 0.2] = IGNORE_INDEX
+        labels[0, np.random.randint(SEQ)] = IGNORE_INDEX
+        labels[-1, random.randrange(SEQ)] = IGNORE_INDEX
+    loss_sum = token_loss_sum(run.model(mb["input_ids"]), labels)
+    global_tokens = GLOBAL_BATCH * SEQ
+    loss = loss_sum * (run.world / global_tokens)  # DDP/FSDP average over ranks
+    run.scaler.scale_loss(loss).backward()
+    params = [p for p in run.model.parameters()]
+    run.scaler.unscale_grads_(params)
+    run.optimizer.step()
+    run.scheduler.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    run.scaler.update(False)
+    total = loss_sum.detach().double()
+    if torch_dist.is_initialized():
+        torch_dist.all_reduce(total)
+    run.state["step"] += 1
+    run.state["tokens"] += global_tokens
+    return {"step": run.state["step"], "loss": float(total) / global_tokens,
+            "lr": run.optimizer.param_groups[0]["lr"], "scale": run.scaler.scale}
+
+
+def train(run: SimpleNamespace, until: int, manager: ck.CheckpointManager | None = None) -> list[dict]:
+    out = []
+    while run.state["step"] < until:
+        out.append(train_step(run))
+        if manager is not None:
+            manager.after_step(run.state["step"], run, last=run.state["step"] == until)
+    if manager is not None:
+        manager.close()
+    return out
+
+
+def manager(out: Path, every: int = 3, resume: str | None = None, **kw) -> ck.CheckpointManager:
+    messages: list[str] = kw.pop("messages", [])
+    return ck.CheckpointManager(out, every=every, resume=resume, log=messages.append, **kw)
+
+
+# --------------------------------------------------------------------------- exact resume
+
+
+def test_resume_matches_uninterrupted_exactly(tmp_path):
+    reference = train(make_run(), STEPS)
+    assert len({r["scale"] for r in reference}) > 1, "the loss scale must move for the test to mean something"
+    assert len({r["lr"] for r in reference}) > 1
+    first = make_run()
+    train(first, 3, manager(tmp_path))
+    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step_3"
+    resumed = make_run()  # fresh objects, different RNG position than at step 3
+    tstate = manager(tmp_path, resume="auto").resume(resumed)
+    assert tstate["step"] == 3 and resumed.state == {"step": 3, "tokens": 3 * GLOBAL_BATCH * SEQ}
+    rest = train(resumed, STEPS)
+    assert [r["step"] for r in rest] == [4, 5, 6]
+    for got, want in zip(rest, reference[3:]):
+        assert got == want  # loss, lr and loss scale bit for bit (fp32, same ops)
+
+
+def test_resume_without_rng_state_would_differ(tmp_path):
+    """The exact test above can fail: dropping the RNG restore changes the curve."""
+    reference = train(make_run(), STEPS)
+    train(make_run(), 3, manager(tmp_path))
+    resumed = make_run()
+    m = manager(tmp_path, resume="auto")
+    original = ck.restore_rng_state
+    ck.restore_rng_state = lambda state: None
+    try:
+        m.resume(resumed)
+    finally:
+        ck.restore_rng_state = original
+    rest = train(resumed, STEPS)
+    assert abs(rest[-1]["loss"] - reference[-1]["loss"]) > 1e-4  # the noise stream was not restored
+
+
+def test_resume_auto_without_checkpoint_starts_fresh(tmp_path):
+    messages: list[str] = []
+    assert manager(tmp_path, resume="auto", messages=messages).resume(make_run()) is None
+    assert any("starting fresh" in m for m in messages)
+
+
+def test_resume_from_explicit_path_and_run_dir(tmp_path):
+    train(make_run(), 6, manager(tmp_path, every=2))
+    run = make_run()
+    assert manager(tmp_path, resume=str(tmp_path / "checkpoints" / "step_4")).resume(run)["step"] == 4
+    assert ck.resolve_checkpoint_path(tmp_path) == tmp_path / "checkpoints" / "step_6"
+    with pytest.raises(UserError, match="checkpoint not found"):
+        manager(tmp_path, resume=str(tmp_path / "nope")).resume(make_run())
+
+
+# --------------------------------------------------------------------------- layout, keep-last
+
+
+def test_layout_manifest_and_keep_last(tmp_path):
+    train(make_run(), 6, manager(tmp_path, every=1, keep_last=2))
+    root = tmp_path / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_5", "step_6"]
+    ckpt = root / "step_6"
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    assert manifest["format"] == ck.FORMAT_TAG and manifest["step"] == 6
+    names = set(manifest["files"])
+    assert {".metadata", "trainer_state.json", "rank_00000.json"} <= names
+    assert any(n.endswith(".distcp") for n in names)
+    for rel, info in manifest["files"].items():
+        assert (ckpt / rel).stat().st_size == info["bytes"]
+    tstate = json.loads((ckpt / "trainer_state.json").read_text())
+    assert tstate["scheduler"]["last_epoch"] == 6 and tstate["scaler"]["kind"] == "dynamic"
+    assert tstate["loader"]["samples_seen"] == 6 * GLOBAL_BATCH
+
+
+def test_saving_the_same_step_again_replaces_it(tmp_path):
+    train(make_run(), 3, manager(tmp_path))
+    train(make_run(), 3, manager(tmp_path))  # a second fresh run into the same OUT
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step_3"]
+    ck.verify_checkpoint(tmp_path / "checkpoints" / "step_3")
+
+
+# --------------------------------------------------------------------------- faults
+
+
+def _two_checkpoints(tmp_path) -> Path:
+    train(make_run(), 6, manager(tmp_path, every=3))
+    return tmp_path / "checkpoints"
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "delete_manifest", "foreign_tag", "delete_shard"])
+def test_bad_checkpoint_named_and_auto_falls_back(tmp_path, damage):
+    root = _two_checkpoints(tmp_path)
+    bad = root / "step_6"
+    shard = next(bad.glob("*.distcp"))
+    if damage == "flip":
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        shard.write_bytes(bytes(data))
+        expect = f"corrupt checkpoint file {shard}"
+    elif damage == "truncate":
+        shard.write_bytes(shard.read_bytes()[:100])
+        expect = f"truncated or altered checkpoint file {shard}"
+    elif damage == "delete_manifest":
+        (bad / "manifest.json").unlink()
+        expect = "foreign DCP checkpoint"
+    elif damage == "foreign_tag":
+        (bad / "manifest.json").write_text(json.dumps({"format": "something-else"}))
+        expect = f"not a tenfold checkpoint (format tag is not 'tenfold-checkpoint'): {bad / 'manifest.json'}"
+    else:
+        shard.unlink()
+        expect = f"checkpoint file missing: {shard}"
+    with pytest.raises(UserError) as info:
+        manager(tmp_path, resume=str(bad)).resume(make_run())
+    assert expect in str(info.value)
+    assert "\n" not in str(info.value)
+    messages: list[str] = []
+    run = make_run()
+    tstate = manager(tmp_path, resume="auto", messages=messages).resume(run)
+    assert tstate["step"] == 3
+    assert any(expect in m and "falling back" in m for m in messages)
+
+
+def test_all_checkpoints_bad_is_an_error_not_a_fresh_start(tmp_path):
+    root = _two_checkpoints(tmp_path)
+    for d in ("step_3", "step_6"):
+        (root / d / "trainer_state.json").write_text("{broken")
+    with pytest.raises(UserError, match="no usable checkpoint"):
+        manager(tmp_path, resume="auto").resume(make_run())
+
+
+def test_checkpoint_of_another_model_is_refused(tmp_path):
+    train(make_run(), 3, manager(tmp_path))
+    other = make_run()
+    other.model = GPT(ModelConfig(n_layers=2, d_model=48, n_heads=2, vocab_size=64, max_seq_len=16))
+    other.optimizer = torch.optim.AdamW(other.model.parameters(), lr=1e-2)
+    with pytest.raises(UserError, match=r"step_3 does not fit this model/optimizer: Size mismatch"):
+        manager(tmp_path, resume="auto").resume(other)
+
+
+def test_metadata_pickle_with_code_is_refused(tmp_path):
+    """DCP's .metadata is a plain pickle; ours is read with an allow-list unpickler."""
+    train(make_run(), 3, manager(tmp_path))
+    ckpt = tmp_path / "checkpoints" / "step_3"
+    marker = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    (ckpt / ".metadata").write_bytes(pickle.dumps(Evil()))
+    with pytest.raises(pickle.UnpicklingError, match="refusing to load posix.system"):
+        ck.SafeReader(ckpt).read_metadata()
+    # through the normal path the manifest's checksum already catches it:
+    with pytest.raises(UserError, match=r"altered checkpoint file .*step_3/\.metadata"):
+        manager(tmp_path, resume=str(ckpt)).resume(make_run())
+    assert not marker.exists()
+
+
+def test_full_disk_reports_error_keeps_previous_and_removes_tmp(tmp_path, monkeypatch):
+    train(make_run(), 3, manager(tmp_path))
+    run = make_run()
+    m = manager(tmp_path, resume="auto")
+    m.resume(run)
+    real_save = ck.dcp.save
+
+    def save_then_disk_full(state, checkpoint_id):
+        Path(checkpoint_id, "__0_0.distcp").write_bytes(b"partial")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(ck.dcp, "save", save_then_disk_full)
+    train_step(run)
+    with pytest.raises(UserError) as info:
+        m.save(4, run)
+    msg = str(info.value)
+    assert "No space left on device" in msg and "step_3 is intact" in msg
+    monkeypatch.setattr(ck.dcp, "save", real_save)
+    root = tmp_path / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_3"]
+    assert ck.read_latest(root) == root / "step_3"
+    assert manager(tmp_path, resume="auto").resume(make_run())["step"] == 3
+
+
+def test_nan_weights_are_never_saved(tmp_path):
+    run = make_run()
+    train(run, 1)
+    with torch.no_grad():
+        run.model.layers["0"].mlp.w1.weight[0, 0] = float("nan")
+    with pytest.raises(RunError, match=r"step 1: parameter layers.0.mlp.w1.weight holds NaN"):
+        manager(tmp_path).save(1, run)
+    assert not (tmp_path / "checkpoints" / "step_1").exists()
+
+
+KILL_SCRIPT = textwrap.dedent(
+    """
+    import sys
+    sys.path.insert(0, {tests!r})
+    from pathlib import Path
+    import test_checkpoint as t
+    out = Path({out!r})
+    run = t.make_run()
+    t.train(run, 3, t.manager(out))            # step_3 complete
+    print("READY", flush=True)
+    import os
+    os.environ[t.ck.SLOW_SAVE_ENV] = "60"
+    t.train(run, 6, t.manager(out))            # step_6 save is slowed down and killed
+    """
+)
+
+
+def test_kill_9_during_save_leaves_previous_checkpoint(tmp_path):
+    script = KILL_SCRIPT.format(tests=str(Path(__file__).parent), out=str(tmp_path))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=env)
+    assert proc.stdout.readline().strip() == "READY"
+    # The child's second manager writes step_6 slowly: wait for its tmp dir, then SIGKILL.
+    tmp = tmp_path / "checkpoints" / ".tmp-step_6"
+    deadline = time.time() + 60
+    while not tmp.exists() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.01)
+    assert tmp.exists(), "the save of step 6 never started"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    root = tmp_path / "checkpoints"
+    assert ck.read_latest(root) == root / "step_3"
+    assert not (root / "step_6").exists()
+    reference = train(make_run(), STEPS)  # (make_run seeds the global RNGs: before resume)
+    run = make_run()
+    assert manager(tmp_path, resume="auto").resume(run)["step"] == 3
+    assert train(run, STEPS) == reference[3:]
+    # the next save clears the leftover of the killed one
+    manager(tmp_path).save(6, run)
+    assert not tmp.exists() and (root / "step_6").is_dir()
+
+
+# --------------------------------------------------------------------------- preemption
+
+
+def test_sigterm_saves_at_next_step_boundary_and_stops(tmp_path):
+    run = make_run()
+    m = manager(tmp_path, every=0)
+    m.install_signal_handlers()
+    try:
+        train_step(run)
+        assert not m.after_step(1, run)
+        os.kill(os.getpid(), signal.SIGTERM)  # arrives "during" step 2
+        train_step(run)
+        assert m.after_step(2, run) is True
+    finally:
+        m.close()
+    root = tmp_path / "checkpoints"
+    assert ck.read_latest(root) == root / "step_2"
+    assert signal.getsignal(signal.SIGTERM) is not m._on_signal
+
+
+def test_async_save_snapshot_is_exact(tmp_path):
+    """Background save: training goes on while step 3 is written; resume is still exact."""
+    reference = train(make_run(), STEPS)
+    run = make_run()
+    m = manager(tmp_path, async_save=True)
+    train(run, 5, m)  # step 3 async, finalised later; the last step saves synchronously
+    assert [s.step for s in m.saves] == [3, 5]
+    resumed = make_run()
+    manager(tmp_path, resume=str(tmp_path / "checkpoints" / "step_3")).resume(resumed)
+    assert train(resumed, STEPS) == reference[3:]
