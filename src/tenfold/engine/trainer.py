@@ -104,13 +104,17 @@ class Trainer:
             self.seq_len = int(np.asarray(self.data.train[:1]).shape[1]) - 1
         seed_everything(cfg.train.seed)
         self.model = self._build_model()
-        self.param_count = sum(p.numel() for p in self.model.parameters())
-        self.flops_per_token = self._flops_per_token()
+        from tenfold.models.adapter import adapt, check_techniques  # [any model] blocks, FLOPs, loss
+
+        self.adapter = adapt(self.model, self.seq_len, cfg.model.blocks, self.loss_fn)
+        check_techniques(self.adapter, cfg)
+        self.param_count = self.adapter.param_count
+        self.flops_per_token = self.adapter.flops_per_token
         from tenfold.engine.parallelize import parallelize
         from tenfold.engine.schedule import build_scheduler
         from tenfold.techniques import zero
 
-        self.model = parallelize(self.model, cfg, self.dist)
+        self.model = parallelize(self.model, cfg, self.dist, blocks=self.adapter.blocks)
         self.optimizer = zero.build_optimizer_for(self.model, cfg.train, cfg.parallel, self.dist)
         self.scheduler = build_scheduler(self.optimizer, cfg.train, cfg.train.steps)
         self.scaler = build_loss_scaler(cfg.precision, self.dtype_name)
@@ -148,14 +152,11 @@ class Trainer:
         from tenfold.models.gpt import GPT
 
         self.model_cfg = self.cfg.model_config_resolved()
+        if self.cfg.model.hf_config or self.cfg.model.hf_pretrained:  # [any model] transformers
+            from tenfold.models.hf import build_hf_model
+
+            return build_hf_model(self.cfg.model.hf_config, self.cfg.model.hf_pretrained).to(self.dist.device)
         return GPT(self.model_cfg).to(self.dist.device)
-
-    def _flops_per_token(self) -> float:
-        if self.user_model is None:
-            from tenfold.models.presets import flops_per_token
-
-            return flops_per_token(self.model_cfg, self.seq_len)
-        return 6.0 * self.param_count  # Kaplan's 6N for a model whose shape we do not know
 
     def peak_flops_per_device(self) -> float | None:
         """Dense peak FLOP/s of one device for this dtype (MFU's denominator)."""
@@ -173,11 +174,7 @@ class Trainer:
 
     def forward_loss(self, batch: dict) -> torch.Tensor:
         """Sum of token losses of one micro-batch (fp32)."""
-        if self.loss_fn is not None:
-            loss_sum, _ = self.loss_fn(self.model, batch)
-            return loss_sum.float()
-        logits = self.model(batch["input_ids"])
-        return acc.token_loss_sum(logits, batch["labels"])
+        return self.adapter.loss_sum(self.model, batch)  # [any model] models/adapter.py
 
     def train_step(self, micro_batches: list[dict]) -> StepResult:
         loss, global_tokens = self.accumulate_gradients(micro_batches)
@@ -191,6 +188,9 @@ class Trainer:
 
         dev = self.dist.device
         dp_group = self.dist.mesh["dp"].get_group() if self.dist.mesh is not None else None
+        if self.dist.pp_size > 1:  # [pipeline] the schedule runs all micro-batches (techniques/pipeline.py)
+            result = self.model.train_step(micro_batches, self.scaler.scale, dp_group)
+            return result.loss, result.global_tokens
         global_tokens = int(acc.all_reduce_sum(acc.count_targets(micro_batches), dp_group))
         loss_sum = torch.zeros((), dtype=torch.float64, device=dev)
         for i, mb in enumerate(micro_batches):
@@ -213,7 +213,8 @@ class Trainer:
         non_finite = grads_have_inf_or_nan(params) if self.dtype_name == "fp16" else not math.isfinite(loss)
         if non_finite:
             return self._skip_step(loss, global_tokens)
-        grad_norm = zero.clip_grad_norm(self.model, self.cfg.train.grad_clip)
+        pp_groups = (self.dist.mesh["pp"].get_group(),) if self.dist.pp_size > 1 else ()  # [pipeline] all stages
+        grad_norm = zero.clip_grad_norm(self.model, self.cfg.train.grad_clip, extra_groups=pp_groups)
         if not math.isfinite(grad_norm) and self.dtype_name != "fp16":
             return self._skip_step(loss, global_tokens, grad_norm)
         self.optimizer.step()
@@ -249,6 +250,11 @@ class Trainer:
 
         self.model.eval()
         total, count = 0.0, 0
+        if self.dist.pp_size > 1:  # [pipeline] forward through the stages, loss on the last
+            batches = list(iter_eval(val, self.micro_batch, self.cfg.train.eval_batches))
+            total = self.model.eval_loss_sum(batches)
+            self.model.train()
+            return total / max(sum(int((b["labels"] != acc.IGNORE_INDEX).sum()) for b in batches), 1)
         for batch in iter_eval(val, self.micro_batch, self.cfg.train.eval_batches):
             batch = {k: v.to(self.dist.device) for k, v in batch.items()}
             with autocast_context(self.dtype_name, self.dist.device):
@@ -296,6 +302,7 @@ class Trainer:
                     "tokens_per_s": tps, "mfu": mfu, "loss_scale": self.scaler.scale,
                     "skipped": self.state.skipped, "peak_mem_bytes": peak_memory_bytes(dist.device),
                     "step_time_s": step_time, "tokens": self.state.tokens,
+                    "elapsed_s": time.perf_counter() - wall_start,
                 }
                 every = cfg.train.eval_every
                 if (every and self.state.step % every == 0) or self.state.step == cfg.train.steps:
@@ -313,6 +320,11 @@ class Trainer:
             writer.close()
         wall = time.perf_counter() - wall_start
         summary = self._summary(last, val_loss, wall, peak)
+        if self.adapter.kind == "hf":  # [any model] OUT/hf: save_pretrained layout (every rank gathers)
+            from tenfold.models.hf import save_hf_pretrained
+
+            save_hf_pretrained(self.model, self.out_dir / "hf", main)
+            summary["hf_export"] = str(self.out_dir / "hf")
         if main:
             _write_json_atomic(self.out_dir / "summary.json", summary)
             self._print_summary(summary)
@@ -325,12 +337,18 @@ class Trainer:
             return
         c = self.cfg
         self.console.print(
-            f"[bold]tenfold train[/] {c.model.name if self.user_model is None else type(self.user_model).__name__}"
+            f"[bold]tenfold train[/] {self._model_label()}"
             f" ({self.param_count / 1e6:.2f}M params) | {self.dtype_name} | "
             f"batch {self.global_batch} = {self.micro_batch} x {self.grad_accum} x dp {self.dist.dp_size} "
             f"| seq {self.seq_len} | {c.train.steps} steps | {self.dist.world_size} process(es) on {self.dist.device.type}"
         )
         self.console.print(f"data: {self.data.describe()}")
+
+    def _model_label(self) -> str:  # [any model] preset name, HF config path or the user's class
+        m = self.cfg.model
+        if self.user_model is not None:
+            return type(self.user_model).__name__
+        return m.hf_pretrained or m.hf_config or m.name
 
     def _summary(self, last: dict, val_loss: float | None, wall: float, peak: float | None) -> dict:
         history = self.state.history
@@ -339,7 +357,7 @@ class Trainer:
         return {
             "config": self.cfg.to_dict(),
             "model": {
-                "name": self.cfg.model.name if self.user_model is None else type(self.user_model).__name__,
+                "name": self._model_label(), "blocks": f"{len(self.adapter.blocks)} x {self.adapter.block_class}",
                 "params": self.param_count, "flops_per_token": self.flops_per_token,
             },
             "hardware": {

@@ -1,0 +1,108 @@
+"""tenfold train vs a plain hand-written PyTorch loop: same model, data, precision, optimizer.
+
+Measures tokens/s of both in this one run (alternating repeats, so drift on a shared machine
+hits both) and prints the ratio tenfold / plain per precision (target >= 0.97), plus the MFU
+that `tiny` and `small` reach here (model FLOPs 6N + 12*L*s*d per token, the CPU's measured
+GEMM peak for the dtype; tenfold/models/presets.py::flops_per_token, engine/peak.py).
+
+    python benchmarks/bench_train.py [--model tiny] [--steps 30] [--repeats 2] [--precisions fp32,bf16]
+
+Throughput is tokens over the wall time of steps warmup+1..N, loop overheads included
+(data loading, logging, metrics for tenfold; data slicing for the plain loop).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from tenfold.config import build_config
+from tenfold.data import GlobalBatchLoader, build_data
+from tenfold.engine.peak import cpu_peak_flops
+from tenfold.engine.trainer import Trainer
+from tenfold.models.gpt import GPT
+from tenfold.models.presets import flops_per_token, get_preset
+
+WARMUP = 3
+
+
+def config(model: str, precision: str, steps: int, micro_batch: int, out: str) -> dict:
+    return {
+        "model": {"name": model},
+        "precision": {"dtype": precision},
+        "train": {"steps": steps, "micro_batch": micro_batch, "grad_accum": 1, "eval_every": 0, "eval_batches": 1,
+                  "warmup_steps": 2},
+        "log": {"out": out, "progress": False, "tensorboard": False},
+    }
+
+
+def run_tenfold(model: str, precision: str, steps: int, micro_batch: int) -> float:
+    with tempfile.TemporaryDirectory() as out:
+        Trainer(build_config(config(model, precision, steps, micro_batch, out))).fit()
+        records = [json.loads(l) for l in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+    t0, t1 = records[WARMUP - 1]["elapsed_s"], records[-1]["elapsed_s"]
+    tokens = records[-1]["tokens"] - records[WARMUP - 1]["tokens"]
+    return tokens / (t1 - t0)
+
+
+def run_plain(model: str, precision: str, steps: int, micro_batch: int) -> float:
+    """The loop a user would write by hand (nanoGPT style)."""
+    cfg = build_config(config(model, precision, steps, micro_batch, "/tmp/unused"))
+    seq_len = cfg.seq_len()
+    data = build_data(cfg.data, seq_len, cfg.train.seed)
+    loader = GlobalBatchLoader(data.train, micro_batch, micro_batch, 1, seed=cfg.train.seed)
+    torch.manual_seed(cfg.train.seed)
+    net = GPT(cfg.model.build())
+    opt = torch.optim.AdamW(net.parameters(), lr=cfg.train.lr, betas=(0.9, 0.95), weight_decay=0.1, foreach=True)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    stamps = []
+    for _ in range(steps):
+        batch = loader.next_step()[0]
+        with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
+            logits = net(batch["input_ids"])
+        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        float(loss)  # the same host sync tenfold does to log the loss
+        stamps.append(time.perf_counter())
+    return micro_batch * seq_len * (steps - WARMUP) / (stamps[-1] - stamps[WARMUP - 1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="tiny")
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--micro-batch", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--precisions", default="fp32,bf16")
+    args = ap.parse_args()
+    mc = get_preset(args.model)
+    fpt = flops_per_token(mc, mc.max_seq_len)
+    print(f"# {platform.node()} | {platform.processor() or platform.machine()} | torch {torch.__version__} | "
+          f"threads {torch.get_num_threads()} | {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+    print(f"# model {args.model}, micro-batch {args.micro_batch} x seq {mc.max_seq_len}, {args.steps} steps "
+          f"(first {WARMUP} excluded), {args.repeats} alternating repeats, best of each")
+    print("| precision | plain tok/s | tenfold tok/s | ratio tenfold/plain | tenfold MFU |")
+    print("|---|---|---|---|---|")
+    for precision in args.precisions.split(","):
+        plain, ours = [], []
+        for _ in range(args.repeats):
+            plain.append(run_plain(args.model, precision, args.steps, args.micro_batch))
+            ours.append(run_tenfold(args.model, precision, args.steps, args.micro_batch))
+        best_plain, best_ours = max(plain), max(ours)
+        mfu = fpt * best_ours / cpu_peak_flops(precision)
+        print(f"| {precision} | {best_plain:,.0f} | {best_ours:,.0f} | {best_ours / best_plain:.3f} | {mfu:.1%} |")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TENFOLD_BENCH", "1")
+    main()
