@@ -1,0 +1,116 @@
+"""Checkpoints across ranks (2 gloo processes): exact resume with DDP (ZeRO-0) and FSDP2
+`fully_shard` (ZeRO-3), and resharding through DCP: a 2-rank ZeRO-3 checkpoint resumed on one
+process and a one-process checkpoint resumed on 2 ranks ZeRO-3 (rel. 1e-4 of the uninterrupted
+curve: only the reduction order differs).
+
+One spawn of two ranks runs every multi-rank scenario (process start-up dominates on CPU);
+the tests below each check one part of what it recorded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as torch_dist
+import torch.multiprocessing as mp
+
+import test_checkpoint as t
+from tenfold.engine import checkpoint as ck
+
+WORLD = 2
+
+
+def _rel_close(a: list[dict], b: list[dict], rel: float) -> bool:
+    return [x["step"] for x in a] == [y["step"] for y in b] and all(
+        abs(x["loss"] - y["loss"]) <= rel * abs(y["loss"]) for x, y in zip(a, b)
+    )
+
+
+def _exact_resume(out: Path, zero: int) -> dict:
+    reference = t.train(t.make_run(torch_dist.get_rank(), WORLD, zero), t.STEPS)
+    t.train(t.make_run(torch_dist.get_rank(), WORLD, zero), 3, t.manager(out))
+    resumed = t.make_run(torch_dist.get_rank(), WORLD, zero)
+    t.manager(out, resume="auto").resume(resumed)
+    return {"reference": reference[3:], "resumed": t.train(resumed, t.STEPS)}
+
+
+def _worker(rank: int, tmp: str) -> None:
+    torch.set_num_threads(1)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch_dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=WORLD)
+    root = Path(tmp)
+    results: dict = {}
+    try:
+        results["zero0"] = _exact_resume(root / "zero0", zero=0)
+        results["zero3"] = _exact_resume(root / "zero3", zero=3)
+        # 2 ranks ZeRO-3 -> checkpoint at step 3 (resumed on one process by the parent), and
+        # the 2-rank uninterrupted curve without RNG noise (the parent compares against it).
+        results["zero3_reference"] = t.train(t.make_run(rank, WORLD, 3, noise=False), t.STEPS)
+        t.train(t.make_run(rank, WORLD, 3, noise=False), 3, t.manager(root / "from2"))
+        # one-process checkpoint (written by the parent) -> 2 ranks ZeRO-3
+        up = t.make_run(rank, WORLD, 3, noise=False)
+        messages: list[str] = []
+        t.manager(root / "from1", resume="auto", messages=messages).resume(up)
+        results["from1"] = t.train(up, t.STEPS)
+        results["from1_messages"] = messages
+        results["files_zero3"] = sorted(json.loads(
+            (root / "zero3" / "checkpoints" / "step_3" / "manifest.json").read_text())["files"])
+    finally:
+        torch_dist.destroy_process_group()
+    if rank == 0:
+        (root / "results.json").write_text(json.dumps(results))
+
+
+@pytest.fixture(scope="module")
+def two_rank_results(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ckpt_dist")
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        one = t.make_run(noise=False)
+        reference_1 = t.train(one, t.STEPS)
+        t.train(t.make_run(noise=False), 3, t.manager(tmp / "from1"))
+    finally:
+        torch.set_num_threads(before)
+    mp.start_processes(_worker, args=(str(tmp),), nprocs=WORLD, start_method="spawn", join=True)
+    results = json.loads((tmp / "results.json").read_text())
+    results["reference_1"] = reference_1
+    results["tmp"] = tmp
+    return results
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("zero", ["zero0", "zero3"])
+def test_two_ranks_resume_exactly(two_rank_results, zero):
+    r = two_rank_results[zero]
+    assert [x["step"] for x in r["resumed"]] == [4, 5, 6]
+    assert r["resumed"] == r["reference"]  # loss, lr, loss scale bit for bit
+
+
+@pytest.mark.slow
+def test_zero3_checkpoint_has_one_shard_file_per_rank(two_rank_results):
+    files = two_rank_results["files_zero3"]
+    assert {"__0_0.distcp", "__1_0.distcp", "rank_00000.json", "rank_00001.json"} <= set(files)
+
+
+@pytest.mark.slow
+def test_two_rank_zero3_checkpoint_resumes_on_one_process(two_rank_results, one_thread):
+    messages: list[str] = []
+    run = t.make_run(noise=False)
+    t.manager(two_rank_results["tmp"] / "from2", resume="auto", messages=messages).resume(run)
+    assert any("resharding 2 -> 1" in m for m in messages)
+    got = t.train(run, t.STEPS)
+    assert _rel_close(got, two_rank_results["zero3_reference"][3:], 1e-4)
+
+
+@pytest.mark.slow
+def test_one_process_checkpoint_resumes_on_two_ranks_zero3(two_rank_results):
+    assert any("resharding 1 -> 2" in m for m in two_rank_results["from1_messages"])
+    assert _rel_close(two_rank_results["from1"], two_rank_results["reference_1"][3:], 1e-4)
+
+
+one_thread = t.one_thread  # the single-thread fixture, for the in-process resume above
