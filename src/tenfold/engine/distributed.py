@@ -72,6 +72,7 @@ def init_distributed(pp_size: int = 1, timeout_s: float = 600.0) -> DistInfo:
     if pp_size < 1 or world % pp_size:
         raise UserError(f"parallel.pp_degree ({pp_size}) must divide the number of processes ({world})")
     install_failure_reporting(rank)
+    _register_exit_shutdown()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device = pick_device(local_rank)
     if not dist.is_initialized():
@@ -179,8 +180,12 @@ def install_failure_reporting(rank: int) -> None:
     if not isinstance(sys.stderr, _RankPrefixed):
         sys.stderr = _RankPrefixed(sys.stderr, f"[rank {rank}] ", already=f"[rank{rank}]:")
     previous = sys.excepthook
+    if getattr(previous, "_tenfold", False):
+        return
 
     def hook(exc_type, exc, tb):
+        global _FAILING
+        _FAILING = True
         if os.environ.get("TORCHELASTIC_ERROR_FILE") and not issubclass(exc_type, KeyboardInterrupt):
             try:
                 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
@@ -190,7 +195,40 @@ def install_failure_reporting(rank: int) -> None:
                 pass
         previous(exc_type, exc, tb)
 
+    hook._tenfold = True  # type: ignore[attr-defined]
     sys.excepthook = hook
+
+
+_FAILING = False  # set by the excepthook: this rank is dying of an uncaught exception
+_EXIT_BARRIER_S = 30.0
+_exit_registered = False
+
+
+def _register_exit_shutdown() -> None:
+    """Leave the process group at interpreter exit (the CLI, a script, a test worker), so
+    that no entry point can forget it (see `shutdown`)."""
+    global _exit_registered
+    if not _exit_registered:
+        import atexit
+
+        atexit.register(_shutdown_at_exit)
+        _exit_registered = True
+
+
+def _shutdown_at_exit() -> None:
+    if not dist.is_initialized():
+        return
+    if _FAILING:  # no barrier: the peers may be inside another collective; torchrun stops them
+        return
+    try:
+        if dist.get_backend() == "gloo":
+            # bounded: a peer that left without us (it failed) is named, not waited for
+            dist.monitored_barrier(timeout=timedelta(seconds=_EXIT_BARRIER_S))
+        else:
+            dist.barrier()
+        dist.destroy_process_group()
+    except Exception as e:  # exiting anyway; say why the exit was not clean
+        print(f"tenfold: process group shutdown: {e}", file=sys.stderr)
 
 
 def shutdown() -> None:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import time
 import warnings
 from typing import Any
 
@@ -52,8 +53,14 @@ _STAGE_ATTR = "_tenfold_zero_stage"
 # --------------------------------------------------------------------------- wrapping
 
 
-def apply_zero(model: nn.Module, parallel_cfg: Any, dist: Any, param_dtype: torch.dtype | None = None) -> nn.Module:
+def apply_zero(
+    model: nn.Module, parallel_cfg: Any, dist: Any, param_dtype: torch.dtype | None = None,
+    blocks: list[nn.Module] | None = None,
+) -> nn.Module:
     """Wrap `model` for ZeRO stage `parallel_cfg.zero_stage` over the data-parallel group.
+
+    `blocks`: the FSDP2 units of stages 2/3, one per repeated block (the model adapter finds
+    them for any model, tenfold.models.adapter); default `model.layers` (tenfold's GPT).
 
     One data-parallel rank: there is nothing to shard or reduce, the model is returned as is
     for every stage (a single-process run is the reference the stages are tested against).
@@ -68,7 +75,7 @@ def apply_zero(model: nn.Module, parallel_cfg: Any, dist: Any, param_dtype: torc
     if stage <= 1:
         wrapped = _wrap_ddp(model, parallel_cfg, dist)
     else:
-        wrapped = _wrap_fsdp2(model, parallel_cfg, dist, stage, param_dtype)
+        wrapped = _wrap_fsdp2(model, parallel_cfg, dist, stage, param_dtype, blocks)
     setattr(wrapped, _STAGE_ATTR, stage)
     return wrapped
 
@@ -112,13 +119,14 @@ def _wrap_ddp(model: nn.Module, parallel_cfg: Any, dist: Any) -> nn.Module:
     return DDP(model, **kwargs)
 
 
-def _wrap_fsdp2(model: nn.Module, parallel_cfg: Any, dist: Any, stage: int, param_dtype) -> nn.Module:
+def _wrap_fsdp2(model: nn.Module, parallel_cfg: Any, dist: Any, stage: int, param_dtype, blocks=None) -> nn.Module:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh = dist.mesh["dp"]
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     threshold = int(parallel_cfg.param_persistence_threshold)
-    blocks = list(model.layers.values()) if hasattr(model, "layers") else []
+    if blocks is None:
+        blocks = list(model.layers.values()) if hasattr(model, "layers") else []
     for block in blocks:
         fully_shard(block, mesh=mesh, mp_policy=mp,
                     reshard_after_forward=_reshard_after_forward(stage, _numel(block), threshold))
@@ -168,8 +176,13 @@ def build_optimizer_for(model: nn.Module, train_cfg: Any, parallel_cfg: Any, dis
     from tenfold.engine.optim import build_optimizer
 
     optimizer = build_optimizer(unwrap(model), train_cfg, dist.device)
-    if int(parallel_cfg.zero_stage) != 1 or dist.dp_size <= 1:
-        return optimizer
+    if int(parallel_cfg.zero_stage) == 1 and dist.dp_size > 1:
+        optimizer = _zero_redundancy(optimizer, dist)
+    _tighten_timeouts_after_first_step(optimizer, parallel_cfg, dist)
+    return optimizer
+
+
+def _zero_redundancy(optimizer: torch.optim.Optimizer, dist: Any) -> torch.optim.Optimizer:
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
     # Only the constructor's own keywords: AdamW's `defaults` also carry internal entries
@@ -180,6 +193,26 @@ def build_optimizer_for(model: nn.Module, train_cfg: Any, parallel_cfg: Any, dis
     return ZeroRedundancyOptimizer(
         groups, optimizer_class=type(optimizer), process_group=dp_group(dist), **defaults
     )
+
+
+def _tighten_timeouts_after_first_step(optimizer: torch.optim.Optimizer, parallel_cfg: Any, dist: Any) -> None:
+    """After the first optimizer step (process start, lazy FSDP init and warm-up are behind us)
+    shorten the collective timeout from `parallel.timeout_s` to ~20x that first step, at
+    least 120 s (`distributed.tightened_timeout_s`): a rank that hangs is then noticed in
+    bounded time. Measured from the optimizer's creation, so it includes the first step."""
+    if not dist.initialized:
+        return
+    from tenfold.engine.distributed import tighten_timeouts, tightened_timeout_s
+
+    started = time.perf_counter()
+    handle = None
+
+    def after_first_step(*_):
+        elapsed = time.perf_counter() - started
+        tighten_timeouts(dist, tightened_timeout_s(elapsed, parallel_cfg.timeout_s))
+        handle.remove()
+
+    handle = optimizer.register_step_post_hook(after_first_step)
 
 
 def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
