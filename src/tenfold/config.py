@@ -36,9 +36,19 @@ class ModelSection(_Section):
     pos: Literal["rope", "learned"] | None = None
     bias: bool | None = None
     tie_embeddings: bool | None = None
+    # Any model (tenfold.models.adapter / hf): a Hugging Face config.json (random init) or a
+    # local folder with config.json + safetensors; `blocks` names the repeated block class.
+    hf_config: str | None = None
+    hf_pretrained: str | None = None
+    blocks: str | None = None
 
     def build(self) -> ModelConfig:
-        overrides = self.model_dump(exclude={"name"})
+        if self.hf_config or self.hf_pretrained:  # the HF shape, as the planner reads it
+            from tenfold.plan.shape import model_from_hf_config
+
+            path = Path(self.hf_pretrained or self.hf_config)
+            return model_from_hf_config(str(path / "config.json" if path.is_dir() else path))
+        overrides = self.model_dump(exclude={"name", "hf_config", "hf_pretrained", "blocks"})
         return get_preset(self.name).with_overrides(**overrides)
 
 

@@ -1,0 +1,163 @@
+"""Hugging Face causal LMs in tenfold: build from a config.json, load local safetensors, export.
+
+    tenfold train --hf-config path/to/config.json      AutoModelForCausalLM.from_config (random init)
+    tenfold train --hf-pretrained DIR                  DIR/config.json + DIR/*.safetensors
+    OUT/hf/                                            written at the end of training: the
+                                                       `save_pretrained` layout (config.json +
+                                                       model.safetensors), loadable with
+                                                       AutoModelForCausalLM.from_pretrained(OUT/hf)
+
+Nothing here ever downloads: configs are read from local files (`AutoConfig.for_model`, not a
+hub id) and weights with `local_files_only=True`. Only safetensors weights are loaded (no
+pickle). Weights are kept in fp32 (the master copy; autocast computes in bf16/fp16), whatever
+`dtype` the config.json names.
+
+`transformers` is an optional dependency (`pip install tenfold[hf]`); it is imported only
+when a Hugging Face model is asked for, and its absence is a UserError naming the extra.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from tenfold.errors import UserError
+
+EXTRA_HINT = "pip install 'tenfold[hf]' (transformers>=4.40)"
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError:
+        raise UserError(f"Hugging Face models need the transformers package: {EXTRA_HINT}") from None
+    transformers.utils.logging.disable_progress_bar()  # tenfold draws its own progress
+    return transformers
+
+
+def config_json_path(path: str | Path, flag: str = "model.hf_config (--hf-config)") -> Path:
+    """`path` itself if it is a file, else `path/config.json`; UserError when missing."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / "config.json"
+    if not p.is_file():
+        raise UserError(f"{flag} {path}: no such file (expected a Hugging Face config.json)")
+    return p
+
+
+def read_config_dict(path: str | Path, flag: str = "model.hf_config (--hf-config)") -> dict:
+    p = config_json_path(path, flag)
+    try:
+        d = json.loads(p.read_text())
+    except ValueError as exc:
+        raise UserError(f"{flag} {p}: not valid JSON ({exc})") from None
+    if not isinstance(d, dict) or "model_type" not in d:
+        raise UserError(f"{flag} {p}: a Hugging Face config.json needs a 'model_type' key (e.g. \"llama\", \"gpt2\")")
+    return d
+
+
+def load_hf_config(path: str | Path, flag: str = "model.hf_config (--hf-config)"):
+    """A `transformers.PretrainedConfig` from a local config.json (never a hub id)."""
+    tf = _transformers()
+    d = dict(read_config_dict(path, flag))
+    model_type = d.pop("model_type")
+    try:
+        return tf.AutoConfig.for_model(model_type, **d)
+    except (ValueError, KeyError) as exc:
+        raise UserError(f"{flag} {path}: transformers cannot build model_type {model_type!r} ({exc})") from None
+
+
+def safetensors_files(directory: Path) -> list[Path]:
+    return sorted(directory.glob("*.safetensors"))
+
+
+def build_hf_model(hf_config: str | None = None, hf_pretrained: str | None = None):
+    """`AutoModelForCausalLM` from a local config (random init, seeded by the caller's torch
+    RNG) or from a local folder with safetensors weights. fp32 parameters in both cases."""
+    import torch
+
+    tf = _transformers()
+    if hf_pretrained:
+        directory = Path(hf_pretrained)
+        config_json_path(directory, "model.hf_pretrained (--hf-pretrained)")
+        if not safetensors_files(directory):
+            raise UserError(
+                f"model.hf_pretrained (--hf-pretrained) {hf_pretrained}: no *.safetensors weights in "
+                "the folder (only safetensors are loaded); to start from random weights use "
+                f"--hf-config {directory / 'config.json'}"
+            )
+        config = load_hf_config(directory, "model.hf_pretrained (--hf-pretrained)")
+        try:
+            return tf.AutoModelForCausalLM.from_pretrained(
+                str(directory), config=config, local_files_only=True, use_safetensors=True, dtype=torch.float32,
+            )
+        except (OSError, ValueError, RuntimeError) as exc:
+            raise UserError(f"model.hf_pretrained (--hf-pretrained) {hf_pretrained}: cannot load ({exc})") from None
+    if not hf_config:
+        raise UserError("a Hugging Face model needs model.hf_config (--hf-config) or model.hf_pretrained (--hf-pretrained)")
+    config = load_hf_config(hf_config)
+    try:
+        return tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    except ValueError as exc:  # e.g. a model_type without a causal-LM head
+        raise UserError(f"model.hf_config (--hf-config) {hf_config}: no causal LM for this config ({exc})") from None
+
+
+def hf_source(model_section: Any) -> str | None:
+    """The config.json path of an HF run (hf_pretrained's own config.json wins), or None."""
+    if getattr(model_section, "hf_pretrained", None):
+        return str(config_json_path(model_section.hf_pretrained, "model.hf_pretrained (--hf-pretrained)"))
+    if getattr(model_section, "hf_config", None):
+        return str(config_json_path(model_section.hf_config))
+    return None
+
+
+# --------------------------------------------------------------------------- export
+
+
+def full_state_dict(model) -> dict:
+    """Unsharded CPU state dict of a (possibly FSDP2/DDP-wrapped) model. A collective under
+    FSDP2: EVERY rank must call it (torch.distributed.checkpoint.state_dict)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    inner = getattr(model, "module", model)  # DDP
+    return get_model_state_dict(inner, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def save_hf_pretrained(model, out_dir: str | Path, is_main: bool = True) -> Path | None:
+    """Write `model` (an HF PreTrainedModel, possibly sharded) as a `save_pretrained` folder:
+    config.json + model.safetensors, loadable by `AutoModelForCausalLM.from_pretrained`.
+
+    Every rank calls this (the unsharded state dict is gathered collectively); rank 0 writes.
+    The weights go through a fresh model of the same config built on the meta device, so the
+    folder names the plain architecture (FSDP2 renames the wrapped class) and carries none of
+    the training-time changes (recomputed forwards, sharded parameters)."""
+    import torch
+
+    tf = _transformers()
+    inner = getattr(model, "module", model)
+    state = full_state_dict(model)
+    if not is_main:
+        return None
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    config = inner.config.__class__.from_dict(inner.config.to_dict())
+    config.dtype = torch.float32
+    with torch.device("meta"):
+        fresh = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    fresh.load_state_dict(state, strict=True, assign=True)
+    fresh.tie_weights()
+    _materialize_buffers(fresh, inner)
+    fresh.save_pretrained(str(out), safe_serialization=True)
+    return out
+
+
+def _materialize_buffers(fresh, trained) -> None:
+    """Non-persistent buffers (e.g. rotary inv_freq) are not in the state dict; copy them from
+    the trained model so that the meta-built model is complete."""
+    trained_buffers = dict(trained.named_buffers())
+    for name, buf in list(fresh.named_buffers()):
+        if buf.is_meta and name in trained_buffers:
+            module_name, _, leaf = name.rpartition(".")
+            owner = fresh.get_submodule(module_name) if module_name else fresh
+            owner._buffers[leaf] = trained_buffers[name].detach().to("cpu").clone()
