@@ -175,8 +175,8 @@ def predict(model: "ModelConfig | str | float | ModelShape", hardware: "str | Ha
             raise UserError(f"--tokens must be positive, got {s.tokens}")
         days = tr("train_days", s.tokens / tps / 86400, "tokens / tokens_per_s / 86400", "definition")
         hours = days * 24 * gpus
-    fits = mem.total_bytes <= mem.capacity_bytes
-    if not fits:
+    fits = _fits(mem, hw, gpus)
+    if mem.total_bytes > mem.capacity_bytes:
         notes.append(
             f"does not fit: {mem.total_bytes / 2**30:.1f} GiB needed on the {mem.stage} stage vs {mem.capacity_bytes / 2**30:.1f} GiB"
         )
@@ -230,15 +230,25 @@ def _memory(shape: ModelShape, hw: Hardware, r: Resolved, tr: _Trace, notes: lis
     tr("allocator_reserve_bytes", best.allocator_reserve_bytes,
        f"{memory.ALLOCATOR_RESERVE_FRACTION:.0%} x (activations + buffers)", "assumption (ZeRO §3.2: fragmentation)")
     tr("total_bytes", best.total_bytes, "model states + activations + buffers + reserve + runtime overhead", "sum")
-    if best.cpu_bytes and best.cpu_bytes * min(r.gpus, hw.gpus_per_node) > 0.9 * _host_ram_guess(hw):
-        notes.append(f"offloaded host memory {best.cpu_bytes * min(r.gpus, hw.gpus_per_node) / 2**30:.0f} GiB per node may exceed host RAM")
+    if not _host_fits(best, hw, r.gpus):
+        notes.append(f"does not fit: offloaded host memory {best.cpu_bytes * min(r.gpus, hw.gpus_per_node) / 2**30:,.0f} GiB "
+                     f"per node > {hw.host_memory_bytes / 2**30:,.0f} GiB of host RAM")
     if s.pp > 1:
         notes.append(f"memory shown for the most loaded pipeline stage ({best.stage})")
     return best
 
 
-def _host_ram_guess(hw: Hardware) -> float:
-    return hw.memory_bytes if hw.shared_compute else 2 * 2**40  # DGX-class nodes: 2 TiB
+def _host_fits(m: MemoryBreakdown, hw: Hardware, gpus: int) -> bool:
+    """Offloaded states of every rank on a node must fit its host RAM (with 10% to spare)."""
+    ranks = min(gpus, hw.gpus_per_node)
+    on_host = m.cpu_bytes * ranks + (m.total_bytes * ranks if hw.shared_compute else 0.0)
+    return on_host <= 0.9 * hw.host_memory_bytes or m.cpu_bytes == 0 and not hw.shared_compute
+
+
+def _fits(m: MemoryBreakdown, hw: Hardware, gpus: int) -> bool:
+    if hw.shared_compute:  # `cpu`: ranks share the machine's RAM
+        return _host_fits(m, hw, gpus)
+    return m.total_bytes <= m.capacity_bytes and _host_fits(m, hw, gpus)
 
 
 def _stage_memory(shape: ModelShape, hw: Hardware, r: Resolved, stage: int) -> MemoryBreakdown:

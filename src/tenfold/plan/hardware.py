@@ -51,6 +51,7 @@ class Hardware:
     bus_efficiency: float = 0.8
     gemm_efficiency: float = GPU_GEMM_EFFICIENCY
     runtime_overhead_bytes: float = 1.0 * GiB  # CUDA context + NCCL/cuBLAS workspaces (estimate)
+    host_memory_bytes: float = 2.0 * 2**40  # per node, for offload (DGX A100/H100: 2 TB; an assumption elsewhere)
     shared_compute: bool = False  # True for `cpu`: ranks on one machine share its cores
     sm_count: int = 0  # streaming multiprocessors (wave quantization of GEMM tiles); 0 = ignore
     sources: dict[str, str] = field(default_factory=dict)
@@ -215,7 +216,7 @@ def cpu_hardware() -> Hardware:
         intra_latency_s=CPU_LOOPBACK_LATENCY_S, inter_latency_s=CPU_LOOPBACK_LATENCY_S,
         host_link_bw=CPU_MEMORY_BW, bus_efficiency=1.0,
         gemm_efficiency=1.0,  # the peak is itself a measured large GEMM
-        runtime_overhead_bytes=0.0, shared_compute=True,
+        runtime_overhead_bytes=0.0, shared_compute=True, host_memory_bytes=_ram_bytes(),
         sources={
             "peak": f"measured by `python -m tenfold.engine.peak` on {_cpu_model_name()} (cached in {_cpu_peak_cache_path()})",
             "memory": "MemTotal from /proc/meminfo",

@@ -178,11 +178,17 @@ def _layer_terms(cfg: ModelConfig, half: bool, style: str, flash: bool, drop: bo
         return tuple(terms)
     # ---- tenfold: eager PyTorch, fp32 residual stream, autocast casts for each Linear.
     T = "tenfold/models/gpt.py under torch.amp"
-    lin_in = B if half else 4.0  # the Linear's saved (cast) input
-    norm_saved = (4.0 + 4.0 + lin_in) if cfg.norm == "rmsnorm" else (4.0 + lin_in)
-    norm_src = (f"{T}: RMSNorm saves its fp32 input and fp32 x*rsqrt, the next Linear its cast input"
-                if cfg.norm == "rmsnorm" else f"{T}: LayerNorm (autocast fp32) saves its input, the next Linear its cast input")
-    add(ActTerm("norm1 (+ qkv input)", norm_saved * h, "replicated", "keep", source=norm_src))
+    # A norm keeps its fp32 input (RMSNorm also its fp32 x*rsqrt). Its output stays fp32 (type_as
+    # the fp32 residual), and autocast casts it separately for EACH following Linear (autocast
+    # caches casts of leaf weights only): 3 bf16 copies before wq/wk/wv, 2 before w1/w3 (SwiGLU).
+    # In fp32 the one output tensor is shared by those Linears.
+    norm_own = (4.0 + 4.0) if cfg.norm == "rmsnorm" else 4.0
+    n_up = 2 if cfg.mlp == "swiglu" else 1
+    attn_in = norm_own + (3 * B if half else 4.0)
+    mlp_in = norm_own + (n_up * B if half else 4.0)
+    norm_src = (f"{T}: {'RMSNorm saves its fp32 input and fp32 x*rsqrt' if cfg.norm == 'rmsnorm' else 'LayerNorm (fp32 under autocast) saves its input'}"
+                f"; each following Linear saves its own 16-bit cast of the fp32 norm output")
+    add(ActTerm("norm1 (+ q/k/v input casts)", attn_in * h, "replicated", "keep", source=norm_src))
     add(ActTerm("q, k, v (SDPA inputs)", 3 * B * h, "shard", "keep",
                 source=f"{T}: SDPA saves q, k, v; GQA k/v are repeat_interleave'd to full width"))
     if flash:
@@ -191,7 +197,7 @@ def _layer_terms(cfg: ModelConfig, half: bool, style: str, flash: bool, drop: bo
     else:
         add(ActTerm("attention probabilities", B * a, "shard", "attn_core", per_seq=True, source="math SDPA: softmax output as^2b"))
     add(ActTerm("wo input (transposed copy)", B * h, "shard", "keep", source=f"{T}: y.transpose(1, 2).reshape copies"))
-    add(ActTerm("norm2 (+ mlp input)", norm_saved * h, "replicated", "keep", source=norm_src))
+    add(ActTerm("norm2 (+ mlp input casts)", mlp_in * h, "replicated", "keep", source=norm_src))
     if cfg.mlp == "swiglu":
         add(ActTerm("w1 x, silu(w1 x), w3 x, product", 4 * B * f, "shard", "mlp",
                     source=f"{T}: silu saves its input, mul both operands, w2 its input"))

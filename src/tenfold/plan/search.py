@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass, replace
 
 from tenfold.errors import UserError
-from tenfold.plan.api import Plan, predict, predict_memory
+from tenfold.plan.api import Plan, _fits as fits, predict, predict_memory
 from tenfold.plan.hardware import Hardware, get_hardware, with_gpus_per_node
 from tenfold.plan.shape import ModelShape, shape_of
 from tenfold.plan.strategy import Strategy
@@ -80,7 +80,7 @@ def search(model, hardware: "str | Hardware", gpus: int, base: Strategy, top_k: 
                                             ac=ac, sequence_parallel=base.sequence_parallel and tp > 1)
                                 evaluated += 1
                                 mem = predict_memory(shape, hw, gpus, s)
-                                if mem.total_bytes > mem.capacity_bytes:
+                                if not fits(mem, hw, gpus):
                                     candidates.append((mem.total_bytes / 2**30, 0.0, False))
                                     continue
                                 p = predict(shape, hw, gpus, s)
