@@ -28,7 +28,7 @@ import pytest
 import torch
 import torch.distributed as torch_dist
 
-from tenfold.config import TrainSection
+from tenfold.config import TrainSection, build_config
 from tenfold.data import GlobalBatchLoader
 from tenfold.engine import checkpoint as ck
 from tenfold.engine.schedule import build_scheduler
@@ -38,7 +38,9 @@ from tenfold.models.presets import ModelConfig
 from tenfold.techniques.accumulation import IGNORE_INDEX, token_loss_sum
 from tenfold.techniques.precision import DynamicLossScaler
 
-MC = ModelConfig(n_layers=2, d_model=32, n_heads=2, vocab_size=64, max_seq_len=16)
+MODEL = {"name": "tiny", "n_layers": 2, "d_model": 32, "n_heads": 2, "d_ff": 64, "vocab_size": 64, "max_seq_len": 16}
+CFG = build_config({"model": MODEL})
+MC = CFG.model_config_resolved()
 SEQ, GLOBAL_BATCH, STEPS = 16, 4, 6
 
 
@@ -80,7 +82,7 @@ def make_run(rank: int = 0, world: int = 1, zero: int = 0, noise: bool = True) -
     np.random.seed(200 + rank)
     random.seed(300 + rank)
     return SimpleNamespace(model=model, optimizer=opt, scheduler=sched, scaler=scaler, loader=loader,
-                           state={"step": 0, "tokens": 0}, noise=noise, world=world)
+                           state={"step": 0, "tokens": 0}, cfg=CFG, noise=noise, world=world)
 
 
 def train_step(run: SimpleNamespace) -> dict:
@@ -259,6 +261,9 @@ def test_checkpoint_of_another_model_is_refused(tmp_path):
     other.optimizer = torch.optim.AdamW(other.model.parameters(), lr=1e-2)
     with pytest.raises(UserError, match=r"step_3 does not fit this model/optimizer: Size mismatch"):
         manager(tmp_path, resume="auto").resume(other)
+    other.cfg = build_config({"model": {**MODEL, "d_model": 48}})  # with a config: named fields
+    with pytest.raises(UserError, match=r"step_3 holds a different model: d_model=32 \(run: 48\)"):
+        manager(tmp_path, resume=str(tmp_path / "checkpoints" / "step_3")).resume(other)
 
 
 def test_metadata_pickle_with_code_is_refused(tmp_path):

@@ -114,3 +114,22 @@ def test_one_process_checkpoint_resumes_on_two_ranks_zero3(two_rank_results):
 
 
 one_thread = t.one_thread  # the single-thread fixture, for the in-process resume above
+
+
+@pytest.mark.slow
+def test_export_consolidates_two_rank_zero3_checkpoint(two_rank_results):
+    """`tenfold export` on one process: the shards of both ranks -> one file, equal to the
+    weights the 2-rank run held at step 3 (as resumed on one process)."""
+    from safetensors.torch import load_file
+
+    from tenfold.engine import export
+
+    src = two_rank_results["tmp"] / "from2"
+    out = src / "zero3.safetensors"
+    export.export_checkpoint(src, out, "fp32")
+    run = t.make_run(noise=False)
+    t.manager(src, resume="auto").resume(run)
+    weights = load_file(str(out))
+    state = run.model.state_dict()
+    assert set(weights) == set(state)
+    assert all(torch.equal(weights[k], state[k]) for k in state)

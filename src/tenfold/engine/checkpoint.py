@@ -402,9 +402,11 @@ def _check_one_file(ckpt: Path, rel: str, expected: dict) -> str | None:
     return None
 
 
-def verify_checkpoint(ckpt: Path) -> dict:
+def verify_checkpoint(ckpt: Path, collective: bool = True) -> dict:
     """Check the manifest and every file's size and sha256. Collective when distributed: the
-    files are hashed round-robin across ranks and the verdict is the same on every rank."""
+    files are hashed round-robin across ranks and the verdict is the same on every rank.
+    `collective=False`: this process checks every file alone (export, tools)."""
+    rank, world = (_rank(), _world()) if collective else (0, 1)
     try:
         manifest = read_manifest(ckpt)
         error = None
@@ -413,9 +415,8 @@ def verify_checkpoint(ckpt: Path) -> dict:
     errors = [error] if error else []
     if manifest is not None:
         files = sorted(manifest.get("files", {}).items())
-        mine = files[_rank():: _world()]
-        errors += [e for rel, exp in mine if (e := _check_one_file(ckpt, rel, exp))]
-    everyone = [e for errs in _all_gather(errors) for e in errs]
+        errors += [e for rel, exp in files[rank::world] if (e := _check_one_file(ckpt, rel, exp))]
+    everyone = [e for errs in _all_gather(errors) for e in errs] if collective else errors
     if everyone:
         raise CheckpointError(sorted(everyone)[0])
     assert manifest is not None

@@ -1,0 +1,151 @@
+"""`tenfold export`: one consolidated safetensors file (+ the model config as JSON) from a
+sharded DCP checkpoint: the seed's `stage3_gather_16bit_weights_on_model_save`, done offline.
+
+Consolidation runs on ONE process and needs no model object: the checkpoint's own `.metadata`
+(read with the allow-list unpickler) gives every weight's full shape and dtype, empty tensors of
+those shapes are allocated, and `dcp.load` fills them from however many shard files the
+training ranks wrote (DCP does the resharding). So a 2-rank ZeRO-3 or pipeline checkpoint
+exports the same as a one-process one. Only `model.*` entries are read: the optimizer state
+(2/3 of a checkpoint under AdamW) is never loaded.
+
+Output: OUT.safetensors (weights cast to --dtype, keys = the model's parameter names, loadable
+with `safetensors.torch.load_file` + `model.load_state_dict`) and OUT.config.json (the
+`ModelConfig` fields + dtype, step and source). Both are written to a temporary name and
+renamed, so a failed export leaves nothing half-written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from tenfold.engine import checkpoint as ck
+from tenfold.errors import UserError
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+MODEL_PREFIX = "model."
+
+
+def config_path_for(out: Path) -> Path:
+    """model.safetensors -> model.config.json (beside it)."""
+    return out.with_name(out.name.removesuffix(".safetensors") + ".config.json")
+
+
+def default_out(ckpt: Path) -> Path:
+    """OUT/checkpoints/step_N -> OUT/model.safetensors."""
+    run_dir = ckpt.parent.parent if ckpt.parent.name == "checkpoints" else ckpt.parent
+    return run_dir / "model.safetensors"
+
+
+def consolidated_model_state(ckpt: Path) -> dict[str, torch.Tensor]:
+    """Every `model.*` tensor of a DCP checkpoint, full-size, on CPU, in the saved dtype."""
+    metadata = ck.SafeReader(ckpt).read_metadata()
+    shapes = {
+        fqn[len(MODEL_PREFIX):]: meta
+        for fqn, meta in metadata.state_dict_metadata.items()
+        if fqn.startswith(MODEL_PREFIX) and isinstance(meta, TensorStorageMetadata)
+    }
+    if not shapes:
+        raise ck.CheckpointError(f"checkpoint {ckpt} holds no model weights (no 'model.*' entries in .metadata)")
+    state = {"model": {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in shapes.items()}}
+    with warnings.catch_warnings():  # "torch.distributed is not initialized": one process is the point
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, storage_reader=ck.SafeReader(ckpt), planner=ck.SafeLoadPlanner(), no_dist=True)
+    return state["model"]
+
+
+def model_config_of(ckpt: Path) -> dict:
+    """The checkpoint's resolved model shape (preset + overrides) as a plain dict."""
+    from tenfold.config import build_config
+
+    saved = ck._read_json(ckpt / ck.CONFIG_FILE)
+    try:
+        mc = build_config({"model": saved.get("model", {})}).model_config_resolved()
+    except UserError as e:
+        raise ck.CheckpointError(f"checkpoint config {ckpt / ck.CONFIG_FILE} is not valid: {e}") from None
+    return {"name": saved.get("model", {}).get("name"), **mc.to_dict()}
+
+
+def write_safetensors(weights: dict[str, torch.Tensor], out: Path, dtype: str, info: dict) -> tuple[Path, Path]:
+    """Cast, write OUT.safetensors and OUT.config.json atomically; return both paths."""
+    from safetensors.torch import save_file
+
+    torch_dtype = DTYPES[dtype]
+    # Tied weights (output = tok_emb) come back from DCP as separate tensors, so no storage
+    # is shared and safetensors needs no de-duplication.
+    tensors = {k: v.detach().to("cpu", torch_dtype).contiguous() for k, v in sorted(weights.items())}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    cfg_path = config_path_for(out)
+    meta = {"format": "pt", "tenfold": json.dumps(info, sort_keys=True)}
+    tmp_out, tmp_cfg = out.with_name(f".{out.name}.tmp"), cfg_path.with_name(f".{cfg_path.name}.tmp")
+    try:
+        save_file(tensors, str(tmp_out), metadata=meta)
+        tmp_cfg.write_text(json.dumps(info, indent=1, sort_keys=True) + "\n")
+        os.replace(tmp_out, out)
+        os.replace(tmp_cfg, cfg_path)
+    except OSError as e:
+        for p in (tmp_out, tmp_cfg):
+            p.unlink(missing_ok=True)
+        raise UserError(f"export: cannot write {out}: {e.strerror or e}") from None
+    return out, cfg_path
+
+
+def export_checkpoint(source: str | Path, out: str | Path | None = None, dtype: str = "bf16") -> dict:
+    """Consolidate `source` (a checkpoint, or a run directory: its newest complete checkpoint)
+    into safetensors. One process; returns a summary dict."""
+    if dtype not in DTYPES:
+        raise UserError(f"export --dtype {dtype!r} is not supported; allowed: {', '.join(DTYPES)}")
+    ckpt = ck.resolve_checkpoint_path(source)
+    manifest = ck.verify_checkpoint(ckpt, collective=False)
+    model_cfg = model_config_of(ckpt)
+    weights = consolidated_model_state(ckpt)
+    out_path = Path(out) if out is not None else default_out(ckpt)
+    info = {
+        "format": "tenfold-gpt", "model": model_cfg, "dtype": dtype, "step": manifest["step"],
+        "source": str(ckpt), "num_params": int(sum(v.numel() for v in weights.values())),
+    }
+    st_path, cfg_path = write_safetensors(weights, out_path, dtype, info)
+    return {**info, "safetensors": str(st_path), "config": str(cfg_path), "bytes": st_path.stat().st_size}
+
+
+def export_after_training(out_dir: str | Path, ckpt: Path, precision: str, log=print) -> dict:
+    """`checkpoint.export_16bit` (DeepSpeed's stage3_gather_16bit_weights_on_model_save):
+    the final checkpoint -> OUT/model.safetensors in the run's 16-bit dtype (fp16 runs keep
+    fp16, everything else bf16). Rank 0 only; the caller synchronises the ranks."""
+    dtype = "fp16" if precision == "fp16" else "bf16"
+    summary = export_checkpoint(ckpt, Path(out_dir) / "model.safetensors", dtype)
+    log(f"export: {summary['safetensors']} ({dtype}, {summary['bytes'] / 2**20:.1f} MiB) + {summary['config']}")
+    return summary
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "export",
+        help="write a checkpoint's weights as one safetensors file (+ model config)",
+        description=__doc__.splitlines()[0],
+    )
+    p.add_argument("source", metavar="RUN_OR_CHECKPOINT",
+                   help="a checkpoint directory (OUT/checkpoints/step_N) or a run directory (its newest complete checkpoint)")
+    p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES), help="dtype of the exported weights (default bf16)")
+    p.add_argument("--out", help="output .safetensors path (default OUT/model.safetensors); the config goes to NAME.config.json beside it")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    summary = export_checkpoint(args.source, args.out, args.dtype)
+    print(
+        f"tenfold export: step {summary['step']} of {summary['source']} -> {summary['safetensors']} "
+        f"({summary['num_params'] / 1e6:.2f}M params, {summary['dtype']}, {summary['bytes'] / 2**20:.1f} MiB); "
+        f"config {summary['config']}"
+    )
+    return 0

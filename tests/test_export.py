@@ -1,0 +1,99 @@
+"""`tenfold export`: DCP checkpoint -> one safetensors file + model config JSON, round-tripped
+into a fresh model (same logits), from one process and (in test_checkpoint_dist.py) from a
+2-rank ZeRO-3 checkpoint."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+import test_checkpoint as t
+from tenfold import cli
+from tenfold.config import build_config
+from tenfold.engine import export
+from tenfold.models.gpt import GPT
+from tenfold.models.presets import ModelConfig
+
+one_thread = t.one_thread
+
+
+def _trained(tmp_path, model_overrides: dict | None = None):
+    run = t.make_run(noise=False)
+    if model_overrides:
+        cfg = build_config({"model": {**t.MODEL, **model_overrides}})
+        torch.manual_seed(0)
+        run.model, run.cfg = GPT(cfg.model_config_resolved()), cfg
+        run.optimizer = torch.optim.AdamW(run.model.parameters(), lr=1e-2)
+        run.scheduler = t.build_scheduler(run.optimizer, t.TrainSection(steps=t.STEPS), t.STEPS)
+    t.train(run, 3, t.manager(tmp_path))
+    return run
+
+
+def _model_from_export(st_path, cfg_path, dtype=torch.float32) -> GPT:
+    info = json.loads(cfg_path.read_text())
+    fields = {k: v for k, v in info["model"].items() if k != "name"}
+    model = GPT(ModelConfig(**fields)).to(dtype)
+    model.load_state_dict(load_file(str(st_path)), strict=True)
+    return model
+
+
+def test_export_fp32_round_trip_same_logits(tmp_path):
+    run = _trained(tmp_path)
+    out = tmp_path / "export" / "model.safetensors"
+    summary = export.export_checkpoint(tmp_path, out, "fp32")
+    assert summary["step"] == 3 and out.is_file()
+    cfg_path = tmp_path / "export" / "model.config.json"
+    info = json.loads(cfg_path.read_text())
+    assert info["dtype"] == "fp32" and info["model"]["d_model"] == 32 and info["step"] == 3
+    with safe_open(str(out), "pt") as f:
+        assert json.loads(f.metadata()["tenfold"])["step"] == 3
+        assert not any(k.startswith(("model.", "optim")) for k in f.keys())  # bare names, no optimizer
+    ids = torch.randint(0, t.MC.vocab_size, (2, t.SEQ))
+    with torch.no_grad():
+        assert torch.equal(_model_from_export(out, cfg_path)(ids), run.model(ids))
+
+
+@pytest.mark.parametrize("dtype,torch_dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16)])
+def test_export_16bit_is_the_cast_weights(tmp_path, dtype, torch_dtype):
+    run = _trained(tmp_path)
+    out = tmp_path / f"m_{dtype}.safetensors"
+    export.export_checkpoint(tmp_path / "checkpoints" / "step_3", out, dtype)
+    weights = load_file(str(out))
+    for name, p in run.model.state_dict().items():
+        assert weights[name].dtype == torch_dtype
+        assert torch.equal(weights[name], p.to(torch_dtype))
+    model = _model_from_export(out, tmp_path / f"m_{dtype}.config.json", torch_dtype)
+    ids = torch.randint(0, t.MC.vocab_size, (2, t.SEQ))
+    with torch.no_grad():
+        ref = run.model.to(torch_dtype)(ids)
+        assert torch.equal(model(ids), ref)
+
+
+def test_export_tied_embeddings(tmp_path):
+    run = _trained(tmp_path, {"tie_embeddings": True})
+    out = tmp_path / "tied.safetensors"
+    export.export_checkpoint(tmp_path, out, "fp32")
+    model = _model_from_export(out, tmp_path / "tied.config.json")
+    assert model.output.weight is model.tok_emb.weight
+    ids = torch.randint(0, t.MC.vocab_size, (2, t.SEQ))
+    with torch.no_grad():
+        assert torch.equal(model(ids), run.model(ids))
+
+
+def test_cli_export_and_bad_input(tmp_path, capsys):
+    _trained(tmp_path)
+    assert cli.main(["export", str(tmp_path), "--dtype", "bf16"]) == 0
+    assert (tmp_path / "model.safetensors").is_file() and (tmp_path / "model.config.json").is_file()
+    assert "step 3" in capsys.readouterr().out
+    shard = next((tmp_path / "checkpoints" / "step_3").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:10])
+    assert cli.main(["export", str(tmp_path), "--out", str(tmp_path / "x.safetensors")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and f"truncated or altered checkpoint file {shard}" in err
+    assert not (tmp_path / "x.safetensors").exists()
+    assert cli.main(["export", str(tmp_path / "missing")]) == 2
+    assert "checkpoint not found" in capsys.readouterr().err
