@@ -4,9 +4,11 @@ is reported, malformed input is a UserError naming the file and position."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
+import torch
 
 from tenfold.config import build_config, resolve_batch
 from tenfold.deepspeed_json import load_deepspeed_json, unsupported_warning
@@ -175,3 +177,32 @@ def test_inconsistent_batch_triplet_fails_with_deepspeeds_rule(tmp_path):
     t = build_config(layer).train
     with pytest.raises(UserError, match="16 != 3 \\* 4 \\* 1"):
         resolve_batch(t.micro_batch, t.grad_accum, t.global_batch, dp_size=1)
+
+
+def test_the_seeds_config_trains_through_the_trainer_and_overflows_skip_cleanly(tmp_path):
+    """Integration: the seed's JSON (fp16, ZeRO-3, clipping) drives the Trainer on one process.
+    A start scale of 2**40 overflows fp16 for sure: every step must be skipped, the scale must
+    follow DeepSpeed's hysteresis-then-halve rule, and neither weights nor lr may move."""
+    from conftest import read_metrics, small_config
+    from tenfold.engine.trainer import Trainer
+
+    layer, _ = load_deepspeed_json(SEED)
+    cfg = build_config(layer, small_config(tmp_path, precision={"dtype": "fp16", "initial_scale_power": 40},
+                                           train={"steps": 4, "warmup_steps": 2}))
+    assert cfg.parallel.zero_stage == 3 and cfg.train.grad_clip == 1.0
+    trainer = Trainer(cfg)
+    trainer.setup()
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    lr0 = trainer.optimizer.param_groups[0]["lr"]
+    trainer.fit()
+    records = read_metrics(tmp_path / "run")
+    assert [r["skipped"] for r in records] == [1, 2, 3, 4]
+    assert [r["loss_scale"] for r in records] == [2.0**40, 2.0**39, 2.0**38, 2.0**37]  # after each update
+    assert all(r["lr"] == lr0 for r in records)  # the schedule never advanced
+    for n, p in trainer.model.named_parameters():
+        assert torch.equal(p.detach(), before[n]), n
+    # and with the seed's own start scale (2**16) the same run takes its steps
+    ok = build_config(layer, small_config(tmp_path / "ok", precision={"dtype": "fp16"}, train={"steps": 3}))
+    losses = Trainer(ok).fit()["losses"]
+    assert all(math.isfinite(x) for x in losses)
+    assert [r["skipped"] for r in read_metrics(tmp_path / "ok" / "run")] == [0, 0, 0]

@@ -317,6 +317,9 @@ def _two_rank_worker(rank: int, store_path: str, results: str) -> None:
             (full_norm_model(xr).pow(2).sum() / 2).backward()
         out["ref_norm"] = torch.nn.utils.get_total_norm([p.grad for p in full_norm_model.parameters()]).item()
         out["fsdp_norm"] = clip_grad_norm(list(model.parameters()), max_norm=0.0)
+        out["fsdp_clipped_to"] = out["fsdp_norm"] / 4
+        clip_grad_norm(list(model.parameters()), max_norm=out["fsdp_clipped_to"])  # DTensor grads * coef
+        out["fsdp_norm_after_clip"] = clip_grad_norm(list(model.parameters()), max_norm=0.0)
         out["fsdp_clean"] = grads_have_inf_or_nan(model.parameters())
         if rank == 1:
             model[1].weight.grad.to_local().view(-1)[0] = math.nan
@@ -339,4 +342,5 @@ def test_overflow_vote_is_global_over_two_gloo_ranks_and_clip_norm_is_global_und
         # torch's clip_grad_norm_/get_total_norm on DTensor grads = the global norm (FSDP2
         # averages grads over ranks, hence the /2 in the reference)
         assert out["fsdp_norm"] == pytest.approx(out["ref_norm"], rel=1e-5)
+        assert out["fsdp_norm_after_clip"] == pytest.approx(out["fsdp_clipped_to"], rel=1e-4)  # coef has +1e-6
     assert outs[0]["fsdp_norm"] == outs[1]["fsdp_norm"]

@@ -126,7 +126,7 @@ def _read_bf16(r: _Reader, name: str, sec: dict) -> bool:
         if k == "enabled":
             enabled = r.as_bool(key, v)
         elif k == "check_grad_overflow":
-            r.keep_if(key, v, True)  # tenfold always skips steps with non-finite grads
+            r.keep_if(key, v, True)  # tenfold never applies a non-finite step (train.on_nan: stop|skip)
         elif k in ("immediate_grad_update", "bf16_master_weights_and_grads", "bf16_optimizer_states"):
             r.keep_if(key, v, False)  # tenfold keeps fp32 master weights and optimizer states
         else:
