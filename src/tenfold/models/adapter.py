@@ -284,8 +284,12 @@ def check_techniques(adapter: ModelAdapter, cfg: Any) -> None:
         adapter.require_blocks(f"recompute.policy {str(policy)!r} (--ac)")
     if policy.kind == "selective":
         _check_selective(adapter, policy.target)
-    if int(cfg.parallel.zero_stage) >= 2 and cfg.parallel.nproc > 1:
-        adapter.require_blocks(f"parallel.zero_stage {cfg.parallel.zero_stage} (--zero, FSDP2 one unit per block)")
+    if int(cfg.parallel.zero_stage) == 3:
+        # ZeRO-3 gathers one unit at a time; without blocks the whole model is one unit and
+        # the full parameters are gathered at once: no ZeRO-3 saving. (ZeRO-2 with the root as
+        # its only unit still shards gradients and optimizer states, so it is allowed.)
+        # Checked on one process too: the error is about the model, not the launch.
+        adapter.require_blocks("parallel.zero_stage 3 (--zero 3, FSDP2 one unit per block)")
     if cfg.parallel.pp_degree > 1 and adapter.kind != "tenfold":
         raise UserError(
             f"parallel.pp_degree {cfg.parallel.pp_degree} (--pp): the pipeline split cuts "
