@@ -154,10 +154,18 @@ def predict(model: "ModelConfig | str | float | ModelShape", hardware: "str | Ha
 
     model: preset name, ModelConfig, parameter count or ModelShape; hardware: catalog name,
     "cpu", a .toml path or a Hardware; strategy: see tenfold.plan.strategy.Strategy."""
+    return _predict(model, hardware, gpus, strategy, gpus_per_node)
+
+
+def _predict(model, hardware, gpus, strategy, gpus_per_node=None, trace: bool = True,
+             mem: MemoryBreakdown | None = None) -> Plan:
+    """`predict`, optionally without the explanations and with memory already computed
+    (what `--search` uses for its thousands of candidates)."""
     s, shape, hw, r = _prepare(model, hardware, gpus, strategy, gpus_per_node)
-    tr = _Trace()
+    tr = _Trace() if trace else _no_trace
     notes: list[str] = []
-    mem = _memory(shape, hw, r, tr, notes)
+    if mem is None or trace:
+        mem = _memory(shape, hw, r, tr, notes)
     t, flops_model, flops_hw = _time(shape, hw, r, tr, notes)
     tokens_step = r.global_batch * r.seq_len
     peak = hw.peak(s.precision) * _compute_share(hw, gpus)
@@ -188,7 +196,7 @@ def predict(model: "ModelConfig | str | float | ModelShape", hardware: "str | Ha
         grad_accum=r.grad_accum, global_batch=r.global_batch, seq_len=r.seq_len, memory=mem, time=t, fits=fits,
         tokens_per_step=tokens_step, model_flops_per_step=flops_model, hardware_flops_per_step=flops_hw,
         tokens_per_s=tps, tflops_per_gpu=tflops / 1e12, hardware_tflops_per_gpu=hw_tflops / 1e12, mfu=mfu, hfu=hfu,
-        tokens=s.tokens, train_days=days, gpu_hours=hours, notes=notes, explain=tr.items,
+        tokens=s.tokens, train_days=days, gpu_hours=hours, notes=notes, explain=tr.items if trace else [],
     )
 
 
@@ -329,9 +337,7 @@ def _time(shape: ModelShape, hw: Hardware, r: Resolved, tr: _Trace, notes: list[
             per_stage.append((fwd + bwd + rc + tpc, fwd, bwd, rc, tpc))
         t_mb, fwd, bwd, rc, tpc = max(per_stage)
         ppc = 2 * r.v * comm.p2p_time(act_bytes / s.tp, hw, pp_crosses) if s.pp > 1 else 0.0
-        if s.offload == "optimizer+params":
-            # ZeRO-Infinity: each micro-batch streams the rank's 16-bit parameter shard up twice.
-            ppc += 0.0
+        t_mb += _host_transfer_exposed(shape, hw, r, lt, fwd, bwd)
     else:
         flops_mb = 6.0 * shape.params * r.micro_batch * r.seq_len / (s.tp * s.pp)
         fwd = flops_mb / 3 / (peak * hw.gemm_efficiency)
@@ -359,6 +365,21 @@ def _time(shape: ModelShape, hw: Hardware, r: Resolved, tr: _Trace, notes: list[
         bubble_fraction=bubble / (m * t_mb_total), source="model",
     )
     return t, model_flops, hw_flops
+
+
+def _host_transfer_exposed(shape: ModelShape, hw: Hardware, r: Resolved, lt, fwd: float, bwd: float) -> float:
+    """PCIe traffic per micro-batch that compute does not hide. `--ac offload`
+    (save_on_cpu): every saved activation goes to the host in forward and back in backward.
+    `--offload optimizer+params` (ZeRO-Infinity): the rank's 16-bit parameter shard comes up
+    from the host for forward and again for backward. Both overlap with compute."""
+    s, cfg = r.s, shape.cfg
+    moved = 0.0
+    if r.policy.kind == "offload":
+        layers = layers_on_stage(cfg.n_layers, s.pp, 0)
+        moved += 2 * layers * memory.activation_bytes_per_layer(cfg, s, r.seq_len, r.micro_batch, s.tp)
+    if s.offload == "optimizer+params":
+        moved += 2 * 2.0 * stage_params(shape, s.pp, 0, s.tp) / r.dp
+    return max(0.0, moved / hw.host_link_bw - (fwd + bwd))
 
 
 def _dp_comm(s: Strategy, hw: Hardware, g: comm.Group, dp: int, m: int, g_bytes: float, p_bytes: float,

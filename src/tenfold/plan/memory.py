@@ -33,13 +33,18 @@ class BytesPerParam:
 
 
 def bytes_per_param(s: Strategy) -> BytesPerParam:
+    return _bytes_per_param(s.precision, s.master_weights, s.grads_fp32, s.fp32_grad_copy)
+
+
+@functools.lru_cache(maxsize=64)
+def _bytes_per_param(precision: str, master_weights: bool, grads_fp32: bool, fp32_grad_copy: bool) -> BytesPerParam:
     """ZeRO §3.1: mixed-precision Adam keeps 2 (fp16 params) + 2 (fp16 grads) + K = 12
     (fp32 params, momentum, variance) = 16 bytes/param. fp32 training: 4 + 4 + 8 = 16.
     Megatron's table (dist_optimizer.md): bf16 with fp32 main grads 18; fp16/fp16 20
     (an extra fp32 gradient copy). torch.amp (master_weights=False): fp32 params and grads."""
-    if s.precision == "fp32" or not s.master_weights:
+    if precision == "fp32" or not master_weights:
         return BytesPerParam(4, 4, 0, 8, 0)
-    return BytesPerParam(2, 4 if s.grads_fp32 else 2, 4, 8, 4 if s.fp32_grad_copy else 0)
+    return BytesPerParam(2, 4 if grads_fp32 else 2, 4, 8, 4 if fp32_grad_copy else 0)
 
 
 @dataclass

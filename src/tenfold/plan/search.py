@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass, replace
 
 from tenfold.errors import UserError
-from tenfold.plan.api import Plan, _fits as fits, predict, predict_memory
+from tenfold.plan.api import Plan, _fits as fits, _predict, predict, predict_memory
 from tenfold.plan.hardware import Hardware, get_hardware, with_gpus_per_node
 from tenfold.plan.shape import ModelShape, shape_of
 from tenfold.plan.strategy import Strategy
@@ -83,11 +83,12 @@ def search(model, hardware: "str | Hardware", gpus: int, base: Strategy, top_k: 
                                 if not fits(mem, hw, gpus):
                                     candidates.append((mem.total_bytes / 2**30, 0.0, False))
                                     continue
-                                p = predict(shape, hw, gpus, s)
+                                p = _predict(shape, hw, gpus, s, trace=False, mem=mem)
                                 candidates.append((p.memory.total_bytes / 2**30, p.tokens_per_s, True))
                                 plans.append(p)
     plans.sort(key=lambda p: -p.tokens_per_s)
-    return SearchResult(plans[:top_k], evaluated, len(plans), candidates)
+    best = [predict(shape, hw, gpus, Strategy(**{k: v for k, v in p.strategy.items()})) for p in plans[:top_k]]
+    return SearchResult(best, evaluated, len(plans), candidates)
 
 
 def _schedules(pp: int, m: int, layers: int) -> list[tuple[str, int]]:

@@ -44,6 +44,7 @@ def shape_of(model: "ModelConfig | str | float | int | ModelShape", name: str | 
     raise UserError(f"model must be a preset name, ModelConfig or parameter count, got {model!r}")
 
 
+@functools.lru_cache(maxsize=4096)
 def stage_params(shape: ModelShape, pp: int, stage: int, tp: int) -> float:
     """Parameters held by one rank of pipeline stage `stage` (0-based) before ZeRO sharding.
 
@@ -76,6 +77,7 @@ def layers_on_stage(n_layers: int, pp: int, stage: int) -> int:
     return base + (1 if stage < extra else 0)
 
 
+@functools.lru_cache(maxsize=1024)
 def largest_unit_params(shape: ModelShape, tp: int) -> float:
     """The largest FSDP/ZeRO-3 unit gathered at once: one block or the embedding (DeepSpeed's
     `largest_layer_params`; FSDP2 wraps each block and the root)."""

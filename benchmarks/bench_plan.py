@@ -1,0 +1,52 @@
+"""How fast the planner answers (the issue: `tenfold plan` well under a second, `--search`
+under 2 s for GPT-3 175B on 1024 A100s), and how its time model compares with Narayanan et
+al. 2021 Table 1 (the calibration set). Run: python benchmarks/bench_plan.py
+
+Each timing is a fresh Python process (what a user waits for, imports included), the median
+of 5 runs; the baseline in the same run is `python -c pass` (interpreter start-up alone).
+"""
+
+from __future__ import annotations
+
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+COMMANDS = {
+    "python -c pass (baseline)": [sys.executable, "-c", "pass"],
+    "plan --params 7.5e9 --zero 3 --json": [sys.executable, "-m", "tenfold.plan.cli", "--params", "7.5e9", "--gpus", "64",
+                                            "--zero", "3", "--precision", "fp16", "--json"],
+    "plan --model gpt3-175b (rich tables)": [sys.executable, "-m", "tenfold.plan.cli", "--model", "gpt3-175b", "--gpus", "1024",
+                                             "--tp", "8", "--pp", "16", "--global-batch", "1536", "--ac", "full", "--tokens", "300e9"],
+    "plan --ladder": [sys.executable, "-m", "tenfold.plan.cli", "--ladder"],
+    "plan --search gpt3-175b 1024 A100": [sys.executable, "-m", "tenfold.plan.cli", "--search", "--model", "gpt3-175b",
+                                          "--gpu", "a100-80gb", "--gpus", "1024", "--global-batch", "1536"],
+}
+
+
+def wall(cmd: list[str], repeats: int = 5) -> float:
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        subprocess.run(cmd, check=True, capture_output=True)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def main() -> None:
+    print(f"machine: {platform.processor() or platform.machine()}, Python {platform.python_version()}")
+    base = None
+    for name, cmd in COMMANDS.items():
+        t = wall(cmd)
+        base = base or t
+        print(f"{name:42s} {t:6.3f} s  ({t / base:4.1f}x the interpreter start-up)")
+    from tenfold.plan.calibration import main as calibration
+
+    print("\nNarayanan et al. 2021 Table 1, TFLOP/s per GPU (Eq. 3 convention):")
+    calibration()
+
+
+if __name__ == "__main__":
+    main()
