@@ -308,7 +308,7 @@ def test_pp2_every_schedule_matches_one_process(reference, tmp_path):
 
 
 DP_CASES = [  # ZeRO 1 = DDP + ZeroRedundancyOptimizer, 2/3 = FSDP2 (techniques/zero.py)
-    {"pp": 2, "schedule": "1f1b", "m": 4, "zero": 0},
+    {"pp": 2, "schedule": "1f1b", "m": 4, "zero": 1},
     {"pp": 2, "schedule": "gpipe", "m": 2, "zero": 3},
     {"pp": 2, "schedule": "interleaved", "v": 2, "m": 2, "zero": 2, "ac": "full"},
 ]

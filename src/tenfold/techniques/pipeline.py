@@ -206,7 +206,10 @@ class GPTStage(nn.Module):
         from tenfold.models.gpt import GPT  # local: keep this module importable for planning
 
         if not isinstance(model, GPT):
-            raise TypeError(f"GPTStage splits tenfold's GPT, got {type(model).__name__}")
+            raise UserError(
+                f"parallel.pp_degree > 1 splits tenfold's GPT into stages; {type(model).__name__} "
+                "is not one (use --pp 1, or pipeline it with torch.distributed.pipelining directly)"
+            )
         self.cfg = model.cfg
         self.stage_id, self.n_stages = stage_id, n_stages
         owned = set(fqns)
@@ -589,6 +592,17 @@ class PipelinedModel(nn.Module):
         inputs = torch.cat([b["input_ids"] for b in batches])
         labels = torch.cat([b["labels"] for b in batches])
         return self.runner.eval_loss_sum(inputs, labels)
+
+    def step_metrics(self, tokens_per_s: float, world_size: int) -> dict:
+        """metrics.jsonl fields of the last step: tokens/s per device (torchtitan's tps is
+        per device too), this rank's measured idle share and the planner's (P-1)/(m V)."""
+        pp_size = self.split.pp_size
+        return {
+            "tokens_per_s_per_device": tokens_per_s / world_size,
+            "pp_bubble": self.bubbles[-1] if self.bubbles else None,
+            "pp_bubble_predicted": predicted_bubble(
+                pp_size, self.runner.n_microbatches, len(self.runner.stage_ids)),
+        }
 
     def report(self, dist_info) -> dict:
         """Split, schedule and bubble (measured per pp rank vs predicted), for summary.json.
