@@ -1,0 +1,179 @@
+"""ZeRO stages 0-3 (techniques/zero.py) on gloo: equivalence with one process, per-rank
+model-state memory 1/N, the global fp16 overflow vote.
+
+The ranks run tests/test_zero_worker.py under `python -m torch.distributed.run` (the lead's
+Trainer, the data engineer's GlobalBatchLoader, the memory engineer's measure_step_memory);
+the single-process reference runs in this pytest process with the SAME global batch
+(micro 2 x accum 2 on one rank == micro 1 x accum 2 x dp 2).
+
+Tolerances: fp32 rel 1e-5 on every step's loss (measured ~1e-7: only the order of the
+fp32 reductions differs). bf16 rel 2e-3: autocast rounds the matmul inputs to bf16 (8-bit
+mantissa, 2^-8 = 3.9e-3 per element); the ranks see half the batch each, so the rounding
+of the summed gradients differs between runs and drifts over 4 updates at lr 1e-2.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))
+import test_zero_worker as worker  # noqa: E402
+
+FP32_RTOL, BF16_RTOL = 1e-5, 2e-3
+
+
+def torchrun(mode: str, tmp_path: Path, nproc: int = 2, timeout: int = 240) -> dict:
+    out = tmp_path / f"{mode}-{nproc}.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+           str(HERE / "test_zero_worker.py"), mode, str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return json.loads(out.read_text())
+
+
+def rel_err(a: list[float], b: list[float]) -> float:
+    assert len(a) == len(b)
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    return torchrun("equivalence", tmp_path_factory.mktemp("zero2"))
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """One process, same global batch: micro 2 x accum 2."""
+    out = str(tmp_path_factory.mktemp("ref"))
+    return {dtype: worker.run_steps(worker.config(0, dtype, 2, 2, out), measure_at=None)[1]
+            for dtype in ("fp32", "bf16")}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("dtype,rtol", [("fp32", FP32_RTOL), ("bf16", BF16_RTOL)])
+def test_stage_on_two_ranks_matches_one_process(two_ranks, reference, stage, dtype, rtol):
+    ref = reference[dtype]["losses"]
+    for rank in ("0", "1"):
+        got = two_ranks[rank][f"{stage}-{dtype}"]
+        assert rel_err(got["losses"], ref) < rtol, (got["losses"], ref)
+        # the clipped-norm path: the global norm over shards equals the one-process norm
+        assert rel_err(got["grad_norms"], reference[dtype]["grad_norms"]) < max(rtol, 1e-5) * 10
+    assert ref[-1] < ref[0] - 0.5  # it learns: a wrong gradient would show in the curve
+
+
+@pytest.mark.slow
+def test_model_states_per_rank_are_one_nth_at_their_stage(two_ranks):
+    """Bytes held at the optimizer step on each rank (local shards; ZeRO-1's local states):
+    optimizer states halve at stage >= 1, gradients at stage >= 2, parameters at stage 2 and
+    3 (FSDP2 reshards after backward at both: docs/zero.md). 'About': ZeRO-1 splits whole
+    tensors and FSDP2 pads dim 0 to a multiple of N."""
+    for rank in ("0", "1"):
+        b = {s: two_ranks[rank][f"{s}-fp32"]["state_bytes"] for s in range(4)}
+        full = b[0]
+        assert b[1]["optimizer_bytes"] == pytest.approx(full["optimizer_bytes"] / 2, rel=0.05)
+        assert b[1]["grads_bytes"] == full["grads_bytes"] and b[1]["params_bytes"] == full["params_bytes"]
+        for s in (2, 3):
+            for key in ("optimizer_bytes", "grads_bytes", "params_bytes"):
+                assert b[s][key] == pytest.approx(full[key] / 2, rel=0.02), (s, key)
+
+
+@pytest.mark.slow
+def test_measured_memory_per_rank_shows_the_sharding(two_ranks):
+    """The memory engineer's measure_step_memory on each rank (MemTracker): the optimizer
+    states at stage >= 1 and parameters + gradients at stage >= 2 are half of what stage 0
+    keeps in parameters (fp32: grads == params in size, Adam states == 2 x params)."""
+    for rank in ("0", "1"):
+        m = {s: two_ranks[rank][f"{s}-fp32"]["measured"] for s in range(4)}
+        params0 = m[0]["params_bytes"]
+        assert m[0]["optimizer_bytes"] == pytest.approx(2 * params0, rel=0.01)
+        assert m[1]["optimizer_bytes"] == pytest.approx(params0, rel=0.05)
+        for s in (2, 3):
+            assert m[s]["optimizer_bytes"] == pytest.approx(params0, rel=0.02)
+            assert m[s]["grads_bytes"] == pytest.approx(params0 / 2, rel=0.02)
+            assert m[s]["params_bytes"] == pytest.approx(params0 / 2, rel=0.02)
+
+
+@pytest.mark.slow
+def test_four_ranks_hold_a_quarter(tmp_path):
+    four = torchrun("memory", tmp_path, nproc=4, timeout=400)
+    for rank in map(str, range(4)):
+        b = {int(s): v["state_bytes"] for s, v in four[rank].items()}
+        assert b[1]["optimizer_bytes"] == pytest.approx(b[0]["optimizer_bytes"] / 4, rel=0.15)
+        assert b[2]["grads_bytes"] == pytest.approx(b[0]["grads_bytes"] / 4, rel=0.03)
+        assert b[3]["params_bytes"] == pytest.approx(b[0]["params_bytes"] / 4, rel=0.03)
+        m = {int(s): v["measured"] for s, v in four[rank].items()}
+        assert m[3]["params_bytes"] == pytest.approx(m[0]["params_bytes"] / 4, rel=0.03)
+        assert m[3]["optimizer_bytes"] == pytest.approx(m[0]["optimizer_bytes"] / 4, rel=0.03)
+    # every rank ran the same steps
+    losses = {tuple(four[r]["3"]["losses"]) for r in map(str, range(4))}
+    assert len(losses) == 1
+
+
+@pytest.mark.slow
+def test_fp16_overflow_on_one_rank_skips_the_step_everywhere(tmp_path):
+    runs = torchrun("fp16_overflow", tmp_path)
+    for stage in ("0", "3"):
+        r0, r1 = runs["0"][stage], runs["1"][stage]
+        assert [s["skipped"] for s in r0] == [False, True, False], r0
+        assert [s["skipped"] for s in r1] == [False, True, False], r1
+        assert [s["scale"] for s in r0] == [s["scale"] for s in r1]  # identical scalers
+        assert r0[1]["scale"] == r0[0]["scale"] / 2 or r0[1]["scale"] == r0[0]["scale"]  # hysteresis
+        assert not r0[1]["weights_changed"] and not r1[1]["weights_changed"]
+        assert r0[2]["weights_changed"] and r1[2]["weights_changed"]
+
+
+# --------------------------------------------------------------------------- single process
+
+
+class _Cfg:
+    def __init__(self, **kw):
+        self.zero_stage, self.contiguous_gradients, self.reduce_bucket_size = 0, True, None
+        self.overlap_comm, self.param_persistence_threshold, self.timeout_s = None, 100_000, 600.0
+        self.__dict__.update(kw)
+
+
+def test_one_process_is_the_plain_model_for_every_stage():
+    from tenfold.engine.distributed import DistInfo
+    from tenfold.models.gpt import GPT
+    from tenfold.techniques import zero
+
+    model = GPT(worker_model_config())
+    for stage in range(4):
+        assert zero.apply_zero(model, _Cfg(zero_stage=stage), DistInfo()) is model
+        assert zero.zero_stage_of(model) is None
+        with zero.grad_sync(model, enabled=False):  # nothing to skip on one process
+            pass
+
+
+def test_bad_stage_is_a_user_error():
+    from tenfold.engine.distributed import DistInfo
+    from tenfold.errors import UserError
+    from tenfold.techniques import zero
+
+    with pytest.raises(UserError, match="zero_stage"):
+        zero.apply_zero(torch.nn.Linear(2, 2), _Cfg(zero_stage=4), DistInfo())
+
+
+def test_persistence_threshold_keeps_small_units_gathered():
+    from tenfold.techniques.zero import _reshard_after_forward
+
+    assert _reshard_after_forward(3, 10_001, 10_000) is True
+    assert _reshard_after_forward(3, 10_000, 10_000) is False  # DeepSpeed: numel <= threshold persists
+    assert _reshard_after_forward(2, 10**9, 0) is False  # stage 2 never frees after forward
+
+
+def worker_model_config():
+    from tenfold.models.presets import get_preset
+
+    m = dict(worker.MODEL)
+    return get_preset(m.pop("name")).with_overrides(**m)
