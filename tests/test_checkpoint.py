@@ -60,7 +60,7 @@ def dataset() -> np.ndarray:
 def make_run(rank: int = 0, world: int = 1, zero: int = 0, noise: bool = True) -> SimpleNamespace:
     """Model, optimizer, schedule, scaler, loader and counters of a plain training run.
     world > 1 needs an initialised process group; zero=3 shards with FSDP2 `fully_shard`
-    per block + root, zero=0 replicates with DDP."""
+    per block + root, zero=1 is DDP + ZeroRedundancyOptimizer, zero=0 plain DDP."""
     torch.manual_seed(0)
     model = GPT(MC)
     if world > 1 and zero == 3:
@@ -74,6 +74,10 @@ def make_run(rank: int = 0, world: int = 1, zero: int = 0, noise: bool = True) -
 
         model = DistributedDataParallel(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    if world > 1 and zero == 1:  # ZeRO-1: each rank holds the AdamW states of ~1/N of the tensors
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
     sched = build_scheduler(opt, TrainSection(steps=STEPS, warmup_steps=2, schedule="cosine"), STEPS)
     scaler = DynamicLossScaler(init_scale=2.0**4, scale_window=2)
     loader = GlobalBatchLoader(dataset(), GLOBAL_BATCH, GLOBAL_BATCH // world, 1, rank, world, seed=0)

@@ -1,5 +1,5 @@
-"""Checkpoints across ranks (2 gloo processes): exact resume with DDP (ZeRO-0) and FSDP2
-`fully_shard` (ZeRO-3), and resharding through DCP: a 2-rank ZeRO-3 checkpoint resumed on one
+"""Checkpoints across ranks (2 gloo processes): exact resume with DDP (ZeRO-0), DDP +
+ZeroRedundancyOptimizer (ZeRO-1) and FSDP2 `fully_shard` (ZeRO-3), and resharding through DCP: a 2-rank ZeRO-3 checkpoint resumed on one
 process and a one-process checkpoint resumed on 2 ranks ZeRO-3 (rel. 1e-4 of the uninterrupted
 curve: only the reduction order differs).
 
@@ -46,6 +46,7 @@ def _worker(rank: int, tmp: str) -> None:
     results: dict = {}
     try:
         results["zero0"] = _exact_resume(root / "zero0", zero=0)
+        results["zero1"] = _exact_resume(root / "zero1", zero=1)
         results["zero3"] = _exact_resume(root / "zero3", zero=3)
         # 2 ranks ZeRO-3 -> checkpoint at step 3 (resumed on one process by the parent), and
         # the 2-rank uninterrupted curve without RNG noise (the parent compares against it).
@@ -84,7 +85,7 @@ def two_rank_results(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("zero", ["zero0", "zero3"])
+@pytest.mark.parametrize("zero", ["zero0", "zero1", "zero3"])
 def test_two_ranks_resume_exactly(two_rank_results, zero):
     r = two_rank_results[zero]
     assert [x["step"] for x in r["resumed"]] == [4, 5, 6]

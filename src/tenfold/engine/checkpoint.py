@@ -52,7 +52,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from tenfold.errors import RunError, UserError
 
@@ -426,9 +426,28 @@ def verify_checkpoint(ckpt: Path, collective: bool = True) -> dict:
 # --------------------------------------------------------------------------- the state we save
 
 
+# Optimizer state keyed per parameter FQN ("state.layers.0.attn.wq.weight.exp_avg",
+# "param_groups.layers.0.attn.wq.weight.lr"), as torchtitan does: pipeline ranks hold different
+# parameters, and a nested `param_groups` list would collide across them in DCP (one rank's
+# list wins); flattened keys are disjoint per stage and reshard across pp/dp/ZeRO changes.
+STATE_DICT_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def _local_optimizers(optimizer) -> list:
+    """The optimizer(s) whose state this rank holds. ZeRO-1's ZeroRedundancyOptimizer keeps
+    this rank's partition in `.optim` (whole parameters); saving that one per rank gives
+    disjoint FQN keys, so DCP reshards ZeRO-1 like any other layout. (The wrapper's lr comes
+    back through the LR schedule's load_state_dict.)"""
+    if optimizer is None:
+        return []
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    return [optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer]
+
+
 def _model_and_optim_state(model: torch.nn.Module, optimizer) -> dict:
-    optims = [] if optimizer is None else [optimizer]
-    msd, osd = get_state_dict(model, optims)
+    optims = _local_optimizers(optimizer)
+    msd, osd = get_state_dict(model, optims, options=STATE_DICT_OPTIONS)
     state = {"model": msd}
     if optimizer is not None:
         state["optim"] = osd
@@ -755,6 +774,25 @@ class CheckpointManager:
         self.wait()
         self.restore_signal_handlers()
 
+    def export_16bit(self, trainer: Any, out_dir: str | Path) -> dict | None:
+        """`checkpoint.export_16bit` (DeepSpeed's stage3_gather_16bit_weights_on_model_save):
+        make sure the final step is checkpointed, then rank 0 consolidates it into
+        OUT/model.safetensors through the same code as `tenfold export` (so sharded, ZeRO-3
+        and pipeline runs all export the same way). Collective; returns the export summary
+        on rank 0."""
+        from tenfold.engine.export import export_after_training
+
+        step = _trainer_state_step(trainer)
+        if self.last_saved_step != step:
+            self.save(step, trainer, wait=True)
+        self.wait()
+        cfg = _trainer_config(trainer)
+        precision = getattr(getattr(cfg, "precision", None), "dtype", "bf16")
+        final = self.root / step_dir_name(step)
+        return _on_every_rank(
+            lambda: export_after_training(out_dir, final, precision, log=self.log) if _rank() == 0 else None
+        )
+
     # ----------------------------------------------------------------- resume
 
     def resume(self, trainer: Any) -> dict | None:
@@ -798,9 +836,9 @@ class CheckpointManager:
             raise CheckpointError(
                 f"checkpoint {path} does not fit this model/optimizer: {_first_line(_inner_error(e))}"
             ) from None
-        optims = [] if trainer.optimizer is None else [trainer.optimizer]
+        optims = _local_optimizers(trainer.optimizer)
         set_state_dict(trainer.model, optims, model_state_dict=state["model"],
-                       optim_state_dict=state.get("optim", {}))
+                       optim_state_dict=state.get("optim", {}), options=STATE_DICT_OPTIONS)
         self._restore_side_state(path, tstate, trainer)
         self.last_saved_step = tstate["step"]
         self._say(
@@ -912,3 +950,8 @@ def resolve_checkpoint_path(path: str | Path) -> Path:
 
 def load_trainer_state(path: Path) -> dict:
     return _read_json(path / TRAINER_STATE)
+
+
+def _trainer_state_step(trainer: Any) -> int:
+    state = getattr(trainer, "state", None)
+    return int(state["step"] if isinstance(state, dict) else state.step)
