@@ -1,0 +1,69 @@
+"""`tenfold train --pp`: bad pipeline settings exit 2 with one line before any rank starts,
+and `--nproc 2 --pp 2` gives the one-process loss curve through the real CLI, trainer and
+data loader (issue 6's "done when", on a smaller shape)."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+from conftest import SMALL_FLAGS
+
+from tenfold.cli import main
+
+BAD_PIPELINES = [
+    (["--nproc", "2", "--pp", "2", "--grad-accum", "1"], "train.grad_accum=1 < parallel.pp_degree=2"),
+    (["--nproc", "3", "--pp", "2", "--grad-accum", "4"], "must divide --nproc (3)"),
+    (["--pp", "2", "--grad-accum", "4"], "must divide the number of processes (1)"),
+    (["--nproc", "2", "--pp", "2", "--grad-accum", "4", "--pp-schedule", "interleaved", "--virtual-stages", "4"],
+     "8 pipeline stages"),
+    (["--nproc", "2", "--pp", "2", "--grad-accum", "3", "--pp-schedule", "interleaved", "--virtual-stages", "2"],
+     "multiple of parallel.pp_degree"),
+    (["--nproc", "2", "--pp", "2", "--grad-accum", "4", "--virtual-stages", "2"], "needs an interleaved schedule"),
+    (["--nproc", "2", "--pp", "2", "--grad-accum", "4", "--pp-split", "3,3"], "summing to model.n_layers (4)"),
+    (["--nproc", "2", "--pp", "2", "--grad-accum", "4", "--pp-split", "1,x"], "--pp-split"),
+    (["--nproc", "2", "--pp", "2", "--grad-accum", "4", "--set", "model.tie_embeddings=true"],
+     "tie_embeddings=true cannot be pipelined"),
+    (["--nproc", "2", "--pp", "2", "--grad-accum", "4", "--pp-schedule", "dualpipe"], "parallel.pp_schedule"),
+]
+
+
+@pytest.mark.parametrize("flags,needle", BAD_PIPELINES)
+def test_bad_pipeline_settings_exit_2(tmp_path, capsys, flags, needle):
+    out = tmp_path / "never"
+    try:
+        code = main(["train", "--out", str(out), "--no-progress", "--micro-batch", "2", *flags])
+    except SystemExit as e:  # argparse errors
+        code = e.code
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    assert len(err.splitlines()) == 1 and needle in err, err
+    assert not out.exists()
+
+
+def _train(tmp_path, name: str, *flags: str) -> dict:
+    out = tmp_path / name
+    proc = subprocess.run(
+        [sys.executable, "-m", "tenfold", "train", "--steps", "3", "--seed", "7", "--precision", "fp32",
+         "--micro-batch", "2", "--grad-accum", "4", "--out", str(out), *SMALL_FLAGS, *flags],
+        capture_output=True, text=True, timeout=400,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads((out / "summary.json").read_text())
+
+
+@pytest.mark.slow
+def test_cli_pp2_gives_the_one_process_loss_curve(tmp_path):
+    one = _train(tmp_path, "one")
+    two = _train(tmp_path, "pp2", "--nproc", "2", "--pp", "2")
+    for step, (a, b) in enumerate(zip(two["losses"], one["losses"], strict=True)):
+        assert math.isclose(a, b, rel_tol=1e-5), (step, a, b)
+    assert math.isclose(two["final"]["val_loss"], one["final"]["val_loss"], rel_tol=1e-5)
+    pipe = two["pipeline"]
+    assert pipe["blocks_per_stage"] == [1, 1] and pipe["bubble_predicted"] == 0.25
+    assert len(pipe["bubble_measured_per_pp_rank"]) == 2
+    assert len(two["memory"]["measured_per_rank"]) == 2
+    assert "pipeline" not in one
