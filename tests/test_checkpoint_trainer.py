@@ -1,0 +1,212 @@
+"""The issue's "Done when", checked through tenfold's own trainer:
+
+* `tenfold train ... --checkpoint-every 3 --steps 6` equals `--steps 3` followed by
+  `--steps 6 --resume auto` in the same --out (rel. 1e-6 on the losses of steps 4-6; they
+  come out bit-identical in fp32);
+* a 2-rank ZeRO-3 checkpoint resumes on one process within rel. 1e-4;
+* pp=2: stop at 3, resume to 6 == uninterrupted pp=2;
+* SIGTERM mid-run saves once at the next step boundary and exits 0; --keep-last; export_16bit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from tenfold import cli
+from tenfold.engine import checkpoint as ck
+
+MODEL = {"name": "tiny", "n_layers": 2, "d_model": 32, "n_heads": 2, "d_ff": 64, "vocab_size": 64, "max_seq_len": 16}
+CLI_MODEL = [f"--set=model.{k}={v}" for k, v in MODEL.items() if k not in ("name", "vocab_size")]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _text_file(tmp_path: Path) -> Path:
+    rng = np.random.default_rng(0)
+    words = ["def", "return", "self", "import", "class", "for", "in", "if", "else", "x", "y", "(", ")", ":"]
+    path = tmp_path / "corpus.txt"
+    path.write_text(" ".join(rng.choice(words, size=6000)))
+    return path
+
+
+def _cli_train(out: Path, data: Path, *extra: str) -> int:
+    return cli.main([
+        "train", "--out", str(out), "--data", str(data), "--seq-len", "16", "--micro-batch", "2",
+        "--grad-accum", "2", "--precision", "fp32", "--eval-every", "0", "--lr", "1e-2",
+        "--no-progress", "--set", "log.tensorboard=false", *CLI_MODEL, *extra,
+    ])
+
+
+def _metrics_losses(out: Path) -> dict[int, float]:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows}
+
+
+def _rel_close(a: list[float], b: list[float], rel: float) -> bool:
+    return len(a) == len(b) and all(abs(x - y) <= rel * abs(y) for x, y in zip(a, b))
+
+
+def test_done_when_cli_resume_auto_equals_uninterrupted(tmp_path):
+    data = _text_file(tmp_path)
+    full, split = tmp_path / "full", tmp_path / "split"
+    assert _cli_train(full, data, "--checkpoint-every", "3", "--steps", "6") == 0
+    assert _cli_train(split, data, "--checkpoint-every", "3", "--steps", "3") == 0
+    assert ck.read_latest(split / "checkpoints") == split / "checkpoints" / "step_3"
+    assert _cli_train(split, data, "--checkpoint-every", "3", "--steps", "6", "--resume", "auto") == 0
+    want, got = _metrics_losses(full), _metrics_losses(split)
+    assert sorted(got) == [1, 2, 3, 4, 5, 6]  # metrics.jsonl is appended across the two runs
+    assert _rel_close([got[s] for s in (4, 5, 6)], [want[s] for s in (4, 5, 6)], 1e-6)
+    assert [got[s] for s in (4, 5, 6)] == [want[s] for s in (4, 5, 6)]  # in fact bit for bit
+    summary = json.loads((split / "summary.json").read_text())
+    assert summary["final"]["steps"] == 6 and len(summary["losses"]) == 6
+    # the resumed run re-built its schedule for 6 steps and continued it from step 3
+    lr = {json.loads(l)["step"]: json.loads(l)["lr"] for l in (split / "metrics.jsonl").read_text().splitlines()}
+    lr_full = {json.loads(l)["step"]: json.loads(l)["lr"] for l in (full / "metrics.jsonl").read_text().splitlines()}
+    assert lr == lr_full
+
+
+def test_cli_keep_last_and_bad_resume_path(tmp_path, capsys):
+    data = _text_file(tmp_path)
+    out = tmp_path / "run"
+    assert _cli_train(out, data, "--checkpoint-every", "1", "--keep-last", "2", "--steps", "4") == 0
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["latest", "step_3", "step_4"]
+    capsys.readouterr()
+    assert _cli_train(out, data, "--steps", "6", "--resume", str(tmp_path / "nope")) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "checkpoint not found" in err
+
+
+def test_export_16bit_at_end_of_training(tmp_path):
+    from safetensors.torch import load_file
+
+    data = _text_file(tmp_path)
+    out = tmp_path / "run"
+    assert _cli_train(out, data, "--steps", "2", "--set", "checkpoint.export_16bit=true") == 0
+    weights = load_file(str(out / "model.safetensors"))
+    assert weights and all(w.dtype == torch.bfloat16 for w in weights.values())
+    assert (out / "checkpoints" / "step_2").is_dir()  # the export reads the final checkpoint
+    assert json.loads((out / "summary.json").read_text())["export"] == str(out / "model.safetensors")
+
+
+SIGTERM_SCRIPT = """
+import sys, time
+from tenfold import cli
+import tenfold.engine.checkpoint as ck
+real = ck.CheckpointManager.after_step
+def slow_after_step(self, step, trainer, last=False):
+    if step == 2:
+        print("STEP2", flush=True)
+        time.sleep(1.0)   # the parent's SIGTERM lands here, inside the loop
+    return real(self, step, trainer, last)
+ck.CheckpointManager.after_step = slow_after_step
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+def test_sigterm_saves_once_and_exits_cleanly(tmp_path):
+    data = _text_file(tmp_path)
+    out = tmp_path / "run"
+    args = ["train", "--out", str(out), "--data", str(data), "--seq-len", "16", "--micro-batch", "2",
+            "--precision", "fp32", "--eval-every", "0", "--no-progress", "--set", "log.tensorboard=false",
+            *CLI_MODEL, "--steps", "50"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-c", SIGTERM_SCRIPT, *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+    for line in proc.stdout:
+        if line.strip() == "STEP2":
+            break
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0, stderr
+    root = out / "checkpoints"
+    assert [p.name for _, p in ck.list_step_dirs(root)] == ["step_2"]  # saved once, at the boundary
+    assert ck.read_latest(root) == root / "step_2"
+    assert "preempted; saved step 2" in stdout + stderr
+    assert json.loads((out / "summary.json").read_text())["final"]["steps"] == 2
+
+
+# --------------------------------------------------------------------------- 2 ranks
+
+
+def _config(out: Path, steps: int, **parallel) -> dict:
+    return {
+        "model": MODEL,
+        "train": {"steps": steps, "global_batch": 8, "micro_batch": 2, "lr": 1e-2, "eval_every": 0, "seed": 0},
+        "precision": {"dtype": "fp32"},
+        "parallel": parallel,
+        "checkpoint": {"every": 3},
+        "log": {"out": str(out), "tensorboard": False, "progress": False},
+    }
+
+
+def _dataset() -> np.ndarray:
+    return np.random.default_rng(0).integers(0, MODEL["vocab_size"], size=(64, 17))
+
+
+def _fit(config: dict) -> list[float]:
+    from tenfold.engine.trainer import Trainer
+
+    return Trainer(config, dataset=_dataset()).fit()["losses"]
+
+
+def _rank_worker(rank: int, tmp: str, port: int) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    root = Path(tmp)
+    res = {}
+    res["zero3_3"] = _fit(_config(root / "zero3", 3, zero_stage=3))
+    res["pp_full"] = _fit(_config(root / "pp_full", 6, pp_degree=2))
+    _fit(_config(root / "pp_split", 3, pp_degree=2))
+    res["pp_resumed"] = _fit({**_config(root / "pp_split", 6, pp_degree=2), "checkpoint": {"every": 3, "resume": "auto"}})
+    if rank == 0:
+        (root / "results.json").write_text(json.dumps(res))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ckpt_trainer")
+    mp.start_processes(_rank_worker, args=(str(tmp), _free_port()), nprocs=2, start_method="spawn", join=True)
+    return tmp, json.loads((tmp / "results.json").read_text())
+
+
+@pytest.mark.slow
+def test_done_when_two_rank_zero3_checkpoint_resumes_on_one_process(two_rank_runs, tmp_path):
+    tmp, res = two_rank_runs
+    reference = _fit(_config(tmp_path / "one", 6))
+    assert _rel_close(res["zero3_3"], reference[:3], 1e-4)
+    resumed = _fit({**_config(tmp / "zero3", 6), "checkpoint": {"every": 3, "resume": "auto"}})
+    assert len(resumed) == 6
+    assert _rel_close(resumed[3:], reference[3:], 1e-4)
+
+
+@pytest.mark.slow
+def test_pipeline_pp2_resume_equals_uninterrupted(two_rank_runs):
+    tmp, res = two_rank_runs
+    assert len(res["pp_resumed"]) == 6
+    assert res["pp_resumed"][3:] == res["pp_full"][3:]
+    manifest = json.loads((tmp / "pp_split" / "checkpoints" / "step_6" / "manifest.json").read_text())
+    assert manifest["world_size"] == 2
