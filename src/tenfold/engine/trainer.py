@@ -274,6 +274,11 @@ class Trainer:
             self.out_dir.mkdir(parents=True, exist_ok=True)
         self.console = _console(main)
         self._announce()
+        from tenfold.engine.checkpoint import CheckpointManager  # [checkpoint] --resume, then saves
+
+        self.checkpoints = CheckpointManager.from_config(cfg, log=self._checkpoint_log)
+        self.checkpoints.resume(self)
+        self.checkpoints.install_signal_handlers()
         writer = MetricsWriter(self.out_dir, main, cfg.log.tensorboard)
         progress = make_progress(main and cfg.log.progress)
         peak = self.peak_flops_per_device()
@@ -314,12 +319,19 @@ class Trainer:
                 if progress is not None:
                     stats = f"loss {result.loss:.4f}  {tps:,.0f} tok/s" + (f"  MFU {mfu:.1%}" if mfu else "")
                     progress.update(task, completed=self.state.step, stats=stats)
+                # [checkpoint] every N steps, at the last step, and once on SIGTERM/SIGINT (then stop)
+                if self.checkpoints.after_step(self.state.step, self, last=self.state.step == cfg.train.steps):
+                    break
         finally:
+            self.checkpoints.close()  # [checkpoint] finish a background save, restore signal handlers
             if progress is not None:
                 progress.stop()
             writer.close()
         wall = time.perf_counter() - wall_start
         summary = self._summary(last, val_loss, wall, peak)
+        if cfg.checkpoint.export_16bit and self.state.step == cfg.train.steps:  # [checkpoint] DeepSpeed key
+            exported = self.checkpoints.export_16bit(self, self.out_dir)
+            summary["export"] = exported["safetensors"] if exported else str(self.out_dir / "model.safetensors")
         if self.adapter.kind == "hf":  # [any model] OUT/hf: save_pretrained layout (every rank gathers)
             from tenfold.models.hf import save_hf_pretrained
 
@@ -343,6 +355,10 @@ class Trainer:
             f"| seq {self.seq_len} | {c.train.steps} steps | {self.dist.world_size} process(es) on {self.dist.device.type}"
         )
         self.console.print(f"data: {self.data.describe()}")
+
+    def _checkpoint_log(self, message: str) -> None:  # [checkpoint] one line, main rank only
+        if self.console is not None:
+            self.console.print(message, markup=False, highlight=False)
 
     def _model_label(self) -> str:  # [any model] preset name, HF config path or the user's class
         m = self.cfg.model
