@@ -122,6 +122,7 @@ class CheckpointSection(_Section):
     keep_last: int | None = Field(None, gt=0)
     resume: str | None = None  # "auto" or a checkpoint path
     export_16bit: bool = False  # stage3_gather_16bit_weights_on_model_save
+    async_save: bool = False  # dcp.async_save: write in a background thread, finalise at a later step
 
 
 class LogSection(_Section):
