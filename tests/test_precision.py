@@ -202,10 +202,10 @@ def test_scaled_then_unscaled_grads_equal_plain_grads_exactly_in_fp32():
         torch.testing.assert_close(b, a, rtol=0, atol=0)  # power-of-2 scale: exact in fp32
 
 
-@pytest.mark.parametrize("dtype_name, tol", [("bf16", 5e-2), ("fp16", 1e-2)])
+@pytest.mark.parametrize("dtype_name, tol", [("bf16", 1.5e-2), ("fp16", 2e-3)])
 def test_autocast_grads_match_fp32_within_the_dtype_tolerance(dtype_name, tol):
     """Tolerance: relative error of the whole gradient vector; bf16 has 8 mantissa bits
-    (~4e-3 per op), fp16 has 11 (~5e-4), accumulated over a few ops."""
+    (~4e-3 per op), fp16 has 11 (~5e-4); measured 3.4e-3 and 4.1e-4 here, so ~4x margin."""
     ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(2))
     ref = _tiny_gpt()
     ref_loss = _lm_loss(ref, ids)
