@@ -11,8 +11,9 @@ Measured (`measure_step_memory`):
 Keys (ints, bytes; `MEMORY_KEYS`), the names the planner (`tenfold.plan`) uses:
   params_bytes, grads_bytes, optimizer_bytes  model states as held at the optimizer step
                                               (after backward, before gradients are freed)
-  activations_bytes                           at the step's peak: tensors saved for backward
-                                              plus temporaries (MemTracker's Activation + Temp)
+  activations_bytes                           tensors saved for backward plus temporaries
+                                              (MemTracker's Activation + Temp) at their highest
+                                              in the step (forward/backward)
   buffers_bytes, other_bytes                  non-parameter module buffers (RoPE tables), other
   peak_bytes                                  the step's peak total (every category at that moment)
   total_bytes                                 params + grads + optimizer + activations, the
@@ -51,6 +52,19 @@ def _make_tracker_class():
         restart the module-wise statistics at each root forward instead (the report shows the
         last micro-batch, every one has the same shapes); the global peak is kept.
         """
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.act_peak: dict = {}  # per device: (highest Activation + Temp, the snapshot then)
+
+        def _update_peak_stats(self, peak_state) -> None:
+            # Called after every operator: also follow the activation high-water mark, which
+            # need not coincide with the total peak (that can be in the optimizer step).
+            super()._update_peak_stats(peak_state)
+            for dev, snap in self._curr_mem_snap.items():
+                act = sum(v for k, v in snap.items() if getattr(k, "value", k) in ("Activation", "Temp"))
+                if act > self.act_peak.get(dev, (-1, None))[0]:
+                    self.act_peak = {**self.act_peak, dev: (act, dict(snap))}
 
         def _pre_fw_hook(self, module: nn.Module, inputs: Any) -> None:
             if module in self.memory_tracking and not self._mod_tracker.is_bw:
@@ -120,16 +134,18 @@ def _tracked_step(model: nn.Module, optimizer: Any, run_step: Callable[[], None]
 def _measure_cpu(model, optimizer, run_step, device) -> tuple[dict, Any]:
     tracker, at_step, peak_snap = _tracked_step(model, optimizer, run_step, device)
     peak = _category_bytes(peak_snap, device)
+    act_peak = _category_bytes({d: snap for d, (_, snap) in tracker.act_peak.items()}, device)
     pre = _category_bytes(at_step.get("pre", peak_snap), device)
     post = _category_bytes(at_step.get("post", at_step.get("pre", peak_snap)), device)
     measured = {
         "params_bytes": pre["param"],
         "grads_bytes": pre["grad"],
         "optimizer_bytes": max(post["opt"], pre["opt"]),
-        # Saved-for-backward tensors and temporaries at the peak. MemTracker may file some
-        # recomputed tensors under Temp rather than Activation (its documented limitation);
-        # the sum is exact.
-        "activations_bytes": peak["act"] + peak["temp"],
+        # Saved-for-backward tensors and temporaries at their high-water mark (MemTracker may
+        # file some recomputed tensors under Temp rather than Activation, its documented
+        # limitation; the sum is exact). Not taken at the total peak: with recompute, or
+        # small activations, that peak can fall in the optimizer step (foreach temporaries).
+        "activations_bytes": act_peak["act"] + act_peak["temp"],
         "buffers_bytes": peak["buffer"],
         "other_bytes": peak["other"],
         "peak_bytes": peak["total"],
@@ -349,3 +365,75 @@ def comparison_table(measured: dict, predicted: dict | None = None, title: str =
             row.append("-" if diff.get(key) is None else f"{diff[key]:+.1f}%")
         t.add_row(*row)
     return t
+
+
+# --------------------------------------------------------------------------- predicted
+
+
+_PLAN_SCHEDULES = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved": "interleaved", "zero-bubble": "1f1b"}
+
+
+def planner_hardware_name(device: torch.device) -> str:
+    """The planner's catalog entry for this device: `cpu`, or the CUDA device's name matched
+    against the catalog (H100 SXM when nothing matches: memory is what is compared here and
+    the catalog's capacity does not enter the predicted bytes)."""
+    if device.type != "cuda":
+        return "cpu"
+    from tenfold.plan.hardware import CATALOG
+
+    name = torch.cuda.get_device_name(device).lower()
+    for family, key in (("h200", "h200"), ("b200", "b200"), ("mi300", "mi300x"), ("l40s", "l40s"),
+                        ("4090", "rtx4090"), ("v100", "v100")):
+        if family in name and key in CATALOG:
+            return key
+    if "h100" in name:
+        return "h100-pcie" if "pcie" in name else "h100-sxm"
+    if "a100" in name:
+        return "a100-40gb" if "40gb" in name else "a100-80gb"
+    return "h100-sxm"
+
+
+def planner_strategy(config, dist_info=None, dtype: str | None = None):
+    """The planner's `Strategy` for a resolved `TenfoldConfig` as tenfold's engine runs it:
+    fp32 parameters under torch.amp (no 16-bit master split), tenfold's own activation style
+    (eager PyTorch, fp32 residual stream, dropout-free, SDPA without an s^2 term)."""
+    from tenfold.config import resolve_batch
+    from tenfold.plan.strategy import Strategy
+
+    dp = getattr(dist_info, "dp_size", 1) or 1
+    micro, accum, glob = resolve_batch(config.train.micro_batch, config.train.grad_accum, config.train.global_batch, dp)
+    par = config.parallel
+    return Strategy(
+        precision=dtype or config.precision.dtype, micro_batch=micro, grad_accum=accum, global_batch=glob,
+        seq_len=config.seq_len(), ac=str(config.recompute.policy), zero=par.zero_stage, pp=par.pp_degree,
+        pp_schedule=_PLAN_SCHEDULES.get(par.pp_schedule, "1f1b"), virtual_stages=par.virtual_stages,
+        master_weights=False, dropout=False, flash_attention=True, activation_style="tenfold",
+    )
+
+
+def predicted_memory(config, dist_info=None, dtype: str | None = None, plan=None) -> dict[str, int]:
+    """The planner's per-rank prediction for this run, under the measurement's keys.
+
+    `dtype`: the precision the engine actually runs (bf16 falls back to fp32 where the device
+    lacks it); default `config.precision.dtype`. `plan`: an already computed `Plan`.
+    activations_bytes includes the autocast 16-bit weight copies (the tracker sees them as
+    activations: they are created in forward and saved for backward); peak_bytes is the
+    planner's allocated total (its `Plan.memory.peak_bytes`: model states + activations +
+    communication buffers, no allocator reserve or CUDA context, which no tensor tracker sees).
+    """
+    if plan is None:
+        from tenfold.plan.api import predict
+
+        device = getattr(dist_info, "device", torch.device("cpu"))
+        world = getattr(dist_info, "world_size", 1) or 1
+        plan = predict(config.model_config_resolved(), planner_hardware_name(device), world,
+                       planner_strategy(config, dist_info, dtype))
+    m = plan.memory
+    act = (m.activations_bytes or 0.0) + (m.autocast_weight_copies_bytes or 0.0)
+    out = {
+        "params_bytes": m.params_bytes, "grads_bytes": m.grads_bytes, "optimizer_bytes": m.optimizer_bytes,
+        "activations_bytes": act, "buffers_bytes": 0, "other_bytes": m.comm_buffers_bytes,
+        "peak_bytes": m.peak_bytes,
+    }
+    out["total_bytes"] = _model_states_plus_activations(out)
+    return {k: int(round(v)) for k, v in out.items()}
