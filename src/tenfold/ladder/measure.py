@@ -1,0 +1,223 @@
+"""Run one rung as `python -m tenfold train ... --out DIR/rung_k_name` and read what it wrote.
+
+A subprocess per rung: multi-process rungs go through the same `--nproc` launcher a user
+would use, every rung starts from a cold process (no allocator or kernel cache carried over
+from the rung before), and a rung that fails or hangs is reported without stopping the ladder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from tenfold.ladder.predict import Prediction
+from tenfold.ladder.rungs import RungSpec
+
+LOG_NAME = "ladder_rung.log"
+WARMUP_STEPS = 1  # the first step pays for first-touch allocation and kernel selection
+
+
+@dataclass
+class RungResult:
+    index: int
+    name: str
+    title: str
+    status: str  # measured | skipped | failed
+    reason: str | None
+    config: dict[str, Any]
+    notes: list[str] = field(default_factory=list)
+    out_dir: str | None = None
+    command: list[str] | None = None
+    tokens: int | None = None
+    steps: int | None = None
+    tokens_per_s: float | None = None  # steady state: optimizer steps after the first
+    wall_tokens_per_s: float | None = None  # tokens / the trainer's whole loop (incl. eval, warm-up)
+    wall_s: float | None = None  # the trainer's loop for the budget
+    process_s: float | None = None  # the subprocess, start to exit (imports, data, launch)
+    time_for_budget_s: float | None = None  # budget tokens / tokens_per_s
+    mfu: float | None = None
+    peak_mem_bytes: int | None = None
+    memory: dict[str, Any] = field(default_factory=dict)  # measured, by category (per rank)
+    memory_source: str | None = None
+    val_loss: float | None = None
+    loss: float | None = None
+    first_loss: float | None = None
+    predicted_tokens_per_s: float | None = None
+    predicted_peak_bytes: float | None = None
+    predicted_memory: dict[str, Any] = field(default_factory=dict)
+    prediction_error: str | None = None
+    speedup_vs_previous: float | None = None
+    speedup_vs_baseline: float | None = None
+    time_multiplier: float | None = None  # time for the budget / the previous measured rung's
+    cumulative_multiplier: float | None = None  # ... / the baseline's
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def train_command(spec: RungSpec, out_dir: Path, user_set_args: list[str]) -> list[str]:
+    """The rung's `tenfold train` command line (user --set items first: the rung's own
+    settings must win over them)."""
+    cmd = [sys.executable, "-m", "tenfold", "train", "--out", str(out_dir), "--no-progress"]
+    if spec.nproc > 1:
+        cmd += ["--nproc", str(spec.nproc)]
+    return cmd + list(user_set_args) + spec.set_args()
+
+
+def run_rung(spec: RungSpec, out_dir: Path, user_set_args: list[str], prediction: Prediction,
+             timeout_s: float, on_step: Callable[[int], None] | None = None) -> RungResult:
+    result = RungResult(spec.index, spec.name, spec.title, "skipped", spec.skip, spec.knobs, list(spec.notes))
+    _attach_prediction(result, prediction)
+    if spec.skip is not None:
+        return result
+    if out_dir.exists():  # metrics.jsonl is appended to: a previous ladder's rung must go first
+        shutil.rmtree(out_dir)
+    out_dir.mkdir(parents=True)
+    cmd = train_command(spec, out_dir, user_set_args)
+    result.out_dir, result.command = str(out_dir), cmd
+    rc, elapsed, tail = _run(cmd, out_dir, timeout_s, on_step)
+    result.process_s = elapsed
+    summary_path = out_dir / "summary.json"
+    if rc != 0 or not summary_path.is_file():
+        result.status = "failed"
+        result.reason = (f"timed out after {timeout_s:.0f} s" if rc is None
+                         else f"exit status {rc}: {tail}" if tail else f"exit status {rc}")
+        return result
+    _read_outputs(result, summary_path, out_dir / "metrics.jsonl")
+    result.status, result.reason = "measured", None
+    return result
+
+
+def _attach_prediction(result: RungResult, p: Prediction) -> None:
+    result.predicted_tokens_per_s = p.tokens_per_s
+    result.predicted_peak_bytes = p.peak_bytes
+    result.predicted_memory = dict(p.memory)
+    result.prediction_error = p.error
+
+
+def _run(cmd: list[str], out_dir: Path, timeout_s: float, on_step) -> tuple[int | None, float, str]:
+    """Run `cmd` in its own process group (so a timeout stops its torchrun ranks too);
+    report finished steps from metrics.jsonl while it runs."""
+    log_path = out_dir / LOG_NAME
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    start = time.perf_counter()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        rc: int | None = None
+        while True:
+            try:
+                rc = proc.wait(timeout=0.5)
+                break
+            except subprocess.TimeoutExpired:
+                pass
+            if on_step is not None:
+                on_step(_count_lines(out_dir / "metrics.jsonl"))
+            if time.perf_counter() - start > timeout_s:
+                _stop_group(proc)
+                rc = None
+                break
+    elapsed = time.perf_counter() - start
+    return rc, elapsed, _error_line(log_path)
+
+
+def _stop_group(proc: subprocess.Popen) -> None:
+    """SIGTERM the rung's process group (this subprocess and the ranks it started), then SIGKILL."""
+    for sig, wait in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def _count_lines(path: Path) -> int:
+    try:
+        with open(path, "rb") as f:
+            return sum(1 for _ in f)
+    except OSError:
+        return 0
+
+
+def _error_line(log_path: Path) -> str:
+    """The most telling line of a failed rung's output: tenfold's own one-line error if any."""
+    try:
+        lines = [ln.strip() for ln in log_path.read_text(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return ""
+    for prefix in ("tenfold: error:", "tenfold: rank", "tenfold: run stopped:"):
+        hits = [ln for ln in lines if ln.startswith(prefix)]
+        if hits:
+            return hits[0][:400]
+    errors = [ln for ln in lines if "Error" in ln or "error" in ln]
+    return (errors[-1] if errors else lines[-1] if lines else "")[:400]
+
+
+def read_metrics(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if line:
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue  # a rank killed mid-line; the complete lines still count
+    return out
+
+
+def steady_tokens_per_s(records: list[dict], tokens_per_step: int) -> float | None:
+    """Tokens / summed step time over the optimizer steps after the warm-up, leaving out any
+    step that carried a memory measurement (the tensor tracker slows the step it watches)."""
+    timed = [r for r in records if isinstance(r.get("step_time_s"), (int, float)) and r["step_time_s"] > 0]
+    steady = [r for r in timed if r.get("step", 0) > WARMUP_STEPS and not r.get("memory_measured")]
+    use = steady or timed
+    total = sum(r["step_time_s"] for r in use)
+    return tokens_per_step * len(use) / total if total > 0 else None
+
+
+def _read_outputs(result: RungResult, summary_path: Path, metrics_path: Path) -> None:
+    summary = json.loads(summary_path.read_text())
+    final, batch = summary.get("final", {}), summary.get("batch", {})
+    tokens_per_step = int(batch.get("global_batch", 0)) * int(batch.get("seq_len", 0))
+    result.tokens, result.steps = final.get("tokens"), final.get("steps")
+    result.wall_s, result.wall_tokens_per_s = final.get("wall_s"), final.get("tokens_per_s")
+    result.val_loss, result.loss, result.first_loss = final.get("val_loss"), final.get("loss"), final.get("first_loss")
+    records = read_metrics(metrics_path)
+    result.tokens_per_s = steady_tokens_per_s(records, tokens_per_step) or result.wall_tokens_per_s
+    peak_flops = (summary.get("hardware") or {}).get("peak_flops_per_device")
+    fpt = (summary.get("model") or {}).get("flops_per_token")
+    world = (summary.get("hardware") or {}).get("world_size") or 1
+    if peak_flops and fpt and result.tokens_per_s:
+        result.mfu = fpt * result.tokens_per_s / (peak_flops * world)
+    if result.tokens and result.tokens_per_s:
+        result.time_for_budget_s = result.tokens / result.tokens_per_s
+    _read_memory(result, summary.get("memory") or {}, records)
+
+
+def _read_memory(result: RungResult, memory: dict, records: list[dict]) -> None:
+    """Measured memory by category from summary.json (`memory.measured`, engine/memory.py);
+    without it, the process's peak resident set (not by category) from the step records."""
+    measured = memory.get("measured")
+    if isinstance(measured, dict) and measured.get("peak_bytes"):
+        result.memory = measured
+        result.memory_source = "tensor tracker (one step)"
+        result.peak_mem_bytes = int(measured["peak_bytes"])
+        return
+    rss = memory.get("peak_mem_bytes") or max((r.get("peak_mem_bytes") or 0 for r in records), default=0)
+    if rss:
+        result.memory = {"peak_bytes": int(rss)}
+        result.memory_source = "process peak RSS (no per-category measurement in summary.json)"
+        result.peak_mem_bytes = int(rss)

@@ -1,0 +1,239 @@
+"""The ladder's outputs: a rich table (the seed's ladder with measured multipliers),
+OUT/ladder.json, OUT/ladder.md and OUT/ladder.png (measured bars beside predicted markers)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from tenfold.ladder.measure import RungResult
+from tenfold.ladder.rungs import SEED_CLAIMS
+
+MiB = 2**20
+MEMORY_PARTS = (  # measured categories, stacked in the chart (engine/memory.py's keys)
+    ("params_bytes", "params"), ("grads_bytes", "grads"), ("optimizer_bytes", "optimizer"),
+    ("activations_bytes", "activations"),
+)
+
+
+def add_multipliers(results: list[RungResult]) -> None:
+    """Speed-up and time multiplier of each measured rung against the previous measured rung
+    and the baseline (the first measured rung). Every rung trains the same tokens, so the
+    time multiplier is the inverse of the throughput ratio (the seed's "time / 2")."""
+    measured = [r for r in results if r.status == "measured" and r.tokens_per_s]
+    if not measured:
+        return
+    base = measured[0]
+    for prev, r in zip([None, *measured[:-1]], measured):
+        r.speedup_vs_baseline = r.tokens_per_s / base.tokens_per_s
+        r.cumulative_multiplier = 1.0 / r.speedup_vs_baseline
+        if prev is not None:
+            r.speedup_vs_previous = r.tokens_per_s / prev.tokens_per_s
+            r.time_multiplier = 1.0 / r.speedup_vs_previous
+
+
+def fmt_multiplier(m: float | None) -> str:
+    """A time multiplier as the seed writes it: "/ 2.0" for faster, "x 1.30" for slower."""
+    if m is None:
+        return "-"
+    return f"/ {1 / m:.2f}" if m < 1 else f"x {m:.2f}"
+
+
+def fmt_bytes(n: float | None) -> str:
+    return "-" if not n else f"{n / MiB:,.0f} MiB"
+
+
+def fmt_rate(x: float | None) -> str:
+    return "-" if not x else f"{x:,.0f}"
+
+
+def fmt_time(s: float | None) -> str:
+    if s is None:
+        return "-"
+    return f"{s:,.1f} s" if s < 120 else f"{s / 60:,.1f} min"
+
+
+def config_text(c: dict[str, Any]) -> str:
+    parts = [c["precision"], f"{c['micro_batch']}x{c['grad_accum']}x{c['dp']}"]
+    if c["recompute"] != "none":
+        parts.append(f"ac {c['recompute']}")
+    if c["zero_stage"]:
+        parts.append(f"zero {c['zero_stage']}")
+    if c["pp"] > 1:
+        parts.append(f"pp {c['pp']}")
+    return " ".join(parts)
+
+
+def table_rows(results: list[RungResult]) -> list[list[str]]:
+    rows = []
+    for r in results:
+        status = r.status if r.status == "measured" else f"{r.status}"
+        rows.append([
+            str(r.index), r.title, config_text(r.config), fmt_rate(r.tokens_per_s), fmt_rate(r.predicted_tokens_per_s),
+            fmt_time(r.time_for_budget_s), fmt_multiplier(r.time_multiplier), fmt_multiplier(r.cumulative_multiplier),
+            SEED_CLAIMS.get(r.name, ""), fmt_bytes(r.peak_mem_bytes), fmt_bytes(r.predicted_peak_bytes),
+            "-" if r.val_loss is None else f"{r.val_loss:.3f}", status,
+        ])
+    return rows
+
+
+COLUMNS = ["#", "rung", "precision mbxaccxdp ...", "tok/s", "pred tok/s", "time for budget", "time x",
+           "cumulative", "seed says", "peak mem", "pred peak", "val loss", "status"]
+
+
+def print_table(results: list[RungResult], header: dict[str, Any], console=None) -> None:
+    from rich import box
+    from rich.console import Console
+    from rich.table import Table
+
+    import sys
+
+    c = console or Console(width=None if sys.stdout.isatty() else 170)
+    t = Table(title=f"tenfold ladder: {header['model']} on {header['hardware']['description']}, "
+                    f"{header['budget_tokens']:,} tokens per rung", box=box.SIMPLE_HEAVY, title_justify="left")
+    for col in COLUMNS:
+        t.add_column(col, justify="left" if col in ("rung", "precision mbxaccxdp ...", "seed says", "status") else "right",
+                     overflow="fold")
+    for row in table_rows(results):
+        style = None if row[-1] == "measured" else "dim"
+        t.add_row(*row, style=style)
+    c.print(t)
+    for r in results:
+        if r.status != "measured":
+            c.print(f"  [yellow]{r.index} {r.name} {r.status}[/]: {r.reason}")
+        if r.prediction_error:
+            c.print(f"  [yellow]{r.index} {r.name} planner[/]: {r.prediction_error}")
+
+
+def ladder_dict(results: list[RungResult], header: dict[str, Any]) -> dict[str, Any]:
+    return {**header, "rungs": [r.to_dict() for r in results]}
+
+
+def write_json(path: Path, obj: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2, default=str))
+    os.replace(tmp, path)
+
+
+def markdown(results: list[RungResult], header: dict[str, Any]) -> str:
+    hw = header["hardware"]
+    lines = [
+        f"# tenfold ladder: {header['model']}",
+        "",
+        f"- machine: {hw['description']}",
+        f"- date: {header['date']}",
+        f"- command: `{header['command']}`",
+        f"- budget: {header['budget_tokens']:,} tokens per rung, seq {header['seq_len']}, "
+        f"target global batch {header['global_batch']}, memory budget {fmt_bytes(header['memory_budget_bytes'])}",
+        f"- tokens/s: steady state (optimizer steps after the first); predicted: `tenfold.plan.api.predict` on `{hw['planner_hardware']}`",
+        "",
+        "| " + " | ".join(COLUMNS) + " |",
+        "|" + "|".join("---" if i in (1, 2, 8, 12) else "---:" for i in range(len(COLUMNS))) + "|",
+    ]
+    for row in table_rows(results):
+        lines.append("| " + " | ".join(cell.replace("|", "/") for cell in row) + " |")
+    lines += ["", "## Rungs", ""]
+    for r in results:
+        lines.append(f"- **{r.index} {r.name}** ({r.status}): {r.title}.")
+        if r.reason:
+            lines.append(f"  - reason: {r.reason}")
+        for n in r.notes:
+            lines.append(f"  - {n}")
+        if r.memory and r.memory_source:
+            cats = ", ".join(f"{label} {fmt_bytes(r.memory.get(key))}" for key, label in MEMORY_PARTS if key in r.memory)
+            lines.append(f"  - memory ({r.memory_source}): {cats or ''} peak {fmt_bytes(r.peak_mem_bytes)}")
+        if r.prediction_error:
+            lines.append(f"  - planner: {r.prediction_error}")
+    best = best_rung(results)
+    if best is not None:
+        lines += ["", f"Best rung: **{best.name}**, {best.speedup_vs_baseline:.2f}x the baseline's tokens/s."]
+    return "\n".join(lines) + "\n"
+
+
+def best_rung(results: list[RungResult]) -> RungResult | None:
+    measured = [r for r in results if r.status == "measured" and r.speedup_vs_baseline]
+    return max(measured, key=lambda r: r.speedup_vs_baseline, default=None)
+
+
+def plot(results: list[RungResult], header: dict[str, Any], path: Path) -> None:
+    """Two panels: throughput (log scale) and peak memory per rank, one group per rung;
+    measured bars (memory stacked by category where measured), predicted values as markers."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    xs = list(range(len(results)))
+    labels = [f"{r.index} {r.name}" for r in results]
+    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(13, 5.2))
+    _throughput_panel(ax_t, results, xs)
+    _memory_panel(ax_m, results, xs)
+    for ax in (ax_t, ax_m):
+        ax.set_xticks(xs, labels, rotation=20, ha="right")
+        ax.grid(axis="y", alpha=0.3)
+        ax.set_axisbelow(True)
+    fig.suptitle(f"tenfold ladder: {header['model']}, {header['budget_tokens']:,} tokens per rung, "
+                 f"{header['hardware']['description']}", fontsize=10)
+    fig.tight_layout()
+    tmp = path.with_name(path.stem + ".tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
+def _throughput_panel(ax, results: list[RungResult], xs: list[int]) -> None:
+    measured = [r.tokens_per_s or 0 for r in results]
+    ax.bar(xs, measured, width=0.6, color="tab:blue", label="measured tokens/s")
+    for x, r in zip(xs, results):
+        if r.status != "measured":
+            ax.text(x, 0.5, r.status, rotation=90, ha="center", va="bottom", transform=ax.get_xaxis_transform(),
+                    color="gray", fontsize=9)
+        elif r.speedup_vs_baseline:
+            ax.annotate(f"{r.speedup_vs_baseline:.1f}x", (x, r.tokens_per_s), ha="center", va="bottom",
+                        fontsize=9, xytext=(0, 2), textcoords="offset points")
+    pred = [(x, r.predicted_tokens_per_s) for x, r in zip(xs, results) if r.predicted_tokens_per_s]
+    if pred:
+        ax.scatter([p[0] for p in pred], [p[1] for p in pred], marker="D", color="tab:red", zorder=3,
+                   label="planner's prediction")
+    if any(measured) or pred:
+        ax.set_yscale("log")
+    ax.set_xlim(-0.6, len(results) - 0.4)
+    ax.set_ylabel("tokens/s (log scale)")
+    ax.set_title("throughput (x = speed-up vs the baseline)", fontsize=10)
+    ax.legend(fontsize=8, loc="upper left")
+
+
+def _memory_panel(ax, results: list[RungResult], xs: list[int]) -> None:
+    bottoms = [0.0] * len(results)
+    colors = ("tab:gray", "tab:olive", "tab:purple", "tab:orange")
+    by_category = [all(k in r.memory for k, _ in MEMORY_PARTS) for r in results]
+    for (key, label), color in zip(MEMORY_PARTS, colors):
+        vals = [r.memory[key] / MiB if ok else 0.0 for r, ok in zip(results, by_category)]
+        if any(vals):
+            ax.bar(xs, vals, width=0.6, bottom=bottoms, color=color, label=f"measured {label}")
+            bottoms = [b + v for b, v in zip(bottoms, vals)]
+    # Rungs without a per-category measurement: the process's peak RSS as a hatched bar.
+    rss = [r.peak_mem_bytes / MiB if (r.peak_mem_bytes and not ok) else 0.0 for r, ok in zip(results, by_category)]
+    if any(rss):
+        ax.bar(xs, rss, width=0.6, color="white", edgecolor="tab:gray", hatch="//", label="measured peak RSS (process)")
+    # The peak is one moment of the step: below the stacked sum (params/grads/optimizer are
+    # counted at the optimizer step, activations at the peak).
+    peaks = [(x, r.peak_mem_bytes / MiB) for x, r, ok in zip(xs, results, by_category) if r.peak_mem_bytes and ok]
+    if peaks:
+        ax.scatter([p[0] for p in peaks], [p[1] for p in peaks], marker="_", s=700, linewidths=2.5, color="black",
+                   zorder=3, label="measured peak (one moment)")
+    pred = [(x, r.predicted_peak_bytes / MiB) for x, r in zip(xs, results) if r.predicted_peak_bytes]
+    if pred:
+        ax.scatter([p[0] for p in pred], [p[1] for p in pred], marker="D", color="tab:red", zorder=4,
+                   label="planner's predicted peak")
+    for x, r in zip(xs, results):
+        if r.status != "measured":
+            ax.text(x, 0.5, r.status, rotation=90, ha="center", va="bottom", transform=ax.get_xaxis_transform(),
+                    color="gray", fontsize=9)
+    ax.set_ylim(bottom=0)
+    ax.set_xlim(-0.6, len(results) - 0.4)
+    ax.set_ylabel("MiB per rank")
+    ax.set_title("memory per rank (stacked: states at the optimizer step, activations at the peak)", fontsize=10)
+    ax.legend(fontsize=8, loc="upper left")

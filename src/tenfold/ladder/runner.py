@@ -1,0 +1,191 @@
+"""Run the selected rungs in order, with a progress bar, and write the ladder's outputs."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import platform
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tenfold.ladder import measure, predict, report
+from tenfold.ladder import rungs as R
+
+
+@dataclass
+class Ladder:
+    setup: R.LadderSetup
+    user_layers: list[dict]  # config layers every rung starts from (model, --set, --seq-len)
+    selected: list[str]
+    out_dir: Path
+    memory_budget: int | None
+    timeout_s: float
+    model: str
+    command: str
+    results: list[measure.RungResult] = field(default_factory=list)
+    chosen: dict[str, Any] = field(default_factory=dict)  # the recompute rung's micro-batch choice
+
+    # ------------------------------------------------------------------ rungs
+
+    def user_set_args(self) -> list[str]:
+        """The user layers as `--set` items for `tenfold train` (model name first)."""
+        out = []
+        for layer in self.user_layers:
+            for section, keys in layer.items():
+                for key, value in keys.items():
+                    out += ["--set", f"{section}.{key}={R._toml(value)}"]
+        return out
+
+    def default_budget(self) -> int:
+        """Twice the planner's peak for the accumulation rung (micro-batch 1, mixed precision):
+        a device on which the baseline's batch fits with room to spare, but where a large
+        micro-batch without recompute does not."""
+        p = predict.predict_rung(R.accum_rung(self.setup), self.user_layers, self.device)
+        return int(2 * p.peak_bytes) if p.peak_bytes else 1 << 30
+
+    def activation_scale(self) -> float:
+        """measured / predicted activations of the last micro-batch-1 rung in mixed precision."""
+        for r in reversed(self.results):
+            if r.name in ("accum", "mixed") and r.status == "measured":
+                m, p = r.memory.get("activations_bytes"), r.predicted_memory.get("activations_bytes")
+                if m and p:
+                    return max(0.25, min(4.0, m / p))  # a wild ratio is a measurement problem, not a scale
+        return 1.0
+
+    def spec_for(self, name: str, chosen: dict[str, Any]) -> R.RungSpec:
+        s = self.setup
+        if name == "fp32":
+            return R.fp32_rung(s)
+        if name == "mixed":
+            return R.mixed_rung(s)
+        if name == "accum":
+            return R.accum_rung(s)
+        mb = chosen.get("micro_batch")
+        if mb is None:
+            choice = predict.choose_micro_batch(s, self.user_layers, self.memory_budget, self.activation_scale(), self.device)
+            chosen.update(micro_batch=choice.micro_batch, note=choice.note, candidates=choice.candidates)
+            mb = choice.micro_batch
+        if name == "recompute":
+            return R.recompute_rung(s, mb, chosen["note"])
+        if name == "zero":
+            return R.zero_rung(s, mb)
+        return R.pipeline_rung(s, mb)
+
+    # ------------------------------------------------------------------ run
+
+    def run(self, show_progress: bool = True) -> int:
+        from tenfold.ladder import device_type
+
+        self.device = device_type()
+        if self.memory_budget is None:
+            self.memory_budget = self.default_budget()
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        header = self.header()
+        chosen = self.chosen
+        progress = _progress(show_progress)
+        with progress:
+            task = progress.add_task("ladder", total=len(self.selected), detail="")
+            for name in self.selected:
+                spec = self.spec_for(name, chosen)
+                progress.update(task, description=f"rung {spec.index} {name}", detail="predicting")
+                pred = predict.predict_rung(spec, self.user_layers, self.device)
+                steps = spec.overrides["train"]["steps"]
+
+                def on_step(done: int, _task=task, _steps=steps) -> None:
+                    progress.update(_task, detail=f"step {done}/{_steps}")
+
+                out = self.out_dir / f"rung_{spec.index}_{name}"
+                result = measure.run_rung(spec, out, self.user_set_args(), pred, self.timeout_s, on_step)
+                self.results.append(result)
+                report.add_multipliers(self.results)
+                report.write_json(self.out_dir / "ladder.json", report.ladder_dict(self.results, header))
+                progress.update(task, advance=1, detail=f"{result.status}"
+                                + (f", {result.tokens_per_s:,.0f} tok/s" if result.tokens_per_s else ""))
+        return self.finish(header)
+
+    def finish(self, header: dict[str, Any]) -> int:
+        header["finished"] = _now()
+        if self.chosen:
+            header["micro_batch_choice"] = dict(self.chosen)  # the recompute rung's memory-budget search
+        report.print_table(self.results, header)
+        report.write_json(self.out_dir / "ladder.json", report.ladder_dict(self.results, header))
+        (self.out_dir / "ladder.md").write_text(report.markdown(self.results, header))
+        report.plot(self.results, header, self.out_dir / "ladder.png")
+        best = report.best_rung(self.results)
+        from rich.console import Console
+
+        c = Console()
+        if best is not None:
+            c.print(f"best rung: [bold]{best.index} {best.name}[/], {best.speedup_vs_baseline:.2f}x the baseline's tokens/s")
+        c.print(f"wrote {self.out_dir / 'ladder.json'}, ladder.md, ladder.png")
+        return 0 if any(r.status == "measured" for r in self.results) else 1
+
+    def header(self) -> dict[str, Any]:
+        s = self.setup
+        return {
+            "hardware": hardware_info(self.device),
+            "model": self.model,
+            "date": _now(),
+            "command": self.command,
+            "budget_tokens": s.budget_tokens,
+            "seq_len": s.seq_len,
+            "global_batch": s.global_batch,
+            "nproc": s.nproc,
+            "memory_budget_bytes": self.memory_budget,
+            "rungs_selected": self.selected,
+            "user_layers": self.user_layers,
+            "tokens_per_s_definition": "global batch x seq_len x steps after the first / their summed step time",
+        }
+
+
+def _now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def hardware_info(device: str) -> dict[str, Any]:
+    import torch
+
+    from tenfold.engine.memory import planner_hardware_name
+
+    info: dict[str, Any] = {"device": device, "cpu": _cpu_model(), "cores": os.cpu_count(),
+                            "torch": torch.__version__, "threads": torch.get_num_threads(),
+                            "planner_hardware": planner_hardware_name(torch.device(device))}
+    if device == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(0)
+        info["gpus"] = torch.cuda.device_count()
+        info["description"] = f"{torch.cuda.device_count()} x {info['gpu']}"
+    else:
+        from tenfold.engine.peak import cpu_peak_flops
+
+        info["peak_flops"] = {d: cpu_peak_flops(d) for d in ("fp32", "bf16")}
+        info["description"] = f"{info['cpu']}, {info['cores']} cores"
+    return info
+
+
+def _progress(enabled: bool):
+    from contextlib import nullcontext
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    if not enabled:
+        class _Quiet(nullcontext):
+            def add_task(self, *a, **k):
+                return 0
+
+            def update(self, *a, **k):
+                pass
+
+        return _Quiet()
+    return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                    TextColumn("{task.fields[detail]}"), TimeElapsedColumn())
