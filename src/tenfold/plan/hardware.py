@@ -146,10 +146,11 @@ CATALOG: dict[str, Hardware] = {
 ALIASES = {"a100": "a100-80gb", "h100": "h100-sxm", "a100-80": "a100-80gb", "a100-40": "a100-40gb", "4090": "rtx4090"}
 
 # Rough constants for `cpu` (stated as such): gloo over loopback moves ~2 GB/s with ~50 us per
-# message; a server's memory streams ~20 GB/s to one socket's worth of cores.
+# message; eager PyTorch elementwise kernels (norms, casts, SwiGLU, Adam) stream ~5 GB/s on a
+# few cores, far below the DRAM bandwidth (small tensors, per-op dispatch, bf16 conversions).
 CPU_LOOPBACK_BW = 2 * GB
 CPU_LOOPBACK_LATENCY_S = 50e-6
-CPU_MEMORY_BW = 20 * GB
+CPU_MEMORY_BW = 5 * GB
 
 
 def _cpu_model_name() -> str:
