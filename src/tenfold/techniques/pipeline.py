@@ -321,7 +321,8 @@ def predicted_bubble(pp_size: int, n_microbatches: int, virtual_stages: int = 1)
 
 class _StageTimer:
     """Busy time of this rank's stages: wraps the forward/backward chunk methods of each
-    `PipelineStage`; idle share = 1 - busy / step wall time (waits on p2p count as idle)."""
+    `PipelineStage`. Everything else in the step's wall time is idle: waiting for the
+    neighbour stage, and the p2p transfers themselves (not overlapped on gloo/CPU)."""
 
     def __init__(self) -> None:
         self.busy_s = 0.0
@@ -357,8 +358,14 @@ class PipelineStepResult:
     loss: float  # global mean token loss (same value on every rank)
     global_tokens: int  # target tokens of the whole global batch
     step_s: float  # wall time of the schedule step on this rank
+    pipeline_s: float  # wall time of the whole pipeline step: max of step_s over the pp group
     busy_s: float  # time this rank spent in its stages' forward/backward
-    bubble: float  # measured idle share on this rank: 1 - busy_s / step_s
+    bubble: float  # (pipeline_s - busy_s) / busy_s: idle relative to compute, as (P-1)/m is
+
+    @property
+    def idle_share(self) -> float:
+        """Idle share of the step's wall time, 1 - busy/T (= (P-1)/(m+P-1) for 1F1B)."""
+        return 1.0 - self.busy_s / self.pipeline_s
 
 
 class PipelineRunner:
@@ -448,14 +455,28 @@ class PipelineRunner:
             inputs, targets = torch.cat(list(inputs)), torch.cat(list(targets))
         self.global_tokens, self.loss_scale = max(int(global_tokens), 1), float(loss_scale)
         self.timer.busy_s = 0.0
+        if self.pp_group is not None and dist.is_initialized():
+            # Start the stages together, so the bubble is not mixed with the previous
+            # step's imbalance (optimizer step, data loading).
+            dist.barrier(group=self.pp_group)
         t0 = time.perf_counter()
         losses = self._run(inputs, targets, train=True)
         step_s = time.perf_counter() - t0
         # Last stages hold sum(mb losses) = (their dp share of the mean) * dp_size * scale.
         local = sum(l.detach().double() for l in losses) / self.loss_scale if losses else 0.0
         loss = self._sum_over_world(local) / self.dp_size
+        pipeline_s = self._max_over_pp(step_s)
         busy = self.timer.busy_s
-        return PipelineStepResult(loss, int(global_tokens), step_s, busy, max(0.0, 1.0 - busy / step_s))
+        bubble = (pipeline_s - busy) / busy if busy > 0 else float("nan")
+        return PipelineStepResult(loss, int(global_tokens), step_s, pipeline_s, busy, bubble)
+
+    def _max_over_pp(self, value: float) -> float:
+        """The pipeline step ends when its slowest stage ends: a stage that finishes early
+        (the last stage, after its final backward) is idle until then."""
+        t = torch.tensor(value, dtype=torch.float64, device=self.device)
+        if self.pp_group is not None and dist.is_initialized():
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.pp_group)
+        return float(t)
 
     @torch.no_grad()
     def eval_loss_sum(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
@@ -567,7 +588,7 @@ class PipelinedModel(nn.Module):
         self.split = split
         self.parts = list(parts)  # plain list: the parts' modules are registered above
         self.runner = runner
-        self.bubbles: list[float] = []  # measured idle share of each step on this rank
+        self.bubbles: list[float] = []  # measured bubble of each step on this rank (idle / busy)
 
     def forward(self, *args, **kwargs):
         raise RuntimeError(
@@ -595,11 +616,11 @@ class PipelinedModel(nn.Module):
 
     def step_metrics(self, tokens_per_s: float, world_size: int) -> dict:
         """metrics.jsonl fields of the last step: tokens/s per device (torchtitan's tps is
-        per device too), this rank's measured idle share and the planner's (P-1)/(m V)."""
+        per device too), this rank's measured bubble (idle / busy) and the planner's (P-1)/(m V)."""
         pp_size = self.split.pp_size
         return {
             "tokens_per_s_per_device": tokens_per_s / world_size,
-            "pp_bubble": self.bubbles[-1] if self.bubbles else None,
+            "pp_bubble": self.bubbles[-1] if self.bubbles else None,  # rank 0 = first stage
             "pp_bubble_predicted": predicted_bubble(
                 pp_size, self.runner.n_microbatches, len(self.runner.stage_ids)),
         }
