@@ -8,7 +8,9 @@ of 5 runs; the baseline in the same run is `python -c pass` (interpreter start-u
 
 from __future__ import annotations
 
+import os
 import platform
+import resource
 import statistics
 import subprocess
 import sys
@@ -26,22 +28,28 @@ COMMANDS = {
 }
 
 
-def wall(cmd: list[str], repeats: int = 5) -> float:
-    times = []
+def timed(cmd: list[str], repeats: int = 5) -> tuple[float, float]:
+    """Median wall seconds and median CPU seconds (user + sys of the child: what the command
+    costs on an otherwise idle machine, robust to other load)."""
+    walls, cpus = [], []
     for _ in range(repeats):
+        r0 = resource.getrusage(resource.RUSAGE_CHILDREN)
         t = time.perf_counter()
         subprocess.run(cmd, check=True, capture_output=True)
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+        walls.append(time.perf_counter() - t)
+        r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpus.append(r1.ru_utime - r0.ru_utime + r1.ru_stime - r0.ru_stime)
+    return statistics.median(walls), statistics.median(cpus)
 
 
 def main() -> None:
-    print(f"machine: {platform.processor() or platform.machine()}, Python {platform.python_version()}")
+    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
+          f"load {os.getloadavg()[0]:.1f}, Python {platform.python_version()}")
     base = None
     for name, cmd in COMMANDS.items():
-        t = wall(cmd)
-        base = base or t
-        print(f"{name:42s} {t:6.3f} s  ({t / base:4.1f}x the interpreter start-up)")
+        wall, cpu = timed(cmd)
+        base = base or cpu
+        print(f"{name:42s} wall {wall:6.3f} s  cpu {cpu:6.3f} s  ({cpu / base:4.1f}x the interpreter's cpu)")
     from tenfold.plan.calibration import main as calibration
 
     print("\nNarayanan et al. 2021 Table 1, TFLOP/s per GPU (Eq. 3 convention):")
