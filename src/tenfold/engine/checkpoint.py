@@ -548,7 +548,7 @@ class CheckpointManager:
     def from_config(cls, cfg, log=None) -> "CheckpointManager":
         c = cfg.checkpoint
         return cls(cfg.log.out, every=c.every, keep_last=c.keep_last, resume=c.resume,
-                   async_save=getattr(c, "async_save", False), log=log)
+                   async_save=c.async_save, log=log)
 
     def _say(self, msg: str) -> None:
         if _rank() == 0:
