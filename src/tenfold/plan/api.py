@@ -358,6 +358,15 @@ def _time(shape: ModelShape, hw: Hardware, r: Resolved, tr: _Trace, notes: list[
     offload = s.offload != "none"
     opt = tm.optimizer_step_time(n_params / (r.dp if s.zero >= 1 else 1), hw, offload, min(r.gpus, gpn))
     step = pipeline + dp_exposed + opt
+    tr("compute_s", m * (fwd + bwd), "m x sum over GEMMs max(FLOPs/(peak x e_max x tile x wave), bytes/HBM) "
+       "+ attention + elementwise bytes/HBM; backward = 2 x forward",
+       f"roofline (Williams et al. 2009); e_max = {hw.gemm_efficiency:.3f} fitted on Narayanan Table 1")
+    tr("recompute_s", m * rc, f"forward of the recomputed part ({r.policy.text})", "torch.utils.checkpoint semantics")
+    tr("tp_comm_s", m * tpc, "4 all-reduces of b s h per layer (+2 per recomputed layer), not overlapped",
+       "Narayanan §3.2: 8 b s h (t-1)/t elements per layer")
+    tr("pp_comm_s", m * ppc, "2 v sends of b s h / t per micro-batch", "Narayanan §4.1 (scatter/gather)")
+    tr("bubble_s", bubble, "(p - 1)/v x t_microbatch", "Narayanan Eq. (1)")
+    tr("optimizer_s", opt, "~30 bytes/param of the rank's shard / HBM (host when offloaded)", "memory-bound Adam")
     tr("step_time_s", step, "m x t_mb + bubble + exposed DP/ZeRO comm + optimizer step", "tenfold time model (docs/planner.md)")
     t = TimeBreakdown(
         compute_s=m * (fwd + bwd), recompute_s=m * rc, tp_comm_s=m * tpc, pp_comm_s=m * ppc, bubble_s=bubble,
