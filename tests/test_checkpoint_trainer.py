@@ -210,3 +210,55 @@ def test_pipeline_pp2_resume_equals_uninterrupted(two_rank_runs):
     assert res["pp_resumed"][3:] == res["pp_full"][3:]
     manifest = json.loads((tmp / "pp_split" / "checkpoints" / "step_6" / "manifest.json").read_text())
     assert manifest["world_size"] == 2
+
+
+# --------------------------------------------------------------------------- --on-nan
+
+
+def _nan_at(step: int):
+    """A loss_fn whose loss is NaN on optimizer step `step` (one micro-batch per step)."""
+    calls = {"n": 0}
+
+    def loss_fn(model, batch):
+        from tenfold.techniques.accumulation import token_loss_sum
+
+        calls["n"] += 1
+        loss = token_loss_sum(model(batch["input_ids"]), batch["labels"])
+        return (loss * float("nan") if calls["n"] == step else loss), int(batch["labels"].numel())
+
+    return loss_fn
+
+
+def _nan_config(out: Path, on_nan: str) -> dict:
+    cfg = _config(out, 4)
+    cfg["train"].update(global_batch=2, micro_batch=2, on_nan=on_nan)
+    cfg["checkpoint"] = {"every": 1}
+    return cfg
+
+
+def _all_finite(ckpt: Path) -> bool:
+    from tenfold.engine.export import consolidated_model_state
+
+    return all(bool(torch.isfinite(t).all()) for t in consolidated_model_state(ckpt).values())
+
+
+def test_on_nan_skip_keeps_nan_out_of_checkpoints(tmp_path):
+    from tenfold.engine.trainer import Trainer
+
+    summary = Trainer(_nan_config(tmp_path, "skip"), dataset=_dataset(), loss_fn=_nan_at(2)).fit()
+    assert summary["final"]["skipped_steps"] == 1 and summary["final"]["steps"] == 4
+    steps = [p for _, p in ck.list_step_dirs(tmp_path / "checkpoints")]
+    assert len(steps) == 4 and all(_all_finite(p) for p in steps)
+    state = ck.load_trainer_state(tmp_path / "checkpoints" / "step_2")
+    assert state["state"]["skipped"] == 1 and state["scheduler"]["last_epoch"] == 1  # no LR step
+
+
+def test_on_nan_stop_names_the_step_and_keeps_last_good_checkpoint(tmp_path):
+    from tenfold.engine.trainer import Trainer
+    from tenfold.errors import RunError
+
+    with pytest.raises(RunError, match="at step 3"):
+        Trainer(_nan_config(tmp_path, "stop"), dataset=_dataset(), loss_fn=_nan_at(3)).fit()
+    root = tmp_path / "checkpoints"
+    assert ck.read_latest(root) == root / "step_2" and _all_finite(root / "step_2")
+    assert not (root / "step_3").exists()

@@ -606,13 +606,9 @@ class CheckpointManager:
         assert_finite_model(trainer.model, step)
         final = self.root / step_dir_name(step)
         tmp = self.root / f"{TMP_PREFIX}{final.name}"
-        if _rank() == 0:
-            self._clean_stale_tmp()
-            self.root.mkdir(parents=True, exist_ok=True)
-            tmp.mkdir()
-        _barrier()
         pending = _PendingSave(step=step, tmp=tmp, final=final, started=t0, blocked_s=0.0)
         try:
+            _on_every_rank(lambda: self._make_tmp(tmp) if _rank() == 0 else None)
             _on_every_rank(lambda: self._write_side_files(tmp, step, trainer))
             state = _model_and_optim_state(trainer.model, trainer.optimizer)
             if self.async_save and not wait:
@@ -630,6 +626,11 @@ class CheckpointManager:
         result = SaveResult(final, step, pending.blocked_s, async_pending=True)
         self._say(f"checkpoint: step {step} saving in the background ({pending.blocked_s:.2f} s blocked)")
         return result
+
+    def _make_tmp(self, tmp: Path) -> None:
+        self._clean_stale_tmp()
+        self.root.mkdir(parents=True, exist_ok=True)
+        tmp.mkdir()
 
     def _group(self):
         """Async saves run their collectives on a separate gloo group, so they never interleave
@@ -746,11 +747,12 @@ class CheckpointManager:
 
     def _abandon(self, tmp: Path, err: BaseException) -> None:
         """A failed save: remove the partial directory; the previous checkpoint and `latest`
-        were never touched."""
-        try:
-            _barrier()
-        except Exception:
-            pass
+        were never touched. (After Ctrl-C-twice no barrier: the other ranks may not come.)"""
+        if not isinstance(err, (KeyboardInterrupt, SystemExit)):
+            try:
+                _barrier()
+            except Exception:  # noqa: BLE001 - best effort; the error being reported is `err`
+                pass
         if _rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
 
