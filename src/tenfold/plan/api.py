@@ -64,6 +64,7 @@ class TimeBreakdown:
     recompute_s: float
     tp_comm_s: float
     pp_comm_s: float
+    host_transfer_s: float  # offload traffic that compute does not hide
     bubble_s: float
     dp_comm_s: float  # total DP/ZeRO collective time
     dp_comm_exposed_s: float
@@ -311,40 +312,14 @@ def _time(shape: ModelShape, hw: Hardware, r: Resolved, tr: _Trace, notes: list[
             raise UserError(f"--achieved-tflops must be positive, got {s.achieved_tflops}")
         step = hw_flops / (r.gpus * s.achieved_tflops * 1e12)
         tr("step_time_s", step, "(model + recompute FLOPs) / (gpus x X)", "Narayanan et al. 2021 Eq. (4): 8TP/(nX)")
-        return TimeBreakdown(step, 0, 0, 0, 0, 0, 0, 0, step, 0, "achieved_tflops"), model_flops, hw_flops
+        return TimeBreakdown(step, 0, 0, 0, 0, 0, 0, 0, 0, step, 0, "achieved_tflops"), model_flops, hw_flops
     peak = hw.peak(s.precision) * _compute_share(hw, r.gpus)
     gpn = hw.gpus_per_node
-    tp_group = comm.group_layout(s.tp, 1, gpn)
     dp_group = comm.group_layout(r.dp, s.tp, gpn)
-    pp_crosses = s.tp * r.dp >= gpn and s.pp > 1
-    elem = 2.0 if s.precision != "fp32" else 4.0
     m = r.grad_accum
-    if cfg is not None:
-        act_bytes = r.micro_batch * r.seq_len * cfg.d_model * elem
-        tp_ar = comm.all_reduce_time(act_bytes, hw, tp_group)
-        lt = tm.layer_times(cfg, s, hw, peak, r.seq_len, r.micro_batch, s.tp, tp_ar)
-        rc_layers = recomputed_layers(r.policy, cfg.n_layers)
-        per_stage = []
-        for stage in sorted({0, s.pp - 1}):
-            layers = layers_on_stage(cfg.n_layers, s.pp, stage)
-            fwd, bwd = layers * lt.fwd, layers * lt.bwd
-            if stage == s.pp - 1:
-                hf, hb = tm.head_time(cfg, s, hw, peak, r.seq_len, r.micro_batch, s.tp)
-                fwd, bwd = fwd + hf, bwd + hb
-            rc = layers * tm.recompute_time_per_layer(lt, r.policy, cfg.n_layers, rc_layers)
-            tpc = layers * (2 * lt.tp_comm_fwd) + rc_layers / cfg.n_layers * layers * lt.tp_comm_fwd * (
-                1 if r.policy.kind in ("full", "every", "segments") else 0)
-            per_stage.append((fwd + bwd + rc + tpc, fwd, bwd, rc, tpc))
-        t_mb, fwd, bwd, rc, tpc = max(per_stage)
-        ppc = 2 * r.v * comm.p2p_time(act_bytes / s.tp, hw, pp_crosses) if s.pp > 1 else 0.0
-        t_mb += _host_transfer_exposed(shape, hw, r, lt, fwd, bwd)
-    else:
-        flops_mb = 6.0 * shape.params * r.micro_batch * r.seq_len / (s.tp * s.pp)
-        fwd = flops_mb / 3 / (peak * hw.gemm_efficiency)
-        bwd = 2 * fwd
-        rc = fwd if r.policy.kind == "full" else 0.0
-        tpc = ppc = 0.0
-        t_mb = fwd + bwd + rc
+    mb = _microbatch(shape, hw, r, peak)
+    fwd, bwd, rc, tpc, ppc, host = mb.fwd, mb.bwd, mb.rc, mb.tpc, mb.ppc, mb.host
+    t_mb = fwd + bwd + rc + tpc + host
     t_mb_total = t_mb + ppc
     bubble = (s.pp - 1) / r.v * t_mb_total if s.pp > 1 else 0.0
     pipeline = m * t_mb_total + bubble
@@ -368,15 +343,58 @@ def _time(shape: ModelShape, hw: Hardware, r: Resolved, tr: _Trace, notes: list[
     tr("bubble_s", bubble, "(p - 1)/v x t_microbatch", "Narayanan Eq. (1)")
     tr("optimizer_s", opt, "~30 bytes/param of the rank's shard / HBM (host when offloaded)", "memory-bound Adam")
     tr("step_time_s", step, "m x t_mb + bubble + exposed DP/ZeRO comm + optimizer step", "tenfold time model (docs/planner.md)")
+    tr("host_transfer_s", m * host, "PCIe bytes (offloaded activations / params) / host link - compute", "tenfold time model")
     t = TimeBreakdown(
-        compute_s=m * (fwd + bwd), recompute_s=m * rc, tp_comm_s=m * tpc, pp_comm_s=m * ppc, bubble_s=bubble,
+        compute_s=m * (fwd + bwd), recompute_s=m * rc, tp_comm_s=m * tpc, pp_comm_s=m * ppc, host_transfer_s=m * host,
+        bubble_s=bubble,
         dp_comm_s=dp_total, dp_comm_exposed_s=dp_exposed, optimizer_s=opt, step_s=step,
         bubble_fraction=bubble / (m * t_mb_total), source="model",
     )
     return t, model_flops, hw_flops
 
 
-def _host_transfer_exposed(shape: ModelShape, hw: Hardware, r: Resolved, lt, fwd: float, bwd: float) -> float:
+@dataclass
+class _MicroBatch:
+    """One micro-batch on the slowest pipeline stage (seconds)."""
+
+    fwd: float
+    bwd: float
+    rc: float  # recompute
+    tpc: float  # exposed TP all-reduces
+    ppc: float  # pipeline sends
+    host: float  # exposed offload traffic
+
+
+def _microbatch(shape: ModelShape, hw: Hardware, r: Resolved, peak: float) -> _MicroBatch:
+    s, cfg = r.s, shape.cfg
+    if cfg is None:  # --params only: 6N FLOPs per token at the large-GEMM efficiency, no shapes
+        flops_mb = 6.0 * shape.params * r.micro_batch * r.seq_len / (s.tp * s.pp)
+        fwd = flops_mb / 3 / (peak * hw.gemm_efficiency)
+        return _MicroBatch(fwd, 2 * fwd, fwd if r.policy.kind == "full" else 0.0, 0.0, 0.0, 0.0)
+    elem = 2.0 if s.precision != "fp32" else 4.0
+    act_bytes = r.micro_batch * r.seq_len * cfg.d_model * elem
+    tp_ar = comm.all_reduce_time(act_bytes, hw, comm.group_layout(s.tp, 1, hw.gpus_per_node))
+    lt = tm.layer_times(cfg, s, hw, peak, r.seq_len, r.micro_batch, s.tp, tp_ar)
+    rc_layers = recomputed_layers(r.policy, cfg.n_layers)
+    rc_tp = r.policy.kind in ("full", "every", "segments")  # a recomputed layer repeats its forward all-reduces
+    per_stage = []
+    for stage in sorted({0, s.pp - 1}):
+        layers = layers_on_stage(cfg.n_layers, s.pp, stage)
+        fwd, bwd = layers * lt.fwd, layers * lt.bwd
+        if stage == s.pp - 1:
+            hf, hb = tm.head_time(cfg, s, hw, peak, r.seq_len, r.micro_batch, s.tp)
+            fwd, bwd = fwd + hf, bwd + hb
+        rc = layers * tm.recompute_time_per_layer(lt, r.policy, cfg.n_layers, rc_layers)
+        tpc = layers * 2 * lt.tp_comm_fwd + (rc_layers / cfg.n_layers * layers * lt.tp_comm_fwd if rc_tp else 0.0)
+        per_stage.append((fwd + bwd + rc + tpc, fwd, bwd, rc, tpc))
+    _, fwd, bwd, rc, tpc = max(per_stage)
+    pp_crosses = s.tp * r.dp >= hw.gpus_per_node and s.pp > 1
+    ppc = 2 * r.v * comm.p2p_time(act_bytes / s.tp, hw, pp_crosses) if s.pp > 1 else 0.0
+    host = _host_transfer_exposed(shape, hw, r, fwd, bwd)
+    return _MicroBatch(fwd, bwd, rc, tpc, ppc, host)
+
+
+def _host_transfer_exposed(shape: ModelShape, hw: Hardware, r: Resolved, fwd: float, bwd: float) -> float:
     """PCIe traffic per micro-batch that compute does not hide. `--ac offload`
     (save_on_cpu): every saved activation goes to the host in forward and back in backward.
     `--offload optimizer+params` (ZeRO-Infinity): the rank's 16-bit parameter shard comes up

@@ -76,6 +76,7 @@ def print_plan(p: Plan, hw: Hardware, explain: bool = False, console: Console | 
     else:
         for name, v in (("compute (fwd + bwd)", p.time.compute_s), ("recompute", p.time.recompute_s),
                         ("TP communication (exposed)", p.time.tp_comm_s), ("PP communication", p.time.pp_comm_s),
+                        ("offload PCIe traffic (exposed)", p.time.host_transfer_s),
                         (f"pipeline bubble ({p.time.bubble_fraction:.1%})", p.time.bubble_s),
                         (f"DP/ZeRO comm exposed (of {_secs(p.time.dp_comm_s)})", p.time.dp_comm_exposed_s),
                         ("optimizer step", p.time.optimizer_s)):
