@@ -41,7 +41,7 @@ from typing import Any, Callable, ContextManager, Iterable
 import torch
 import torch.distributed as dist
 
-from tenfold.errors import UserError
+from tenfold.errors import RunError, UserError
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +139,7 @@ def grads_have_inf_or_nan(
 # --------------------------------------------------------------------------- loss scalers
 
 
-class LossScaleAtMinimumError(RuntimeError):
+class LossScaleAtMinimumError(RunError, RuntimeError):
     """fp16 keeps overflowing at `min_loss_scale` (DeepSpeed raises here too, §2.9 note 3)."""
 
 
