@@ -395,3 +395,12 @@ def test_async_save_snapshot_is_exact(tmp_path):
     resumed = make_run()
     manager(tmp_path, resume=str(tmp_path / "checkpoints" / "step_3")).resume(resumed)
     assert train(resumed, STEPS) == reference[3:]
+
+
+def test_auto_candidates_order(tmp_path):
+    root = tmp_path / "checkpoints"
+    for n in (1, 2, 3, 5):
+        (root / f"step_{n}").mkdir(parents=True)
+    assert [p.name for p in ck.auto_candidates(root)] == ["step_5", "step_3", "step_2", "step_1"]
+    (root / "latest").write_text("step_2\n")  # resumed from step 2 after step 5 was written
+    assert [p.name for p in ck.auto_candidates(root)] == ["step_2", "step_1", "step_5", "step_3"]

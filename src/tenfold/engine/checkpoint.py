@@ -926,13 +926,15 @@ def _check_same_model(path: Path, trainer: Any) -> None:
 
 
 def auto_candidates(root: Path) -> list[Path]:
-    """Newest first: what `latest` names, then every other step_N by descending N."""
-    ordered: list[Path] = []
+    """What `latest` names, then the older step_N (descending), then any newer ones. Older
+    first because a newer step_N than `latest` belongs to a trajectory the user abandoned by
+    resuming from an earlier checkpoint (or to a save that died between rename and `latest`)."""
+    steps = list_step_dirs(root)
     latest = read_latest(root)
-    if latest is not None and latest.is_dir():
-        ordered.append(latest)
-    ordered += [p for _, p in list_step_dirs(root) if p not in ordered]
-    return ordered
+    if latest is None or not latest.is_dir():
+        return [p for _, p in steps]
+    n = int(STEP_DIR.match(latest.name).group(1))
+    return [latest] + [p for s, p in steps if s < n] + [p for s, p in steps if s > n]
 
 
 def resolve_checkpoint_path(path: str | Path) -> Path:
