@@ -125,7 +125,8 @@ def print_explain(p: Plan, hw: Hardware, c: Console) -> None:
 
 def print_search(result, hw: Hardware, gpus: int, console: Console | None = None) -> None:
     c = console or Console()
-    c.print(f"evaluated {result.evaluated} strategies on {gpus} x {hw.name}; {result.fitting} fit")
+    c.print(f"evaluated {result.evaluated} strategies on {gpus} x {hw.name}; {result.fitting} fit"
+            + (f"; {result.dominated} offloaded twins of fitting layouts skipped as dominated" if result.dominated else ""))
     if not result.best:
         c.print("[red]no strategy fits[/]: more GPUs, --offload, or a smaller global batch")
         return

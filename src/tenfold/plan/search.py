@@ -1,6 +1,8 @@
 """`--search`: every valid strategy (TP x PP x schedule x ZeRO x micro-batch x recompute x
 offload) for a model, fleet and global batch; the top k that fit, by predicted throughput.
 
+Offloading the optimizer only adds host time to an otherwise identical layout, so when a layout
+fits without offload its offloaded twin is skipped as dominated (counted, not evaluated).
 Valid means: tp divides the heads and stays inside a node (TP over the network is never
 worth it: 4 all-reduces per layer per micro-batch); tp x pp divides the GPUs; the micro-batch
 and data-parallel size divide the global batch; interleaving needs layers divisible by p x v
@@ -28,6 +30,7 @@ class SearchResult:
     evaluated: int  # strategies whose memory was computed
     fitting: int  # of which fit
     candidates: list[tuple[float, float, bool]]  # (total GiB, tokens/s or 0, fits) for --plot
+    dominated: int = 0  # offloaded twins of layouts that already fit without offload (skipped)
 
 
 def _powers_of_two_upto(n: int) -> list[int]:
@@ -57,7 +60,7 @@ def search(model, hardware: "str | Hardware", gpus: int, base: Strategy, top_k: 
     mbs = [b for b in _powers_of_two_upto(min(glob, 16))]
     plans: list[Plan] = []
     candidates: list[tuple[float, float, bool]] = []
-    evaluated = 0
+    evaluated = dominated = 0
     for tp in tps:
         for pp in pps:
             if gpus % (tp * pp):
@@ -71,10 +74,14 @@ def search(model, hardware: "str | Hardware", gpus: int, base: Strategy, top_k: 
                     for zero in (0, 1, 2, 3):
                         if zero and dp == 1:
                             continue  # nothing to partition
-                        for off in OFFLOAD_CHOICES:
-                            if off != "none" and zero == 0:
-                                continue
-                            for ac in AC_CHOICES:
+                        for ac in AC_CHOICES:
+                            fits_on_gpu = False
+                            for off in OFFLOAD_CHOICES:
+                                if off != "none" and (zero == 0 or fits_on_gpu):
+                                    # Offload only adds host time to an identical layout: when the
+                                    # layout fits without it, the offloaded twin is dominated.
+                                    dominated += off != "none" and zero > 0
+                                    continue
                                 s = replace(base, tp=tp, pp=pp, micro_batch=mb, global_batch=glob, grad_accum=None,
                                             seq_len=seq, pp_schedule=sched, virtual_stages=v, zero=zero, offload=off,
                                             ac=ac, sequence_parallel=base.sequence_parallel and tp > 1)
@@ -83,12 +90,13 @@ def search(model, hardware: "str | Hardware", gpus: int, base: Strategy, top_k: 
                                 if not fits(mem, hw, gpus):
                                     candidates.append((mem.total_bytes / 2**30, 0.0, False))
                                     continue
+                                fits_on_gpu = off == "none"
                                 p = _predict(shape, hw, gpus, s, trace=False, mem=mem)
                                 candidates.append((p.memory.total_bytes / 2**30, p.tokens_per_s, True))
                                 plans.append(p)
     plans.sort(key=lambda p: -p.tokens_per_s)
     best = [predict(shape, hw, gpus, Strategy(**{k: v for k, v in p.strategy.items()})) for p in plans[:top_k]]
-    return SearchResult(best, evaluated, len(plans), candidates)
+    return SearchResult(best, evaluated, len(plans), candidates, dominated)
 
 
 def _schedules(pp: int, m: int, layers: int) -> list[tuple[str, int]]:
