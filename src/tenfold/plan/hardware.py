@@ -19,7 +19,6 @@ import os
 import platform
 import subprocess
 import sys
-import tomllib
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -230,6 +229,13 @@ def cpu_hardware() -> Hardware:
 def load_hardware_toml(path: str | os.PathLike) -> Hardware:
     """User-defined hardware. Keys: name, memory_gb, hbm_gbs, intra_node_gbs, nic_gbs,
     [peak_tflops] fp32/bf16/fp16, optional gpus_per_node, latencies, efficiencies, sources."""
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10: the tomli backport has the same API
+        try:
+            import tomli as tomllib  # type: ignore[no-redef]
+        except ImportError:
+            raise UserError("--hardware-file needs Python >= 3.11 (tomllib) or `pip install tomli`") from None
     p = Path(path)
     try:
         data = tomllib.loads(p.read_text())
