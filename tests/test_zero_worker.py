@@ -73,7 +73,29 @@ def mode_equivalence(out_dir: str) -> dict:
         for stage in (0, 1, 2, 3):
             _, r = run_steps(config(stage, dtype, 1, 2, out_dir), measure_at=1 if dtype == "fp32" else None)
             results[f"{stage}-{dtype}"] = r
+    for stage in (2, 3):  # FSDP2's MixedPrecisionPolicy: bf16 all-gather/compute, fp32 shards
+        with forced_param_dtype(torch.bfloat16):
+            _, r = run_steps(config(stage, "bf16", 1, 2, out_dir))
+        results[f"{stage}-bf16-params"] = r
     return results
+
+
+class forced_param_dtype:
+    """Make `parallelize` hand `param_dtype` to apply_zero (whatever it passes itself)."""
+
+    def __init__(self, dtype):
+        self.dtype = dtype
+
+    def __enter__(self):
+        from tenfold.techniques import zero
+
+        self.orig = zero.apply_zero
+        zero.apply_zero = lambda *a, param_dtype=None, **kw: self.orig(*a, param_dtype=self.dtype, **kw)
+
+    def __exit__(self, *exc):
+        from tenfold.techniques import zero
+
+        zero.apply_zero = self.orig
 
 
 def mode_memory(out_dir: str) -> dict:
