@@ -59,6 +59,10 @@ def preflight(cfg: Any, nproc: int) -> None:
     if nproc % pp:
         raise UserError(f"parallel.pp_degree ({pp}) must divide --nproc ({nproc})")
     resolve_batch(cfg.train.micro_batch, cfg.train.grad_accum, cfg.train.global_batch, nproc // pp)
+    if pp > 1:  # [pipeline] micro-batches >= stages, stages <= layers, --pp-split, tied embeddings
+        from tenfold.techniques.pipeline import validate_config
+
+        validate_config(cfg, nproc)
 
 
 def run_under_torchrun(argv: list[str], nproc: int, cfg: Any = None) -> int:
@@ -69,6 +73,7 @@ def run_under_torchrun(argv: list[str], nproc: int, cfg: Any = None) -> int:
         raise UserError(f"--nproc must be a positive integer, got {nproc}")
     if cfg is not None:
         preflight(cfg, nproc)
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
@@ -77,6 +82,9 @@ def run_under_torchrun(argv: list[str], nproc: int, cfg: Any = None) -> int:
         run(parse_args(torchrun_argv(argv, nproc)))
     except ChildFailedError as e:
         return report_failure(e)
+    except SignalException as e:  # Ctrl-C / SIGTERM to us: the agent has stopped the ranks
+        print(f"tenfold: interrupted by {e.sigval.name}; all ranks stopped", file=sys.stderr)
+        return 128 + int(e.sigval)
     return 0
 
 

@@ -71,10 +71,10 @@ def apply_zero(
     if dist.dp_size <= 1:
         return model
     _warn_unmapped_knobs(parallel_cfg, stage, dist)
-    _broadcast_from_dp_rank0(model, dist)
     if stage <= 1:
-        wrapped = _wrap_ddp(model, parallel_cfg, dist)
+        wrapped = _wrap_ddp(model, parallel_cfg, dist)  # DDP broadcasts rank 0's weights itself
     else:
+        _broadcast_from_dp_rank0(model, dist)
         wrapped = _wrap_fsdp2(model, parallel_cfg, dist, stage, param_dtype, blocks)
     setattr(wrapped, _STAGE_ATTR, stage)
     return wrapped
