@@ -25,6 +25,15 @@ from tenfold.models.presets import ModelConfig, flops_per_token, param_count
 VOCAB, SEQ = 64, 16
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny matmuls: one intra-op thread is several times faster than oversubscribed cores."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 # --------------------------------------------------------------------------- a user's model
 
 
@@ -79,8 +88,9 @@ def user_loss_fn(model, batch):
     return token_loss_sum(logits, batch["labels"]), int((batch["labels"] != -100).sum())
 
 
-def api_config(out: Path, **parallel) -> dict:
+def api_config(out: Path, blocks: str | None = None, **parallel) -> dict:
     return {
+        "model": {"blocks": blocks},
         "train": {"steps": 4, "micro_batch": 4, "global_batch": 8, "lr": 1e-2, "warmup_steps": 0,
                   "eval_every": 0, "eval_batches": 1},
         "precision": {"dtype": "fp32"},
@@ -213,7 +223,8 @@ def _run_worker(out: Path) -> None:
     from tenfold.techniques.recompute import describe
 
     torch.manual_seed(0)
-    trainer = Trainer(api_config(out), model=MyLM(), dataset=token_rows(), loss_fn=user_loss_fn)
+    # The block class named (config model.blocks); the single-process tests find it automatically.
+    trainer = Trainer(api_config(out, blocks="MyBlock"), model=MyLM(), dataset=token_rows(), loss_fn=user_loss_fn)
     summary = trainer.fit()
     facts = {
         "losses": summary["losses"],

@@ -77,7 +77,6 @@ def build_hf_model(hf_config: str | None = None, hf_pretrained: str | None = Non
     RNG) or from a local folder with safetensors weights. fp32 parameters in both cases."""
     import torch
 
-    tf = _transformers()
     if hf_pretrained:
         directory = Path(hf_pretrained)
         config_json_path(directory, "model.hf_pretrained (--hf-pretrained)")
@@ -87,6 +86,8 @@ def build_hf_model(hf_config: str | None = None, hf_pretrained: str | None = Non
                 "the folder (only safetensors are loaded); to start from random weights use "
                 f"--hf-config {directory / 'config.json'}"
             )
+    tf = _transformers()
+    if hf_pretrained:
         config = load_hf_config(directory, "model.hf_pretrained (--hf-pretrained)")
         try:
             return tf.AutoModelForCausalLM.from_pretrained(
@@ -126,38 +127,60 @@ def full_state_dict(model) -> dict:
 
 def save_hf_pretrained(model, out_dir: str | Path, is_main: bool = True) -> Path | None:
     """Write `model` (an HF PreTrainedModel, possibly sharded) as a `save_pretrained` folder:
-    config.json + model.safetensors, loadable by `AutoModelForCausalLM.from_pretrained`.
+    config.json + model.safetensors (fp32), loadable by `AutoModelForCausalLM.from_pretrained`.
 
-    Every rank calls this (the unsharded state dict is gathered collectively); rank 0 writes.
-    The weights go through a fresh model of the same config built on the meta device, so the
-    folder names the plain architecture (FSDP2 renames the wrapped class) and carries none of
-    the training-time changes (recomputed forwards, sharded parameters)."""
-    import torch
-
-    tf = _transformers()
+    Every rank calls this (the unsharded state dict is gathered collectively); rank 0 writes."""
     inner = getattr(model, "module", model)
     state = full_state_dict(model)
     if not is_main:
         return None
+    config = inner.config.__class__.from_dict(inner.config.to_dict())
+    return write_hf_folder(state, config, out_dir, "fp32")[0]
+
+
+def write_hf_folder(state: dict, config, out_dir: str | Path, dtype: str = "fp32") -> tuple[Path, int]:
+    """`state` (full tensors keyed by the HF model's parameter names, e.g. a consolidated
+    tenfold checkpoint) + a `PretrainedConfig` (or a config.json path) -> a save_pretrained
+    folder. The weights go through a fresh model built on the meta device, so the folder names
+    the plain architecture (FSDP2 renames the wrapped class), carries none of the training-time
+    changes (recomputed forwards, sharded parameters), and tied weights are written once.
+    Returns the folder and the model's parameter count (tied weights once)."""
+    import torch
+
+    tf = _transformers()
+    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    if isinstance(config, (str, Path)):
+        config = load_hf_config(config)
+    config.dtype = torch_dtype  # what from_pretrained(dtype="auto") will give back
+    with torch.device("meta"):
+        fresh = tf.AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
+    state = {k: v.to(torch_dtype) if v.is_floating_point() else v for k, v in state.items()}
+    result = fresh.load_state_dict(state, strict=False, assign=True)
+    fresh.tie_weights()
+    still_meta = [n for n, p in fresh.named_parameters() if p.is_meta]
+    if result.unexpected_keys or still_meta:
+        raise UserError(
+            f"export to a Hugging Face folder: the weights do not fit {type(fresh).__name__} "
+            f"(missing: {still_meta[:5]}, unexpected: {result.unexpected_keys[:5]})"
+        )
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    config = inner.config.__class__.from_dict(inner.config.to_dict())
-    config.dtype = torch.float32
-    with torch.device("meta"):
-        fresh = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    fresh.load_state_dict(state, strict=True, assign=True)
-    fresh.tie_weights()
-    _materialize_buffers(fresh, inner)
+    # Non-persistent buffers (rotary inv_freq) stay on meta: save_pretrained does not write
+    # them and from_pretrained recomputes them from the config.
     fresh.save_pretrained(str(out), safe_serialization=True)
-    return out
+    return out, sum(p.numel() for p in fresh.parameters())
 
 
-def _materialize_buffers(fresh, trained) -> None:
-    """Non-persistent buffers (e.g. rotary inv_freq) are not in the state dict; copy them from
-    the trained model so that the meta-built model is complete."""
-    trained_buffers = dict(trained.named_buffers())
-    for name, buf in list(fresh.named_buffers()):
-        if buf.is_meta and name in trained_buffers:
-            module_name, _, leaf = name.rpartition(".")
-            owner = fresh.get_submodule(module_name) if module_name else fresh
-            owner._buffers[leaf] = trained_buffers[name].detach().to("cpu").clone()
+def export_checkpoint_to_hf(weights: dict, saved_model: dict, out_dir: str | Path, info: dict) -> dict:
+    """`tenfold export` of a Hugging Face run's checkpoint (called by engine/export.py): the
+    consolidated `model.*` tensors -> a save_pretrained folder in `info["dtype"]`. The config
+    comes from the run's own model.hf_pretrained / model.hf_config path."""
+    source = saved_model.get("hf_pretrained") or saved_model.get("hf_config")
+    config = load_hf_config(source, "the checkpoint's model.hf_config")
+    out, n_params = write_hf_folder(weights, config, out_dir, info["dtype"])
+    files = safetensors_files(out)
+    return {
+        **info, "format": "hf-save_pretrained", "model": source, "num_params": n_params,
+        "safetensors": str(out), "config": str(out / "config.json"),
+        "bytes": sum(f.stat().st_size for f in files),
+    }
