@@ -229,3 +229,12 @@ def test_checkpoint_resume_and_tenfold_export_of_an_hf_run(tmp_path):
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "exported", local_files_only=True)
     assert loaded.dtype == torch.bfloat16 and loaded.config.architectures == ["LlamaForCausalLM"]
     torch.testing.assert_close(logits(loaded).float(), logits(trainer.model), rtol=0.05, atol=0.05)
+
+
+def test_resumed_hf_run_equals_uninterrupted_and_export_16bit_writes_a_folder(tmp_path):
+    full = train(tmp_path / "full", GPT2, checkpoint={"every": 2, "export_16bit": True})[1]
+    assert (tmp_path / "full" / "model" / "config.json").is_file()  # export_16bit: OUT/model/ (bf16)
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "full" / "model", local_files_only=True).dtype == torch.bfloat16
+    resumed = train(tmp_path / "resumed", GPT2,
+                    checkpoint={"resume": str(tmp_path / "full" / "checkpoints" / "step_2")})[1]
+    np.testing.assert_allclose(resumed["losses"][-2:], full["losses"][-2:], rtol=1e-6)
