@@ -84,20 +84,31 @@ def test_budget_rounds_up_to_whole_global_batches():
 
 
 def test_memory_budget_choice_uses_recompute():
-    s = _setup(global_batch=16)
+    s = _setup(global_batch=16, ac_policy="full")
     small = choose_micro_batch(s, SMALL_LAYERS, budget_bytes=1)
     assert small.micro_batch == 1 and "nothing fits" in small.note
     big = choose_micro_batch(s, SMALL_LAYERS, budget_bytes=1 << 40)
-    assert big.micro_batch == 16
-    rows = {r["micro_batch"]: r for r in big.candidates}
-    assert rows[16]["with_recompute"] < rows[16]["without_recompute"]  # recompute saves activations
-    assert rows[1]["with_recompute"] < rows[16]["with_recompute"]  # a larger micro-batch needs more
+    assert big.micro_batch == 16 and big.policy == "full"
+    peak = {(r["micro_batch"], r["policy"]): r["peak_bytes"] for r in big.candidates}
+    assert peak[(16, "full")] < peak[(16, "none")]  # recompute saves activations
+    assert peak[(1, "full")] < peak[(16, "full")]  # a larger micro-batch needs more
     # a budget between the two peaks at micro-batch 16: fits only with recompute
-    mid = (rows[16]["with_recompute"] + rows[16]["without_recompute"]) / 2
+    mid = (peak[(16, "full")] + peak[(16, "none")]) / 2
     choice = choose_micro_batch(s, SMALL_LAYERS, budget_bytes=mid)
     assert choice.micro_batch == 16 and "without recompute micro-batch" in choice.note
     # measured activations twice the prediction: the same budget buys a smaller micro-batch
     assert choose_micro_batch(s, SMALL_LAYERS, mid, activation_scale=2.0).micro_batch < 16
+
+
+def test_auto_recompute_takes_the_least_recompute_that_fits():
+    s = _setup(global_batch=16, ac_policy="auto")
+    roomy = choose_micro_batch(s, SMALL_LAYERS, budget_bytes=1 << 40)
+    policies = {r["policy"] for r in roomy.candidates}
+    assert {"selective", "every:2", "full", "none"} <= policies
+    assert roomy.micro_batch == 16 and roomy.policy != "full"  # everything fits: the cheapest policy
+    peak = {(r["micro_batch"], r["policy"]): r["peak_bytes"] for r in roomy.candidates}
+    tight = choose_micro_batch(s, SMALL_LAYERS, budget_bytes=peak[(16, "full")] * 1.001)
+    assert tight.micro_batch == 16 and peak[(16, tight.policy)] <= peak[(16, "full")] * 1.001
 
 
 # --------------------------------------------------------------------------- arithmetic
@@ -123,6 +134,9 @@ def test_steady_tokens_per_s_leaves_out_warmup_and_measured_steps():
     assert steady_tokens_per_s(recs, 100) == pytest.approx(100.0)
     assert steady_tokens_per_s(recs[:1], 100) == pytest.approx(10.0)  # one step: use it
     assert steady_tokens_per_s([], 100) is None
+    # with the loop's elapsed time: data and logging between steps count too
+    timed = [dict(r, elapsed_s=e) for r, e in zip(recs, (10.0, 11.5, 17.0, 18.5))]
+    assert steady_tokens_per_s(timed, 100) == pytest.approx(300 / (8.5 - 4.0))
 
 
 def test_option_parsing():

@@ -51,7 +51,8 @@ def register(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--rungs", help=f"comma-separated subset of {','.join(RUNG_NAMES)} (default: all)")
     g.add_argument("--quick", action="store_true", help="a small budget that finishes in minutes on 2 CPU cores")
     g.add_argument("--out", help=f"output directory (default {DEFAULT_OUT})")
-    g.add_argument("--ac", default="full", help="recompute policy of the recompute rung and after (default full)")
+    g.add_argument("--ac", default="auto", help="recompute policy of the recompute rung and after; auto (default): "
+                                                "the least recompute that fits the largest micro-batch")
     g.add_argument("--zero", type=int, default=3, help="ZeRO stage of the zero rung (default 3, the seed's)")
     g.add_argument("--pp", type=int, help="pipeline stages (default 2; with --project 8)")
     g.add_argument("--timeout", type=float, help="seconds one rung may run before it is stopped and reported as failed")
@@ -169,7 +170,8 @@ def prepare(args: argparse.Namespace) -> "Ladder":
 def _check_ac(policy: str) -> None:
     from tenfold.plan.strategy import parse_ac
 
-    parse_ac(policy)  # UserError naming the allowed policies
+    if policy != "auto":
+        parse_ac(policy)  # UserError naming the allowed policies
 
 
 def _default_global_batch(preferred: int, nproc: int, pp: int) -> int:

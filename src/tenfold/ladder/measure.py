@@ -112,18 +112,22 @@ def _run(cmd: list[str], out_dir: Path, timeout_s: float, on_step) -> tuple[int 
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         rc: int | None = None
-        while True:
-            try:
-                rc = proc.wait(timeout=0.5)
-                break
-            except subprocess.TimeoutExpired:
-                pass
-            if on_step is not None:
-                on_step(_count_lines(out_dir / "metrics.jsonl"))
-            if time.perf_counter() - start > timeout_s:
-                _stop_group(proc)
-                rc = None
-                break
+        try:
+            while True:
+                try:
+                    rc = proc.wait(timeout=0.5)
+                    break
+                except subprocess.TimeoutExpired:
+                    pass
+                if on_step is not None:
+                    on_step(_count_lines(out_dir / "metrics.jsonl"))
+                if time.perf_counter() - start > timeout_s:
+                    _stop_group(proc)
+                    rc = None
+                    break
+        except BaseException:  # Ctrl-C / SIGTERM of the ladder: its rung (and ranks) go too
+            _stop_group(proc)
+            raise
     elapsed = time.perf_counter() - start
     return rc, elapsed, _error_line(log_path)
 
@@ -179,13 +183,28 @@ def read_metrics(path: Path) -> list[dict]:
 
 
 def steady_tokens_per_s(records: list[dict], tokens_per_step: int) -> float | None:
-    """Tokens / summed step time over the optimizer steps after the warm-up, leaving out any
-    step that carried a memory measurement (the tensor tracker slows the step it watches)."""
-    timed = [r for r in records if isinstance(r.get("step_time_s"), (int, float)) and r["step_time_s"] > 0]
-    steady = [r for r in timed if r.get("step", 0) > WARMUP_STEPS and not r.get("memory_measured")]
-    use = steady or timed
-    total = sum(r["step_time_s"] for r in use)
-    return tokens_per_step * len(use) / total if total > 0 else None
+    """Tokens / wall time of the optimizer steps after the warm-up.
+
+    The wall time is the trainer's `elapsed_s` between the end of the warm-up step and the
+    end of the last step: everything the loop does for those steps counts (data, logging,
+    the step itself), not only `step_time_s`. A step that carried a memory measurement (the
+    tensor tracker slows the step it watches) is counted at the median step time instead.
+    Without `elapsed_s`, the summed `step_time_s` of the same steps."""
+    timed = sorted((r for r in records if isinstance(r.get("step_time_s"), (int, float)) and r["step_time_s"] > 0),
+                   key=lambda r: r.get("step", 0))
+    steady = [r for r in timed if r.get("step", 0) > WARMUP_STEPS]
+    if not steady:  # one step only: it is all there is
+        total = sum(r["step_time_s"] for r in timed)
+        return tokens_per_step * len(timed) / total if total > 0 else None
+    plain = sorted(r["step_time_s"] for r in steady if not r.get("memory_measured"))
+    median = plain[len(plain) // 2] if plain else None
+    excess = sum(r["step_time_s"] - median for r in steady if r.get("memory_measured") and median is not None)
+    warm = [r for r in timed if r.get("step", 0) <= WARMUP_STEPS]
+    if warm and all(isinstance(r.get("elapsed_s"), (int, float)) for r in (warm[-1], steady[-1])):
+        total = steady[-1]["elapsed_s"] - warm[-1]["elapsed_s"] - excess
+    else:
+        total = sum(r["step_time_s"] for r in steady) - excess
+    return tokens_per_step * len(steady) / total if total > 0 else None
 
 
 def _read_outputs(result: RungResult, summary_path: Path, metrics_path: Path) -> None:
@@ -216,8 +235,13 @@ def _read_memory(result: RungResult, memory: dict, records: list[dict]) -> None:
         result.memory_source = "tensor tracker (one step)"
         result.peak_mem_bytes = int(measured["peak_bytes"])
         return
+    per_rank = memory.get("measured_per_rank")
+    if isinstance(per_rank, list) and per_rank:
+        result.memory["per_rank_peak_bytes"] = per_rank
     rss = memory.get("peak_mem_bytes") or max((r.get("peak_mem_bytes") or 0 for r in records), default=0)
+    if isinstance(per_rank, list) and per_rank and all(isinstance(v, (int, float)) for v in per_rank):
+        rss = max(per_rank)  # the most loaded rank (pipeline stages differ)
     if rss:
-        result.memory = {"peak_bytes": int(rss)}
+        result.memory["peak_bytes"] = int(rss)
         result.memory_source = "process peak RSS (no per-category measurement in summary.json)"
         result.peak_mem_bytes = int(rss)

@@ -8,7 +8,7 @@ hardware entry for this device (`cpu`: peak FLOP/s measured by `tenfold.engine.p
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
 from typing import Any
 
@@ -60,45 +60,56 @@ def predict_rung(spec: RungSpec, user_layers: list[dict], device_type: str = "cp
 @dataclass
 class MicroBatchChoice:
     micro_batch: int
+    policy: str
     note: str
-    candidates: list[dict]  # per micro-batch: predicted peak with and without recompute
+    candidates: list[dict]  # per (policy, micro-batch): predicted peak and tokens/s
+
+
+def recompute_policies(requested: str, n_layers: int) -> list[str]:
+    """`auto`: every policy that recomputes something, from the cheapest to `full`; else the one asked for."""
+    if requested != "auto":
+        return [requested]
+    return ["selective", *[f"every:{n}" for n in range(n_layers, 1, -1)], "full"]
 
 
 def choose_micro_batch(setup: LadderSetup, user_layers: list[dict], budget_bytes: float,
                        activation_scale: float = 1.0, device_type: str = "cpu") -> MicroBatchChoice:
-    """The largest micro-batch (a divisor of the global batch) whose predicted peak with
-    recompute fits `budget_bytes`; the prediction's activations are scaled by
-    `activation_scale` = measured / predicted activations of the rung before (same precision,
-    micro-batch 1, no recompute), so a planner that is off by a constant factor still picks a
-    micro-batch that fits (DeepSpeed's autotuner does the same: profile activation memory at
-    micro-batch 1, then extrapolate)."""
+    """The recompute rung's micro-batch and policy under a per-rank memory budget.
+
+    1. the largest micro-batch (a divisor of the global batch: bigger GEMMs run closer to
+       peak) whose predicted peak fits `budget_bytes` with the most memory-saving policy;
+    2. at that micro-batch, the policy the planner predicts fastest (the least recompute)
+       among those that fit (`--ac auto`; a fixed `--ac` skips the search).
+    Predicted activations are scaled by `activation_scale` = measured / predicted activations
+    of the rung before (same precision, micro-batch 1, no recompute), so a planner that is off
+    by a constant factor still picks a micro-batch that fits (DeepSpeed's autotuner does the
+    same: profile activation memory at micro-batch 1, then extrapolate)."""
+    n_layers = rung_config(recompute_rung(setup, 1, ""), user_layers).model_config_resolved().n_layers
+    policies = recompute_policies(setup.ac_policy, n_layers)
     rows = []
     for mb in divisors(setup.global_batch):
-        with_ac = predict_rung(recompute_rung(setup, mb, ""), user_layers, device_type)
-        plain = predict_rung(recompute_rung(_without_ac(setup), mb, ""), user_layers, device_type)
-        if with_ac.error or plain.error:
-            return MicroBatchChoice(1, f"micro-batch 1: the planner could not predict memory ({with_ac.error or plain.error})", [])
-        rows.append({"micro_batch": mb, "with_recompute": _scaled_peak(with_ac, activation_scale),
-                     "without_recompute": _scaled_peak(plain, activation_scale)})
-    fits_ac = [r["micro_batch"] for r in rows if r["with_recompute"] <= budget_bytes]
-    fits_plain = [r["micro_batch"] for r in rows if r["without_recompute"] <= budget_bytes]
-    mb = max(fits_ac, default=1)
-    peak = next(r["with_recompute"] for r in rows if r["micro_batch"] == mb)
+        for policy in [*policies, "none"]:
+            p = predict_rung(recompute_rung(replace(setup, ac_policy=policy), mb, ""), user_layers, device_type)
+            if p.error:
+                return MicroBatchChoice(1, policies[-1], f"micro-batch 1: the planner could not predict memory ({p.error})", [])
+            rows.append({"micro_batch": mb, "policy": policy, "peak_bytes": _scaled_peak(p, activation_scale),
+                         "tokens_per_s": p.tokens_per_s})
+    peak = {(r["micro_batch"], r["policy"]): r["peak_bytes"] for r in rows}
+    strongest = max(policies, key=lambda pol: -peak[(setup.global_batch, pol)])  # least memory at the largest batch
+    fitting = [mb for mb in divisors(setup.global_batch) if peak[(mb, strongest)] <= budget_bytes]
     scale = f" (activations x{activation_scale:.2f}, measured/predicted on the rung before)" if activation_scale != 1.0 else ""
-    if not fits_ac:
-        note = (f"nothing fits the {_mib(budget_bytes)} budget even with recompute (micro-batch 1 needs "
-                f"{_mib(peak)}{scale}); running micro-batch 1")
-    else:
-        without = f"micro-batch {max(fits_plain)}" if fits_plain else "not even micro-batch 1"
-        note = (f"micro-batch {mb}: predicted peak {_mib(peak)} <= budget {_mib(budget_bytes)}{scale}; "
-                f"without recompute {without} would fit")
-    return MicroBatchChoice(mb, note, rows)
-
-
-def _without_ac(setup: LadderSetup) -> LadderSetup:
-    from dataclasses import replace
-
-    return replace(setup, ac_policy="none")
+    if not fitting:
+        return MicroBatchChoice(1, strongest, (
+            f"nothing fits the {_mib(budget_bytes)} budget even with recompute {strongest} (micro-batch 1 needs "
+            f"{_mib(peak[(1, strongest)])}{scale}); running micro-batch 1"), rows)
+    mb = max(fitting)
+    ok = [r for r in rows if r["micro_batch"] == mb and r["policy"] in policies and r["peak_bytes"] <= budget_bytes]
+    policy = max(ok, key=lambda r: r["tokens_per_s"] or 0)["policy"]
+    plain_fit = [m for m in divisors(setup.global_batch) if peak[(m, "none")] <= budget_bytes]
+    without = f"micro-batch {max(plain_fit)}" if plain_fit else "not even micro-batch 1"
+    note = (f"micro-batch {mb}, recompute {policy}: predicted peak {_mib(peak[(mb, policy)])} <= budget "
+            f"{_mib(budget_bytes)}{scale}; without recompute {without} would fit")
+    return MicroBatchChoice(mb, policy, note, rows)
 
 
 def _scaled_peak(p: Prediction, activation_scale: float) -> float:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import datetime as _dt
 import os
 import platform
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -64,8 +64,10 @@ class Ladder:
         mb = chosen.get("micro_batch")
         if mb is None:
             choice = predict.choose_micro_batch(s, self.user_layers, self.memory_budget, self.activation_scale(), self.device)
-            chosen.update(micro_batch=choice.micro_batch, note=choice.note, candidates=choice.candidates)
+            chosen.update(micro_batch=choice.micro_batch, policy=choice.policy, note=choice.note,
+                          candidates=choice.candidates)
             mb = choice.micro_batch
+        s = replace(s, ac_policy=chosen["policy"])  # the recompute rung's policy, kept by the rungs after it
         if name == "recompute":
             return R.recompute_rung(s, mb, chosen["note"])
         if name == "zero":
@@ -83,6 +85,7 @@ class Ladder:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         header = self.header()
         chosen = self.chosen
+        _exit_on_sigterm()
         progress = _progress(show_progress)
         with progress:
             task = progress.add_task("ladder", total=len(self.selected), detail="")
@@ -137,6 +140,15 @@ class Ladder:
             "user_layers": self.user_layers,
             "tokens_per_s_definition": "global batch x seq_len x steps after the first / their summed step time",
         }
+
+
+def _exit_on_sigterm() -> None:
+    """SIGTERM -> SystemExit, so the running rung's process group is stopped on the way out."""
+    import signal
+    import threading
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(SystemExit(143)))
 
 
 def _now() -> str:
