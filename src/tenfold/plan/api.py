@@ -7,7 +7,7 @@ rung; the CLI prints it. Every figure carries the formula and source it came fro
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from tenfold.errors import UserError
 from tenfold.models.presets import ModelConfig
@@ -18,7 +18,7 @@ from tenfold.plan.hardware import Hardware, get_hardware, with_gpus_per_node
 from tenfold.plan.shape import ModelShape, largest_unit_params, layers_on_stage, shape_of, stage_params
 from tenfold.plan.strategy import Resolved, Strategy, resolve
 
-__all__ = ["Plan", "MemoryBreakdown", "TimeBreakdown", "Strategy", "predict", "predict_memory"]
+__all__ = ["Plan", "MemoryBreakdown", "TimeBreakdown", "Strategy", "predict", "predict_memory", "largest_micro_batch"]
 
 
 @dataclass
@@ -101,6 +101,7 @@ class Plan:
     tokens: float | None
     train_days: float | None
     gpu_hours: float | None
+    max_micro_batch: int | None = None  # largest micro-batch that fits, the rest unchanged (None: not computed)
     notes: list[str] = field(default_factory=list)
     explain: list[Explained] = field(default_factory=list)
 
@@ -185,7 +186,10 @@ def _predict(model, hardware, gpus, strategy, gpus_per_node=None, trace: bool = 
         days = tr("train_days", s.tokens / tps / 86400, "tokens / tokens_per_s / 86400", "definition")
         hours = days * 24 * gpus
     fits = _fits(mem, hw, gpus)
-    if mem.total_bytes > mem.capacity_bytes:
+    if not fits and hw.shared_compute:
+        notes.append(f"does not fit: {min(gpus, hw.gpus_per_node)} ranks x {(mem.total_bytes + mem.cpu_bytes) / 2**30:.1f} GiB "
+                     f"vs {mem.capacity_bytes / 2**30:.1f} GiB of RAM")
+    elif mem.total_bytes > mem.capacity_bytes:
         notes.append(
             f"does not fit: {mem.total_bytes / 2**30:.1f} GiB needed on the {mem.stage} stage vs {mem.capacity_bytes / 2**30:.1f} GiB"
         )
@@ -198,6 +202,7 @@ def _predict(model, hardware, gpus, strategy, gpus_per_node=None, trace: bool = 
         tokens_per_step=tokens_step, model_flops_per_step=flops_model, hardware_flops_per_step=flops_hw,
         tokens_per_s=tps, tflops_per_gpu=tflops / 1e12, hardware_tflops_per_gpu=hw_tflops / 1e12, mfu=mfu, hfu=hfu,
         tokens=s.tokens, train_days=days, gpu_hours=hours, notes=notes, explain=tr.items if trace else [],
+        max_micro_batch=largest_micro_batch(shape, hw, gpus, s) if trace and shape.known else None,
     )
 
 
@@ -249,14 +254,12 @@ def _memory(shape: ModelShape, hw: Hardware, r: Resolved, tr: _Trace, notes: lis
 
 def _host_fits(m: MemoryBreakdown, hw: Hardware, gpus: int) -> bool:
     """Offloaded states of every rank on a node must fit its host RAM (with 10% to spare)."""
-    ranks = min(gpus, hw.gpus_per_node)
-    on_host = m.cpu_bytes * ranks + (m.total_bytes * ranks if hw.shared_compute else 0.0)
-    return on_host <= 0.9 * hw.host_memory_bytes or m.cpu_bytes == 0 and not hw.shared_compute
+    return m.cpu_bytes == 0 or m.cpu_bytes * min(gpus, hw.gpus_per_node) <= 0.9 * hw.host_memory_bytes
 
 
 def _fits(m: MemoryBreakdown, hw: Hardware, gpus: int) -> bool:
-    if hw.shared_compute:  # `cpu`: ranks share the machine's RAM
-        return _host_fits(m, hw, gpus)
+    if hw.shared_compute:  # `cpu`: the ranks on this machine share its memory (the capacity)
+        return (m.total_bytes + m.cpu_bytes) * min(gpus, hw.gpus_per_node) <= m.capacity_bytes
     return m.total_bytes <= m.capacity_bytes and _host_fits(m, hw, gpus)
 
 
@@ -447,3 +450,32 @@ def _dp_comm(s: Strategy, hw: Hardware, g: comm.Group, dp: int, m: int, g_bytes:
     tr("dp_comm_s", total, formula, "ZeRO §7; nccl-tests PERFORMANCE.md ring formulas")
     tr("dp_comm_exposed_s", exposed, "comm time not hidden behind backward/forward compute", "tenfold time model")
     return total, exposed
+
+
+def largest_micro_batch(model, hardware, gpus: int, strategy: Strategy | None = None,
+                        memory_budget_bytes: float | None = None, limit: int = 4096,
+                        gpus_per_node: int | None = None) -> int:
+    """The largest micro-batch whose predicted total memory fits the device (or
+    `memory_budget_bytes`), other settings as in `strategy` (grad_accum kept, global batch
+    derived); 0 when not even one sequence fits. Memory grows monotonically with the
+    micro-batch, so a doubling then bisection search suffices."""
+    _, _, hw, r = _prepare(model, hardware, gpus, strategy, gpus_per_node)
+    s = replace(r.s, global_batch=None, grad_accum=r.grad_accum)  # keep the number of micro-batches
+    if memory_budget_bytes is not None:
+        if memory_budget_bytes <= 0:
+            raise UserError(f"memory budget must be positive, got {memory_budget_bytes}")
+        hw = replace(hw, memory_bytes=float(memory_budget_bytes))
+
+    def ok(b: int) -> bool:
+        return _fits(predict_memory(model, hw, gpus, replace(s, micro_batch=b)), hw, gpus)
+
+    if not ok(1):
+        return 0
+    lo, hi = 1, 2
+    while hi <= limit and ok(hi):
+        lo, hi = hi, hi * 2
+    hi = min(hi, limit + 1)
+    while hi - lo > 1:  # invariant: ok(lo), not ok(hi) (or hi beyond the limit)
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+    return lo

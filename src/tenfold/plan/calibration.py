@@ -53,10 +53,10 @@ def row_strategy(row):
 
 
 def predicted_tflops(row, gemm_efficiency: float) -> float:
-    from tenfold.plan.api import predict
+    from tenfold.plan.api import _predict
 
     hw = replace(CATALOG["a100-80gb"], gemm_efficiency=gemm_efficiency)
-    plan = predict(row_model(row), hw, row[6], row_strategy(row))
+    plan = _predict(row_model(row), hw, row[6], row_strategy(row), trace=False)
     _, _, h, L, *_ = row
     flops = narayanan_flops(plan.global_batch, L, SEQ, h, VOCAB)
     return flops / plan.step_time_s / row[6] / 1e12

@@ -52,6 +52,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     h.add_argument("--hardware-file", help="user-defined hardware (TOML); overrides --gpu")
     h.add_argument("--gpus", type=_count, default=None, help="number of GPUs (default 1; --ladder: 64)")
     h.add_argument("--gpus-per-node", type=_count)
+    h.add_argument("--memory-gb", type=_number, help="override the device memory (GB = 1e9 bytes), e.g. a budget")
     s = p.add_argument_group("strategy")
     s.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="bf16")
     s.add_argument("--micro-batch", type=_count, default=1)
@@ -146,6 +147,10 @@ def run(args) -> int:
     from tenfold.plan.hardware import get_hardware
 
     hw = get_hardware(args.hardware_file or args.gpu)
+    if args.memory_gb:
+        from dataclasses import replace
+
+        hw = replace(hw, memory_bytes=args.memory_gb * 1e9, name=f"{hw.name} ({args.memory_gb:g} GB)")
     if args.ladder:
         return _run_ladder(args, hw)
     model = _model(args)

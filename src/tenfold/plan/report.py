@@ -68,6 +68,8 @@ def print_plan(p: Plan, hw: Hardware, explain: bool = False, console: Console | 
     if m.cpu_bytes:
         t.add_row("host memory (offload)", _gib(m.cpu_bytes), "per rank")
     c.print(t)
+    if p.max_micro_batch is not None:
+        c.print(f"largest micro-batch that fits with these settings: {p.max_micro_batch}")
     tt = Table(title="Time per optimizer step", box=box.SIMPLE_HEAVY)
     tt.add_column("component")
     tt.add_column("time", justify="right")
