@@ -296,7 +296,7 @@ def test_full_disk_reports_error_keeps_previous_and_removes_tmp(tmp_path, monkey
     m.resume(run)
     real_save = ck.dcp.save
 
-    def save_then_disk_full(state, checkpoint_id):
+    def save_then_disk_full(state, checkpoint_id, **kwargs):
         Path(checkpoint_id, "__0_0.distcp").write_bytes(b"partial")
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
@@ -353,6 +353,7 @@ def test_kill_9_during_save_leaves_previous_checkpoint(tmp_path):
     assert tmp.exists(), "the save of step 6 never started"
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=30)
+    proc.stdout.close()
     root = tmp_path / "checkpoints"
     assert ck.read_latest(root) == root / "step_3"
     assert not (root / "step_6").exists()

@@ -4,7 +4,8 @@
   `--steps 6 --resume auto` in the same --out (rel. 1e-6 on the losses of steps 4-6; they
   come out bit-identical in fp32);
 * a 2-rank ZeRO-3 checkpoint resumes on one process within rel. 1e-4;
-* pp=2: stop at 3, resume to 6 == uninterrupted pp=2;
+* 2 ranks ZeRO-1 and ZeRO-3 (tenfold's own wrapping) and pp=2: stop at 3, resume to 6 ==
+  uninterrupted, bit for bit;
 * SIGTERM mid-run saves once at the next step boundary and exits 0; --keep-last; export_16bit.
 """
 
@@ -173,6 +174,13 @@ def _rank_worker(rank: int, tmp: str, port: int) -> None:
     root = Path(tmp)
     res = {}
     res["zero3_3"] = _fit(_config(root / "zero3", 3, zero_stage=3))
+    # through tenfold's own ZeRO wrapping: stop at 3, resume to 6 on the same layout
+    step3 = str(root / "zero3" / "checkpoints" / "step_3")
+    res["zero3_full"] = _fit(_config(root / "zero3_full", 6, zero_stage=3))
+    res["zero3_resumed"] = _fit({**_config(root / "zero3_resumed", 6, zero_stage=3), "checkpoint": {"every": 3, "resume": step3}})
+    res["zero1_full"] = _fit(_config(root / "zero1_full", 6, zero_stage=1))
+    _fit(_config(root / "zero1", 3, zero_stage=1))
+    res["zero1_resumed"] = _fit({**_config(root / "zero1", 6, zero_stage=1), "checkpoint": {"every": 3, "resume": "auto"}})
     res["pp_full"] = _fit(_config(root / "pp_full", 6, pp_degree=2))
     _fit(_config(root / "pp_split", 3, pp_degree=2))
     res["pp_resumed"] = _fit({**_config(root / "pp_split", 6, pp_degree=2), "checkpoint": {"every": 3, "resume": "auto"}})
@@ -201,6 +209,14 @@ def test_done_when_two_rank_zero3_checkpoint_resumes_on_one_process(two_rank_run
     resumed = _fit({**_config(tmp / "zero3", 6), "checkpoint": {"every": 3, "resume": "auto"}})
     assert len(resumed) == 6
     assert _rel_close(resumed[3:], reference[3:], 1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("zero", [1, 3])
+def test_two_ranks_zero_resume_equals_uninterrupted(two_rank_runs, zero):
+    _, res = two_rank_runs
+    resumed, full = res[f"zero{zero}_resumed"], res[f"zero{zero}_full"]
+    assert len(resumed) == 6 and resumed[3:] == full[3:]
 
 
 @pytest.mark.slow

@@ -40,6 +40,7 @@ import shutil
 import signal
 import sys
 import time
+import warnings
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -65,6 +66,10 @@ LATEST = "latest"
 STEP_DIR = re.compile(r"^step_(\d+)$")
 TMP_PREFIX = ".tmp-"
 _HASH_CHUNK = 1 << 22
+
+# One process is a supported layout, not an accident: DCP's "assuming the intent is to save/load
+# in a single process" warning would print on every save of every single-process run.
+warnings.filterwarnings("ignore", message=r"torch\.distributed is (disabled, )?unavailable or uninitialized")
 
 # Test hooks (environment variables, read at save time): slow the write down so a test can
 # SIGKILL the process in the middle of a save.
@@ -612,9 +617,10 @@ class CheckpointManager:
             _on_every_rank(lambda: self._write_side_files(tmp, step, trainer))
             state = _model_and_optim_state(trainer.model, trainer.optimizer)
             if self.async_save and not wait:
-                pending.future = dcp.async_save(state, checkpoint_id=tmp, process_group=self._group())
+                pending.future = dcp.async_save(state, checkpoint_id=tmp, process_group=self._group(),
+                                                no_dist=not _dist_on())
             else:
-                dcp.save(state, checkpoint_id=tmp)
+                dcp.save(state, checkpoint_id=tmp, no_dist=not _dist_on())
             _slow_save_hook()
         except BaseException as e:
             self._abandon(tmp, e)
@@ -831,7 +837,7 @@ class CheckpointManager:
         _check_same_model(path, trainer)
         state = _model_and_optim_state(trainer.model, trainer.optimizer)
         try:
-            dcp.load(state, storage_reader=SafeReader(path), planner=SafeLoadPlanner())
+            dcp.load(state, storage_reader=SafeReader(path), planner=SafeLoadPlanner(), no_dist=not _dist_on())
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException as e:  # DCP's CheckpointException is a BaseException
