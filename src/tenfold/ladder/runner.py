@@ -148,7 +148,11 @@ def _exit_on_sigterm() -> None:
     import threading
 
     if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(SystemExit(143)))
+        signal.signal(signal.SIGTERM, _raise_exit)
+
+
+def _raise_exit(signum, _frame) -> None:
+    raise SystemExit(128 + signum)
 
 
 def _now() -> str:
