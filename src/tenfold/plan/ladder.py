@@ -53,23 +53,29 @@ class Rung:
     notes: list[str] = field(default_factory=list)
 
 
-def seed_rungs(gpus_node: int = 8, gpus_final: int = 64, pp: int = 8, tokens: float = 300e9, seq_len: int = 2048) -> list[Rung]:
+def seed_rungs(gpus_node: int = 8, gpus_final: int = 64, pp: int = 8, tokens: float = 300e9, seq_len: int = 2048,
+               n_layers: int = 96, half: str = "fp16", device: str = "GPU") -> list[Rung]:
+    """The seed's rungs, scaled to a model with `n_layers`: its 'checkpoint every 12 layers' of
+    96 is checkpoint_sequential with L/12 segments (8 for GPT-3), its 'every 24' L/24 (4)."""
+    seg_a = max(2, min(n_layers, round(n_layers / 12)))
+    seg_b = max(2, min(n_layers, round(n_layers / 24)))
     base = Strategy(precision="fp32", micro_batch=1, grad_accum=1, seq_len=seq_len, tokens=tokens, flash_attention=True)
-    mp = replace(base, precision="fp16")
+    mp = replace(base, precision=half)
     acc = replace(mp, grad_accum=8)
-    ckpt = replace(acc, ac="segments:8")  # 96 layers, one checkpoint every 12 layers
+    ckpt = replace(acc, ac=f"segments:{seg_a}")
     zero3 = replace(ckpt, zero=3)
     pipe = replace(zero3, pp=pp)
-    final = replace(pipe, ac="segments:4", grad_accum=None,
+    final = replace(pipe, ac=f"segments:{seg_b}", grad_accum=None,
                     global_batch=4096)  # seed §5: effective batch 4096, a checkpoint every 24 layers
+    plural = "s" if gpus_node > 1 else ""
     return [
-        Rung("1 GPU, fp32, batch 1", 1, base),
-        Rung("+ fp16 mixed precision", 1, mp),
+        Rung(f"1 {device}, fp32, batch 1", 1, base),
+        Rung(f"+ {half} mixed precision", 1, mp),
         Rung("+ grad accumulation x8", 1, acc),
-        Rung("+ checkpoint every 12 layers", 1, ckpt),
-        Rung(f"+ {gpus_node} GPUs, ZeRO-3", gpus_node, zero3),
+        Rung(f"+ checkpoint every {n_layers // seg_a} layers", 1, ckpt),
+        Rung(f"+ {gpus_node} {device}{plural}, ZeRO-3", gpus_node, zero3),
         Rung(f"+ pipeline {pp} stages", gpus_final, pipe),
-        Rung("seed §5: batch 4096, ckpt/24", gpus_final, final),
+        Rung(f"seed §5: batch 4096, ckpt/{n_layers // seg_b}", gpus_final, final),
     ]
 
 
@@ -81,7 +87,10 @@ def run_ladder(model="gpt3-175b", hardware="a100-80gb", gpus_node: int = 8, gpus
     if with_seed is None:
         with_seed = (shape.name == "gpt3-175b" and hw.name == "a100-80gb" and gpus_final == 64
                      and gpus_node == 8 and pp == 8)
-    rungs = seed_rungs(gpus_node, gpus_final, pp, tokens, seq)
+    n_layers = shape.cfg.n_layers if shape.cfg else 96
+    # The seed says fp16; elsewhere use bf16 where the hardware runs it at least as fast.
+    half = "fp16" if with_seed or (hw.peak_flops.get("bf16") or 0) < (hw.peak_flops.get("fp16") or 0) else "bf16"
+    rungs = seed_rungs(gpus_node, gpus_final, pp, tokens, seq, n_layers, half, "rank" if hw.shared_compute else "GPU")
     prev = None
     for i, rung in enumerate(rungs):
         rung.plan = predict(shape, hw, rung.gpus, rung.strategy)

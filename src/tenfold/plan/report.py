@@ -141,6 +141,12 @@ def print_search(result, hw: Hardware, gpus: int, console: Console | None = None
     c.print(t)
 
 
+def _days(d: float) -> str:
+    if d >= 100:
+        return f"{d:,.0f}"
+    return f"{d:.1f}" if d >= 1 else f"{d:.3g}"
+
+
 def print_ladder(rungs, console: Console | None = None) -> None:
     c = console or Console(width=None if sys.stdout.isatty() else 120)
     seed = rungs[0].seed is not None
@@ -158,8 +164,9 @@ def print_ladder(rungs, console: Console | None = None) -> None:
             t.add_column(col, justify="right", no_wrap=True)
     for i, r in enumerate(rungs):
         p = r.plan
-        row = [str(i), r.name, str(r.gpus), f"{p.memory.total_bytes / GiB:,.0f}", "yes" if p.fits else "[red]no[/]",
-               f"{p.train_days:,.0f}" if p.train_days >= 100 else f"{p.train_days:,.1f}", "-" if r.factor is None else f"{r.factor:.2f}"]
+        gib = p.memory.total_bytes / GiB
+        row = [str(i), r.name, str(r.gpus), f"{gib:,.0f}" if gib >= 10 else f"{gib:.2f}", "yes" if p.fits else "[red]no[/]",
+               _days(p.train_days), "-" if r.factor is None else f"{r.factor:.2f}"]
         if seed:
             row += [f"{r.seed.days:g}", r.seed.factor]
         t.add_row(*row)
