@@ -94,12 +94,9 @@ def model_states(n_params: float, s: Strategy, dp: int) -> ModelStates:
     return st
 
 
-def zero_model_states_gb(psi: float, stage: int, dp: int, k: float = 12.0) -> float:
-    """ZeRO Table 1 cell in GB (1e9 bytes): the paper's formulas with K = 12."""
-    s = Strategy(precision="fp16", zero=stage)
-    st = model_states(psi, s, dp)
-    assert k == 12.0, "Table 1 uses K = 12"
-    return st.total / 1e9
+def zero_model_states_gb(psi: float, stage: int, dp: int) -> float:
+    """ZeRO Table 1 cell in GB (1e9 bytes): mixed-precision Adam (K = 12) at this stage."""
+    return model_states(psi, Strategy(precision="fp16", zero=stage), dp).total / 1e9
 
 
 def largest_model_that_fits(memory_bytes: float, stage: int, dp: int) -> float:
