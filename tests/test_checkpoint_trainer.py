@@ -278,3 +278,23 @@ def test_on_nan_stop_names_the_step_and_keeps_last_good_checkpoint(tmp_path):
     root = tmp_path / "checkpoints"
     assert ck.read_latest(root) == root / "step_2" and _all_finite(root / "step_2")
     assert not (root / "step_3").exists()
+
+
+def test_fp16_loss_scale_and_schedule_continue(tmp_path):
+    """The dynamic loss scaler (window 2: its scale moves every other step) and the LR
+    warm-up continue across --resume exactly as in the uninterrupted run."""
+    data = _text_file(tmp_path)
+    fp16 = ["--precision", "fp16", "--set", "precision.loss_scale_window=2",
+            "--set", "precision.initial_scale_power=4", "--checkpoint-every", "3"]
+    full, split = tmp_path / "full", tmp_path / "split"
+    assert _cli_train(full, data, *fp16, "--steps", "6") == 0
+    assert _cli_train(split, data, *fp16, "--steps", "3") == 0
+    assert _cli_train(split, data, *fp16, "--steps", "6", "--resume", "auto") == 0
+
+    def rows(out):
+        return {r["step"]: (r["loss"], r["lr"], r["loss_scale"]) for r in
+                map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
+
+    want, got = rows(full), rows(split)
+    assert len({v[2] for v in want.values()}) > 1  # the scale did move
+    assert [got[s] for s in (4, 5, 6)] == [want[s] for s in (4, 5, 6)]
