@@ -147,6 +147,8 @@ def test_pipeline_and_unknown_blocks_are_user_errors(tmp_path):
         check_techniques(a, build_config({"parallel": {"pp_degree": 2}}))
     with pytest.raises(UserError, match=r"'Nope'.*LlamaDecoderLayer"):
         Trainer(hf_config(tmp_path / "b", LLAMA, model={"blocks": "Nope"})).setup()
+    with pytest.raises(UserError, match=r"model.n_layers cannot be combined with model.hf_config"):
+        build_config({"model": {"hf_config": str(LLAMA), "n_layers": 2}})
 
 
 def test_cli_bad_hf_input_exits_2(tmp_path):

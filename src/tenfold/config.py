@@ -46,6 +46,13 @@ class ModelSection(_Section):
         if self.hf_config or self.hf_pretrained:  # the HF shape, as the planner reads it
             from tenfold.plan.shape import model_from_hf_config
 
+            shape_keys = self.model_dump(exclude={"name", "hf_config", "hf_pretrained", "blocks"}, exclude_none=True)
+            if shape_keys:
+                raise UserError(
+                    f"model.{', model.'.join(shape_keys)} cannot be combined with model.hf_config/hf_pretrained: "
+                    "the Hugging Face config.json defines the shape; edit that file instead"
+                )
+
             path = Path(self.hf_pretrained or self.hf_config)
             return model_from_hf_config(str(path / "config.json" if path.is_dir() else path))
         overrides = self.model_dump(exclude={"name", "hf_config", "hf_pretrained", "blocks"})
