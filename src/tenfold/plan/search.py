@@ -1,6 +1,7 @@
 """`--search`: every valid strategy (TP x PP x schedule x ZeRO x micro-batch x recompute x
 offload) for a model, fleet and global batch; the top k that fit, by predicted throughput.
 
+GPipe is never better than 1F1B (same bubble, more activations in flight) and is left out.
 Offloading the optimizer only adds host time to an otherwise identical layout, so when a layout
 fits without offload its offloaded twin is skipped as dominated (counted, not evaluated).
 Valid means: tp divides the heads and stays inside a node (TP over the network is never
@@ -100,9 +101,11 @@ def search(model, hardware: "str | Hardware", gpus: int, base: Strategy, top_k: 
 
 
 def _schedules(pp: int, m: int, layers: int) -> list[tuple[str, int]]:
+    """GPipe is left out: same bubble as 1F1B (Narayanan §2.2) with m >= min(p, m) micro-batches
+    in flight, so it never beats 1F1B on time or memory."""
     if pp == 1:
         return [("1f1b", 1)]
-    out = [("1f1b", 1), ("gpipe", 1)]
+    out = [("1f1b", 1)]
     if m % pp == 0:
         for v in (2, 3, 4):
             if layers % (pp * v) == 0:
