@@ -89,6 +89,7 @@ def test_plan_hf_config_param_count_equals_built_model(name, capsys):
     a = adapt(model, seq_len=32)
     assert a.kind == "hf" and a.param_count == built
     assert a.block_class == {"llama": "LlamaDecoderLayer", "gpt2": "GPT2Block"}[name]
+    assert a.block_class in model._no_split_modules  # HF's own name for its blocks agrees
     assert len(a.blocks) == model.config.num_hidden_layers
     assert a.output is model.get_output_embeddings()
 

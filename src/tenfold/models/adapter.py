@@ -258,6 +258,8 @@ def adapt(
         found = list(model.layers.values())  # GPT.forward calls them in this order
     else:
         found = find_blocks(model, blocks)
+    if kind == "hf" and not blocks:
+        _check_against_no_split_modules(model, found)
     embedding, output = _embedding_and_output(model)
     n_params = sum(p.numel() for p in model.parameters())  # parameters() yields tied ones once
     flops, formula = estimate_flops_per_token(
@@ -268,6 +270,23 @@ def adapt(
         kind=kind, blocks=found, block_class=type(found[0]).__name__ if found else None,
         embedding=embedding, output=output, param_count=n_params, flops_per_token=flops,
         flops_formula=formula, user_loss_fn=loss_fn,
+    )
+
+
+def _check_against_no_split_modules(model: nn.Module, found: list[nn.Module]) -> None:
+    """Hugging Face models name their block class in `_no_split_modules` (accelerate's FSDP
+    auto-wrap uses it as `transformer_layer_cls_to_wrap`). If our structural guess is not one of
+    them, say so rather than silently sharding the wrong unit."""
+    declared = set(getattr(model, "_no_split_modules", None) or ())
+    if not declared or (found and type(found[0]).__name__ in declared):
+        return
+    import warnings
+
+    guess = type(found[0]).__name__ if found else "none"
+    warnings.warn(
+        f"{type(model).__name__} declares its blocks as {sorted(declared)} (_no_split_modules) but the "
+        f"largest list of one class holds {guess}; using {guess}. Pass --blocks ClassName to choose",
+        stacklevel=3,
     )
 
 
