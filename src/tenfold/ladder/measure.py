@@ -215,6 +215,10 @@ def _read_outputs(result: RungResult, summary_path: Path, metrics_path: Path) ->
     result.wall_s, result.wall_tokens_per_s = final.get("wall_s"), final.get("tokens_per_s")
     result.val_loss, result.loss, result.first_loss = final.get("val_loss"), final.get("loss"), final.get("first_loss")
     records = read_metrics(metrics_path)
+    measured_step = (summary.get("memory") or {}).get("measured_step")
+    for r in records:  # the step the tensor tracker watched runs slower: not a steady step
+        if measured_step is not None and r.get("step") == measured_step:
+            r["memory_measured"] = True
     result.tokens_per_s = steady_tokens_per_s(records, tokens_per_step) or result.wall_tokens_per_s
     peak_flops = (summary.get("hardware") or {}).get("peak_flops_per_device")
     fpt = (summary.get("model") or {}).get("flops_per_token")

@@ -167,7 +167,7 @@ def plot(results: list[RungResult], header: dict[str, Any], path: Path) -> None:
 
     xs = list(range(len(results)))
     labels = [f"{r.index} {r.name}" for r in results]
-    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(13, 5.2))
+    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(13, 6.2))
     _throughput_panel(ax_t, results, xs)
     _memory_panel(ax_m, results, xs)
     for ax in (ax_t, ax_m):
@@ -202,7 +202,7 @@ def _throughput_panel(ax, results: list[RungResult], xs: list[int]) -> None:
     ax.set_xlim(-0.6, len(results) - 0.4)
     ax.set_ylabel("tokens/s (log scale)")
     ax.set_title("throughput (x = speed-up vs the baseline)", fontsize=10)
-    ax.legend(fontsize=8, loc="upper left")
+    _legend_below(ax)
 
 
 def _memory_panel(ax, results: list[RungResult], xs: list[int]) -> None:
@@ -236,4 +236,9 @@ def _memory_panel(ax, results: list[RungResult], xs: list[int]) -> None:
     ax.set_xlim(-0.6, len(results) - 0.4)
     ax.set_ylabel("MiB per rank")
     ax.set_title("memory per rank (stacked: states at the optimizer step, activations at the peak)", fontsize=10)
-    ax.legend(fontsize=8, loc="upper left")
+    _legend_below(ax)
+
+
+def _legend_below(ax) -> None:
+    """Legends under the axes: bars of any height stay visible."""
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=3, frameon=False)
