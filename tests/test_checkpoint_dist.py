@@ -19,7 +19,6 @@ import torch.distributed as torch_dist
 import torch.multiprocessing as mp
 
 import test_checkpoint as t
-from tenfold.engine import checkpoint as ck
 
 WORLD = 2
 
