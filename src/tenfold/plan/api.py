@@ -101,7 +101,7 @@ class Plan:
     tokens: float | None
     train_days: float | None
     gpu_hours: float | None
-    max_micro_batch: int | None = None  # largest micro-batch that fits, the rest unchanged (None: not computed)
+    max_micro_batch: int | None = None  # largest micro-batch that fits, the rest unchanged (set by the CLI; see largest_micro_batch)
     notes: list[str] = field(default_factory=list)
     explain: list[Explained] = field(default_factory=list)
 
@@ -202,7 +202,6 @@ def _predict(model, hardware, gpus, strategy, gpus_per_node=None, trace: bool = 
         tokens_per_step=tokens_step, model_flops_per_step=flops_model, hardware_flops_per_step=flops_hw,
         tokens_per_s=tps, tflops_per_gpu=tflops / 1e12, hardware_tflops_per_gpu=hw_tflops / 1e12, mfu=mfu, hfu=hfu,
         tokens=s.tokens, train_days=days, gpu_hours=hours, notes=notes, explain=tr.items if trace else [],
-        max_micro_batch=largest_micro_batch(shape, hw, gpus, s) if trace and shape.known else None,
     )
 
 

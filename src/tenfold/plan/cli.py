@@ -160,9 +160,11 @@ def run(args) -> int:
     strategy = _strategy(args)
     if args.search:
         return _run_search(args, model, hw, gpus, strategy)
-    from tenfold.plan.api import predict
+    from tenfold.plan.api import largest_micro_batch, predict
 
     plan = predict(model, hw, gpus, strategy, gpus_per_node=args.gpus_per_node)
+    if not isinstance(model, float):  # a shape is known: say how far the micro-batch could go
+        plan.max_micro_batch = largest_micro_batch(model, hw, gpus, strategy, gpus_per_node=args.gpus_per_node)
     if args.plot:
         from tenfold.plan.plot import plot_memory
 

@@ -96,7 +96,7 @@ def search(model, hardware: "str | Hardware", gpus: int, base: Strategy, top_k: 
                                 candidates.append((p.memory.total_bytes / 2**30, p.tokens_per_s, True))
                                 plans.append(p)
     plans.sort(key=lambda p: -p.tokens_per_s)
-    best = [predict(shape, hw, gpus, Strategy(**{k: v for k, v in p.strategy.items()})) for p in plans[:top_k]]
+    best = [predict(shape, hw, gpus, Strategy(**p.strategy)) for p in plans[:top_k]]
     return SearchResult(best, evaluated, len(plans), candidates, dominated)
 
 
