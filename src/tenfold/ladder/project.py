@@ -106,10 +106,10 @@ def run_project(args, out_dir: Path) -> int:
     first = rungs[0].plan
     title = (f"tenfold ladder --project: {first.model} on {args.gpus or 64} x {first.hardware}, "
              f"{first.tokens:.3g} tokens, seq {first.seq_len} (planner)")
-    print_projection(rows, title)
     from rich.console import Console
 
-    c = Console()
+    c = Console(width=None if sys.stdout.isatty() else 170)
+    print_projection(rows, title, c)
     if measured is None:
         c.print(f"(no measured ladder in {out_dir}: run `tenfold ladder --quick --out {out_dir}` to put one beside it)")
     else:

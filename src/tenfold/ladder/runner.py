@@ -116,9 +116,11 @@ class Ladder:
         (self.out_dir / "ladder.md").write_text(report.markdown(self.results, header))
         report.plot(self.results, header, self.out_dir / "ladder.png")
         best = report.best_rung(self.results)
+        import sys
+
         from rich.console import Console
 
-        c = Console()
+        c = Console(width=None if sys.stdout.isatty() else 170)
         if best is not None:
             c.print(f"best rung: [bold]{best.index} {best.name}[/], {best.speedup_vs_baseline:.2f}x the baseline's tokens/s")
         c.print(f"wrote {self.out_dir / 'ladder.json'}, ladder.md, ladder.png")
