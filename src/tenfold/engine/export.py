@@ -104,6 +104,13 @@ def export_checkpoint(source: str | Path, out: str | Path | None = None, dtype: 
         raise UserError(f"export --dtype {dtype!r} is not supported; allowed: {', '.join(DTYPES)}")
     ckpt = ck.resolve_checkpoint_path(source)
     manifest = ck.verify_checkpoint(ckpt, collective=False)
+    saved_model = (ck._read_json(ckpt / ck.CONFIG_FILE) or {}).get("model", {})
+    if saved_model.get("hf_config") or saved_model.get("hf_pretrained"):  # [any model] -> save_pretrained folder
+        from tenfold.models.hf import export_checkpoint_to_hf
+
+        out_dir = Path(out).with_suffix("") if out is not None else default_out(ckpt).with_name("hf")  # a folder
+        info = {"dtype": dtype, "step": manifest["step"], "source": str(ckpt)}
+        return export_checkpoint_to_hf(consolidated_model_state(ckpt), saved_model, out_dir, info)
     model_cfg = model_config_of(ckpt)
     weights = consolidated_model_state(ckpt)
     out_path = Path(out) if out is not None else default_out(ckpt)
@@ -132,7 +139,8 @@ def register(subparsers) -> None:
     p = subparsers.add_parser(
         "export",
         help="write a checkpoint's weights as one safetensors file (+ model config)",
-        description=__doc__.splitlines()[0],
+        description="Consolidate a (sharded) DCP checkpoint into one safetensors file plus "
+                    "NAME.config.json, on one process (DeepSpeed's stage3_gather_16bit_weights_on_model_save).",
     )
     p.add_argument("source", metavar="RUN_OR_CHECKPOINT",
                    help="a checkpoint directory (OUT/checkpoints/step_N) or a run directory (its newest complete checkpoint)")
