@@ -115,6 +115,8 @@ def _check(**overrides):
         ({"tie_embeddings": True}, "model.tie_embeddings=true cannot be pipelined"),
         ({"pp_split": [4]}, "parallel.pp_split has 1 entries but there are 2 stages"),
         ({"pp_split": [3, 3]}, "summing to model.n_layers (4)"),
+        ({"world_size": 4, "schedule": "zero-bubble", "virtual_stages": 2, "zero_stage": 1},
+         "zero-bubble schedule with data parallelism needs parallel.zero_stage 2 or 3"),
         ({"pp_split": [2, 0, 2], "schedule": "interleaved", "virtual_stages": 3, "pp_size": 1},
          None),  # pp=1: nothing to check
     ],
@@ -133,6 +135,7 @@ def test_valid_configs_pass():
     _check(schedule="gpipe", n_microbatches=2)
     _check(schedule="zero-bubble", virtual_stages=2, n_microbatches=4)
     _check(pp_split=[0, 4])
+    _check(world_size=4, schedule="zero-bubble", virtual_stages=2, zero_stage=2)
 
 
 # --------------------------------------------------------------------------- multi-process
@@ -314,7 +317,8 @@ def test_pp2_every_schedule_matches_one_process(reference, tmp_path):
 DP_CASES = [  # ZeRO 1 = DDP + ZeroRedundancyOptimizer, 2/3 = FSDP2 (techniques/zero.py)
     {"pp": 2, "schedule": "1f1b", "m": 4, "zero": 1},
     {"pp": 2, "schedule": "gpipe", "m": 2, "zero": 3},
-    {"pp": 2, "schedule": "interleaved", "v": 2, "m": 2, "zero": 2, "ac": "full"},
+    {"pp": 2, "schedule": "interleaved", "v": 2, "m": 2, "zero": 0},  # DDP, 2 stages per rank
+    {"pp": 2, "schedule": "zero-bubble", "v": 2, "m": 2, "zero": 2, "ac": "full"},
 ]
 
 

@@ -28,6 +28,8 @@ BAD_PIPELINES = [
     (["--nproc", "2", "--pp", "2", "--grad-accum", "4", "--set", "model.tie_embeddings=true"],
      "tie_embeddings=true cannot be pipelined"),
     (["--nproc", "2", "--pp", "2", "--grad-accum", "4", "--pp-schedule", "dualpipe"], "parallel.pp_schedule"),
+    (["--nproc", "4", "--pp", "2", "--grad-accum", "4", "--pp-schedule", "zero-bubble", "--virtual-stages", "2",
+      "--zero", "1"], "needs parallel.zero_stage 2 or 3"),
 ]
 
 

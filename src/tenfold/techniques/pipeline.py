@@ -62,6 +62,7 @@ def validate_pipeline(
     n_microbatches: int,
     pp_split: Sequence[int] | None = None,
     tie_embeddings: bool = False,
+    zero_stage: int = 0,
 ) -> None:
     """Every way a pipeline config can be wrong, as a `UserError` (exit 2) naming the field,
     the value and what is allowed, before any process group or model is touched."""
@@ -108,6 +109,15 @@ def validate_pipeline(
         raise UserError(
             f"the {schedule} schedule needs train.grad_accum ({n_microbatches}) to be a multiple "
             f"of parallel.pp_degree ({pp_size})"
+        )
+    # Zero-bubble computes weight gradients in separate W passes after the input-gradient
+    # pass that DDP's reducer takes as the last backward: DDP all-reduces before the last
+    # W passes have accumulated (measured: the loss drifts 5e-3 from one process by step 2
+    # on tiny, torch 2.13). FSDP2 reduces in the schedule's explicit REDUCE_GRAD action.
+    if schedule == "zero-bubble" and world_size // pp_size > 1 and zero_stage <= 1:
+        raise UserError(
+            f"the zero-bubble schedule with data parallelism needs parallel.zero_stage 2 or 3 "
+            f"(FSDP2), got {zero_stage} (DDP); use --zero 2/3 or --pp-schedule interleaved"
         )
 
 
@@ -244,6 +254,43 @@ class GPTStage(nn.Module):
         return GPT.head(self, h) if self.is_last else h  # type: ignore[arg-type]
 
 
+@torch.no_grad()
+def boundary_dtypes(model: nn.Module, counts: Sequence[int], autocast_dtype: torch.dtype | None) -> list[torch.dtype]:
+    """dtype of each stage's output (the residual stream, logits for the last stage) under
+    the run's autocast, found by running the full model on two tokens before the split.
+    `PipelineStage` needs them for static p2p metadata (`stage_io_examples`)."""
+    device = next(model.parameters()).device
+    ids = torch.zeros((1, 2), dtype=torch.long, device=device)
+    enabled = autocast_dtype is not None and autocast_dtype != torch.float32
+    out, blocks = [], list(model.layers.values())
+    with torch.autocast(device.type, dtype=autocast_dtype or torch.float32, enabled=enabled):
+        h, start = model.embed(ids), 0
+        for n in counts:
+            for block in blocks[start:start + n]:
+                h = block(h, model.rope_cos, model.rope_sin)
+            start += n
+            out.append(h.dtype)
+        out[-1] = model.head(h).dtype
+    return out
+
+
+def stage_io_examples(stage_id: int, n_stages: int, micro_shape: tuple[int, int], d_model: int,
+                      vocab: int, dtypes: Sequence[torch.dtype]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Meta tensors with the shape/dtype of a stage's input and output for one micro-batch:
+    token ids (b, s) into the first stage, the residual stream (b, s, d) between stages,
+    logits (b, s, vocab) out of the last. Static metadata spares `PipelineStage` its
+    dynamic shape inference, a real forward/backward outside DDP's no_sync that leaves the
+    DDP reducer expecting gradients twice in torch 2.13 (an INTERNAL ASSERT at the next step)."""
+    b, s = micro_shape
+    if stage_id == 0:
+        x = torch.empty((b, s), dtype=torch.long, device="meta")
+    else:
+        x = torch.empty((b, s, d_model), dtype=dtypes[stage_id - 1], device="meta", requires_grad=True)
+    width = vocab if stage_id == n_stages - 1 else d_model
+    y = torch.empty((b, s, width), dtype=dtypes[stage_id], device="meta", requires_grad=True)
+    return x, y
+
+
 @dataclass
 class PipelineSplit:
     """What this rank owns: stage ids, the stage modules, and the whole plan for printing."""
@@ -254,6 +301,7 @@ class PipelineSplit:
     pp_size: int
     counts: list[int]  # blocks per stage, all stages
     fqns: list[list[str]]  # module names per stage, all stages
+    dtypes: list[torch.dtype] | None = None  # each stage's output dtype (boundary_dtypes)
 
 
 def split_model(
@@ -391,6 +439,7 @@ class PipelineRunner:
         pp_group: dist.ProcessGroup | None = None,
         dp_size: int = 1,
         autocast_dtype: torch.dtype | None = None,
+        stage_io: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None,
     ):
         from torch.distributed.pipelining import PipelineStage
 
@@ -404,9 +453,12 @@ class PipelineRunner:
         self.loss_scale = 1.0  # fp16: the trainer passes the dynamic scale to each step
         self.global_tokens = 1
         self.modules = list(stage_modules)
+        # stage_io: (input, output) example per local stage (stage_io_examples) -> static
+        # p2p metadata; None -> PipelineStage infers shapes from the first step.
+        io = stage_io or [(None, None)] * len(self.modules)
         self.stages = [
-            PipelineStage(m, s, n_stages, device, group=pp_group)
-            for m, s in zip(self.modules, self.stage_ids)
+            PipelineStage(m, s, n_stages, device, input_args=x, output_args=y, group=pp_group)
+            for m, s, (x, y) in zip(self.modules, self.stage_ids, io)
         ]
         self.timer = _StageTimer()
         for st in self.stages:
@@ -415,7 +467,12 @@ class PipelineRunner:
             for method in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
                 self.timer.wrap(st, method)
         self.schedule = build_schedule(schedule, self.stages, n_microbatches, self._loss_fn)
-        self.micro_shape: tuple[int, ...] | None = None  # (b, s) fixed by the first step
+        # (b, s) of a micro-batch: fixed by the static metadata, else by the first step
+        self.micro_shape: tuple[int, ...] | None = None
+        if stage_io and self.has_first_stage:
+            self.micro_shape = tuple(stage_io[0][0].shape)
+        elif stage_io:
+            self.micro_shape = tuple(stage_io[0][0].shape[:2])
 
     @property
     def has_first_stage(self) -> bool:
@@ -547,7 +604,7 @@ def validate_config(cfg, world_size: int) -> None:
     validate_pipeline(
         n_layers=model_cfg.n_layers, world_size=world_size, pp_size=pp, schedule=par.pp_schedule,
         virtual_stages=par.virtual_stages, n_microbatches=microbatches_per_step(cfg, world_size // pp),
-        pp_split=par.pp_split, tie_embeddings=model_cfg.tie_embeddings,
+        pp_split=par.pp_split, tie_embeddings=model_cfg.tie_embeddings, zero_stage=par.zero_stage,
     )
 
 
@@ -557,6 +614,7 @@ def split_for_rank(model: nn.Module, cfg, dist_info) -> PipelineSplit:
     par = cfg.parallel
     split = split_model(model, dist_info.pp_rank, dist_info.pp_size, par.pp_schedule,
                         par.virtual_stages, par.pp_split)
+    split.dtypes = boundary_dtypes(model, split.counts, _autocast_dtype(cfg, dist_info))
     if dist_info.is_main:
         print(f"pipeline: {split.n_stages} stages on {dist_info.pp_size} ranks, schedule "
               f"{par.pp_schedule}, {microbatches_per_step(cfg, dist_info.dp_size)} micro-batches/step")
@@ -650,16 +708,28 @@ class PipelinedModel(nn.Module):
 def build_pipelined_model(split: PipelineSplit, parts: Sequence[nn.Module], cfg, dist_info) -> PipelinedModel:
     """Last step of `engine.parallelize` under PP: the parts (after recompute and ZeRO) go
     into `PipelineStage`s and the configured schedule."""
-    from tenfold.techniques.precision import DTYPES, resolve_dtype
+    from tenfold.config import resolve_batch
 
-    dtype = DTYPES[resolve_dtype(cfg.precision.dtype, dist_info.device)]
+    t = cfg.train
+    micro_batch = resolve_batch(t.micro_batch, t.grad_accum, t.global_batch, dist_info.dp_size)[0]
+    model_cfg = split.modules[0].cfg
+    io = None
+    if split.dtypes is not None:
+        io = [stage_io_examples(sid, split.n_stages, (micro_batch, cfg.seq_len()), model_cfg.d_model,
+                                model_cfg.vocab_size, split.dtypes) for sid in split.stage_ids]
     runner = PipelineRunner(
         parts, split.stage_ids, split.n_stages, cfg.parallel.pp_schedule,
         microbatches_per_step(cfg, dist_info.dp_size), device=dist_info.device,
         pp_group=dist_info.mesh["pp"].get_group(), dp_size=dist_info.dp_size,
-        autocast_dtype=dtype,
+        autocast_dtype=_autocast_dtype(cfg, dist_info), stage_io=io,
     )
     return PipelinedModel(split, parts, runner)
+
+
+def _autocast_dtype(cfg, dist_info) -> torch.dtype:
+    from tenfold.techniques.precision import DTYPES, resolve_dtype
+
+    return DTYPES[resolve_dtype(cfg.precision.dtype, dist_info.device)]
 
 
 def gather_per_rank(value) -> list:
