@@ -241,3 +241,20 @@ def test_resumed_hf_run_equals_uninterrupted_and_export_16bit_writes_a_folder(tm
     resumed = train(tmp_path / "resumed", GPT2,
                     checkpoint={"resume": str(tmp_path / "full" / "checkpoints" / "step_2")})[1]
     np.testing.assert_allclose(resumed["losses"][-2:], full["losses"][-2:], rtol=1e-6)
+
+
+def test_an_hf_model_object_through_the_python_api(tmp_path):
+    """`Trainer(config, model=<a transformers model>)`: recognised as HF (loss from .logits,
+    blocks = decoder layers), recomputed and exported like --hf-config."""
+    from tenfold.models.hf import build_hf_model
+
+    torch.manual_seed(0)
+    model = build_hf_model(hf_config=str(LLAMA))
+    cfg = hf_config(tmp_path / "api", LLAMA, train={"steps": 2}, recompute={"policy": "every:2"})
+    del cfg["model"]
+    trainer = Trainer(cfg, model=model)
+    summary = trainer.fit()
+    assert trainer.adapter.kind == "hf" and len(trainer.adapter.blocks) == 3
+    assert summary["model"]["name"] == "LlamaForCausalLM" and all(np.isfinite(summary["losses"]))
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "api" / "hf", local_files_only=True)
+    torch.testing.assert_close(logits(loaded), logits(model), rtol=0, atol=0)
