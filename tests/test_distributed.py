@@ -55,6 +55,15 @@ def test_seed_deepspeed_json_on_two_ranks_matches_one_process(tmp_path):
     assert max(abs(x - y) / x for x, y in zip(a, b)) < 5e-3, (a, b)
     # only rank 0 writes the shared files and prints the summary
     assert two.stdout.count("tenfold train: summary") == 1
+    # memory.measured_per_rank: one entry per rank with memory.measured's keys; at ZeRO-3 each
+    # rank holds half of the one-process parameters, gradients and optimizer states
+    one_measured = json.loads((tmp_path / "one" / "summary.json").read_text())["memory"]["measured"]
+    per_rank = summary["memory"]["measured_per_rank"]
+    assert len(per_rank) == 2
+    for m in per_rank:
+        assert set(m) == set(one_measured)
+        for key in ("params_bytes", "grads_bytes", "optimizer_bytes"):
+            assert m[key] == pytest.approx(one_measured[key] / 2, rel=0.02), key
 
 
 @pytest.mark.slow

@@ -72,6 +72,15 @@ def test_stage_on_two_ranks_matches_one_process(two_ranks, reference, stage, dty
 
 
 @pytest.mark.slow
+def test_every_rank_trains_rank0s_initial_weights(two_ranks):
+    for stage in ("0", "2", "3"):
+        r0, r1 = two_ranks["0"]["init_sync"][stage], two_ranks["1"]["init_sync"][stage]
+        assert r0["before"] != r1["before"]  # the ranks did start apart
+        assert r0["after"] == pytest.approx(r0["before"], rel=1e-12)
+        assert r1["after"] == pytest.approx(r0["before"], rel=1e-12)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", [2, 3])
 def test_fsdp2_bf16_params_with_fp32_shards_match_one_process(two_ranks, reference, stage):
     """MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32): the ranks gather bf16

@@ -73,11 +73,35 @@ def mode_equivalence(out_dir: str) -> dict:
         for stage in (0, 1, 2, 3):
             _, r = run_steps(config(stage, dtype, 1, 2, out_dir), measure_at=1 if dtype == "fp32" else None)
             results[f"{stage}-{dtype}"] = r
+    results["init_sync"] = init_sync()
     for stage in (2, 3):  # FSDP2's MixedPrecisionPolicy: bf16 all-gather/compute, fp32 shards
         with forced_param_dtype(torch.bfloat16):
             _, r = run_steps(config(stage, "bf16", 1, 2, out_dir))
         results[f"{stage}-bf16-params"] = r
     return results
+
+
+def init_sync() -> dict:
+    """Ranks that initialise DIFFERENTLY (seeded by rank) must all train rank 0's weights
+    after apply_zero: DDP broadcasts them, for FSDP2 apply_zero does."""
+    from tenfold.config import ParallelSection
+    from tenfold.engine.distributed import init_distributed
+    from tenfold.models.gpt import GPT
+    from tenfold.models.presets import get_preset
+    from tenfold.techniques import zero
+
+    info = init_distributed()
+    m = dict(MODEL)
+    shape = get_preset(m.pop("name")).with_overrides(**m)
+    out = {}
+    for stage in (0, 2, 3):
+        torch.manual_seed(100 + info.rank)
+        model = GPT(shape)
+        before = float(sum(p.double().sum() for p in model.parameters()))
+        wrapped = zero.apply_zero(model, ParallelSection(zero_stage=stage), info)
+        full = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in zero.unwrap(wrapped).parameters()]
+        out[str(stage)] = {"before": before, "after": float(sum(p.double().sum() for p in full))}
+    return out
 
 
 class forced_param_dtype:
