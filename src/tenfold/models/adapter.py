@@ -31,7 +31,7 @@ Top level imports torch only (no transformers): `tenfold.models.hf` is imported 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -53,7 +53,6 @@ class ModelAdapter:
     flops_per_token: float
     flops_formula: str
     user_loss_fn: LossFn | None = None
-    notes: list[str] = field(default_factory=list)
 
     # ------------------------------------------------------------------ loss
 

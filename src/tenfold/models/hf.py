@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 from tenfold.errors import UserError
 
@@ -102,15 +101,6 @@ def build_hf_model(hf_config: str | None = None, hf_pretrained: str | None = Non
         return tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     except ValueError as exc:  # e.g. a model_type without a causal-LM head
         raise UserError(f"model.hf_config (--hf-config) {hf_config}: no causal LM for this config ({exc})") from None
-
-
-def hf_source(model_section: Any) -> str | None:
-    """The config.json path of an HF run (hf_pretrained's own config.json wins), or None."""
-    if getattr(model_section, "hf_pretrained", None):
-        return str(config_json_path(model_section.hf_pretrained, "model.hf_pretrained (--hf-pretrained)"))
-    if getattr(model_section, "hf_config", None):
-        return str(config_json_path(model_section.hf_config))
-    return None
 
 
 # --------------------------------------------------------------------------- export
