@@ -468,11 +468,7 @@ class PipelineRunner:
                 self.timer.wrap(st, method)
         self.schedule = build_schedule(schedule, self.stages, n_microbatches, self._loss_fn)
         # (b, s) of a micro-batch: fixed by the static metadata, else by the first step
-        self.micro_shape: tuple[int, ...] | None = None
-        if stage_io and self.has_first_stage:
-            self.micro_shape = tuple(stage_io[0][0].shape)
-        elif stage_io:
-            self.micro_shape = tuple(stage_io[0][0].shape[:2])
+        self.micro_shape: tuple[int, ...] | None = tuple(stage_io[0][0].shape[:2]) if stage_io else None
 
     @property
     def has_first_stage(self) -> bool:
