@@ -67,6 +67,12 @@ def load_hf_config(path: str | Path, flag: str = "model.hf_config (--hf-config)"
         raise UserError(f"{flag} {path}: transformers cannot build model_type {model_type!r} ({exc})") from None
 
 
+def set_config_dtype(config, torch_dtype) -> None:
+    """The config's weight dtype: `dtype` since transformers 4.56, `torch_dtype` before. Keyword
+    arguments are avoided for the same reason, so that every transformers>=4.40 works."""
+    setattr(config, "dtype" if "dtype" in vars(config) else "torch_dtype", torch_dtype)
+
+
 def safetensors_files(directory: Path) -> list[Path]:
     return sorted(directory.glob("*.safetensors"))
 
@@ -88,17 +94,19 @@ def build_hf_model(hf_config: str | None = None, hf_pretrained: str | None = Non
     tf = _transformers()
     if hf_pretrained:
         config = load_hf_config(directory, "model.hf_pretrained (--hf-pretrained)")
+        set_config_dtype(config, torch.float32)
         try:
             return tf.AutoModelForCausalLM.from_pretrained(
-                str(directory), config=config, local_files_only=True, use_safetensors=True, dtype=torch.float32,
-            )
+                str(directory), config=config, local_files_only=True, use_safetensors=True,
+            ).float()
         except (OSError, ValueError, RuntimeError) as exc:
             raise UserError(f"model.hf_pretrained (--hf-pretrained) {hf_pretrained}: cannot load ({exc})") from None
     if not hf_config:
         raise UserError("a Hugging Face model needs model.hf_config (--hf-config) or model.hf_pretrained (--hf-pretrained)")
     config = load_hf_config(hf_config)
+    set_config_dtype(config, torch.float32)  # initialise in fp32, not in the config's 16-bit dtype
     try:
-        return tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        return tf.AutoModelForCausalLM.from_config(config).float()
     except ValueError as exc:  # e.g. a model_type without a causal-LM head
         raise UserError(f"model.hf_config (--hf-config) {hf_config}: no causal LM for this config ({exc})") from None
 
@@ -141,9 +149,9 @@ def write_hf_folder(state: dict, config, out_dir: str | Path, dtype: str = "fp32
     torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     if isinstance(config, (str, Path)):
         config = load_hf_config(config)
-    config.dtype = torch_dtype  # what from_pretrained(dtype="auto") will give back
+    set_config_dtype(config, torch_dtype)  # what from_pretrained(dtype="auto") will give back
     with torch.device("meta"):
-        fresh = tf.AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
+        fresh = tf.AutoModelForCausalLM.from_config(config).to(torch_dtype)
     state = {k: v.to(torch_dtype) if v.is_floating_point() else v for k, v in state.items()}
     result = fresh.load_state_dict(state, strict=False, assign=True)
     fresh.tie_weights()
