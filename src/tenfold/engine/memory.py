@@ -53,14 +53,21 @@ def _make_tracker_class():
         last micro-batch, every one has the same shapes); the global peak is kept.
         """
 
-        def __init__(self) -> None:
+        def __init__(self, per_module: bool = True) -> None:
             super().__init__()
+            self.per_module = per_module  # False: only the step's totals (much less overhead)
             self.act_peak: dict = {}  # per device: (highest Activation + Temp, the snapshot then)
 
         def _update_peak_stats(self, peak_state) -> None:
             # Called after every operator: also follow the activation high-water mark, which
             # need not coincide with the total peak (that can be in the optimizer step).
-            super()._update_peak_stats(peak_state)
+            if self.per_module:
+                super()._update_peak_stats(peak_state)
+            else:  # MemTracker's global part only: no per-module peak snapshots (deep copies)
+                for dev, snap in self._curr_mem_snap.items():
+                    if self._peak_mem.get(dev, 0) < snap["Total"]:
+                        self._peak_mem[dev] = snap["Total"]
+                        self._peak_mem_snap[dev] = dict(snap)
             for dev, snap in self._curr_mem_snap.items():
                 act = sum(v for k, v in snap.items() if getattr(k, "value", k) in ("Activation", "Temp"))
                 if act > self.act_peak.get(dev, (-1, None))[0]:
@@ -103,18 +110,23 @@ def _optimizers_of(optimizer: Any) -> list[torch.optim.Optimizer]:
     return [o for o in (inner or []) if isinstance(o, torch.optim.Optimizer)]
 
 
-def _tracked_step(model: nn.Module, optimizer: Any, run_step: Callable[[], None], device: torch.device):
+def _tracked_step(model: nn.Module, optimizer: Any, run_step: Callable[[], None], device: torch.device,
+                  per_module: bool = False):
     """Run `run_step` once under the tracker. Returns (tracker, snapshots at the optimizer
     step: {'pre': ..., 'post': ...}, peak snapshot)."""
-    tracker = _make_tracker_class()()
+    tracker = _make_tracker_class()(per_module)
     optimizers = _optimizers_of(optimizer)
     tracker.track_external(model, *optimizers)
     at_step: dict[str, dict] = {}
     handles = []
 
+    params = list(model.parameters())
+
     def snap(key: str) -> None:
         if key == "post" or key not in at_step:
             at_step[key] = tracker.get_tracker_snapshot("current")
+            if key == "pre":  # [zero] DDP's bucket-view gradients predate the tracker: count storages
+                at_step["grad_storage_bytes"] = _unique_nbytes(p.grad for p in params)  # type: ignore[assignment]
 
     for opt in optimizers:
         # Model states as held at the optimizer step: after backward, before zero_grad frees
@@ -131,15 +143,15 @@ def _tracked_step(model: nn.Module, optimizer: Any, run_step: Callable[[], None]
     return tracker, at_step, tracker.get_tracker_snapshot("peak")
 
 
-def _measure_cpu(model, optimizer, run_step, device) -> tuple[dict, Any]:
-    tracker, at_step, peak_snap = _tracked_step(model, optimizer, run_step, device)
+def _measure_cpu(model, optimizer, run_step, device, per_module: bool = False) -> tuple[dict, Any]:
+    tracker, at_step, peak_snap = _tracked_step(model, optimizer, run_step, device, per_module)
     peak = _category_bytes(peak_snap, device)
     act_peak = _category_bytes({d: snap for d, (_, snap) in tracker.act_peak.items()}, device)
     pre = _category_bytes(at_step.get("pre", peak_snap), device)
     post = _category_bytes(at_step.get("post", at_step.get("pre", peak_snap)), device)
     measured = {
         "params_bytes": pre["param"],
-        "grads_bytes": pre["grad"],
+        "grads_bytes": max(pre["grad"], int(at_step.get("grad_storage_bytes", 0))),
         "optimizer_bytes": max(post["opt"], pre["opt"]),
         # Saved-for-backward tensors and temporaries at their high-water mark (MemTracker may
         # file some recomputed tensors under Temp rather than Activation, its documented
@@ -247,11 +259,13 @@ class MemoryReport:
 
     def __init__(self, measured: dict, rows: list[dict], predicted: dict | None = None):
         self.measured, self.rows, self.predicted = measured, rows, predicted
+        self.note: str | None = None
 
     def __rich__(self):
         from rich.console import Group
 
-        return Group(comparison_table(self.measured, self.predicted), rows_table(self.rows))
+        parts = [comparison_table(self.measured, self.predicted), rows_table(self.rows)]
+        return Group(*parts, *([self.note] if self.note else []))
 
     def __str__(self) -> str:
         from rich.console import Console
@@ -271,7 +285,7 @@ def memory_report(
     `GPT.layers.i` depth 3, their attention/MLP depth 4). `tenfold train --memory-report` prints it.
     As for `measure_step_memory`, run a warm-up step first so the optimizer states exist."""
     dev = _device_of(model, device)
-    measured, tracker = _measure_cpu(model, optimizer, run_step, dev)
+    measured, tracker = _measure_cpu(model, optimizer, run_step, dev, per_module=True)
     if dev.type == "cuda":  # the allocator's peak is the truth on GPU; keep both visible
         measured["peak_bytes"] = max(measured["peak_bytes"], int(torch.cuda.max_memory_allocated(dev)))
     return MemoryReport(measured, module_rows(tracker, dev, depth), predicted)
@@ -393,7 +407,7 @@ def planner_hardware_name(device: torch.device) -> str:
     return "h100-sxm"
 
 
-def planner_strategy(config, dist_info=None, dtype: str | None = None):
+def planner_strategy(config, dist_info=None, dtype: str | None = None, seq_len: int | None = None):
     """The planner's `Strategy` for a resolved `TenfoldConfig` as tenfold's engine runs it:
     fp32 parameters under torch.amp (no 16-bit master split), tenfold's own activation style
     (eager PyTorch, fp32 residual stream, dropout-free, SDPA without an s^2 term)."""
@@ -405,17 +419,21 @@ def planner_strategy(config, dist_info=None, dtype: str | None = None):
     par = config.parallel
     return Strategy(
         precision=dtype or config.precision.dtype, micro_batch=micro, grad_accum=accum, global_batch=glob,
-        seq_len=config.seq_len(), ac=str(config.recompute.policy), zero=par.zero_stage, pp=par.pp_degree,
+        seq_len=seq_len or config.seq_len(), ac=str(config.recompute.policy), zero=par.zero_stage, pp=par.pp_degree,
         pp_schedule=_PLAN_SCHEDULES.get(par.pp_schedule, "1f1b"), virtual_stages=par.virtual_stages,
         master_weights=False, dropout=False, flash_attention=True, activation_style="tenfold",
     )
 
 
-def predicted_memory(config, dist_info=None, dtype: str | None = None, plan=None) -> dict[str, int]:
+def predicted_memory(config, dist_info=None, dtype: str | None = None, plan=None, model=None,
+                     seq_len: int | None = None) -> dict[str, int]:
     """The planner's per-rank prediction for this run, under the measurement's keys.
 
     `dtype`: the precision the engine actually runs (bf16 falls back to fp32 where the device
-    lacks it); default `config.precision.dtype`. `plan`: an already computed `Plan`.
+    lacks it); default `config.precision.dtype`. `plan`: an already computed `Plan`. `model`:
+    what the planner is given instead of the config's shape (e.g. a parameter count for a
+    user's own module: then only model states are predicted, activations are 0).
+    `seq_len`: the run's sequence length when it differs from the config's (user datasets).
     activations_bytes includes the autocast 16-bit weight copies (the tracker sees them as
     activations: they are created in forward and saved for backward); peak_bytes is the
     planner's allocated total (its `Plan.memory.peak_bytes`: model states + activations +
@@ -426,8 +444,8 @@ def predicted_memory(config, dist_info=None, dtype: str | None = None, plan=None
 
         device = getattr(dist_info, "device", torch.device("cpu"))
         world = getattr(dist_info, "world_size", 1) or 1
-        plan = predict(config.model_config_resolved(), planner_hardware_name(device), world,
-                       planner_strategy(config, dist_info, dtype))
+        shape = model if model is not None else config.model_config_resolved()
+        plan = predict(shape, planner_hardware_name(device), world, planner_strategy(config, dist_info, dtype, seq_len))
     m = plan.memory
     act = (m.activations_bytes or 0.0) + (m.autocast_weight_copies_bytes or 0.0)
     out = {
@@ -437,3 +455,99 @@ def predicted_memory(config, dist_info=None, dtype: str | None = None, plan=None
     }
     out["total_bytes"] = _model_states_plus_activations(out)
     return {k: int(round(v)) for k, v in out.items()}
+
+
+# --------------------------------------------------------------------------- one run
+
+
+class RunMemory:
+    """Predicted vs measured memory of one `tenfold train` run (used by engine/trainer.py).
+
+    At start: the planner's per-rank prediction, printed. At step `measure_at` (2: the
+    optimizer states exist by then, as in every later step; 1 for a one-step run): the step
+    runs under the tracker. At the end: `summary()` for summary.json's `memory` section
+    (`predicted`, `measured`, `diff_percent`) and `add_rows()` for the summary table.
+    """
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+        self.predicted: dict | None = None
+        self.measured: dict | None = None
+        self.measured_step: int | None = None
+        self.note: str | None = None
+        self.measure_at = 2 if trainer.cfg.train.steps >= 2 else 1
+
+    def predict(self) -> dict | None:
+        t = self.trainer
+        model = float(t.param_count) if t.user_model is not None else None
+        try:
+            self.predicted = predicted_memory(t.cfg, t.dist, t.dtype_name, model=model, seq_len=t.seq_len)
+        except Exception as exc:  # noqa: BLE001 - the prediction must never stop a training run
+            self.predicted, self.note = None, f"no prediction: {type(exc).__name__}: {exc}"
+        return self.predicted
+
+    def announce(self, console) -> None:
+        self.predict()
+        if console is None:
+            return
+        if self.predicted is None:
+            console.print(f"memory per rank: {self.note}")
+            return
+        p = self.predicted
+        console.print(
+            "memory per rank, predicted (planner): "
+            + " | ".join(f"{k.removesuffix('_bytes')} {fmt_bytes(p[k])}" for k in (
+                "params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes", "total_bytes"))
+            + f" | peak {fmt_bytes(p['peak_bytes'])}; measured at step {self.measure_at}"
+        )
+
+    def step(self, step_number: int, run_step: Callable[[], Any]) -> Any:
+        """Run `run_step()` (one optimizer step); measured when it is the representative step."""
+        if step_number != self.measure_at or self.measured is not None:
+            return run_step()
+        out: list = []
+        t = self.trainer
+        self.measured = measure_step_memory(t.model, t.optimizer, lambda: out.append(run_step()), t.dist.device)
+        self.measured_step = step_number
+        return out[0]
+
+    def summary(self) -> dict:
+        method = None
+        if self.measured is not None:
+            method = "cuda allocator" if self.trainer.dist.device.type == "cuda" else "tensor tracker (MemTracker)"
+        out = {
+            "predicted": self.predicted, "measured": self.measured,
+            "diff_percent": percent_diff(self.measured, self.predicted) if self.measured and self.predicted else None,
+            "measured_step": self.measured_step, "measured_by": method,
+        }
+        if self.note:
+            out["note"] = self.note
+        return out
+
+
+def add_summary_rows(table, memory: dict) -> None:
+    """Predicted vs measured rows for the trainer's final summary table."""
+    pred, meas = memory.get("predicted"), memory.get("measured")
+    if not meas:
+        return
+    diff = memory.get("diff_percent") or {}
+    for key in ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes", "total_bytes", "peak_bytes"):
+        p = f"{fmt_bytes(pred[key])} predicted, " if pred else ""
+        d = f" ({diff[key]:+.1f}%)" if diff.get(key) is not None else ""
+        label = "sum p+g+o+a" if key == "total_bytes" else key.removesuffix("_bytes")
+        table.add_row(f"memory: {label}", f"{p}{fmt_bytes(meas[key])} measured{d}")
+
+
+def run_memory_report(trainer, depth: int = 4):
+    """`tenfold train --memory-report`: one warm-up step (creates the optimizer states), then
+    one step under the tracker; returns the `MemoryReport` (predicted beside measured)."""
+    if not getattr(trainer, "_setup_done", False):
+        trainer.setup()
+    trainer.train_step(trainer.loader.next_step())
+    batches = trainer.loader.next_step()
+    rm = RunMemory(trainer)
+    predicted = rm.predict()
+    report = memory_report(trainer.model, trainer.optimizer, lambda: trainer.train_step(batches),
+                           trainer.dist.device, depth=depth, predicted=predicted)
+    report.note = rm.note
+    return report

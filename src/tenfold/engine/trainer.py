@@ -274,6 +274,10 @@ class Trainer:
             self.out_dir.mkdir(parents=True, exist_ok=True)
         self.console = _console(main)
         self._announce()
+        from tenfold.engine.memory import RunMemory  # [memory] planner's prediction now, one step measured
+
+        self.run_memory = RunMemory(self)
+        self.run_memory.announce(self.console)
         from tenfold.engine.checkpoint import CheckpointManager  # [checkpoint] --resume, then saves
 
         self.checkpoints = CheckpointManager.from_config(cfg, log=self._checkpoint_log)
@@ -293,7 +297,7 @@ class Trainer:
             while self.state.step < cfg.train.steps:
                 micro_batches = self.loader.next_step()
                 t0 = time.perf_counter()
-                result = self.train_step(micro_batches)
+                result = self.run_memory.step(self.state.step + 1, lambda: self.train_step(micro_batches))  # [memory]
                 step_time = time.perf_counter() - t0
                 self.state.step += 1
                 self.state.tokens += tokens_per_step
@@ -329,6 +333,7 @@ class Trainer:
             writer.close()
         wall = time.perf_counter() - wall_start
         summary = self._summary(last, val_loss, wall, peak)
+        summary["memory"].update(self.run_memory.summary())  # [memory] predicted, measured, diff %
         if cfg.checkpoint.export_16bit and self.state.step == cfg.train.steps:  # [checkpoint] DeepSpeed key
             exported = self.checkpoints.export_16bit(self, self.out_dir)
             summary["export"] = exported["safetensors"] if exported else str(self.out_dir / "model.safetensors")
@@ -413,8 +418,21 @@ class Trainer:
             t.add_row("tokens/s", f"{f['tokens_per_s']:,.0f}")
         if f["mfu"] is not None:
             t.add_row("MFU", f"{f['mfu']:.1%}")
+        from tenfold.engine.memory import add_summary_rows  # [memory] predicted vs measured
+
+        add_summary_rows(t, summary.get("memory", {}))
         t.add_row("output", str(self.out_dir))
         self.console.print(t)
+
+    def memory_report(self) -> int:
+        """[memory] `tenfold train --memory-report`: one warm-up step, then one step measured
+        by module and category (beside the planner's prediction), printed; nothing is written."""
+        from tenfold.engine.memory import run_memory_report
+
+        report = run_memory_report(self)
+        if self.dist.is_main:
+            _console(True).print(report)
+        return 0
 
 
 class _ArrayBundle:

@@ -1,0 +1,185 @@
+"""Step memory: categories measured by the tensor tracker, recompute lowers activations in the
+planner's order, the planner's prediction within 15% of the measurement, reports, CLI."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tenfold.config import build_config
+from tenfold.engine.memory import (
+    MEMORY_KEYS,
+    measure_step_memory,
+    memory_report,
+    percent_diff,
+    predicted_memory,
+)
+from tenfold.models.gpt import GPT
+from tenfold.models.presets import get_preset
+from tenfold.techniques.recompute import apply_recompute
+
+F32 = 4
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """These shapes are tiny: intra-op threads only add synchronisation, and on a busy 2-core
+    machine OpenMP spin-waits made each step ~20x slower. Restored after this module."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def step_fn(model: GPT, opt: torch.optim.Optimizer, micro: list[torch.Tensor]):
+    def run_step() -> None:
+        tokens = sum(mb[:, 1:].numel() for mb in micro)
+        for mb in micro:
+            logits = model(mb[:, :-1])
+            loss = F.cross_entropy(logits.float().flatten(0, 1), mb[:, 1:].flatten(), reduction="sum") / tokens
+            loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return run_step
+
+
+def measure(preset: str, policy: str, b: int, s: int, accum: int = 1, **shape) -> dict:
+    torch.manual_seed(0)
+    model = GPT(get_preset(preset).with_overrides(**shape))
+    apply_recompute(model, policy)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(0)
+    micro = [torch.randint(0, 256, (b, s + 1), generator=g) for _ in range(accum)]
+    run_step = step_fn(model, opt, micro)
+    run_step()  # warm-up: the optimizer states exist from here on (as in every later step)
+    return measure_step_memory(model, opt, run_step)
+
+
+def test_model_state_categories_are_exact():
+    shape = dict(n_layers=2, d_model=64, n_heads=4, d_ff=128, max_seq_len=32)
+    m = measure("tiny", "none", 2, 32, accum=2, **shape)
+    n = sum(p.numel() for p in GPT(get_preset("tiny").with_overrides(**shape)).parameters())
+    assert set(m) == set(MEMORY_KEYS) and all(isinstance(v, int) for v in m.values())
+    assert m["params_bytes"] == F32 * n
+    assert m["grads_bytes"] == F32 * n  # held at the optimizer step
+    assert m["optimizer_bytes"] == 2 * F32 * n + F32 * len(list(GPT(get_preset("tiny").with_overrides(**shape)).parameters()))  # Adam m, v + a step counter per tensor
+    cfg = get_preset("tiny").with_overrides(**shape)
+    assert m["buffers_bytes"] == 2 * F32 * cfg.max_seq_len * cfg.head_dim // 2  # RoPE cos/sin tables
+    assert m["total_bytes"] == m["params_bytes"] + m["grads_bytes"] + m["optimizer_bytes"] + m["activations_bytes"]
+    assert m["activations_bytes"] > 0
+    assert m["peak_bytes"] >= m["params_bytes"] + m["optimizer_bytes"] + m["buffers_bytes"]
+
+
+@pytest.fixture(scope="module")
+def tiny_by_policy() -> dict[str, dict]:
+    # the real `tiny` preset at a short sequence (quick on 2 cores)
+    policies = ["none", "selective:attention", "every:2", "selective:mlp", "segments:2", "full"]
+    return {p: measure("tiny", p, 4, 128) for p in policies}
+
+
+def test_activation_memory_falls_in_the_planner_order(tiny_by_policy):
+    from tenfold.plan.api import predict
+    from tenfold.engine.memory import planner_strategy
+
+    cfg = build_config({"model": {"name": "tiny"}, "train": {"micro_batch": 4}, "data": {"seq_len": 128},
+                        "precision": {"dtype": "fp32"}})
+    predicted = {}
+    for policy in tiny_by_policy:
+        cfg.recompute.policy = policy
+        plan = predict(cfg.model_config_resolved(), "cpu", 1, planner_strategy(cfg, None, "fp32"))
+        predicted[policy] = predicted_memory(cfg, plan=plan)["activations_bytes"]
+    measured = {p: m["activations_bytes"] for p, m in tiny_by_policy.items()}
+    planner_order = sorted(predicted, key=predicted.get, reverse=True)
+    assert sorted(measured, key=measured.get, reverse=True) == planner_order
+    assert planner_order[0] == "none" and planner_order[-1] == "full"
+
+
+def test_full_recompute_keeps_under_half_of_none_on_tiny(tiny_by_policy):
+    assert tiny_by_policy["full"]["activations_bytes"] < 0.5 * tiny_by_policy["none"]["activations_bytes"]
+    # ... and model states do not move
+    for key in ("params_bytes", "grads_bytes", "optimizer_bytes"):
+        assert tiny_by_policy["full"][key] == tiny_by_policy["none"][key]
+
+
+@pytest.mark.parametrize("preset, b, s", [("tiny", 4, 128), ("small", 1, 256)])
+@pytest.mark.parametrize("policy", ["none", "full"])
+def test_prediction_within_15_percent_of_measurement(preset, b, s, policy):
+    cfg = build_config({"model": {"name": preset}, "train": {"micro_batch": b}, "data": {"seq_len": s},
+                        "precision": {"dtype": "fp32"}, "recompute": {"policy": policy}})
+    measured = measure(preset, policy, b, s)
+    predicted = predicted_memory(cfg, None, "fp32")
+    diff = percent_diff(measured, predicted)
+    for key in ("params_bytes", "grads_bytes", "optimizer_bytes"):
+        assert diff[key] == 0.0, (key, diff)
+    for key in ("activations_bytes", "total_bytes"):
+        assert abs(diff[key]) <= 15.0, (key, predicted[key], measured[key], diff)
+
+
+def test_gradient_accumulation_is_tracked_across_micro_batches():
+    shape = dict(n_layers=2, d_model=64, n_heads=4, d_ff=128, max_seq_len=32)
+    one = measure("tiny", "none", 2, 32, accum=1, **shape)
+    two = measure("tiny", "none", 2, 32, accum=2, **shape)  # MemTracker alone refuses a 2nd root forward
+    assert two["grads_bytes"] == one["grads_bytes"]
+    # the second micro-batch runs while the first one's gradients are held
+    assert two["peak_bytes"] > one["peak_bytes"]
+
+
+def test_memory_report_lists_blocks_and_categories():
+    from rich.console import Console
+
+    torch.manual_seed(0)
+    model = GPT(get_preset("tiny").with_overrides(n_layers=2, d_model=64, n_heads=4, d_ff=128, max_seq_len=32))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    run_step = step_fn(model, opt, [torch.randint(0, 256, (2, 33))])
+    run_step()
+    report = memory_report(model, opt, run_step, predicted={"params_bytes": 1, "activations_bytes": 1})
+    names = [r["module"] for r in report.rows]
+    assert {"GPT", "GPT.layers.0", "GPT.layers.1.mlp", "GPT.output"} <= set(names)
+    assert report.rows[names.index("GPT.layers.0")]["forward_kept"] > 0
+    console = Console(record=True, width=140)
+    console.print(report)
+    text = console.export_text()
+    assert "activations" in text and "GPT.layers.1.attn" in text and "predicted" in text
+
+
+def test_trainer_summary_carries_predicted_and_measured(small_cfg, tmp_path):
+    from tenfold.engine.trainer import Trainer
+
+    summary = Trainer(small_cfg(recompute={"policy": "full"})).fit()
+    mem = json.loads((tmp_path / "run" / "summary.json").read_text())["memory"]
+    assert mem["measured_step"] == 2 and mem["measured_by"].startswith("tensor tracker")
+    assert set(mem["predicted"]) == set(mem["measured"]) == set(MEMORY_KEYS)
+    for key in ("params_bytes", "grads_bytes"):
+        assert mem["measured"][key] == mem["predicted"][key]
+        assert mem["diff_percent"][key] == 0.0
+    assert summary["memory"] == mem
+
+
+def test_cli_memory_report_prints_and_writes_nothing(tmp_path, capsys):
+    from conftest import SMALL_FLAGS
+    from tenfold.cli import main
+
+    out = tmp_path / "out"
+    assert main(["train", *SMALL_FLAGS, "--precision", "fp32", "--ac", "selective:mlp", "--memory-report",
+                 "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "GPT.layers.0.mlp" in text and "activations" in text and "predicted" in text
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("flag, message", [("every:0", "every:N"), ("segments:x", "segments:K"), ("offload", "CUDA")])
+def test_cli_bad_or_unsupported_policy_exits_2(tmp_path, capsys, flag, message):
+    if flag == "offload" and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: offload is allowed here")
+    from conftest import SMALL_FLAGS
+    from tenfold.cli import main
+
+    out = tmp_path / "out"
+    assert main(["train", *SMALL_FLAGS, "--ac", flag, "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0] and flag in err[0]
+    assert not out.exists()
