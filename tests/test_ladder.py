@@ -139,6 +139,18 @@ def test_steady_tokens_per_s_leaves_out_warmup_and_measured_steps():
     assert steady_tokens_per_s(timed, 100) == pytest.approx(300 / (8.5 - 4.0))
 
 
+def test_memory_of_the_most_loaded_rank():
+    from tenfold.ladder.measure import _read_memory
+
+    ranks = [{"peak_bytes": 5, "activations_bytes": 1}, {"peak_bytes": 9, "activations_bytes": 2}]
+    r = _result("pipeline", 1.0)
+    _read_memory(r, {"measured": ranks[0], "measured_per_rank": ranks}, [])
+    assert r.peak_mem_bytes == 9 and r.memory["activations_bytes"] == 2 and "rank 1 of 2" in r.memory_source
+    rss = _result("fp32", 1.0)
+    _read_memory(rss, {"peak_mem_bytes": 300}, [{"peak_mem_bytes": 200}])
+    assert rss.peak_mem_bytes == 300 and "RSS" in rss.memory_source
+
+
 def test_option_parsing():
     assert parse_bytes("256MiB") == 256 * 2**20 and parse_bytes("2GiB") == 2 * 2**30
     assert parse_bytes("1.5GB") == 1_500_000_000 and parse_bytes("4096") == 4096

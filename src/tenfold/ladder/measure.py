@@ -47,6 +47,7 @@ class RungResult:
     peak_mem_bytes: int | None = None
     memory: dict[str, Any] = field(default_factory=dict)  # measured, by category (per rank)
     memory_source: str | None = None
+    memory_per_rank: list[dict] = field(default_factory=list)  # every rank's measured step (several ranks)
     val_loss: float | None = None
     loss: float | None = None
     first_loss: float | None = None
@@ -231,21 +232,29 @@ def _read_outputs(result: RungResult, summary_path: Path, metrics_path: Path) ->
 
 
 def _read_memory(result: RungResult, memory: dict, records: list[dict]) -> None:
-    """Measured memory by category from summary.json (`memory.measured`, engine/memory.py);
-    without it, the process's peak resident set (not by category) from the step records."""
-    measured = memory.get("measured")
-    if isinstance(measured, dict) and measured.get("peak_bytes"):
-        result.memory = measured
-        result.memory_source = "tensor tracker (one step)"
-        result.peak_mem_bytes = int(measured["peak_bytes"])
-        return
+    """Measured memory by category from summary.json (`memory.measured`, engine/memory.py;
+    with several ranks `memory.measured_per_rank`, and the most loaded rank is the one shown:
+    pipeline stages differ); without it, the process's peak resident set (not by category)."""
     per_rank = memory.get("measured_per_rank")
     if isinstance(per_rank, list) and per_rank:
-        result.memory["per_rank_peak_bytes"] = per_rank
+        result.memory_per_rank = [x if isinstance(x, dict) else {"peak_bytes": x} for x in per_rank]
+    ranks = [r for r in result.memory_per_rank if isinstance(r.get("peak_bytes"), (int, float))]
+    measured = memory.get("measured")
+    if ranks and "activations_bytes" in ranks[0]:
+        worst = max(range(len(ranks)), key=lambda i: ranks[i]["peak_bytes"])
+        measured = ranks[worst]
+        source = f"tensor tracker (one step), rank {worst} of {len(ranks)}, the most loaded"
+    else:
+        source = "tensor tracker (one step)"
+    if isinstance(measured, dict) and measured.get("peak_bytes"):
+        result.memory = dict(measured)
+        result.memory_source = source
+        result.peak_mem_bytes = int(measured["peak_bytes"])
+        return
     rss = memory.get("peak_mem_bytes") or max((r.get("peak_mem_bytes") or 0 for r in records), default=0)
-    if isinstance(per_rank, list) and per_rank and all(isinstance(v, (int, float)) for v in per_rank):
-        rss = max(per_rank)  # the most loaded rank (pipeline stages differ)
+    if ranks:
+        rss = max(r["peak_bytes"] for r in ranks)  # the most loaded rank
     if rss:
-        result.memory["peak_bytes"] = int(rss)
+        result.memory = {"peak_bytes": int(rss)}
         result.memory_source = "process peak RSS (no per-category measurement in summary.json)"
         result.peak_mem_bytes = int(rss)
