@@ -142,10 +142,9 @@ def test_four_ranks_hold_a_quarter(tmp_path):
 
 
 @pytest.mark.slow
-def test_fp16_overflow_on_one_rank_skips_the_step_everywhere(tmp_path):
-    runs = torchrun("fp16_overflow", tmp_path)
+def test_fp16_overflow_on_one_rank_skips_the_step_everywhere(two_ranks):
     for stage in ("0", "3"):
-        r0, r1 = runs["0"][stage], runs["1"][stage]
+        r0, r1 = two_ranks["0"]["fp16_overflow"][stage], two_ranks["1"]["fp16_overflow"][stage]
         assert [s["skipped"] for s in r0] == [False, True, False], r0
         assert [s["skipped"] for s in r1] == [False, True, False], r1
         assert [s["scale"] for s in r0] == [s["scale"] for s in r1]  # identical scalers

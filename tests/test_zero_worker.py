@@ -74,6 +74,7 @@ def mode_equivalence(out_dir: str) -> dict:
             _, r = run_steps(config(stage, dtype, 1, 2, out_dir), measure_at=1 if dtype == "fp32" else None)
             results[f"{stage}-{dtype}"] = r
     results["init_sync"] = init_sync()
+    results["fp16_overflow"] = mode_fp16_overflow(out_dir)
     for stage in (2, 3):  # FSDP2's MixedPrecisionPolicy: bf16 all-gather/compute, fp32 shards
         with forced_param_dtype(torch.bfloat16):
             _, r = run_steps(config(stage, "bf16", 1, 2, out_dir))
