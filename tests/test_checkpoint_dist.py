@@ -29,12 +29,17 @@ def _rel_close(a: list[dict], b: list[dict], rel: float) -> bool:
     )
 
 
-def _exact_resume(out: Path, zero: int) -> dict:
+def _exact_resume(out: Path, zero: int, async_save: bool = False) -> dict:
     reference = t.train(t.make_run(torch_dist.get_rank(), WORLD, zero), t.STEPS)
-    t.train(t.make_run(torch_dist.get_rank(), WORLD, zero), 3, t.manager(out))
+    # async: step 2's save is written in the background while steps 3-4 run; resume from it
+    until, every, resume = (4, 2, str(out / "checkpoints" / "step_2")) if async_save else (3, 3, "auto")
+    saver = t.manager(out, every=every, async_save=async_save)
+    t.train(t.make_run(torch_dist.get_rank(), WORLD, zero), until, saver)
+    if async_save:
+        assert [s.step for s in saver.saves] == [2, 4]
     resumed = t.make_run(torch_dist.get_rank(), WORLD, zero)
-    t.manager(out, resume="auto").resume(resumed)
-    return {"reference": reference[3:], "resumed": t.train(resumed, t.STEPS)}
+    start = t.manager(out, resume=resume).resume(resumed)["step"]
+    return {"reference": reference[start:], "resumed": t.train(resumed, t.STEPS)}
 
 
 def _worker(rank: int, tmp: str) -> None:
@@ -47,6 +52,7 @@ def _worker(rank: int, tmp: str) -> None:
         results["zero0"] = _exact_resume(root / "zero0", zero=0)
         results["zero1"] = _exact_resume(root / "zero1", zero=1)
         results["zero3"] = _exact_resume(root / "zero3", zero=3)
+        results["zero3_async"] = _exact_resume(root / "zero3_async", zero=3, async_save=True)
         # 2 ranks ZeRO-3 -> checkpoint at step 3 (resumed on one process by the parent), and
         # the 2-rank uninterrupted curve without RNG noise (the parent compares against it).
         results["zero3_reference"] = t.train(t.make_run(rank, WORLD, 3, noise=False), t.STEPS)
@@ -84,10 +90,10 @@ def two_rank_results(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("zero", ["zero0", "zero1", "zero3"])
+@pytest.mark.parametrize("zero", ["zero0", "zero1", "zero3", "zero3_async"])
 def test_two_ranks_resume_exactly(two_rank_results, zero):
     r = two_rank_results[zero]
-    assert [x["step"] for x in r["resumed"]] == [4, 5, 6]
+    assert [x["step"] for x in r["resumed"]] == ([3, 4, 5, 6] if zero.endswith("async") else [4, 5, 6])
     assert r["resumed"] == r["reference"]  # loss, lr, loss scale bit for bit
 
 
