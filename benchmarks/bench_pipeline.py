@@ -10,8 +10,9 @@ AdamW) on random tokens, in one 2-process gloo job (torch.multiprocessing, 1 thr
     python benchmarks/bench_pipeline.py [--model tiny] [--seq-len 128] [--micro-batch 1]
                                         [--steps 6] [--ms 2,4,8,16] [--schedule 1f1b]
 
-tokens/s: tokens of steps WARMUP+1..N over their wall time (metrics.jsonl elapsed_s), the
-first steps (p2p shape handshake, allocator warm-up) left out. Measured bubble: per pp rank,
+tokens/s: tokens per step over the median step time of steps WARMUP+1..N (metrics.jsonl
+step_time_s; the median resists spikes from other jobs on a shared machine), the first steps
+(allocator warm-up) left out. Measured bubble: per pp rank,
 1 - (time inside its stage's forward/backward) / (schedule step wall time), mean over steps
 2..N (techniques/pipeline.py `_StageTimer`); predicted: (P-1)/m (Narayanan et al. 2021).
 """
@@ -62,9 +63,10 @@ def run_one(args, pp: int, m: int, data: np.ndarray) -> dict | None:
         if int(os.environ["RANK"]) != 0:
             return None
         records = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
-    t0, t1 = records[WARMUP - 1]["elapsed_s"], records[-1]["elapsed_s"]
-    tokens = records[-1]["tokens"] - records[WARMUP - 1]["tokens"]
-    row = {"pp": pp, "dp": 2 // pp, "m": m, "tokens_per_s": tokens / (t1 - t0),
+    # Median over the steady steps: robust to a spike of another job on a shared machine.
+    tokens_per_step = records[0]["tokens"]
+    step_s = float(np.median([r["step_time_s"] for r in records[WARMUP:]]))
+    row = {"pp": pp, "dp": 2 // pp, "m": m, "tokens_per_s": tokens_per_step / step_s,
            "losses": summary["losses"]}
     if pp == 2:
         row.update(bubble_predicted=summary["pipeline"]["bubble_predicted"],
