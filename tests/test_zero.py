@@ -18,6 +18,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -69,6 +70,31 @@ def test_stage_on_two_ranks_matches_one_process(two_ranks, reference, stage, dty
         # the clipped-norm path: the global norm over shards equals the one-process norm
         assert rel_err(got["grad_norms"], reference[dtype]["grad_norms"]) < max(rtol, 1e-5) * 10
     assert ref[-1] < ref[0] - 0.5  # it learns: a wrong gradient would show in the curve
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [2, 3])
+def test_full_recompute_under_fsdp2_matches_one_process(two_ranks, reference, stage):
+    """--ac full + ZeRO-2/3: checkpointed blocks re-gather their parameters in the recompute."""
+    for rank in ("0", "1"):
+        assert rel_err(two_ranks[rank][f"{stage}-fp32-ac"]["losses"], reference["fp32"]["losses"]) < FP32_RTOL
+
+
+def test_unmapped_deepspeed_knobs_are_named_in_one_warning():
+    from tenfold.techniques.zero import _warn_unmapped_knobs
+
+    class Dist:
+        is_main = True
+
+    cfg = _Cfg(reduce_bucket_size=5e8, overlap_comm=False, contiguous_gradients=False)
+    with pytest.warns(UserWarning) as record:
+        _warn_unmapped_knobs(cfg, 3, Dist())
+    assert len(record) == 1
+    text = str(record[0].message)
+    assert "reduce_bucket_size" in text and "overlap_comm=false" in text and "contiguous_gradients=false" in text
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _warn_unmapped_knobs(_Cfg(reduce_bucket_size=5e8), 1, Dist())  # DDP has bucket_cap_mb: no warning
 
 
 @pytest.mark.slow

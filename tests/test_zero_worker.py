@@ -73,6 +73,10 @@ def mode_equivalence(out_dir: str) -> dict:
         for stage in (0, 1, 2, 3):
             _, r = run_steps(config(stage, dtype, 1, 2, out_dir), measure_at=1 if dtype == "fp32" else None)
             results[f"{stage}-{dtype}"] = r
+    for stage in (2, 3):  # recompute wraps the blocks before FSDP2 shards them (parallelize's order)
+        cfg = config(stage, "fp32", 1, 2, out_dir)
+        cfg["recompute"] = {"policy": "full"}
+        results[f"{stage}-fp32-ac"] = run_steps(cfg, measure_at=None)[1]
     results["init_sync"] = init_sync()
     results["fp16_overflow"] = mode_fp16_overflow(out_dir)
     for stage in (2, 3):  # FSDP2's MixedPrecisionPolicy: bf16 all-gather/compute, fp32 shards
