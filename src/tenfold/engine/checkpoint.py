@@ -96,9 +96,27 @@ def _world() -> int:
     return torch_dist.get_world_size() if _dist_on() else 1
 
 
+_CKPT_GROUP: dict[str, Any] = {}
+
+
+def _ckpt_group():
+    """The gloo group every checkpoint collective runs on (created collectively on first use,
+    once per default process group). Two reasons: the ZeRO code tightens the default group's
+    timeout after step 1 to max(120 s, 20 x first step), and the slowest rank's write of a large
+    checkpoint can take longer, while this group keeps torch's default (30 min); and async saves
+    run collectives from a background thread, which must never interleave with the training
+    loop's collectives on the default group (torchtitan uses a gloo group for the same reason)."""
+    if not _dist_on():
+        return None
+    default = torch_dist.distributed_c10d._get_default_group()
+    if _CKPT_GROUP.get("default") is not default:
+        _CKPT_GROUP.update(default=default, group=torch_dist.new_group(backend="gloo"))
+    return _CKPT_GROUP["group"]
+
+
 def _barrier() -> None:
     if _dist_on():
-        torch_dist.barrier()
+        torch_dist.barrier(group=_ckpt_group())
 
 
 def _all_gather(obj: Any) -> list[Any]:
@@ -107,7 +125,7 @@ def _all_gather(obj: Any) -> list[Any]:
     if not _dist_on():
         return [obj]
     out: list[Any] = [None] * _world()
-    torch_dist.all_gather_object(out, obj)
+    torch_dist.all_gather_object(out, obj, group=_ckpt_group())
     return out
 
 
@@ -133,7 +151,7 @@ def _broadcast(obj: Any) -> Any:
     if not _dist_on():
         return obj
     box = [obj]
-    torch_dist.broadcast_object_list(box, src=0)
+    torch_dist.broadcast_object_list(box, src=0, group=_ckpt_group())
     return box[0]
 
 
@@ -545,7 +563,6 @@ class CheckpointManager:
         self._pending: _PendingSave | None = None
         self._preempt = False
         self._old_handlers: dict[int, Any] = {}
-        self._ckpt_group = None
         self.saves: list[SaveResult] = []
         self.last_saved_step: int | None = None
 
@@ -617,10 +634,10 @@ class CheckpointManager:
             _on_every_rank(lambda: self._write_side_files(tmp, step, trainer))
             state = _model_and_optim_state(trainer.model, trainer.optimizer)
             if self.async_save and not wait:
-                pending.future = dcp.async_save(state, checkpoint_id=tmp, process_group=self._group(),
+                pending.future = dcp.async_save(state, checkpoint_id=tmp, process_group=_ckpt_group(),
                                                 no_dist=not _dist_on())
             else:
-                dcp.save(state, checkpoint_id=tmp, no_dist=not _dist_on())
+                dcp.save(state, checkpoint_id=tmp, process_group=_ckpt_group(), no_dist=not _dist_on())
             _slow_save_hook()
         except BaseException as e:
             self._abandon(tmp, e)
@@ -637,15 +654,6 @@ class CheckpointManager:
         self._clean_stale_tmp()
         self.root.mkdir(parents=True, exist_ok=True)
         tmp.mkdir()
-
-    def _group(self):
-        """Async saves run their collectives on a separate gloo group, so they never interleave
-        with the training loop's collectives on the default group (torchtitan does the same)."""
-        if not _dist_on():
-            return None
-        if self._ckpt_group is None:
-            self._ckpt_group = torch_dist.new_group(backend="gloo")
-        return self._ckpt_group
 
     def _write_side_files(self, tmp: Path, step: int, trainer: Any) -> None:
         parts = _trainer_parts(trainer)
@@ -837,7 +845,8 @@ class CheckpointManager:
         _check_same_model(path, trainer)
         state = _model_and_optim_state(trainer.model, trainer.optimizer)
         try:
-            dcp.load(state, storage_reader=SafeReader(path), planner=SafeLoadPlanner(), no_dist=not _dist_on())
+            dcp.load(state, storage_reader=SafeReader(path), planner=SafeLoadPlanner(),
+                     process_group=_ckpt_group(), no_dist=not _dist_on())
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException as e:  # DCP's CheckpointException is a BaseException
