@@ -68,6 +68,9 @@ def main() -> None:
     ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     ap.add_argument("--rounds", type=int, default=3, help="timed steps per policy (interleaved)")
     ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--cpu-time", action="store_true",
+                    help="time steps by this process's CPU time, not wall-clock (a shared machine: "
+                         "with one thread, other processes' load then barely moves the ratios)")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
     policies = args.policies.split(",")
@@ -82,14 +85,15 @@ def main() -> None:
         runs[p] = {"step": step, "mem": measure_step_memory(model, opt, step), "times": []}
     for _ in range(args.rounds):
         for p in policies:
-            t0 = time.perf_counter()
+            w0, c0 = time.perf_counter(), time.process_time()
             runs[p]["step"]()
-            runs[p]["times"].append(time.perf_counter() - t0)
+            runs[p]["times"].append(time.process_time() - c0 if args.cpu_time else time.perf_counter() - w0)
 
     base_t = statistics.median(runs["none"]["times"]) if "none" in runs else None
     base_a = runs["none"]["mem"]["activations_bytes"] if "none" in runs else None
     print(f"{args.model} {args.dtype} micro-batch {args.micro_batch} x seq {args.seq_len}, "
-          f"{torch.get_num_threads()} threads, {platform.processor() or platform.machine()}, torch {torch.__version__}")
+          f"{torch.get_num_threads()} threads, {platform.processor() or platform.machine()}, torch {torch.__version__}, "
+          f"{'CPU' if args.cpu_time else 'wall-clock'} time, median of {args.rounds}")
     print(f"{'policy':<20} {'step s':>8} {'time':>8} {'activations':>12} {'act':>7} {'peak':>11}  claim")
     rows = []
     for p in policies:

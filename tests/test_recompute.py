@@ -293,3 +293,32 @@ def test_selective_attention_reruns_the_attention_core_in_backward(policy, expec
         loss.backward()
     sdpa_backward_ops = 4  # one backward kernel per layer, always there
     assert ops.count - sdpa_backward_ops == expected
+
+
+# --------------------------------------------------------------------------- with ZeRO-3
+
+
+@pytest.mark.slow
+def test_segments_under_zero3_on_two_ranks_matches_one_process(tmp_path):
+    """segments:K makes the first block of a segment run the others (which then pass their
+    input through): FSDP2 must still gather each block's shard in the forward and in the
+    recompute. Through the real CLI: --nproc 2 --zero 3 == one process (fp32, rel 1e-5)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from conftest import SMALL_FLAGS
+
+    flags = [*SMALL_FLAGS, "--set", "model.n_layers=4", "--precision", "fp32", "--steps", "3", "--seed", "7",
+             "--grad-accum", "2", "--ac", "segments:2"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    losses = {}
+    for name, extra in (("one", ["--micro-batch", "2"]), ("two", ["--micro-batch", "1", "--nproc", "2", "--zero", "3"])):
+        out = tmp_path / name
+        proc = subprocess.run([sys.executable, "-m", "tenfold", "train", *flags, *extra, "--out", str(out)],
+                              capture_output=True, text=True, timeout=600, env=env)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+        losses[name] = json.loads((out / "summary.json").read_text())["losses"]
+    for a, b in zip(losses["two"], losses["one"]):
+        assert a == pytest.approx(b, rel=1e-5)
