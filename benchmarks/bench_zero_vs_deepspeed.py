@@ -11,8 +11,10 @@ each rank taking its slice of the same global batches. DeepSpeed runs with its o
 for the knobs we do not set (bucket sizes, overlap_comm, persistence threshold), tenfold with
 its own: "the same config" is the DeepSpeed JSON's keys, as a user would pass them.
 
-Measured per rank: steady-state step time (median after `--warmup` steps) -> tokens/s of the
-whole job; peak memory = the process's peak resident set (VmHWM, reset after imports) minus
+Throughput: both engines are built in the SAME two processes and their steps alternate
+(tenfold, DeepSpeed, DeepSpeed, tenfold, ...), so a shared machine's drifting load slows both
+alike; steady-state step time = median after `--warmup` steps, the slowest rank's -> tokens/s
+of the whole job. Memory (one engine per launch): peak memory = the process's peak resident set (VmHWM, reset after imports) minus
 its resident set at that moment, i.e. what building the model + engine + training added. On
 CPU the RSS is the only measure that sees both engines' allocations (DeepSpeed's flat buffers
 included); it also counts allocator slack, identically for both.
@@ -71,6 +73,12 @@ def _gpt(args):
 
 
 def run_tenfold(args, data) -> list[float]:
+    step = tenfold_stepper(args, data)
+    return [step() for _ in range(args.steps + args.warmup)]
+
+
+def tenfold_stepper(args, data):
+    """A function that runs one tenfold training step and returns its time."""
     from tenfold.engine.trainer import Trainer
 
     cfg = {
@@ -84,16 +92,23 @@ def run_tenfold(args, data) -> list[float]:
     }
     t = Trainer(cfg, dataset=data)
     t.setup()
-    times = []
-    for _ in range(args.steps + args.warmup):
+
+    def step() -> float:
         mbs = t.loader.next_step()
         t0 = time.perf_counter()
         t.train_step(mbs)
-        times.append(time.perf_counter() - t0)
-    return times
+        return time.perf_counter() - t0
+
+    return step
 
 
 def run_deepspeed(args, data) -> list[float]:
+    step = deepspeed_stepper(args, data)
+    return [step() for _ in range(args.steps + args.warmup)]
+
+
+def deepspeed_stepper(args, data):
+    """A function that runs one DeepSpeed training step and returns its time."""
     import deepspeed
     import torch
     import torch.distributed as dist
@@ -110,35 +125,46 @@ def run_deepspeed(args, data) -> list[float]:
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
     rank, world = dist.get_rank(), dist.get_world_size()
     batch = torch.from_numpy(data)
-    times = []
-    for step in range(args.steps + args.warmup):
-        rows = batch[step * args.global_batch:(step + 1) * args.global_batch]
+    counter = iter(range(10**9))
+
+    def step() -> float:
+        i = next(counter)
+        rows = batch[i * args.global_batch:(i + 1) * args.global_batch]
         mine = rows[rank * args.micro:(rank + 1) * args.micro]
         t0 = time.perf_counter()
         logits = engine(mine[:, :-1])
         loss = F.cross_entropy(logits.float().flatten(0, 1), mine[:, 1:].flatten())
         engine.backward(loss)
         engine.step()
-        times.append(time.perf_counter() - t0)
-    return times
+        return time.perf_counter() - t0
+
+    return step
 
 
 def rank_main(args) -> None:
     import torch  # noqa: F401  (imports before the RSS baseline)
 
-    if args.engine == "deepspeed":
-        import deepspeed  # noqa: F401
     import tenfold.engine.trainer  # noqa: F401
+
+    import deepspeed  # noqa: F401,F811  (both modes import it: the same RSS baseline)
+    import torch.distributed as dist
 
     data = _tokens(args)
     base = _reset_peak_rss()
-    times = run_tenfold(args, data) if args.engine == "tenfold" else run_deepspeed(args, data)
-    peak = _rss_bytes("VmHWM") - base
-    step_s = statistics.median(times[args.warmup:])
-    import torch.distributed as dist
-
+    if args.engine == "interleaved":
+        # Both engines in the same processes, steps alternating: a machine whose load drifts
+        # (shared CI boxes) slows both alike. Throughput only: the RSS would mix the two.
+        steppers = {"tenfold": tenfold_stepper(args, data), "deepspeed": deepspeed_stepper(args, data)}
+        times: dict[str, list[float]] = {"tenfold": [], "deepspeed": []}
+        for i in range(args.steps + args.warmup):
+            for name in (("tenfold", "deepspeed") if i % 2 == 0 else ("deepspeed", "tenfold")):
+                times[name].append(steppers[name]())
+        result = {f"{k}_step_s": statistics.median(v[args.warmup:]) for k, v in times.items()}
+    else:
+        times_one = run_tenfold(args, data) if args.engine == "tenfold" else run_deepspeed(args, data)
+        result = {"step_s": statistics.median(times_one[args.warmup:]), "peak_rss_bytes": _rss_bytes("VmHWM") - base}
     out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, {"step_s": step_s, "peak_rss_bytes": peak})
+    dist.all_gather_object(out, result)
     if dist.get_rank() == 0:
         Path(args.json).write_text(json.dumps(out))
 
@@ -158,8 +184,10 @@ def launch(engine: str, stage: int, args, tmp: str) -> dict | None:
         print(f"{engine} stage {stage} failed:\n{proc.stderr[-3000:]}", file=sys.stderr)
         return None
     ranks = json.loads(out.read_text())
-    step_s = max(r["step_s"] for r in ranks)  # the job runs at the slowest rank's pace
-    return {"tokens_per_s": args.global_batch * args.seq / step_s,
+    tokens = args.global_batch * args.seq
+    if engine == "interleaved":  # the job runs at the slowest rank's pace
+        return {e: tokens / max(r[f"{e}_step_s"] for r in ranks) for e in ("tenfold", "deepspeed")}
+    return {"tokens_per_s": tokens / max(r["step_s"] for r in ranks),
             "peak_bytes_per_rank": max(r["peak_rss_bytes"] for r in ranks)}
 
 
@@ -173,24 +201,31 @@ def driver(args) -> None:
     print(f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, torch {torch.__version__}, "
           f"deepspeed {deepspeed.__version__}, {args.nproc} ranks, {os.cpu_count()} CPU cores, "
           f"model {MODEL}, seq {args.seq}, micro {args.micro}/rank, fp32, {args.steps} timed steps")
-    rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for stage in args.stages:
-            for rep in range(args.repeats):
-                # alternate the order so a drifting machine load does not favour one engine
-                order = ("tenfold", "deepspeed") if rep % 2 == 0 else ("deepspeed", "tenfold")
-                got = {e: launch(e, stage, args, tmp) for e in order}
-                rows.append((stage, got["tenfold"], got["deepspeed"]))
-    print("| stage | tenfold tok/s | DeepSpeed tok/s | ratio | tenfold peak MiB/rank | DeepSpeed peak MiB/rank | ratio |")
-    print("|---|---|---|---|---|---|---|")
-    for stage, t, d in rows:
-        if t is None or d is None:
-            print(f"| {stage} | {'failed' if t is None else round(t['tokens_per_s'])} | "
-                  f"{'failed' if d is None else round(d['tokens_per_s'])} | - | - | - | - |")
-            continue
-        print(f"| {stage} | {t['tokens_per_s']:,.0f} | {d['tokens_per_s']:,.0f} | "
-              f"{t['tokens_per_s'] / d['tokens_per_s']:.2f}x | {t['peak_bytes_per_rank'] / 2**20:,.0f} | "
-              f"{d['peak_bytes_per_rank'] / 2**20:,.0f} | {t['peak_bytes_per_rank'] / d['peak_bytes_per_rank']:.2f}x |")
+        if not args.skip_throughput:
+            print("\ntokens/s, both engines in the same 2 processes, steps alternating:\n")
+            print("| stage | tenfold tok/s | DeepSpeed tok/s | tenfold / DeepSpeed |")
+            print("|---|---|---|---|")
+            for stage in args.stages:
+                for _ in range(args.repeats):
+                    got = launch("interleaved", stage, args, tmp)
+                    if got is None:
+                        print(f"| {stage} | failed | failed | - |")
+                        continue
+                    print(f"| {stage} | {got['tenfold']:,.0f} | {got['deepspeed']:,.0f} | "
+                          f"{got['tenfold'] / got['deepspeed']:.2f}x |", flush=True)
+        if not args.skip_memory:
+            print("\nper-rank peak memory (RSS added by model + engine + training), one engine per launch:\n")
+            print("| stage | tenfold MiB/rank | DeepSpeed MiB/rank | tenfold / DeepSpeed | (tok/s alone: tenfold, DeepSpeed) |")
+            print("|---|---|---|---|---|")
+            for stage in args.stages:
+                t, d = launch("tenfold", stage, args, tmp), launch("deepspeed", stage, args, tmp)
+                if t is None or d is None:
+                    print(f"| {stage} | {'failed' if t is None else ''} | {'failed' if d is None else ''} | - | - |")
+                    continue
+                print(f"| {stage} | {t['peak_bytes_per_rank'] / 2**20:,.0f} | {d['peak_bytes_per_rank'] / 2**20:,.0f} | "
+                      f"{t['peak_bytes_per_rank'] / d['peak_bytes_per_rank']:.2f}x | "
+                      f"{t['tokens_per_s']:,.0f}, {d['tokens_per_s']:,.0f} |", flush=True)
 
 
 def main() -> None:
@@ -201,9 +236,11 @@ def main() -> None:
     p.add_argument("--micro", type=int, default=4, help="sequences per rank per step")
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--nproc", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=1, help="interleaved throughput launches per stage")
+    p.add_argument("--skip-throughput", action="store_true", help="only the per-rank memory launches")
+    p.add_argument("--skip-memory", action="store_true", help="only the interleaved throughput launches")
     p.add_argument("--rank-side", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--engine", choices=["tenfold", "deepspeed"], help=argparse.SUPPRESS)
+    p.add_argument("--engine", choices=["tenfold", "deepspeed", "interleaved"], help=argparse.SUPPRESS)
     p.add_argument("--stage", type=int, help=argparse.SUPPRESS)
     p.add_argument("--json", help=argparse.SUPPRESS)
     p.add_argument("--tmp", help=argparse.SUPPRESS)
