@@ -48,6 +48,7 @@ class RungResult:
     memory: dict[str, Any] = field(default_factory=dict)  # measured, by category (per rank)
     memory_source: str | None = None
     memory_per_rank: list[dict] = field(default_factory=list)  # every rank's measured step (several ranks)
+    load_avg: list[float] | None = None  # the machine's 1-minute load average before and after the rung
     val_loss: float | None = None
     loss: float | None = None
     first_loss: float | None = None
@@ -84,8 +85,11 @@ def run_rung(spec: RungSpec, out_dir: Path, user_set_args: list[str], prediction
     out_dir.mkdir(parents=True)
     cmd = train_command(spec, out_dir, user_set_args)
     result.out_dir, result.command = str(out_dir), cmd
+    load_before = _load_avg()
     rc, elapsed, tail = _run(cmd, out_dir, timeout_s, on_step)
     result.process_s = elapsed
+    # other work on the machine slows a rung: say how busy it was (1-minute load vs cores)
+    result.load_avg = None if load_before is None else [load_before, _load_avg()]
     summary_path = out_dir / "summary.json"
     if rc != 0 or not summary_path.is_file():
         result.status = "failed"
@@ -95,6 +99,13 @@ def run_rung(spec: RungSpec, out_dir: Path, user_set_args: list[str], prediction
     _read_outputs(result, summary_path, out_dir / "metrics.jsonl")
     result.status, result.reason = "measured", None
     return result
+
+
+def _load_avg() -> float | None:
+    try:
+        return round(os.getloadavg()[0], 2)
+    except OSError:
+        return None
 
 
 def _attach_prediction(result: RungResult, p: Prediction) -> None:
