@@ -34,12 +34,13 @@ def one_thread():
     torch.set_num_threads(n)
 
 
-def step_fn(model: GPT, opt: torch.optim.Optimizer, micro: list[torch.Tensor]):
+def step_fn(model: GPT, opt: torch.optim.Optimizer, micro: list[torch.Tensor], dtype: str = "fp32"):
     def run_step() -> None:
         tokens = sum(mb[:, 1:].numel() for mb in micro)
         for mb in micro:
-            logits = model(mb[:, :-1])
-            loss = F.cross_entropy(logits.float().flatten(0, 1), mb[:, 1:].flatten(), reduction="sum") / tokens
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16"):
+                logits = model(mb[:, :-1])
+                loss = F.cross_entropy(logits.float().flatten(0, 1), mb[:, 1:].flatten(), reduction="sum") / tokens
             loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -47,14 +48,14 @@ def step_fn(model: GPT, opt: torch.optim.Optimizer, micro: list[torch.Tensor]):
     return run_step
 
 
-def measure(preset: str, policy: str, b: int, s: int, accum: int = 1, **shape) -> dict:
+def measure(preset: str, policy: str, b: int, s: int, accum: int = 1, dtype: str = "fp32", **shape) -> dict:
     torch.manual_seed(0)
     model = GPT(get_preset(preset).with_overrides(**shape))
     apply_recompute(model, policy)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(0)
     micro = [torch.randint(0, 256, (b, s + 1), generator=g) for _ in range(accum)]
-    run_step = step_fn(model, opt, micro)
+    run_step = step_fn(model, opt, micro, dtype)
     run_step()  # warm-up: the optimizer states exist from here on (as in every later step)
     return measure_step_memory(model, opt, run_step)
 
@@ -107,11 +108,12 @@ def test_full_recompute_keeps_under_half_of_none_on_tiny(tiny_by_policy):
 
 @pytest.mark.parametrize("preset, b, s", [("tiny", 4, 128), ("small", 1, 256)])
 @pytest.mark.parametrize("policy", ["none", "full"])
-def test_prediction_within_15_percent_of_measurement(preset, b, s, policy):
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_prediction_within_15_percent_of_measurement(preset, b, s, policy, dtype):
     cfg = build_config({"model": {"name": preset}, "train": {"micro_batch": b}, "data": {"seq_len": s},
-                        "precision": {"dtype": "fp32"}, "recompute": {"policy": policy}})
-    measured = measure(preset, policy, b, s)
-    predicted = predicted_memory(cfg, None, "fp32")
+                        "precision": {"dtype": dtype}, "recompute": {"policy": policy}})
+    measured = measure(preset, policy, b, s, dtype=dtype)
+    predicted = predicted_memory(cfg, None, dtype)
     diff = percent_diff(measured, predicted)
     for key in ("params_bytes", "grads_bytes", "optimizer_bytes"):
         assert diff[key] == 0.0, (key, diff)
