@@ -49,6 +49,7 @@ class RungResult:
     memory_source: str | None = None
     memory_per_rank: list[dict] = field(default_factory=list)  # every rank's measured step (several ranks)
     load_avg: list[float] | None = None  # the machine's 1-minute load average before and after the rung
+    cpu_s: float | None = None  # CPU seconds of the rung's processes (all ranks, start-up included)
     val_loss: float | None = None
     loss: float | None = None
     first_loss: float | None = None
@@ -78,7 +79,10 @@ def run_rung(spec: RungSpec, out_dir: Path, user_set_args: list[str], prediction
              timeout_s: float, on_step: Callable[[int], None] | None = None) -> RungResult:
     result = RungResult(spec.index, spec.name, spec.title, "skipped", spec.skip, spec.knobs, list(spec.notes))
     _attach_prediction(result, prediction)
-    if spec.skip is not None:
+    if spec.skip is not None:  # the config it would have had is not this machine's concern
+        result.notes = []
+        if result.prediction_error:
+            result.prediction_error = None
         return result
     if out_dir.exists():  # metrics.jsonl is appended to: a previous ladder's rung must go first
         shutil.rmtree(out_dir)
@@ -86,7 +90,9 @@ def run_rung(spec: RungSpec, out_dir: Path, user_set_args: list[str], prediction
     cmd = train_command(spec, out_dir, user_set_args)
     result.out_dir, result.command = str(out_dir), cmd
     load_before = _load_avg()
+    cpu_before = _children_cpu_s()
     rc, elapsed, tail = _run(cmd, out_dir, timeout_s, on_step)
+    result.cpu_s = round(_children_cpu_s() - cpu_before, 2)
     result.process_s = elapsed
     # other work on the machine slows a rung: say how busy it was (1-minute load vs cores)
     result.load_avg = None if load_before is None else [load_before, _load_avg()]
@@ -99,6 +105,15 @@ def run_rung(spec: RungSpec, out_dir: Path, user_set_args: list[str], prediction
     _read_outputs(result, summary_path, out_dir / "metrics.jsonl")
     result.status, result.reason = "measured", None
     return result
+
+
+def _children_cpu_s() -> float:
+    """User + system CPU of the waited-for descendants (torchrun's ranks included: torchrun
+    waits for them, we wait for torchrun)."""
+    import resource
+
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return ru.ru_utime + ru.ru_stime
 
 
 def _load_avg() -> float | None:

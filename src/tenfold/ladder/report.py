@@ -146,7 +146,8 @@ def markdown(results: list[RungResult], header: dict[str, Any]) -> str:
             lines.append(f"  - memory ({r.memory_source}): {cats or ''} peak {fmt_bytes(r.peak_mem_bytes)}")
         if r.load_avg:
             lines.append(f"  - machine load average (1 min) before / after: {r.load_avg[0]:.1f} / {r.load_avg[1]:.1f} "
-                         f"on {header['hardware'].get('cores')} cores")
+                         f"on {header['hardware'].get('cores')} cores; the rung's processes: {r.process_s:.0f} s wall, "
+                         f"{r.cpu_s:.0f} CPU-s")
         if len(r.memory_per_rank) > 1:
             peaks = ", ".join(fmt_bytes(x.get("peak_bytes")) for x in r.memory_per_rank)
             lines.append(f"  - peak per rank: {peaks}")
