@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util  # find_spec: `import importlib` alone does not load the submodule
 import sys
 from pathlib import Path
 
@@ -54,6 +55,9 @@ def _add_train_parser(subparsers) -> None:
     m.add_argument("--model", help="preset: tiny, small, gpt3-125m ... gpt3-175b, llama-7b/13b/70b (default tiny)")
     m.add_argument("--seq-len", type=int, help="tokens per sequence (default: the model's context)")
     m.add_argument("--data", help="text / JSONL / .bin file or directory (default: this Python's stdlib sources)")
+    m.add_argument("--hf-config", metavar="config.json", help="a Hugging Face causal LM from its config.json (random init, no download; needs tenfold[hf])")
+    m.add_argument("--hf-pretrained", metavar="DIR", help="a local Hugging Face folder with config.json + *.safetensors weights")
+    m.add_argument("--blocks", metavar="ClassName", help="the model's repeated block class for recompute and ZeRO (default: found automatically)")
     t = p.add_argument_group("optimization")
     t.add_argument("--steps", type=int, help="optimizer steps (default 200)")
     t.add_argument("--micro-batch", type=int, help="sequences per micro-batch per rank (default 8)")
@@ -71,6 +75,7 @@ def _add_train_parser(subparsers) -> None:
     x.add_argument("--pp", type=int, help="pipeline stages")
     x.add_argument("--pp-schedule", help="gpipe | 1f1b | interleaved | zero-bubble")
     x.add_argument("--virtual-stages", type=int, help="stages per rank for interleaved schedules")
+    x.add_argument("--pp-split", type=_int_list, metavar="N,N,...", help="transformer blocks per pipeline stage, e.g. 1,3 (default: even, embedding and head weighted as one block each)")
     c = p.add_argument_group("checkpoints")
     c.add_argument("--checkpoint-every", type=int, help="save every N steps (0: never)")
     c.add_argument("--keep-last", type=int, help="keep only the newest K checkpoints")
@@ -82,14 +87,21 @@ def _add_train_parser(subparsers) -> None:
 # flag -> (section, key)
 _TRAIN_FLAGS = {
     "out": ("log", "out"), "model": ("model", "name"), "seq_len": ("data", "seq_len"), "data": ("data", "path"),
+    "hf_config": ("model", "hf_config"), "hf_pretrained": ("model", "hf_pretrained"), "blocks": ("model", "blocks"),
     "steps": ("train", "steps"), "micro_batch": ("train", "micro_batch"), "grad_accum": ("train", "grad_accum"),
     "global_batch": ("train", "global_batch"), "lr": ("train", "lr"), "seed": ("train", "seed"),
     "eval_every": ("train", "eval_every"), "on_nan": ("train", "on_nan"), "precision": ("precision", "dtype"),
     "ac": ("recompute", "policy"), "zero": ("parallel", "zero_stage"), "nproc": ("parallel", "nproc"),
     "pp": ("parallel", "pp_degree"), "pp_schedule": ("parallel", "pp_schedule"),
-    "virtual_stages": ("parallel", "virtual_stages"), "checkpoint_every": ("checkpoint", "every"),
+    "virtual_stages": ("parallel", "virtual_stages"), "pp_split": ("parallel", "pp_split"),
+    "checkpoint_every": ("checkpoint", "every"),
     "keep_last": ("checkpoint", "keep_last"), "resume": ("checkpoint", "resume"),
 }
+
+
+def _int_list(text: str) -> list[int]:
+    """`--pp-split 1,3` -> [1, 3] (argparse turns the ValueError into a one-line exit 2)."""
+    return [int(x) for x in text.split(",")]
 
 
 def config_from_args(args: argparse.Namespace):
@@ -125,7 +137,7 @@ def run_train(args: argparse.Namespace) -> int:
     if cfg.parallel.nproc > 1 and not launched_by_torchrun():
         from tenfold.engine.launch import run_under_torchrun
 
-        return run_under_torchrun(sys.argv[1:], cfg.parallel.nproc)
+        return run_under_torchrun(sys.argv[1:], cfg.parallel.nproc, cfg)
     from tenfold.engine.trainer import Trainer
 
     trainer = Trainer(cfg)

@@ -16,9 +16,21 @@ from tenfold.config import TenfoldConfig
 from tenfold.engine.distributed import DistInfo
 
 
-def parallelize(model: nn.Module, cfg: TenfoldConfig, dist: DistInfo) -> nn.Module:
+def parallelize(model: nn.Module, cfg: TenfoldConfig, dist: DistInfo, blocks: list[nn.Module] | None = None) -> nn.Module:
+    """`blocks`: the model's repeated blocks (tenfold.models.adapter), recomputed and sharded
+    one by one; None: tenfold's GPT `model.layers`."""
+    if dist.pp_size > 1:  # [pipeline] split first; each stage then gets recompute + ZeRO alone
+        from tenfold.techniques import pipeline
+
+        split = pipeline.split_for_rank(model, cfg, dist)
+        parts = [_recompute_and_zero(part, cfg, dist) for part in split.modules]
+        return pipeline.build_pipelined_model(split, parts, cfg, dist)
+    return _recompute_and_zero(model, cfg, dist, blocks)
+
+
+def _recompute_and_zero(model: nn.Module, cfg: TenfoldConfig, dist: DistInfo, blocks=None) -> nn.Module:
     from tenfold.techniques import recompute, zero
 
     if cfg.recompute.policy != "none":
-        recompute.apply_recompute(model, recompute.parse_policy(cfg.recompute.policy))
-    return zero.apply_zero(model, cfg.parallel, dist, param_dtype=None)
+        recompute.apply_recompute(model, recompute.parse_policy(cfg.recompute.policy), blocks=blocks)
+    return zero.apply_zero(model, cfg.parallel, dist, param_dtype=None, blocks=blocks)

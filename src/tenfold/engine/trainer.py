@@ -313,6 +313,8 @@ class Trainer:
                     "step_time_s": step_time, "tokens": self.state.tokens,
                     "elapsed_s": time.perf_counter() - wall_start,
                 }
+                if dist.pp_size > 1:  # [pipeline] per-device tokens/s; rank 0's bubble vs (P-1)/m
+                    last.update(self.model.step_metrics(tps, dist.world_size))
                 every = cfg.train.eval_every
                 if (every and self.state.step % every == 0) or self.state.step == cfg.train.steps:
                     val_loss = self.evaluate()
@@ -334,6 +336,11 @@ class Trainer:
         wall = time.perf_counter() - wall_start
         summary = self._summary(last, val_loss, wall, peak)
         summary["memory"].update(self.run_memory.summary())  # [memory] predicted, measured, diff %
+        if dist.world_size > 1:  # [zero] every rank's measured step (memory.measured's keys), on rank 0
+            from tenfold.engine.distributed import gather_to_main
+
+            summary["memory"]["measured_per_rank"] = gather_to_main(
+                self.run_memory.measured or {"peak_bytes": peak_memory_bytes(dist.device)}, dist)
         if cfg.checkpoint.export_16bit and self.state.step == cfg.train.steps:  # [checkpoint] DeepSpeed key
             exported = self.checkpoints.export_16bit(self, self.out_dir)
             summary["export"] = exported["safetensors"] if exported else str(self.out_dir / "model.safetensors")
@@ -375,7 +382,7 @@ class Trainer:
         history = self.state.history
         tokens = self.state.tokens
         tps = tokens / wall if wall > 0 else None
-        return {
+        summary = {
             "config": self.cfg.to_dict(),
             "model": {
                 "name": self._model_label(), "blocks": f"{len(self.adapter.blocks)} x {self.adapter.block_class}",
@@ -398,6 +405,9 @@ class Trainer:
             "losses": [loss for _, loss in history],
             "memory": {"peak_mem_bytes": last.get("peak_mem_bytes")},
         }
+        if self.dist.pp_size > 1:  # [pipeline] split, measured bubble per stage vs (P-1)/m
+            summary["pipeline"] = self.model.report(self.dist)
+        return summary
 
     def _print_summary(self, summary: dict) -> None:
         if self.console is None:
