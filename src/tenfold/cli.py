@@ -137,7 +137,7 @@ def run_train(args: argparse.Namespace) -> int:
     if cfg.parallel.nproc > 1 and not launched_by_torchrun():
         from tenfold.engine.launch import run_under_torchrun
 
-        return run_under_torchrun(sys.argv[1:], cfg.parallel.nproc, cfg)
+        return run_under_torchrun(args.argv, cfg.parallel.nproc, cfg)
     from tenfold.engine.trainer import Trainer
 
     trainer = Trainer(cfg)
@@ -182,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     if extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.argv = argv  # the launcher re-runs this very command under torchrun
     if not hasattr(args, "func"):
         print(f"tenfold: error: `tenfold {args.command}` is not available in this build", file=sys.stderr)
         return 2

@@ -114,7 +114,10 @@ class Trainer:
         from tenfold.engine.schedule import build_scheduler
         from tenfold.techniques import zero
 
-        self.model = parallelize(self.model, cfg, self.dist, blocks=self.adapter.blocks)
+        from tenfold.techniques.precision import DTYPES
+
+        param_dtype = None if self.dtype_name == "fp32" else DTYPES[self.dtype_name]
+        self.model = parallelize(self.model, cfg, self.dist, blocks=self.adapter.blocks, param_dtype=param_dtype)
         self.optimizer = zero.build_optimizer_for(self.model, cfg.train, cfg.parallel, self.dist)
         self.scheduler = build_scheduler(self.optimizer, cfg.train, cfg.train.steps)
         self.scaler = build_loss_scaler(cfg.precision, self.dtype_name)
