@@ -40,3 +40,16 @@ def read_metrics(out: Path) -> list[dict]:
 @pytest.fixture
 def small_cfg(tmp_path):
     return lambda **sections: small_config(tmp_path, **sections)
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny shapes: one intra-op thread is faster than two, and immune to a busy 2-core
+    machine (OpenMP spin-waits made small steps ~20x slower there). Restored afterwards.
+    Modules opt in with `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

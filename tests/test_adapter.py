@@ -25,13 +25,7 @@ from tenfold.models.presets import ModelConfig, flops_per_token, param_count
 VOCAB, SEQ = 64, 16
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny matmuls: one intra-op thread is several times faster than oversubscribed cores."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # --------------------------------------------------------------------------- a user's model

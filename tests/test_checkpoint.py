@@ -44,13 +44,7 @@ MC = CFG.model_config_resolved()
 SEQ, GLOBAL_BATCH, STEPS = 16, 4, 6
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny shapes: one intra-op thread is faster and immune to a loaded 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def dataset() -> np.ndarray:

@@ -119,7 +119,6 @@ def test_one_process_checkpoint_resumes_on_two_ranks_zero3(two_rank_results):
     assert _rel_close(two_rank_results["from1"], two_rank_results["reference_1"][3:], 1e-4)
 
 
-one_thread = t.one_thread  # the single-thread fixture, for the in-process resume above
 
 
 @pytest.mark.slow

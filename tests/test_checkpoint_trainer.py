@@ -31,12 +31,7 @@ MODEL = {"name": "tiny", "n_layers": 2, "d_model": 32, "n_heads": 2, "d_ff": 64,
 CLI_MODEL = [f"--set=model.{k}={v}" for k, v in MODEL.items() if k not in ("name", "vocab_size")]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _text_file(tmp_path: Path) -> Path:

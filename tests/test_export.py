@@ -12,13 +12,14 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 import test_checkpoint as t
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 from tenfold import cli
 from tenfold.config import build_config
 from tenfold.engine import export
 from tenfold.models.gpt import GPT
 from tenfold.models.presets import ModelConfig
 
-one_thread = t.one_thread
 
 
 def _trained(tmp_path, model_overrides: dict | None = None):

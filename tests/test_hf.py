@@ -30,13 +30,7 @@ GPT2 = DATA / "gpt2-tiny" / "config.json"
 CONFIGS = {"llama": LLAMA, "gpt2": GPT2}
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny matmuls: one intra-op thread is several times faster than oversubscribed cores."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def hf_config(out: Path, config: Path, **sections) -> dict:

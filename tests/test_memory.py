@@ -24,14 +24,7 @@ from tenfold.techniques.recompute import apply_recompute
 F32 = 4
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """These shapes are tiny: intra-op threads only add synchronisation, and on a busy 2-core
-    machine OpenMP spin-waits made each step ~20x slower. Restored after this module."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def step_fn(model: GPT, opt: torch.optim.Optimizer, micro: list[torch.Tensor], dtype: str = "fp32"):

@@ -33,14 +33,7 @@ SHAPE = dict(n_layers=4, d_model=32, n_heads=2, d_ff=96, max_seq_len=32)
 
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """These shapes are tiny: intra-op threads only add synchronisation, and on a busy 2-core
-    machine OpenMP spin-waits made each step ~20x slower. Restored after this module."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make_model(seed: int = 0, **overrides) -> GPT:

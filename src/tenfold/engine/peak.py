@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import time
 from pathlib import Path
 
@@ -24,17 +23,11 @@ def cache_path() -> Path:
 
 
 def cpu_key() -> str:
-    model = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
     import torch
 
-    return f"{model}|threads={torch.get_num_threads()}"
+    from tenfold.plan.hardware import cpu_model_name  # torch-free, shared with the planner
+
+    return f"{cpu_model_name()}|threads={torch.get_num_threads()}"
 
 
 def _measure(dtype_name: str, n: int, seconds: float = 0.5) -> float:

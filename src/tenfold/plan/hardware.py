@@ -152,7 +152,7 @@ CPU_LOOPBACK_LATENCY_S = 50e-6
 CPU_MEMORY_BW = 5 * GB
 
 
-def _cpu_model_name() -> str:
+def cpu_model_name() -> str:
     model = platform.processor() or platform.machine()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -176,7 +176,7 @@ def _cached_cpu_peak() -> dict[str, float] | None:
         cache = json.loads(_cpu_peak_cache_path().read_text())
     except (OSError, ValueError):
         return None
-    model = _cpu_model_name()
+    model = cpu_model_name()
     entries = {k: v for k, v in cache.items() if k.split("|")[0] == model and all(d in v for d in ("fp32", "bf16", "fp16"))}
     if not entries:
         return None
@@ -218,7 +218,7 @@ def cpu_hardware() -> Hardware:
         gemm_efficiency=1.0,  # the peak is itself a measured large GEMM
         runtime_overhead_bytes=0.0, shared_compute=True, host_memory_bytes=_ram_bytes(),
         sources={
-            "peak": f"measured by `python -m tenfold.engine.peak` on {_cpu_model_name()} (cached in {_cpu_peak_cache_path()})",
+            "peak": f"measured by `python -m tenfold.engine.peak` on {cpu_model_name()} (cached in {_cpu_peak_cache_path()})",
             "memory": "MemTotal from /proc/meminfo",
             "intra": "rough constant: gloo over loopback ~2 GB/s, 50 us per message",
             "nic": "rough constant: gloo over loopback ~2 GB/s",
