@@ -30,20 +30,24 @@ def cpu_key() -> str:
     return f"{cpu_model_name()}|threads={torch.get_num_threads()}"
 
 
-def _measure(dtype_name: str, n: int, seconds: float = 0.5) -> float:
+def _measure(dtype_name: str, n: int, seconds: float = 0.3) -> float:
     import torch
 
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
     a = torch.randn(n, n).to(dtype)
     b = torch.randn(n, n).to(dtype)
     torch.mm(a, b)  # warm-up: thread pool, kernel selection
-    iters, start = 0, time.perf_counter()
-    while True:
-        torch.mm(a, b)
-        iters += 1
-        elapsed = time.perf_counter() - start
-        if elapsed >= seconds and iters >= 2:
-            return 2.0 * n**3 * iters / elapsed
+    best = 0.0
+    for _ in range(3):  # best of three windows: a peak is what the machine can do when not disturbed
+        iters, start = 0, time.perf_counter()
+        while True:
+            torch.mm(a, b)
+            iters += 1
+            elapsed = time.perf_counter() - start
+            if elapsed >= seconds and iters >= 2:
+                break
+        best = max(best, 2.0 * n**3 * iters / elapsed)
+    return best
 
 
 def cpu_peak_flops(dtype_name: str) -> float:
