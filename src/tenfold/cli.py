@@ -10,7 +10,6 @@ import argparse
 import importlib
 import importlib.util  # find_spec: `import importlib` alone does not load the submodule
 import sys
-from pathlib import Path
 
 from tenfold import __version__
 from tenfold.errors import RunError, UserError

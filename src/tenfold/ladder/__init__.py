@@ -18,13 +18,11 @@ Outputs: a rich table, OUT/ladder.json, OUT/ladder.md, OUT/ladder.png, OUT/rung_
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import os
 import re
 import shlex
 import sys
 from pathlib import Path
-from typing import Any
 
 from tenfold.errors import UserError
 from tenfold.ladder.rungs import RUNG_NAMES

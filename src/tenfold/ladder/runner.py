@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import datetime as _dt
 import os
-import platform
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -161,22 +160,13 @@ def _now() -> str:
     return _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
 
 
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
-
-
 def hardware_info(device: str) -> dict[str, Any]:
     import torch
 
     from tenfold.engine.memory import planner_hardware_name
+    from tenfold.plan.hardware import cpu_model_name
 
-    info: dict[str, Any] = {"device": device, "cpu": _cpu_model(), "cores": os.cpu_count(),
+    info: dict[str, Any] = {"device": device, "cpu": cpu_model_name(), "cores": os.cpu_count(),
                             "torch": torch.__version__, "threads": torch.get_num_threads(),
                             "planner_hardware": planner_hardware_name(torch.device(device))}
     if device == "cuda":

@@ -6,7 +6,6 @@ rung; the CLI prints it. Every figure carries the formula and source it came fro
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, field, replace
 
 from tenfold.errors import UserError

@@ -26,9 +26,8 @@ Looped placement for multi-stage schedules: rank r owns stages r, r+P, r+2P, ...
 
 from __future__ import annotations
 
-import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
