@@ -19,6 +19,7 @@ import torch.distributed as torch_dist
 import torch.multiprocessing as mp
 
 import test_checkpoint as t
+from tenfold.engine.distributed import shutdown
 
 WORLD = 2
 
@@ -66,7 +67,7 @@ def _worker(rank: int, tmp: str) -> None:
         results["files_zero3"] = sorted(json.loads(
             (root / "zero3" / "checkpoints" / "step_3" / "manifest.json").read_text())["files"])
     finally:
-        torch_dist.destroy_process_group()
+        shutdown()  # barrier, then destroy: an early destroy can abort the peer (gloo)
     if rank == 0:
         (root / "results.json").write_text(json.dumps(results))
 

@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tenfold.engine.distributed import shutdown
 from tenfold.errors import UserError
 from tenfold.models.gpt import GPT
 from tenfold.models.presets import get_preset, param_count
@@ -204,8 +205,6 @@ def _worker(rank: int, world: int, port: int, cases: list[dict], out: str) -> No
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
-    import torch.distributed as dist
-
     from tenfold.engine.distributed import init_distributed
 
     results = []
@@ -217,8 +216,7 @@ def _worker(rank: int, world: int, port: int, cases: list[dict], out: str) -> No
         raise
     finally:
         Path(out, f"rank{rank}.json").write_text(json.dumps(results))
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        shutdown()  # barrier, then destroy: an early destroy can abort the peer (gloo)
 
 
 def run_case(d, case: dict) -> dict:

@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
+from tenfold.engine.distributed import shutdown
 from tenfold.config import build_config
 from tenfold.engine.optim import build_optimizer, clip_grad_norm
 from tenfold.engine.schedule import build_scheduler
@@ -327,7 +328,7 @@ def _two_rank_worker(rank: int, store_path: str, results: str) -> None:
         with open(f"{results}.{rank}", "w") as f:
             json.dump(out, f)
     finally:
-        dist.destroy_process_group()
+        shutdown()  # barrier, then destroy: an early destroy can abort the peer (gloo)
 
 
 def test_overflow_vote_is_global_over_two_gloo_ranks_and_clip_norm_is_global_under_fsdp2():
