@@ -1,0 +1,72 @@
+"""The model's hand-written pieces against their textbook forms (tenfold/models/gpt.py).
+
+RoPE and RMSNorm were rewritten for speed (one kernel / one copy where there were several);
+these tests hold them to the plain formulas they replaced."""
+
+import torch
+
+from tenfold.models.gpt import RMSNorm, apply_rope, rope_tables
+
+
+def pairwise_rope(x: torch.Tensor, theta: float = 10000.0) -> torch.Tensor:
+    """Su et al. 2021, Eq. (34): pair i of position m turns by m * theta^(-2i/d)."""
+    hd, s = x.shape[-1], x.shape[-2]
+    inv_freq = 1.0 / (theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
+    ang = torch.outer(torch.arange(s, dtype=torch.float64), inv_freq)
+    cos, sin = ang.cos().float(), ang.sin().float()
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+
+
+def test_rope_equals_the_pairwise_formula_bit_for_bit_in_fp32():
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 40, 16)
+    cos, sin = rope_tables(16, 64, 10000.0)
+    assert torch.equal(apply_rope(x, cos, sin), pairwise_rope(x))
+
+
+def test_rope_gradient_equals_the_pairwise_formula():
+    torch.manual_seed(1)
+    x = torch.randn(2, 2, 12, 8, dtype=torch.float64, requires_grad=True)
+    g = torch.randn(2, 2, 12, 8, dtype=torch.float64)
+    cos, sin = rope_tables(8, 12, 10000.0)
+    (ours,) = torch.autograd.grad(apply_rope(x, cos.double(), sin.double()), x, g)
+    ref_x = x.detach().clone().requires_grad_()
+    hd, s = 8, 12
+    inv = 1.0 / (10000.0 ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
+    ang = torch.outer(torch.arange(s, dtype=torch.float64), inv)
+    x1, x2 = ref_x[..., 0::2], ref_x[..., 1::2]
+    ref = torch.stack((x1 * ang.cos() - x2 * ang.sin(), x1 * ang.sin() + x2 * ang.cos()), -1).flatten(-2)
+    (theirs,) = torch.autograd.grad(ref, ref_x, g)
+    assert torch.allclose(ours, theirs, rtol=1e-6, atol=1e-6)  # tables are fp32-rounded
+
+
+def test_rope_scores_depend_only_on_relative_position():
+    torch.manual_seed(2)
+    q, k = torch.randn(16), torch.randn(16)
+    cos, sin = rope_tables(16, 32, 10000.0)
+    at = lambda v, pos: apply_rope(v.expand(1, 1, 32, 16).contiguous(), cos, sin)[0, 0, pos]  # noqa: E731
+    assert torch.allclose(at(q, 5) @ at(k, 2), at(q, 20) @ at(k, 17), atol=1e-4)
+    assert not torch.allclose(at(q, 5) @ at(k, 2), at(q, 5) @ at(k, 4), atol=1e-4)
+
+
+def test_rmsnorm_equals_the_formula_in_fp32_and_keeps_bf16():
+    torch.manual_seed(3)
+    norm = RMSNorm(32, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(32) + 0.5)
+    x = torch.randn(4, 7, 32) * 3
+    ref = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * norm.weight
+    assert torch.allclose(norm(x), ref, rtol=1e-6, atol=1e-6)
+    xb = x.bfloat16()
+    yb = norm(xb)
+    assert yb.dtype == torch.bfloat16  # computed in fp32, returned in the input's dtype
+    assert torch.allclose(yb.float(), ref, rtol=1e-2, atol=1e-2)
+    # gradients (input and weight) equal the formula's
+    x.requires_grad_()
+    g = torch.randn_like(x)
+    ours = torch.autograd.grad(norm(x), (x, norm.weight), g)
+    ref = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * norm.weight
+    theirs = torch.autograd.grad(ref, (x, norm.weight), g)
+    for a, b in zip(ours, theirs):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-5)
