@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import struct
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -109,6 +110,24 @@ def test_auto_recompute_takes_the_least_recompute_that_fits():
     peak = {(r["micro_batch"], r["policy"]): r["peak_bytes"] for r in roomy.candidates}
     tight = choose_micro_batch(s, SMALL_LAYERS, budget_bytes=peak[(16, "full")] * 1.001)
     assert tight.micro_batch == 16 and peak[(16, tight.policy)] <= peak[(16, "full")] * 1.001
+
+
+def test_later_rungs_keep_only_the_recompute_their_memory_needs():
+    from tenfold.ladder.predict import choose_policy
+
+    s = _setup(global_batch=16, ac_policy="auto")
+
+    def build(policy):
+        return R.zero_rung(replace(s, ac_policy=policy), 8)
+
+    roomy = choose_policy(build, SMALL_LAYERS, 2, budget_bytes=1 << 40)
+    assert roomy.policy == "none" and "recompute off" in roomy.note  # everything fits: no recompute
+    peak = {r["policy"]: r["peak_bytes"] for r in roomy.candidates}
+    assert peak["full"] < peak["none"]
+    tight = choose_policy(build, SMALL_LAYERS, 2, budget_bytes=peak["full"] * 1.001)
+    assert tight.policy != "none" and peak[tight.policy] <= peak["full"] * 1.001
+    nothing = choose_policy(build, SMALL_LAYERS, 2, budget_bytes=1)
+    assert nothing.policy == "full" and "nothing fits" in nothing.note
 
 
 # --------------------------------------------------------------------------- arithmetic

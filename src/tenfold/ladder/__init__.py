@@ -12,6 +12,9 @@ Rungs (cumulative; each trains the same token budget, `tenfold train` in a subpr
   3 recompute  + activation checkpointing, micro-batch raised to the largest that fits --memory-budget
   4 zero       + ZeRO (FSDP2) across --nproc local ranks, same global batch
   5 pipeline   + pipeline parallelism (--pp stages) over the same ranks
+With --ac auto, rungs 4 and 5 keep only the recompute their per-rank memory still needs: ZeRO
+shards the model states and a pipeline stage holds part of the layers, and recompute is a
+memory technique, so what they free buys back the recompute's ~1/3 extra forward.
 Outputs: a rich table, OUT/ladder.json, OUT/ladder.md, OUT/ladder.png, OUT/rung_<k>_<name>/.
 """
 
@@ -27,7 +30,7 @@ from pathlib import Path
 from tenfold.errors import UserError
 from tenfold.ladder.rungs import RUNG_NAMES
 
-QUICK = {"tokens": 16384, "global_batch": 16, "timeout_s": 300.0, "max_bytes": 3_000_000}
+QUICK = {"tokens": 65536, "global_batch": 16, "timeout_s": 300.0, "max_bytes": 3_000_000}
 FULL = {"tokens": 131072, "global_batch": 32, "timeout_s": 1800.0, "max_bytes": None}
 DEFAULT_OUT = "runs/ladder"
 
@@ -49,8 +52,9 @@ def register(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--rungs", help=f"comma-separated subset of {','.join(RUNG_NAMES)} (default: all)")
     g.add_argument("--quick", action="store_true", help="a small budget that finishes in minutes on 2 CPU cores")
     g.add_argument("--out", help=f"output directory (default {DEFAULT_OUT})")
-    g.add_argument("--ac", default="auto", help="recompute policy of the recompute rung and after; auto (default): "
-                                                "the least recompute that fits the largest micro-batch")
+    g.add_argument("--ac", default="auto", help="recompute policy of the recompute rung and after; auto (default): the least recompute "
+                                                "that fits the largest micro-batch, then for the zero and pipeline rungs the least "
+                                                "their own per-rank memory still needs (possibly none)")
     g.add_argument("--zero", type=int, default=3, help="ZeRO stage of the zero rung (default 3, the seed's)")
     g.add_argument("--pp", type=int, help="pipeline stages (default 2; with --project 8)")
     g.add_argument("--timeout", type=float, help="seconds one rung may run before it is stopped and reported as failed")

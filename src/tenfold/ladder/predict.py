@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Callable
 
 from tenfold.ladder.rungs import LadderSetup, RungSpec, divisors, recompute_rung
 
@@ -110,6 +110,38 @@ def choose_micro_batch(setup: LadderSetup, user_layers: list[dict], budget_bytes
     note = (f"micro-batch {mb}, recompute {policy}: predicted peak {_mib(peak[(mb, policy)])} <= budget "
             f"{_mib(budget_bytes)}{scale}; without recompute {without} would fit")
     return MicroBatchChoice(mb, policy, note, rows)
+
+
+@dataclass
+class PolicyChoice:
+    policy: str
+    note: str
+    candidates: list[dict]  # per policy: predicted peak (scaled) and tokens/s
+
+
+def choose_policy(build: Callable[[str], RungSpec], user_layers: list[dict], n_layers: int, budget_bytes: float,
+                  activation_scale: float = 1.0, device_type: str = "cpu") -> PolicyChoice:
+    """`--ac auto` for a rung whose micro-batch is already set (zero, pipeline): the policy the
+    planner predicts fastest among those whose predicted per-rank peak fits `budget_bytes`,
+    "none" included. Sharding the model states (ZeRO) and splitting the layers (pipeline) free
+    per-rank memory, and recompute is a memory technique: the rung keeps only as much of it as
+    the budget still needs. When nothing fits: the policy that needs the least memory."""
+    rows = []
+    for policy in ["none", *recompute_policies("auto", n_layers)]:
+        p = predict_rung(build(policy), user_layers, device_type)
+        if p.error:
+            return PolicyChoice("full", f"recompute full: the planner could not predict memory ({p.error})", [])
+        rows.append({"policy": policy, "peak_bytes": _scaled_peak(p, activation_scale), "tokens_per_s": p.tokens_per_s})
+    fitting = [r for r in rows if r["peak_bytes"] <= budget_bytes]
+    scale = f" (activations x{activation_scale:.2f})" if activation_scale != 1.0 else ""
+    if not fitting:
+        least = min(rows, key=lambda r: r["peak_bytes"])
+        return PolicyChoice(least["policy"], f"recompute {least['policy']}: nothing fits the {_mib(budget_bytes)} budget "
+                                             f"(needs {_mib(least['peak_bytes'])}{scale})", rows)
+    best = max(fitting, key=lambda r: r["tokens_per_s"] or 0)
+    what = "recompute off" if best["policy"] == "none" else f"recompute {best['policy']}"
+    return PolicyChoice(best["policy"], f"{what}: predicted peak per rank {_mib(best['peak_bytes'])} <= budget "
+                                        f"{_mib(budget_bytes)}{scale}, the least recompute that fits", rows)
 
 
 def _scaled_peak(p: Prediction, activation_scale: float) -> float:

@@ -66,12 +66,22 @@ class Ladder:
             chosen.update(micro_batch=choice.micro_batch, policy=choice.policy, note=choice.note,
                           candidates=choice.candidates)
             mb = choice.micro_batch
-        s = replace(s, ac_policy=chosen["policy"])  # the recompute rung's policy, kept by the rungs after it
         if name == "recompute":
-            return R.recompute_rung(s, mb, chosen["note"])
-        if name == "zero":
-            return R.zero_rung(s, mb)
-        return R.pipeline_rung(s, mb)
+            return R.recompute_rung(replace(s, ac_policy=chosen["policy"]), mb, chosen["note"])
+        rung = R.zero_rung if name == "zero" else R.pipeline_rung
+
+        def build(policy: str) -> R.RungSpec:
+            return rung(replace(s, ac_policy=policy), mb)
+
+        spec = build(chosen["policy"])  # a fixed --ac: the recompute rung's policy, kept by the rungs after it
+        if s.ac_policy == "auto" and spec.skip is None:  # auto: what this rung's per-rank memory still needs
+            n_layers = predict.rung_config(spec, self.user_layers).model_config_resolved().n_layers
+            pc = predict.choose_policy(build, self.user_layers, n_layers, self.memory_budget,
+                                       self.activation_scale(), self.device)
+            spec = build(pc.policy)
+            spec.notes.append(pc.note)
+            chosen.setdefault("later_rungs", {})[name] = {"policy": pc.policy, "note": pc.note, "candidates": pc.candidates}
+        return spec
 
     # ------------------------------------------------------------------ run
 
