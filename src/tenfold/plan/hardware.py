@@ -145,11 +145,14 @@ CATALOG: dict[str, Hardware] = {
 ALIASES = {"a100": "a100-80gb", "h100": "h100-sxm", "a100-80": "a100-80gb", "a100-40": "a100-40gb", "4090": "rtx4090"}
 
 # Rough constants for `cpu` (stated as such): gloo over loopback moves ~2 GB/s with ~50 us per
-# message; eager PyTorch elementwise kernels (norms, casts, SwiGLU, Adam) stream ~5 GB/s on a
+# message; eager PyTorch elementwise kernels (norms, casts, SwiGLU, Adam) stream ~10 GB/s on a
 # few cores, far below the DRAM bandwidth (small tensors, per-op dispatch, bf16 conversions).
+# 10 GB/s is fitted to `tenfold ladder --quick` on a 2-core EPYC (docs/benchmarks.md): the six
+# rungs' measured/predicted tokens/s were 0.85-1.30 with it, 1.26-2.18 with the 5 GB/s used
+# before RMSNorm and RoPE lost their extra kernels (tenfold/models/gpt.py).
 CPU_LOOPBACK_BW = 2 * GB
 CPU_LOOPBACK_LATENCY_S = 50e-6
-CPU_MEMORY_BW = 5 * GB
+CPU_MEMORY_BW = 10 * GB
 
 
 def cpu_model_name() -> str:
