@@ -32,6 +32,12 @@ class RMSNorm(nn.Module):
         # kernel where pow/mean/rsqrt/mul were five: on CPU it made the bf16 step of `tiny`
         # ~20% faster (docs/benchmarks.md, "bf16 step").
         y = F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps)
+        device = x.device.type
+        if torch.is_autocast_enabled(device):
+            # Only Linears read a norm's output. Cast it to 16 bits once here: autocast would
+            # cast the fp32 output again for each of wq/wk/wv (w1/w3) and keep every copy for
+            # backward (docs/precision.md).
+            return y.to(torch.get_autocast_dtype(device))
         return y.type_as(x)
 
 

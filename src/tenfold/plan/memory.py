@@ -180,16 +180,22 @@ def _layer_terms(cfg: ModelConfig, half: bool, style: str, flash: bool, drop: bo
         return tuple(terms)
     # ---- tenfold: eager PyTorch, fp32 residual stream, autocast casts for each Linear.
     T = "tenfold/models/gpt.py under torch.amp"
-    # A norm keeps its fp32 input (RMSNorm also its fp32 x*rsqrt). Its output stays fp32 (type_as
-    # the fp32 residual), and autocast casts it separately for EACH following Linear (autocast
-    # caches casts of leaf weights only): 3 bf16 copies before wq/wk/wv, 2 before w1/w3 (SwiGLU).
-    # In fp32 the one output tensor is shared by those Linears.
+    # A norm keeps its fp32 input (RMSNorm also its fp32 x*rsqrt). tenfold's RMSNorm casts its
+    # output to the autocast dtype itself, once: one 16-bit copy shared by the Linears after it.
+    # nn.LayerNorm's output stays fp32 and autocast casts it separately for EACH following
+    # Linear (autocast caches casts of leaf weights only): 3 copies before wq/wk/wv, 2 before
+    # w1/w3 (SwiGLU). In fp32 the one output tensor is shared by those Linears.
     norm_own = (4.0 + 4.0) if cfg.norm == "rmsnorm" else 4.0
     n_up = 2 if cfg.mlp == "swiglu" else 1
-    attn_in = norm_own + (3 * B if half else 4.0)
-    mlp_in = norm_own + (n_up * B if half else 4.0)
-    norm_src = (f"{T}: {'RMSNorm saves its fp32 input and fp32 x*rsqrt' if cfg.norm == 'rmsnorm' else 'LayerNorm (fp32 under autocast) saves its input'}"
-                f"; each following Linear saves its own 16-bit cast of the fp32 norm output")
+    n_qkv = 1 if cfg.norm == "rmsnorm" else 3
+    n_up_casts = 1 if cfg.norm == "rmsnorm" else n_up
+    attn_in = norm_own + (n_qkv * B if half else 4.0)
+    mlp_in = norm_own + (n_up_casts * B if half else 4.0)
+    if cfg.norm == "rmsnorm":
+        norm_src = f"{T}: RMSNorm saves its fp32 input and fp32 x*rsqrt; the Linears after it share its one 16-bit output"
+    else:
+        norm_src = (f"{T}: LayerNorm (fp32 under autocast) saves its input; each following Linear saves its own "
+                    "16-bit cast of the fp32 norm output")
     add(ActTerm("norm1 (+ q/k/v input casts)", attn_in * h, "replicated", "keep", source=norm_src))
     add(ActTerm("q, k, v (SDPA inputs)", 3 * B * h, "shard", "keep",
                 source=f"{T}: SDPA saves q, k, v; GQA k/v are repeat_interleave'd to full width"))
