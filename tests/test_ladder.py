@@ -181,6 +181,19 @@ def test_option_parsing():
         parse_rungs("fp32,turbo")
 
 
+def test_a_repeat_keeps_the_best_run_and_every_figure():
+    from tenfold.ladder.measure import add_repeat
+
+    first = RungResult(0, "fp32", "fp32", "measured", None, {}, tokens=1000, tokens_per_s=100.0, mfu=0.2)
+    add_repeat(first, RungResult(0, "fp32", "fp32", "measured", None, {}, tokens_per_s=125.0))
+    assert first.tokens_per_s_runs == [100.0, 125.0] and first.tokens_per_s == 125.0
+    assert first.time_for_budget_s == pytest.approx(8.0) and first.mfu == pytest.approx(0.25)
+    add_repeat(first, RungResult(0, "fp32", "fp32", "measured", None, {}, tokens_per_s=90.0))
+    assert first.tokens_per_s == 125.0 and len(first.tokens_per_s_runs) == 3  # a slower run is kept, not counted
+    add_repeat(first, RungResult(0, "fp32", "fp32", "failed", "exit status 1", {}))
+    assert first.tokens_per_s == 125.0 and "run 4 failed: exit status 1" in first.notes
+
+
 # --------------------------------------------------------------------------- a real ladder
 
 
@@ -207,6 +220,11 @@ def test_ladder_writes_json_md_png(ladder_out):
         assert r["config"]["micro_batch"] == 1 and r["config"]["grad_accum"] == 1
     assert data["rungs"][0]["config"]["precision"] == "fp32"
     assert data["rungs"][1]["config"]["precision"] in ("bf16", "fp16")
+    # --quick runs the ladder twice (in order, then reversed); each rung counts its best run
+    assert data["repeats"] == 2
+    for r in data["rungs"][:2]:
+        assert len(r["tokens_per_s_runs"]) == 2 and r["tokens_per_s"] == max(r["tokens_per_s_runs"])
+        assert Path(r["out_dir"], "run_2", "summary.json").is_file()
     assert data["rungs"][1]["speedup_vs_baseline"] == pytest.approx(
         data["rungs"][1]["tokens_per_s"] / data["rungs"][0]["tokens_per_s"])
     md = (ladder_out / "ladder.md").read_text()
@@ -259,6 +277,7 @@ def test_a_failing_rung_is_reported_not_raised(tmp_path):
     (["--tokens", "-5"], "--tokens"),
     (["--ac", "sometimes"], "sometimes"),
     (["--zero", "4"], "--zero"),
+    (["--repeats", "0"], "--repeats"),
     (["--set", "model.name=gpt5"], "gpt5"),
     (["--gpus", "64"], "--project"),
     (["--project", "--gpu", "z80"], "z80"),

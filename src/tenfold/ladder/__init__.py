@@ -30,8 +30,8 @@ from pathlib import Path
 from tenfold.errors import UserError
 from tenfold.ladder.rungs import RUNG_NAMES
 
-QUICK = {"tokens": 65536, "global_batch": 16, "timeout_s": 300.0, "max_bytes": 3_000_000}
-FULL = {"tokens": 131072, "global_batch": 32, "timeout_s": 1800.0, "max_bytes": None}
+QUICK = {"tokens": 65536, "global_batch": 16, "timeout_s": 300.0, "max_bytes": 3_000_000, "repeats": 2}
+FULL = {"tokens": 131072, "global_batch": 32, "timeout_s": 1800.0, "max_bytes": None, "repeats": 1}
 DEFAULT_OUT = "runs/ladder"
 
 
@@ -50,6 +50,8 @@ def register(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--memory-budget", help="per-rank memory the recompute rung's micro-batch must fit, e.g. 256MiB, 2GiB "
                                            "(default: twice the planner's peak for micro-batch 1)")
     g.add_argument("--rungs", help=f"comma-separated subset of {','.join(RUNG_NAMES)} (default: all)")
+    g.add_argument("--repeats", type=int, help=f"runs of the whole ladder, alternating order; each rung counts its best run "
+                                               f"(default {FULL['repeats']}; --quick {QUICK['repeats']})")
     g.add_argument("--quick", action="store_true", help="a small budget that finishes in minutes on 2 CPU cores")
     g.add_argument("--out", help=f"output directory (default {DEFAULT_OUT})")
     g.add_argument("--ac", default="auto", help="recompute policy of the recompute rung and after; auto (default): the least recompute "
@@ -149,6 +151,7 @@ def prepare(args: argparse.Namespace) -> "Ladder":
     if args.zero not in (0, 1, 2, 3):
         raise UserError(f"--zero must be 0, 1, 2 or 3, got {args.zero}")
     timeout = _positive("--timeout", args.timeout, float) or preset["timeout_s"]
+    repeats = _positive("--repeats", args.repeats) or preset["repeats"]
     layers = [{"model": {"name": args.model or "tiny"}}] + [parse_set_item(s) for s in args.set]
     if args.seq_len is not None:
         layers.append({"data": {"seq_len": _positive("--seq-len", args.seq_len)}})
@@ -166,7 +169,7 @@ def prepare(args: argparse.Namespace) -> "Ladder":
     )
     budget = parse_bytes(args.memory_budget) if args.memory_budget else None
     return Ladder(setup, layers, rungs, out_dir=Path(args.out or DEFAULT_OUT), memory_budget=budget,
-                  timeout_s=timeout, model=base.model.name, command=_command_line())
+                  timeout_s=timeout, model=base.model.name, command=_command_line(), repeats=repeats)
 
 
 def _check_ac(policy: str) -> None:

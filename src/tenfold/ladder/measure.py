@@ -38,7 +38,8 @@ class RungResult:
     command: list[str] | None = None
     tokens: int | None = None
     steps: int | None = None
-    tokens_per_s: float | None = None  # steady state: optimizer steps after the first
+    tokens_per_s: float | None = None  # steady state: optimizer steps after the first (best of the runs)
+    tokens_per_s_runs: list[float] = field(default_factory=list)  # every run's figure, with --repeats > 1
     wall_tokens_per_s: float | None = None  # tokens / the trainer's whole loop (incl. eval, warm-up)
     wall_s: float | None = None  # the trainer's loop for the budget
     process_s: float | None = None  # the subprocess, start to exit (imports, data, launch)
@@ -105,6 +106,28 @@ def run_rung(spec: RungSpec, out_dir: Path, user_set_args: list[str], prediction
     _read_outputs(result, summary_path, out_dir / "metrics.jsonl")
     result.status, result.reason = "measured", None
     return result
+
+
+def add_repeat(result: RungResult, again: RungResult) -> None:
+    """Fold a repeated run of the same rung into `result`: its tokens/s joins
+    `tokens_per_s_runs` and the rung counts its best run. Other work on a shared machine only
+    ever slows a run, so the best of a few is the estimate of the undisturbed speed (the rule
+    `engine/peak.py` uses for the GEMM peak); every rung, the baseline included, gets the same
+    number of runs. Memory, losses and the command stay those of the first run (same config)."""
+    if result.status != "measured" or not result.tokens_per_s:
+        return
+    if not result.tokens_per_s_runs:
+        result.tokens_per_s_runs = [result.tokens_per_s]
+    if again.status != "measured" or not again.tokens_per_s:
+        result.notes.append(f"run {len(result.tokens_per_s_runs) + 1} {again.status}: {again.reason}")
+        return
+    result.tokens_per_s_runs.append(again.tokens_per_s)
+    best = max(result.tokens_per_s_runs)
+    if result.mfu:
+        result.mfu *= best / result.tokens_per_s
+    result.tokens_per_s = best
+    if result.tokens:
+        result.time_for_budget_s = result.tokens / best
 
 
 def _children_cpu_s() -> float:

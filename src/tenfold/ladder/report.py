@@ -100,6 +100,9 @@ def print_table(results: list[RungResult], header: dict[str, Any], console=None)
         style = None if row[-1] == "measured" else "dim"
         t.add_row(*row, style=style)
     c.print(t)
+    if header.get("repeats", 1) > 1:
+        c.print(f"  tok/s: the best of {header['repeats']} runs of the ladder per rung (in order, then reversed); "
+                "every run's figure in ladder.md / ladder.json (tokens_per_s_runs)")
     for r in results:
         if r.status != "measured":
             c.print(f"  [yellow]{r.index} {r.name} {r.status}[/]: {r.reason}")
@@ -127,7 +130,9 @@ def markdown(results: list[RungResult], header: dict[str, Any]) -> str:
         f"- command: `{header['command']}`",
         f"- budget: {header['budget_tokens']:,} tokens per rung, seq {header['seq_len']}, "
         f"target global batch {header['global_batch']}, memory budget {fmt_bytes(header['memory_budget_bytes'])}",
-        f"- tokens/s: steady state (optimizer steps after the first); predicted: `tenfold.plan.api.predict` on `{hw['planner_hardware']}`",
+        f"- tokens/s: steady state (optimizer steps after the first)"
+        + (f", the best of {header['repeats']} runs of the ladder (in order, then reversed)" if header.get("repeats", 1) > 1 else "")
+        + f"; predicted: `tenfold.plan.api.predict` on `{hw['planner_hardware']}`",
         "",
         "| " + " | ".join(COLUMNS) + " |",
         "|" + "|".join("---" if i in (1, 2, 8, 12) else "---:" for i in range(len(COLUMNS))) + "|",
@@ -141,6 +146,9 @@ def markdown(results: list[RungResult], header: dict[str, Any]) -> str:
             lines.append(f"  - reason: {r.reason}")
         for n in r.notes:
             lines.append(f"  - {n}")
+        if len(r.tokens_per_s_runs) > 1:
+            runs = " / ".join(f"{x:,.0f}" for x in r.tokens_per_s_runs)
+            lines.append(f"  - tokens/s of its {len(r.tokens_per_s_runs)} runs: {runs} (the best is counted)")
         if r.memory and r.memory_source:
             cats = ", ".join(f"{label} {fmt_bytes(r.memory.get(key))}" for key, label in MEMORY_PARTS if key in r.memory)
             lines.append(f"  - memory ({r.memory_source}): {cats or ''} peak {fmt_bytes(r.peak_mem_bytes)}")

@@ -22,6 +22,7 @@ class Ladder:
     timeout_s: float
     model: str
     command: str
+    repeats: int = 1  # runs of the whole ladder, alternating order; each rung counts its best
     results: list[measure.RungResult] = field(default_factory=list)
     chosen: dict[str, Any] = field(default_factory=dict)  # the recompute rung's micro-batch choice
 
@@ -97,23 +98,40 @@ class Ladder:
         _exit_on_sigterm()
         progress = _progress(show_progress)
         with progress:
-            task = progress.add_task("ladder", total=len(self.selected), detail="")
-            for name in self.selected:
-                spec = self.spec_for(name, chosen)
-                progress.update(task, description=f"rung {spec.index} {name}", detail="predicting")
-                pred = predict.predict_rung(spec, self.user_layers, self.device)
-                steps = spec.overrides["train"]["steps"]
+            task = progress.add_task("ladder", total=len(self.selected) * self.repeats, detail="")
+            first: dict[str, tuple[R.RungSpec, predict.Prediction, measure.RungResult]] = {}
+            for run in range(self.repeats):
+                # runs 2, 3, ... go backwards then forwards again: a slow spell of the machine
+                # does not fall on the same end of the ladder every time
+                order = self.selected if run % 2 == 0 else list(reversed(self.selected))
+                for name in order:
+                    if run == 0:
+                        spec = self.spec_for(name, chosen)
+                        progress.update(task, description=f"rung {spec.index} {name}", detail="predicting")
+                        pred = predict.predict_rung(spec, self.user_layers, self.device)
+                    else:
+                        spec, pred, _ = first[name]
+                    label = f"rung {spec.index} {name}" + (f" (run {run + 1}/{self.repeats})" if self.repeats > 1 else "")
+                    steps = spec.overrides["train"]["steps"]
 
-                def on_step(done: int, _task=task, _steps=steps) -> None:
-                    progress.update(_task, detail=f"step {done}/{_steps}")
+                    def on_step(done: int, _task=task, _steps=steps, _label=label) -> None:
+                        progress.update(_task, description=_label, detail=f"step {done}/{_steps}")
 
-                out = self.out_dir / f"rung_{spec.index}_{name}"
-                result = measure.run_rung(spec, out, self.user_set_args(), pred, self.timeout_s, on_step)
-                self.results.append(result)
-                report.add_multipliers(self.results)
-                report.write_json(self.out_dir / "ladder.json", report.ladder_dict(self.results, header))
-                progress.update(task, advance=1, detail=f"{result.status}"
-                                + (f", {result.tokens_per_s:,.0f} tok/s" if result.tokens_per_s else ""))
+                    out = self.out_dir / f"rung_{spec.index}_{name}"
+                    if run == 0:
+                        result = measure.run_rung(spec, out, self.user_set_args(), pred, self.timeout_s, on_step)
+                        first[name] = (spec, pred, result)
+                        self.results.append(result)
+                    else:
+                        result = first[name][2]
+                        if spec.skip is None and result.status == "measured":
+                            again = measure.run_rung(spec, out / f"run_{run + 1}", self.user_set_args(), pred,
+                                                     self.timeout_s, on_step)
+                            measure.add_repeat(result, again)
+                    report.add_multipliers(self.results)
+                    report.write_json(self.out_dir / "ladder.json", report.ladder_dict(self.results, header))
+                    progress.update(task, advance=1, detail=f"{result.status}"
+                                    + (f", {result.tokens_per_s:,.0f} tok/s" if result.tokens_per_s else ""))
         return self.finish(header)
 
     def finish(self, header: dict[str, Any]) -> int:
@@ -149,7 +167,9 @@ class Ladder:
             "memory_budget_bytes": self.memory_budget,
             "rungs_selected": self.selected,
             "user_layers": self.user_layers,
-            "tokens_per_s_definition": "global batch x seq_len x steps after the first / their summed step time",
+            "repeats": self.repeats,
+            "tokens_per_s_definition": "global batch x seq_len x steps after the first / their elapsed time"
+                                       + ("; the best of the rung's runs (tokens_per_s_runs)" if self.repeats > 1 else ""),
         }
 
 
