@@ -130,7 +130,7 @@ def markdown(results: list[RungResult], header: dict[str, Any]) -> str:
         f"- command: `{header['command']}`",
         f"- budget: {header['budget_tokens']:,} tokens per rung, seq {header['seq_len']}, "
         f"target global batch {header['global_batch']}, memory budget {fmt_bytes(header['memory_budget_bytes'])}",
-        f"- tokens/s: steady state (optimizer steps after the first)"
+        "- tokens/s: steady state (optimizer steps after the first)"
         + (f", the best of {header['repeats']} runs of the ladder (in order, then reversed)" if header.get("repeats", 1) > 1 else "")
         + f"; predicted: `tenfold.plan.api.predict` on `{hw['planner_hardware']}`",
         "",

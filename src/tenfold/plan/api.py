@@ -211,7 +211,7 @@ def _compute_share(hw: Hardware, gpus: int) -> float:
 
 # --------------------------------------------------------------------------- memory
 def _memory(shape: ModelShape, hw: Hardware, r: Resolved, tr: _Trace, notes: list[str]) -> MemoryBreakdown:
-    s, cfg = r.s, shape.cfg
+    s = r.s
     stages = [0] if s.pp == 1 else [0, s.pp - 1]
     best: MemoryBreakdown | None = None
     for stage in stages:

@@ -112,7 +112,6 @@ def _notes(i: int, rung: Rung, prev: Rung | None) -> list[str]:
     p = rung.plan
     m = p.memory
     out: list[str] = []
-    seed = rung.seed
     if i == 0:
         out.append(f"absolute time: the seed's 30 days cannot be 300B tokens on one A100 in fp32: "
                    f"the planner gives {p.train_days:,.0f} days (Narayanan et al.: GPT-3 on one V100 ~288 years)")
