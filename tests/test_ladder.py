@@ -120,13 +120,13 @@ def test_later_rungs_keep_only_the_recompute_their_memory_needs():
     def build(policy):
         return R.zero_rung(replace(s, ac_policy=policy), 8)
 
-    roomy = choose_policy(build, SMALL_LAYERS, 2, budget_bytes=1 << 40)
+    roomy = choose_policy(build, SMALL_LAYERS, budget_bytes=1 << 40)
     assert roomy.policy == "none" and "recompute off" in roomy.note  # everything fits: no recompute
     peak = {r["policy"]: r["peak_bytes"] for r in roomy.candidates}
     assert peak["full"] < peak["none"]
-    tight = choose_policy(build, SMALL_LAYERS, 2, budget_bytes=peak["full"] * 1.001)
+    tight = choose_policy(build, SMALL_LAYERS, budget_bytes=peak["full"] * 1.001)
     assert tight.policy != "none" and peak[tight.policy] <= peak["full"] * 1.001
-    nothing = choose_policy(build, SMALL_LAYERS, 2, budget_bytes=1)
+    nothing = choose_policy(build, SMALL_LAYERS, budget_bytes=1)
     assert nothing.policy == "full" and "nothing fits" in nothing.note
 
 

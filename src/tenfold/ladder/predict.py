@@ -84,16 +84,15 @@ def choose_micro_batch(setup: LadderSetup, user_layers: list[dict], budget_bytes
     of the rung before (same precision, micro-batch 1, no recompute), so a planner that is off
     by a constant factor still picks a micro-batch that fits (DeepSpeed's autotuner does the
     same: profile activation memory at micro-batch 1, then extrapolate)."""
-    n_layers = rung_config(recompute_rung(setup, 1, ""), user_layers).model_config_resolved().n_layers
-    policies = recompute_policies(setup.ac_policy, n_layers)
+    policies = recompute_policies(setup.ac_policy, _n_layers(recompute_rung(setup, 1, ""), user_layers))
     rows = []
     for mb in divisors(setup.global_batch):
         for policy in [*policies, "none"]:
-            p = predict_rung(recompute_rung(replace(setup, ac_policy=policy), mb, ""), user_layers, device_type)
-            if p.error:
-                return MicroBatchChoice(1, policies[-1], f"micro-batch 1: the planner could not predict memory ({p.error})", [])
-            rows.append({"micro_batch": mb, "policy": policy, "peak_bytes": _scaled_peak(p, activation_scale),
-                         "tokens_per_s": p.tokens_per_s})
+            row = _candidate(recompute_rung(replace(setup, ac_policy=policy), mb, ""), user_layers, activation_scale,
+                             device_type, micro_batch=mb, policy=policy)
+            if "error" in row:
+                return MicroBatchChoice(1, policies[-1], f"micro-batch 1: the planner could not predict memory ({row['error']})", [])
+            rows.append(row)
     peak = {(r["micro_batch"], r["policy"]): r["peak_bytes"] for r in rows}
     strongest = max(policies, key=lambda pol: -peak[(setup.global_batch, pol)])  # least memory at the largest batch
     fitting = [mb for mb in divisors(setup.global_batch) if peak[(mb, strongest)] <= budget_bytes]
@@ -104,7 +103,7 @@ def choose_micro_batch(setup: LadderSetup, user_layers: list[dict], budget_bytes
             f"{_mib(peak[(1, strongest)])}{scale}); running micro-batch 1"), rows)
     mb = max(fitting)
     ok = [r for r in rows if r["micro_batch"] == mb and r["policy"] in policies and r["peak_bytes"] <= budget_bytes]
-    policy = max(ok, key=lambda r: r["tokens_per_s"] or 0)["policy"]
+    policy = _fastest(ok)["policy"]
     plain_fit = [m for m in divisors(setup.global_batch) if peak[(m, "none")] <= budget_bytes]
     without = f"micro-batch {max(plain_fit)}" if plain_fit else "not even micro-batch 1"
     note = (f"micro-batch {mb}, recompute {policy}: predicted peak {_mib(peak[(mb, policy)])} <= budget "
@@ -119,7 +118,7 @@ class PolicyChoice:
     candidates: list[dict]  # per policy: predicted peak (scaled) and tokens/s
 
 
-def choose_policy(build: Callable[[str], RungSpec], user_layers: list[dict], n_layers: int, budget_bytes: float,
+def choose_policy(build: Callable[[str], RungSpec], user_layers: list[dict], budget_bytes: float,
                   activation_scale: float = 1.0, device_type: str = "cpu") -> PolicyChoice:
     """`--ac auto` for a rung whose micro-batch is already set (zero, pipeline): the policy the
     planner predicts fastest among those whose predicted per-rank peak fits `budget_bytes`,
@@ -127,21 +126,38 @@ def choose_policy(build: Callable[[str], RungSpec], user_layers: list[dict], n_l
     per-rank memory, and recompute is a memory technique: the rung keeps only as much of it as
     the budget still needs. When nothing fits: the policy that needs the least memory."""
     rows = []
-    for policy in ["none", *recompute_policies("auto", n_layers)]:
-        p = predict_rung(build(policy), user_layers, device_type)
-        if p.error:
-            return PolicyChoice("full", f"recompute full: the planner could not predict memory ({p.error})", [])
-        rows.append({"policy": policy, "peak_bytes": _scaled_peak(p, activation_scale), "tokens_per_s": p.tokens_per_s})
+    for policy in ["none", *recompute_policies("auto", _n_layers(build("none"), user_layers))]:
+        row = _candidate(build(policy), user_layers, activation_scale, device_type, policy=policy)
+        if "error" in row:
+            return PolicyChoice("full", f"recompute full: the planner could not predict memory ({row['error']})", [])
+        rows.append(row)
     fitting = [r for r in rows if r["peak_bytes"] <= budget_bytes]
     scale = f" (activations x{activation_scale:.2f})" if activation_scale != 1.0 else ""
     if not fitting:
         least = min(rows, key=lambda r: r["peak_bytes"])
         return PolicyChoice(least["policy"], f"recompute {least['policy']}: nothing fits the {_mib(budget_bytes)} budget "
                                              f"(needs {_mib(least['peak_bytes'])}{scale})", rows)
-    best = max(fitting, key=lambda r: r["tokens_per_s"] or 0)
+    best = _fastest(fitting)
     what = "recompute off" if best["policy"] == "none" else f"recompute {best['policy']}"
     return PolicyChoice(best["policy"], f"{what}: predicted peak per rank {_mib(best['peak_bytes'])} <= budget "
                                         f"{_mib(budget_bytes)}{scale}, the least recompute that fits", rows)
+
+
+def _n_layers(spec: RungSpec, user_layers: list[dict]) -> int:
+    return rung_config(spec, user_layers).model_config_resolved().n_layers
+
+
+def _candidate(spec: RungSpec, user_layers: list[dict], activation_scale: float, device_type: str, **key) -> dict:
+    """One searched config: `key` (micro_batch, policy) + its predicted peak (activations
+    scaled) and tokens/s; or {"error": ...} when the planner cannot answer."""
+    p = predict_rung(spec, user_layers, device_type)
+    if p.error:
+        return {"error": p.error}
+    return {**key, "peak_bytes": _scaled_peak(p, activation_scale), "tokens_per_s": p.tokens_per_s}
+
+
+def _fastest(rows: list[dict]) -> dict:
+    return max(rows, key=lambda r: r["tokens_per_s"] or 0)
 
 
 def _scaled_peak(p: Prediction, activation_scale: float) -> float:

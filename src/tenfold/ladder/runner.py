@@ -76,9 +76,7 @@ class Ladder:
 
         spec = build(chosen["policy"])  # a fixed --ac: the recompute rung's policy, kept by the rungs after it
         if s.ac_policy == "auto" and spec.skip is None:  # auto: what this rung's per-rank memory still needs
-            n_layers = predict.rung_config(spec, self.user_layers).model_config_resolved().n_layers
-            pc = predict.choose_policy(build, self.user_layers, n_layers, self.memory_budget,
-                                       self.activation_scale(), self.device)
+            pc = predict.choose_policy(build, self.user_layers, self.memory_budget, self.activation_scale(), self.device)
             spec = build(pc.policy)
             spec.notes.append(pc.note)
             chosen.setdefault("later_rungs", {})[name] = {"policy": pc.policy, "note": pc.note, "candidates": pc.candidates}
@@ -99,40 +97,45 @@ class Ladder:
         progress = _progress(show_progress)
         with progress:
             task = progress.add_task("ladder", total=len(self.selected) * self.repeats, detail="")
-            first: dict[str, tuple[R.RungSpec, predict.Prediction, measure.RungResult]] = {}
-            for run in range(self.repeats):
-                # runs 2, 3, ... go backwards then forwards again: a slow spell of the machine
-                # does not fall on the same end of the ladder every time
-                order = self.selected if run % 2 == 0 else list(reversed(self.selected))
+            first: dict[str, tuple[R.RungSpec, predict.Prediction]] = {}
+            for name in self.selected:  # run 1: each rung's spec may depend on the rungs measured before it
+                spec = self.spec_for(name, chosen)
+                progress.update(task, description=f"rung {spec.index} {name}", detail="predicting")
+                pred = predict.predict_rung(spec, self.user_layers, self.device)
+                first[name] = (spec, pred)
+                self.results.append(self._measure(spec, pred, 1, progress, task))
+                self._record(header, progress, task, self.results[-1])
+            for run in range(2, self.repeats + 1):
+                # runs 2, 4, ... go backwards: a slow spell of the machine does not fall on the
+                # same end of the ladder every time
+                order = list(reversed(self.selected)) if run % 2 == 0 else self.selected
                 for name in order:
-                    if run == 0:
-                        spec = self.spec_for(name, chosen)
-                        progress.update(task, description=f"rung {spec.index} {name}", detail="predicting")
-                        pred = predict.predict_rung(spec, self.user_layers, self.device)
-                    else:
-                        spec, pred, _ = first[name]
-                    label = f"rung {spec.index} {name}" + (f" (run {run + 1}/{self.repeats})" if self.repeats > 1 else "")
-                    steps = spec.overrides["train"]["steps"]
-
-                    def on_step(done: int, _task=task, _steps=steps, _label=label) -> None:
-                        progress.update(_task, description=_label, detail=f"step {done}/{_steps}")
-
-                    out = self.out_dir / f"rung_{spec.index}_{name}"
-                    if run == 0:
-                        result = measure.run_rung(spec, out, self.user_set_args(), pred, self.timeout_s, on_step)
-                        first[name] = (spec, pred, result)
-                        self.results.append(result)
-                    else:
-                        result = first[name][2]
-                        if spec.skip is None and result.status == "measured":
-                            again = measure.run_rung(spec, out / f"run_{run + 1}", self.user_set_args(), pred,
-                                                     self.timeout_s, on_step)
-                            measure.add_repeat(result, again)
-                    report.add_multipliers(self.results)
-                    report.write_json(self.out_dir / "ladder.json", report.ladder_dict(self.results, header))
-                    progress.update(task, advance=1, detail=f"{result.status}"
-                                    + (f", {result.tokens_per_s:,.0f} tok/s" if result.tokens_per_s else ""))
+                    spec, pred = first[name]
+                    result = self.results[self.selected.index(name)]
+                    if spec.skip is None and result.status == "measured":
+                        measure.add_repeat(result, self._measure(spec, pred, run, progress, task))
+                    self._record(header, progress, task, result)
         return self.finish(header)
+
+    def _measure(self, spec: R.RungSpec, pred: predict.Prediction, run: int, progress, task) -> measure.RungResult:
+        """Run `spec` once (run k > 1 writes OUT/rung_<i>_<name>/run_<k>/), with step progress."""
+        label = f"rung {spec.index} {spec.name}" + (f" (run {run}/{self.repeats})" if self.repeats > 1 else "")
+        steps = spec.overrides["train"]["steps"]
+
+        def on_step(done: int) -> None:
+            progress.update(task, description=label, detail=f"step {done}/{steps}")
+
+        out = self.out_dir / f"rung_{spec.index}_{spec.name}"
+        if run > 1:
+            out = out / f"run_{run}"
+        return measure.run_rung(spec, out, self.user_set_args(), pred, self.timeout_s, on_step)
+
+    def _record(self, header: dict[str, Any], progress, task, result: measure.RungResult) -> None:
+        """Multipliers and ladder.json after every run of a rung (an interrupted ladder keeps them)."""
+        report.add_multipliers(self.results)
+        report.write_json(self.out_dir / "ladder.json", report.ladder_dict(self.results, header))
+        progress.update(task, advance=1, detail=f"{result.status}"
+                        + (f", {result.tokens_per_s:,.0f} tok/s" if result.tokens_per_s else ""))
 
     def finish(self, header: dict[str, Any]) -> int:
         header["finished"] = _now()
