@@ -28,8 +28,8 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from tenfold.engine import checkpoint as ck
 from tenfold.errors import UserError
+from tenfold.techniques.precision import DTYPES  # the one name -> torch dtype table
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 MODEL_PREFIX = "model."
 
 
@@ -101,7 +101,7 @@ def export_checkpoint(source: str | Path, out: str | Path | None = None, dtype: 
     """Consolidate `source` (a checkpoint, or a run directory: its newest complete checkpoint)
     into safetensors. One process; returns a summary dict."""
     if dtype not in DTYPES:
-        raise UserError(f"export --dtype {dtype!r} is not supported; allowed: {', '.join(DTYPES)}")
+        raise UserError(f"export --dtype {dtype!r} is not supported; allowed: {', '.join(sorted(DTYPES))}")
     ckpt = ck.resolve_checkpoint_path(source)
     manifest = ck.verify_checkpoint(ckpt, collective=False)
     saved_model = (ck._read_json(ckpt / ck.CONFIG_FILE) or {}).get("model", {})

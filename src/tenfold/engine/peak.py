@@ -33,7 +33,9 @@ def cpu_key() -> str:
 def _measure(dtype_name: str, n: int, seconds: float = 0.3) -> float:
     import torch
 
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
+    from tenfold.techniques.precision import DTYPES as TORCH_DTYPES
+
+    dtype = TORCH_DTYPES[dtype_name]
     a = torch.randn(n, n).to(dtype)
     b = torch.randn(n, n).to(dtype)
     torch.mm(a, b)  # warm-up: thread pool, kernel selection

@@ -28,9 +28,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 for stability under autocast, as LLaMA does. F.rms_norm is one
-        # kernel where pow/mean/rsqrt/mul were five: on CPU it made the bf16 step of `tiny`
-        # ~20% faster (docs/benchmarks.md, "bf16 step").
+        # Normalise in fp32 for stability under autocast, as LLaMA does. F.rms_norm runs
+        # pow/mean/rsqrt/mul inside ATen, dispatched once from Python instead of five times
+        # (docs/benchmarks.md, "Optimization ladder after the bf16 step work").
         y = F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps)
         device = x.device.type
         if torch.is_autocast_enabled(device):
@@ -65,7 +65,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     """Rotate interleaved pairs of x (b, h, s, hd): (x0, x1) -> (x0 cos - x1 sin, x1 cos + x0 sin).
 
     Written as x * cos + swap_pairs(x) * signed_sin: the same products and sums as the
-    pairwise form, so equal to it bit for bit in fp32 (tests/test_models.py), but with one
+    pairwise form, so equal to it bit for bit in fp32 (tests/test_gpt.py), but with one
     copy instead of strided slices and a stack; on CPU the bf16 forward+backward of RoPE
     became 2.4x faster."""
     s = x.shape[-2]

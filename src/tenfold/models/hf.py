@@ -146,7 +146,9 @@ def write_hf_folder(state: dict, config, out_dir: str | Path, dtype: str = "fp32
     import torch
 
     tf = _transformers()
-    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    from tenfold.techniques.precision import DTYPES
+
+    torch_dtype = DTYPES[dtype]
     if isinstance(config, (str, Path)):
         config = load_hf_config(config)
     set_config_dtype(config, torch_dtype)  # what from_pretrained(dtype="auto") will give back

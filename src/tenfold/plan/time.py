@@ -62,8 +62,8 @@ def elementwise_bytes_per_token(cfg: ModelConfig, s: Strategy, seq_len: int, tp:
     megatron (fused kernels): 2 norms read+write h, 2 bias-dropout-adds read 2h write h, a fused
     GeLU (f) or SwiGLU (3f), RoPE on q, k, a fused scale-mask-softmax without flash.
     tenfold (eager PyTorch): RMSNorm is ~8 fp32 passes (F.rms_norm's composite kernels plus
-    the casts around it), casts for each Linear, RoPE's pair swap and two multiplies, the
-    transposed copy, SwiGLU's silu and mul as separate kernels."""
+    the casts around it), 16-bit casts of the Linears' inputs, RoPE's pair swap and two
+    multiplies, the transposed copy, SwiGLU's silu and mul as separate kernels."""
     h, f = cfg.d_model, cfg.ffn_dim
     kv = cfg.kv_heads * cfg.head_dim
     B = 2.0 if s.precision != "fp32" else 4.0
