@@ -70,3 +70,38 @@ def test_rmsnorm_equals_the_formula_in_fp32_and_keeps_bf16():
     theirs = torch.autograd.grad(ref, (x, norm.weight), g)
     for a, b in zip(ours, theirs):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_rmsnorm_under_autocast_feeds_its_linears_the_same_16bit_values():
+    """The norm's own 16-bit cast (one copy for wq/wk/wv) against autocast casting its fp32
+    output per Linear, as before: identical forward, gradients equal to bf16 rounding."""
+    from tenfold.models.gpt import Block
+    from tenfold.models.presets import get_preset
+
+    cfg = get_preset("tiny").with_overrides(n_layers=1, d_model=64, n_heads=4, d_ff=128, max_seq_len=32)
+    torch.manual_seed(4)
+    block = Block(cfg)
+    cos, sin = rope_tables(cfg.head_dim, 32, cfg.rope_theta)
+    x = torch.randn(2, 32, 64)
+
+    def run(per_linear_casts: bool):
+        if per_linear_casts:  # the norm returns fp32, autocast casts it at each Linear
+            for norm in (block.norm1, block.norm2):
+                norm.forward = lambda t, n=norm: torch.nn.functional.rms_norm(t.float(), (t.shape[-1],), n.weight.float(), n.eps)
+        xi = x.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = block(xi, cos, sin)
+        y.float().pow(2).mean().backward()
+        grads = [xi.grad] + [p.grad.clone() for p in block.parameters()]
+        block.zero_grad(set_to_none=True)
+        for norm in (block.norm1, block.norm2):
+            norm.__dict__.pop("forward", None)
+        return y.detach(), grads
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert block.norm1(x).dtype == torch.bfloat16
+    y_ours, g_ours = run(False)
+    y_ref, g_ref = run(True)
+    assert torch.equal(y_ours, y_ref)
+    for a, b in zip(g_ours, g_ref):  # the 3 (2) branch gradients now add in bf16: ~bf16 eps apart
+        assert (a - b).norm() <= 4e-3 * b.norm(), ((a - b).norm() / b.norm()).item()
