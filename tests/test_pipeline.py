@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tenfold.capabilities import validate_pipeline
 from tenfold.engine.distributed import shutdown
 from tenfold.errors import UserError
 from tenfold.models.gpt import GPT
@@ -101,7 +102,7 @@ def test_predicted_bubble():
 def _check(**overrides):
     kw = dict(n_layers=4, world_size=2, pp_size=2, schedule="1f1b", virtual_stages=1, n_microbatches=4)
     kw.update(overrides)
-    pp.validate_pipeline(**kw)
+    validate_pipeline(**kw)
 
 
 @pytest.mark.parametrize(
