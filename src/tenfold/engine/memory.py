@@ -32,6 +32,8 @@ import torch
 import torch.nn as nn
 
 from tenfold.engine.metrics import peak_memory_bytes
+# torch-free: `tenfold plan` reports the same prediction in the same words
+from tenfold.plan.for_run import fmt_bytes, memory_by_category, memory_line
 
 MEMORY_KEYS = (
     "params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes",
@@ -328,15 +330,6 @@ def _natural_key(s: str) -> list:
     return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", s)]
 
 
-def fmt_bytes(n: float | None) -> str:
-    if n is None:
-        return "-"
-    for unit, div in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= div:
-            return f"{n / div:.2f} {unit}"
-    return f"{int(n)} B"
-
-
 def rows_table(rows: list[dict]):
     from rich.table import Table
 
@@ -414,25 +407,14 @@ def predicted_memory(run, device: torch.device | None = None, dtype: str | None 
     `dtype`: the precision the engine actually runs (bf16 falls back to fp32 where the device
     lacks it); default the configured one. `plan`: an already computed `Plan`. `model`: what the
     planner is given instead of the run's shape (e.g. a parameter count for a user's own module:
-    then only model states are predicted, activations are 0).
-    activations_bytes includes the autocast 16-bit weight copies (the tracker sees them as
-    activations: they are created in forward and saved for backward); peak_bytes is the
-    planner's allocated total (its `Plan.memory.peak_bytes`: model states + activations +
-    communication buffers, no allocator reserve or CUDA context, which no tensor tracker sees).
+    then only model states are predicted, activations are 0). The categories are
+    `tenfold.plan.for_run.memory_by_category`'s, which `tenfold plan` reports too.
     """
     if plan is None:
         from tenfold.plan.for_run import predict_run
 
         plan = predict_run(run, planner_hardware_name(device or torch.device("cpu")), dtype, model)
-    m = plan.memory
-    act = (m.activations_bytes or 0.0) + (m.autocast_weight_copies_bytes or 0.0)
-    out = {
-        "params_bytes": m.params_bytes, "grads_bytes": m.grads_bytes, "optimizer_bytes": m.optimizer_bytes,
-        "activations_bytes": act, "buffers_bytes": 0, "other_bytes": m.comm_buffers_bytes,
-        "peak_bytes": m.peak_bytes,
-    }
-    out["total_bytes"] = _model_states_plus_activations(out)
-    return {k: int(round(v)) for k, v in out.items()}
+    return memory_by_category(plan.memory)
 
 
 # --------------------------------------------------------------------------- one run
@@ -471,13 +453,7 @@ class RunMemory:
         if self.predicted is None:
             console.print(f"memory per rank: {self.note}")
             return
-        p = self.predicted
-        console.print(
-            "memory per rank, predicted (planner): "
-            + " | ".join(f"{k.removesuffix('_bytes')} {fmt_bytes(p[k])}" for k in (
-                "params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes", "total_bytes"))
-            + f" | peak {fmt_bytes(p['peak_bytes'])}; measured at step {self.measure_at}"
-        )
+        console.print(f"{memory_line(self.predicted)}; measured at step {self.measure_at}")
 
     def step(self, step_number: int, run_step: Callable[[], Any]) -> Any:
         """Run `run_step()` (one optimizer step); measured when it is the representative step."""
