@@ -110,7 +110,8 @@ def export_checkpoint(source: str | Path, out: str | Path | None = None, dtype: 
 
         out_dir = Path(out).with_suffix("") if out is not None else default_out(ckpt).with_name("hf")  # a folder
         info = {"dtype": dtype, "step": manifest["step"], "source": str(ckpt)}
-        return export_checkpoint_to_hf(consolidated_model_state(ckpt), saved_model, out_dir, info)
+        summary = export_checkpoint_to_hf(consolidated_model_state(ckpt), saved_model, out_dir, info)
+        return {**summary, "tokenizer": _copy_run_tokenizer(ckpt, out_dir)}
     model_cfg = model_config_of(ckpt)
     weights = consolidated_model_state(ckpt)
     out_path = Path(out) if out is not None else default_out(ckpt)
@@ -119,7 +120,16 @@ def export_checkpoint(source: str | Path, out: str | Path | None = None, dtype: 
         "source": str(ckpt), "num_params": int(sum(v.numel() for v in weights.values())),
     }
     st_path, cfg_path = write_safetensors(weights, out_path, dtype, info)
-    return {**info, "safetensors": str(st_path), "config": str(cfg_path), "bytes": st_path.stat().st_size}
+    return {**info, "safetensors": str(st_path), "config": str(cfg_path), "bytes": st_path.stat().st_size,
+            "tokenizer": _copy_run_tokenizer(ckpt, out_path.parent / "tokenizer")}
+
+
+def _copy_run_tokenizer(ckpt: Path, out_dir: Path) -> str | None:
+    """The run's OUT/tokenizer (saved by `tenfold train`) copied beside the exported weights."""
+    from tenfold.data.hf_tokenizer import copy_tokenizer_files
+
+    copied = copy_tokenizer_files(default_out(ckpt).parent / "tokenizer", out_dir)
+    return str(copied) if copied else None
 
 
 def export_after_training(out_dir: str | Path, ckpt: Path, precision: str, log=print) -> dict:
@@ -154,6 +164,6 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"tenfold export: step {summary['step']} of {summary['source']} -> {summary['safetensors']} "
         f"({summary['num_params'] / 1e6:.2f}M params, {summary['dtype']}, {summary['bytes'] / 2**20:.1f} MiB); "
-        f"config {summary['config']}"
+        f"config {summary['config']}" + (f"; tokenizer {summary['tokenizer']}" if summary.get("tokenizer") else "")
     )
     return 0

@@ -109,6 +109,8 @@ class Trainer:
         self.adapter = adapt(self.model, self.seq_len, cfg.model.blocks, self.loss_fn)
         check_techniques(self.adapter, cfg)
         self.param_count = self.adapter.param_count
+        if hasattr(self.data, "fit_to_model"):  # [data] packed examples: position_ids where the model masks by them
+            self.data.fit_to_model(self.model, self.adapter.kind, self.dist.device)
         self.flops_per_token = self.adapter.flops_per_token
         from tenfold.engine.parallelize import parallelize
         from tenfold.engine.schedule import build_scheduler
@@ -121,10 +123,10 @@ class Trainer:
         self.optimizer = zero.build_optimizer_for(self.model, cfg.train, cfg.parallel, self.dist)
         self.scheduler = build_scheduler(self.optimizer, cfg.train, cfg.train.steps)
         self.scaler = build_loss_scaler(cfg.precision, self.dtype_name)
-        from tenfold.data import GlobalBatchLoader
+        from tenfold.data import make_loader  # [data] in memory, or streamed
 
-        self.loader = GlobalBatchLoader(
-            self.data.train, self.global_batch, self.micro_batch, self.grad_accum,
+        self.loader = make_loader(
+            self.data, self.global_batch, self.micro_batch, self.grad_accum,
             dp_rank=self.dist.dp_rank, dp_size=self.dist.dp_size, seed=cfg.train.seed,
         )
         self.out_dir = Path(cfg.log.out)
@@ -135,7 +137,8 @@ class Trainer:
 
         if self.user_dataset is None:
             vocab = self.cfg.model_config_resolved().vocab_size
-            bundle = build_data(self.cfg.data, self.seq_len, self.cfg.train.seed, model_vocab_size=vocab)
+            bundle = build_data(self.cfg.data, self.seq_len, self.cfg.train.seed, model_vocab_size=vocab,
+                                hf_pretrained=self.cfg.model.hf_pretrained)
         elif hasattr(self.user_dataset, "train") and hasattr(self.user_dataset, "val"):
             bundle = self.user_dataset
         else:
@@ -275,6 +278,7 @@ class Trainer:
         main = dist.is_main
         if main:
             self.out_dir.mkdir(parents=True, exist_ok=True)
+        tokenizer_dir = self.data.save_tokenizer(self.out_dir / "tokenizer") if main and hasattr(self.data, "save_tokenizer") else None
         self.console = _console(main)
         self._announce()
         from tenfold.engine.memory import RunMemory  # [memory] planner's prediction now, one step measured
@@ -352,6 +356,10 @@ class Trainer:
 
             save_hf_pretrained(self.model, self.out_dir / "hf", main)
             summary["hf_export"] = str(self.out_dir / "hf")
+            if tokenizer_dir is not None:  # [data] the tokenizer beside the weights
+                self.data.save_tokenizer(self.out_dir / "hf")
+        if hasattr(self.data, "tokenizer_record"):  # [data] which tokenizer made the ids, and where it is
+            summary["tokenizer"] = {**self.data.tokenizer_record(), "saved": str(tokenizer_dir) if tokenizer_dir else None}
         if main:
             _write_json_atomic(self.out_dir / "summary.json", summary)
             self._print_summary(summary)
