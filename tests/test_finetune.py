@@ -182,7 +182,7 @@ def test_chat_loss_is_on_the_assistant_turns_only(tmp_path, hf_dir):
 def test_data_format_is_detected_and_can_be_forced(tmp_path, hf_dir, pc_file):
     assert build_data(DataSection(path=str(pc_file), tokenizer=str(hf_dir)), 64, 0).format == "prompt-completion"
     text = build_data(DataSection(path=str(pc_file), tokenizer=str(hf_dir), format="text"), 16, 0)
-    assert text.format == "jsonl" is not None or text.format == "text"
+    assert text.format == "text" and text.tokenizer.decode(text.train[0]).startswith('<s>{"prompt"')  # the file as text
     with pytest.raises(UserError, match="'prompt'.*must be a string"):
         bad = tmp_path / "bad.jsonl"
         bad.write_text(json.dumps({"prompt": 3, "completion": "x"}) + "\n")

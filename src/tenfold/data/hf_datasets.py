@@ -27,6 +27,11 @@ def _datasets():
         import datasets
     except ImportError:
         raise UserError(f"this data.path needs the Hugging Face datasets package: {EXTRA_HINT}") from None
+    # Also when datasets was imported before the variables were set (it reads them at import).
+    datasets.config.HF_DATASETS_OFFLINE = datasets.config.HF_HUB_OFFLINE = True
+    import huggingface_hub.constants
+
+    huggingface_hub.constants.HF_HUB_OFFLINE = True
     datasets.disable_progress_bars()  # tenfold draws its own progress
     datasets.logging.set_verbosity_error()
     return datasets

@@ -278,7 +278,7 @@ class Trainer:
         main = dist.is_main
         if main:
             self.out_dir.mkdir(parents=True, exist_ok=True)
-        tokenizer_dir = self.data.save_tokenizer(self.out_dir / "tokenizer") if main and hasattr(self.data, "save_tokenizer") else None
+        tokenizer_dir = self._save_tokenizer(self.out_dir / "tokenizer") if main else None  # [data] OUT/tokenizer
         self.console = _console(main)
         self._announce()
         from tenfold.engine.memory import RunMemory  # [memory] planner's prediction now, one step measured
@@ -356,10 +356,7 @@ class Trainer:
 
             save_hf_pretrained(self.model, self.out_dir / "hf", main)
             summary["hf_export"] = str(self.out_dir / "hf")
-            if tokenizer_dir is not None:  # [data] the tokenizer beside the weights
-                self.data.save_tokenizer(self.out_dir / "hf")
-        if hasattr(self.data, "tokenizer_record"):  # [data] which tokenizer made the ids, and where it is
-            summary["tokenizer"] = {**self.data.tokenizer_record(), "saved": str(tokenizer_dir) if tokenizer_dir else None}
+        summary["tokenizer"] = self._tokenizer_summary(tokenizer_dir, summary.get("hf_export"))  # [data]
         if main:
             _write_json_atomic(self.out_dir / "summary.json", summary)
             self._print_summary(summary)
@@ -378,6 +375,16 @@ class Trainer:
             f"| seq {self.seq_len} | {c.train.steps} steps | {self.dist.world_size} process(es) on {self.dist.device.type}"
         )
         self.console.print(f"data: {self.data.describe()}")
+
+    def _save_tokenizer(self, folder: Path) -> Path | None:  # [data] the tokenizer that made the ids
+        return self.data.save_tokenizer(folder) if hasattr(self.data, "save_tokenizer") else None
+
+    def _tokenizer_summary(self, saved: Path | None, hf_dir: str | None) -> dict | None:
+        """[data] summary.json's record of the tokenizer; a copy goes beside the HF weights."""
+        if saved is not None and hf_dir:
+            self.data.save_tokenizer(hf_dir)
+        record = self.data.tokenizer_record() if hasattr(self.data, "tokenizer_record") else None
+        return {**record, "saved": str(saved) if saved else None} if record else None
 
     def _checkpoint_log(self, message: str) -> None:  # [checkpoint] one line, main rank only
         if self.console is not None:
