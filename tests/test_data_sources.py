@@ -194,7 +194,7 @@ def test_data_prepare_bad_input_exits_2_and_writes_nothing(tmp_path, pc_jsonl, t
 def test_bin_from_another_tokenizer_is_refused(tmp_path, text_jsonl):
     from tenfold.data.prepare import prepare
 
-    prepare(str(text_jsonl), tmp_path / "docs.bin", progress=False)
+    prepare(str(text_jsonl), tmp_path / "docs.bin", progress=True)  # the progress bar drawn (not a terminal here)
     bpe_dir = tmp_path / "tok"
     from tenfold.data.tokenizer import BPETokenizer
 

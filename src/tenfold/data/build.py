@@ -164,7 +164,7 @@ def open_source(data_cfg) -> tuple[RecordSource, str]:
         return source, _record_format(source, fmt, data_cfg)
     kind = sources.resolve_format(files, "auto" if fmt in FINETUNE_FORMATS else fmt)
     name = str(files[0]) if len(files) == 1 else f"{files[0].parent} ({len(files)} files)"
-    if kind == "bin" or fmt == "text":
+    if kind == "bin" or fmt == "text" or sources.all_text(files):
         return RecordSource("text", name, files=files), "bin" if kind == "bin" else "text"
     if kind == "mixed" and fmt == "auto":
         if data_cfg.streaming:

@@ -82,7 +82,7 @@ def _write_ids(source, tok, jsonl_field: str, out: Path, dtype, show: bool) -> d
     bar = _progress(show, _total(source))
     try:
         with open(tmp, "wb") as fh, bar:
-            task = bar.add_task("tokenize", total=_total(source))
+            task = bar.add_task("tokenize", total=_total(source), ids="0 ids")
             for i, record in source.records():
                 first = i if first is None else first
                 buf += tok.document_ids(record_text(record, jsonl_field, f"{source.name} record {i}"), int(i != first))

@@ -81,6 +81,11 @@ def resolve_format(files: list[Path], fmt: str) -> str:
     return "bin" if kinds == {"bin"} else ("jsonl" if kinds == {"jsonl"} else "mixed")
 
 
+def all_text(files: list[Path]) -> bool:
+    """No file is JSONL or .bin (each file is one text document)."""
+    return all(_format_of(f) == "text" for f in files)
+
+
 def _format_of(f: Path) -> str:
     suffix = f.suffix.lower()
     if suffix in BIN_SUFFIXES:

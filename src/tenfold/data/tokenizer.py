@@ -159,6 +159,9 @@ def resolve_tokenizer(data_cfg, hf_pretrained: str | None = None):
 
     spec = data_cfg.tokenizer
     if spec is None and hf_pretrained:
+        from tenfold.models.hf import check_pretrained_folder
+
+        check_pretrained_folder(hf_pretrained)  # a folder without weights is the first thing to say
         if not has_tokenizer(hf_pretrained):
             raise UserError(
                 f"model.hf_pretrained (--hf-pretrained) {hf_pretrained} holds no tokenizer (tokenizer.json, "
