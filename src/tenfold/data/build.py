@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -10,9 +11,9 @@ import numpy as np
 
 from tenfold.data import sources
 from tenfold.data.examples import ExampleRows, PackStats, example_rows
-from tenfold.data.packing import pack_sequences, split_train_val, text_rows
+from tenfold.data.packing import pack_sequences, split_train_val
 from tenfold.data.records import FINETUNE_FORMATS, RecordSource, detect_format, record_text
-from tenfold.data.tokenizer import ByteTokenizer, IdTokenizer, build_bpe
+from tenfold.data.tokenizer import IdTokenizer, build_bpe
 from tenfold.errors import UserError
 
 @dataclass
@@ -82,8 +83,7 @@ class DataBundle:
             if isinstance(rows, ExampleRows):
                 rows.with_positions = flag
         if self.stream is not None and self.fine_tuning:
-            stack = self.stream.stack
-            self.stream.stack = lambda rows: _with_positions(stack(rows), flag)
+            self.stream.stack = functools.partial(ExampleRows.stack, with_positions=flag)
 
     def tokenizer_record(self) -> dict:
         return self.tokenizer.describe() if hasattr(self.tokenizer, "describe") else {"name": self.tokenizer.name}
@@ -91,11 +91,6 @@ class DataBundle:
     def save_tokenizer(self, folder: str | Path) -> Path | None:
         """Write the tokenizer's files into `folder` (None when there is nothing to write)."""
         return self.tokenizer.save(folder) if hasattr(self.tokenizer, "save") else None
-
-
-def _with_positions(rows, flag: bool):
-    rows.with_positions = flag
-    return rows
 
 
 def build_data(data_cfg, seq_len: int, seed: int, model_vocab_size: int | None = None,

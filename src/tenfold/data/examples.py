@@ -63,9 +63,11 @@ class ExampleRows:
 
     @classmethod
     def stack(cls, rows: list[tuple[np.ndarray, np.ndarray, np.ndarray]], with_positions: bool = True) -> "ExampleRows":
-        width = len(rows[0][0]) if rows else 0
-        parts = [np.stack([r[k] for r in rows]) if rows else np.zeros((0, width)) for k in range(3)]
-        return cls(parts[0], parts[1].astype(bool), parts[2], with_positions)
+        if not rows:
+            empty = np.zeros((0, 0), dtype=np.int64)
+            return cls(empty, empty.astype(bool), empty, with_positions)
+        tokens, targets, segments = (np.stack([r[k] for r in rows]) for k in range(3))
+        return cls(tokens, targets, segments, with_positions)
 
 
 def positions_of(segments: np.ndarray) -> np.ndarray:

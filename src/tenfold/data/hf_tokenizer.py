@@ -111,7 +111,8 @@ class HFTokenizer:
         """A prompt framed like the start of a document (BOS where the template adds one), with
         no trailing EOS: the completion continues it."""
         ids = self._tok.encode(prompt, add_special_tokens=True).ids
-        return ids[:-1] if ids and self.eos_id is not None and ids[-1] == self.eos_id and prompt else ids
+        appended_eos = ids and self.eos_id is not None and ids[-1] == self.eos_id  # an add_eos template
+        return ids[:-1] if appended_eos else ids
 
     def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
         enc = self._tok.encode(text, add_special_tokens=False)
@@ -125,7 +126,10 @@ class HFTokenizer:
         included, so a model learns to stop). A turn's span is found as the difference between
         rendering the messages before it with `add_generation_prompt=True` and with it."""
         auto = self._auto_tokenizer()
-        render = lambda msgs, gen: auto.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)  # noqa: E731
+
+        def render(msgs: list[dict], generation_prompt: bool) -> str:
+            return auto.apply_chat_template(msgs, tokenize=False, add_generation_prompt=generation_prompt)
+
         full = render(messages, False)
         spans = []
         for i, m in enumerate(messages):
