@@ -201,3 +201,10 @@ def test_bin_from_another_tokenizer_is_refused(tmp_path, text_jsonl):
     BPETokenizer.train(_docs(), 300).save(bpe_dir)
     with pytest.raises(UserError, match="prepared with the tokenizer byte"):
         build_data(DataSection(path=str(tmp_path / "docs.bin"), tokenizer=str(bpe_dir)), 16, 0)
+
+
+def test_a_bin_file_needs_no_tokenizer_and_fits_a_small_vocabulary(tmp_path):
+    """The default byte tokenizer is not checked against a .bin run's model (ids < 100 here)."""
+    (np.arange(2000) % 100).astype(np.uint16).tofile(tmp_path / "ids.bin")
+    bundle = build_data(DataSection(path=str(tmp_path / "ids.bin")), 16, 0, model_vocab_size=100)
+    assert bundle.tokenizer.name == "pre-tokenized" and bundle.vocab_size == 100

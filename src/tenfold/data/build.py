@@ -108,13 +108,14 @@ def build_data(data_cfg, seq_len: int, seed: int, model_vocab_size: int | None =
     from tenfold.data.tokenizer import resolve_tokenizer
 
     tokenizer = resolve_tokenizer(data_cfg, hf_pretrained)
-    _check_vocab(tokenizer, model_vocab_size, data_cfg)
+    given = tokenizer if data_cfg.tokenizer is not None or hf_pretrained else None  # not the default bytes
+    _check_vocab(given, model_vocab_size, data_cfg)
     source, fmt = open_source(data_cfg)
     if fmt == "bin":
         if data_cfg.tokenizer == "bpe":
             raise UserError("data.tokenizer=bpe is trained on text; a .bin file is already token ids")
-        given = tokenizer if data_cfg.tokenizer is not None or hf_pretrained else None
         return _bin_bundle(source.files, data_cfg, seq_len, model_vocab_size, given)
+    _check_vocab(tokenizer, model_vocab_size, data_cfg)
     if tokenizer is None and (data_cfg.streaming or fmt in FINETUNE_FORMATS):
         raise UserError(f"data.tokenizer=bpe is trained on the whole text at once; data.format={fmt}"
                         f"{' with data.streaming' if data_cfg.streaming else ''} needs a fixed tokenizer: "
