@@ -12,8 +12,9 @@ See docs/data.md.
 """
 
 from tenfold.data.build import DataBundle, build_data
-from tenfold.data.loader import IGNORE_INDEX, GlobalBatchLoader, iter_eval, to_batch
+from tenfold.data.loader import GlobalBatchLoader, iter_eval, to_batch
 from tenfold.data.stream import StreamingLoader, make_loader
+from tenfold.terms import IGNORE_INDEX
 from tenfold.data.tokenizer import BPETokenizer, ByteTokenizer, IdTokenizer
 
 __all__ = [

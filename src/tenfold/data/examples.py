@@ -25,7 +25,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from tenfold.data.loader import IGNORE_INDEX
+from tenfold.terms import IGNORE_INDEX
 from tenfold.data.records import RecordSource
 from tenfold.errors import UserError
 
