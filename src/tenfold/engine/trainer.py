@@ -283,8 +283,8 @@ class Trainer:
         self.run_memory.announce(self.console)
         from tenfold.engine.checkpoint import CheckpointManager  # [checkpoint] --resume, then saves
 
-        self.checkpoints = CheckpointManager.from_config(cfg, log=self._checkpoint_log)
-        self.checkpoints.resume(self)
+        self.checkpoints = CheckpointManager.from_config(cfg, self._checkpoint_states(), self.dist, self._checkpoint_log)
+        self.checkpoints.resume()
         self.checkpoints.install_signal_handlers()
         writer = MetricsWriter(self.out_dir, main, cfg.log.tensorboard)
         progress = make_progress(main and cfg.log.progress)
@@ -329,7 +329,7 @@ class Trainer:
                     stats = f"loss {result.loss:.4f}  {tps:,.0f} tok/s" + (f"  MFU {mfu:.1%}" if mfu else "")
                     progress.update(task, completed=self.state.step, stats=stats)
                 # [checkpoint] every N steps, at the last step, and once on SIGTERM/SIGINT (then stop)
-                if self.checkpoints.after_step(self.state.step, self, last=self.state.step == cfg.train.steps):
+                if self.checkpoints.after_step(self.state.step, last=self.state.step == cfg.train.steps):
                     break
         finally:
             self.checkpoints.close()  # [checkpoint] finish a background save, restore signal handlers
@@ -345,7 +345,10 @@ class Trainer:
             summary["memory"]["measured_per_rank"] = gather_to_main(
                 self.run_memory.measured or {"peak_bytes": peak_memory_bytes(dist.device)}, dist)
         if cfg.checkpoint.export_16bit and self.state.step == cfg.train.steps:  # [checkpoint] DeepSpeed key
-            exported = self.checkpoints.export_16bit(self, self.out_dir)
+            from tenfold.engine.export import export_after_training
+
+            final = self.checkpoints.save_final(self.state.step)
+            exported = export_after_training(self.out_dir, final, self.dtype_name, log=self._checkpoint_log)
             summary["export"] = exported["safetensors"] if exported else str(self.out_dir / "model.safetensors")
         if self.adapter.kind == "hf":  # [any model] OUT/hf: save_pretrained layout (every rank gathers)
             from tenfold.models.hf import save_hf_pretrained
@@ -370,6 +373,12 @@ class Trainer:
             f"| seq {self.seq_len} | {c.train.steps} steps | {self.dist.world_size} process(es) on {self.dist.device.type}"
         )
         self.console.print(f"data: {self.data.describe()}")
+
+    def _checkpoint_states(self) -> dict:  # [checkpoint] what a checkpoint holds, by name
+        from tenfold.engine.checkpoint import training_states
+
+        return training_states(self.model, self.optimizer, scheduler=self.scheduler, scaler=self.scaler,
+                               loader=self.loader, counters=self.state)
 
     def _checkpoint_log(self, message: str) -> None:  # [checkpoint] one line, main rank only
         if self.console is not None:
