@@ -190,6 +190,9 @@ class Folder:
 
     def open_append(self, name: str) -> IO[str]:
         """A text stream appending to `name` (created if missing); a link there is refused."""
+        st = self.lstat(name)
+        if st is not None and not stat.S_ISREG(st.st_mode):
+            raise UnsafeFileError(f"{self.path / name} is {_kind(st.st_mode)}; only regular files are written")
         try:
             fd = os.open(check_plain_name(name, self.path),
                          os.O_WRONLY | os.O_APPEND | os.O_CREAT | _NOFOLLOW | _NONBLOCK | _CLOEXEC, 0o644, dir_fd=self.fd)
