@@ -11,6 +11,9 @@
   `timeout_s` (a rank that dies is noticed by torchrun's agent, which stops the others).
 * Only rank 0 prints (`print0`) and writes shared files; `gather_to_main` collects per-rank
   results (memory) on rank 0.
+* Agreement collectives for work that can fail on one rank (checkpoint saves and loads, the
+  final export): `on_every_rank`, `any_rank`, `all_gather_small`, `broadcast_small`,
+  `side_barrier`, on a gloo `side_group` of their own; no-ops on one process.
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ before a byte is read, and hashing reads at most the size the manifest declares.
 from __future__ import annotations
 
 import json
+import os
 import re
 import stat
 from pathlib import Path
@@ -55,11 +56,11 @@ def step_dir_name(step: int) -> str:
 
 def open_checkpoint(ckpt: Path) -> Folder:
     """The checkpoint folder, opened without following a link at its own name."""
+    if not os.path.lexists(ckpt):
+        raise CheckpointError(f"checkpoint not found: {ckpt} is not a directory")
     try:
         return Folder(ckpt)
     except UnsafeFileError as e:
-        if "folder not found" in str(e):
-            raise CheckpointError(f"checkpoint not found: {ckpt} is not a directory") from None
         raise CheckpointError(f"checkpoint {ckpt} refused: {e}") from None
 
 
