@@ -101,19 +101,6 @@ def test_export_16bit_at_end_of_training(tmp_path):
     assert json.loads((out / "summary.json").read_text())["export"] == str(out / "model.safetensors")
 
 
-def test_export_16bit_after_an_fp16_run_writes_fp16(tmp_path):
-    """The trainer hands the export its run's dtype: an fp16 run keeps fp16 (bf16 would round
-    the trained weights a second time)."""
-    from safetensors.torch import load_file
-
-    data = _text_file(tmp_path)
-    out = tmp_path / "run"
-    assert _cli_train(out, data, "--steps", "2", "--precision", "fp16", "--set", "checkpoint.export_16bit=true") == 0
-    weights = load_file(str(out / "model.safetensors"))
-    assert weights and all(w.dtype == torch.float16 for w in weights.values())
-    assert json.loads((out / "model.config.json").read_text())["dtype"] == "fp16"
-
-
 SIGTERM_SCRIPT = """
 import sys, time
 from tenfold import cli
@@ -244,7 +231,7 @@ def _nan_at(step: int):
     calls = {"n": 0}
 
     def loss_fn(model, batch):
-        from tenfold.techniques.accumulation import token_loss_sum
+        from tenfold.models.loss import token_loss_sum
 
         calls["n"] += 1
         loss = token_loss_sum(model(batch["input_ids"]), batch["labels"])

@@ -31,6 +31,8 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
+from tenfold.engine.metrics import peak_memory_bytes
+
 MEMORY_KEYS = (
     "params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes",
     "buffers_bytes", "other_bytes", "peak_bytes", "total_bytes",
@@ -384,9 +386,6 @@ def comparison_table(measured: dict, predicted: dict | None = None, title: str =
 # --------------------------------------------------------------------------- predicted
 
 
-_PLAN_SCHEDULES = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved": "interleaved", "zero-bubble": "1f1b"}
-
-
 def planner_hardware_name(device: torch.device) -> str:
     """The planner's catalog entry for this device: `cpu`, or the CUDA device's name matched
     against the catalog (H100 SXM when nothing matches: memory is what is compared here and
@@ -407,45 +406,24 @@ def planner_hardware_name(device: torch.device) -> str:
     return "h100-sxm"
 
 
-def planner_strategy(config, dist_info=None, dtype: str | None = None, seq_len: int | None = None):
-    """The planner's `Strategy` for a resolved `TenfoldConfig` as tenfold's engine runs it:
-    fp32 parameters under torch.amp (no 16-bit master split), tenfold's own activation style
-    (eager PyTorch, fp32 residual stream, dropout-free, SDPA without an s^2 term)."""
-    from tenfold.config import resolve_batch
-    from tenfold.plan.strategy import Strategy
-
-    dp = getattr(dist_info, "dp_size", 1) or 1
-    micro, accum, glob = resolve_batch(config.train.micro_batch, config.train.grad_accum, config.train.global_batch, dp)
-    par = config.parallel
-    return Strategy(
-        precision=dtype or config.precision.dtype, micro_batch=micro, grad_accum=accum, global_batch=glob,
-        seq_len=seq_len or config.seq_len(), ac=str(config.recompute.policy), zero=par.zero_stage, pp=par.pp_degree,
-        pp_schedule=_PLAN_SCHEDULES.get(par.pp_schedule, "1f1b"), virtual_stages=par.virtual_stages,
-        master_weights=False, dropout=False, flash_attention=True, activation_style="tenfold",
-    )
-
-
-def predicted_memory(config, dist_info=None, dtype: str | None = None, plan=None, model=None,
-                     seq_len: int | None = None) -> dict[str, int]:
-    """The planner's per-rank prediction for this run, under the measurement's keys.
+def predicted_memory(run, device: torch.device | None = None, dtype: str | None = None, plan=None,
+                     model=None) -> dict[str, int]:
+    """The planner's per-rank prediction for a resolved run (tenfold.run), under the
+    measurement's keys.
 
     `dtype`: the precision the engine actually runs (bf16 falls back to fp32 where the device
-    lacks it); default `config.precision.dtype`. `plan`: an already computed `Plan`. `model`:
-    what the planner is given instead of the config's shape (e.g. a parameter count for a
-    user's own module: then only model states are predicted, activations are 0).
-    `seq_len`: the run's sequence length when it differs from the config's (user datasets).
+    lacks it); default the configured one. `plan`: an already computed `Plan`. `model`: what the
+    planner is given instead of the run's shape (e.g. a parameter count for a user's own module:
+    then only model states are predicted, activations are 0).
     activations_bytes includes the autocast 16-bit weight copies (the tracker sees them as
     activations: they are created in forward and saved for backward); peak_bytes is the
     planner's allocated total (its `Plan.memory.peak_bytes`: model states + activations +
     communication buffers, no allocator reserve or CUDA context, which no tensor tracker sees).
     """
     if plan is None:
-        from tenfold.plan.api import predict
+        from tenfold.plan.for_run import predict_run
 
-        device = getattr(dist_info, "device", torch.device("cpu"))
-        world = getattr(dist_info, "world_size", 1) or 1
-        shape = model if model is not None else config.model_config_resolved()
-        plan = predict(shape, planner_hardware_name(device), world, planner_strategy(config, dist_info, dtype, seq_len))
+        plan = predict_run(run, planner_hardware_name(device or torch.device("cpu")), dtype, model)
     m = plan.memory
     act = (m.activations_bytes or 0.0) + (m.autocast_weight_copies_bytes or 0.0)
     out = {
@@ -481,7 +459,7 @@ class RunMemory:
         t = self.trainer
         model = float(t.param_count) if t.user_model is not None else None
         try:
-            self.predicted = predicted_memory(t.cfg, t.dist, t.dtype_name, model=model, seq_len=t.seq_len)
+            self.predicted = predicted_memory(t.run, t.dist.device, t.dtype_name, model=model)
         except Exception as exc:  # noqa: BLE001 - the prediction must never stop a training run
             self.predicted, self.note = None, f"no prediction: {type(exc).__name__}: {exc}"
         return self.predicted
@@ -522,6 +500,12 @@ class RunMemory:
         }
         if self.note:
             out["note"] = self.note
+        dist = self.trainer.dist
+        if dist.world_size > 1:  # every rank's measured step (memory.measured's keys), on rank 0
+            from tenfold.engine.distributed import gather_to_main
+
+            mine = self.measured or {"peak_bytes": peak_memory_bytes(dist.device)}
+            out["measured_per_rank"] = gather_to_main(mine, dist)
         return out
 
 
