@@ -259,7 +259,7 @@ class Trainer:
             while self.state.step < self.cfg.train.steps:
                 last = self._step_and_log(wall_start, last)
                 # every N steps, at the last step, and once on SIGTERM/SIGINT (then stop)
-                if self.checkpoints.after_step(self.state.step, self, last=self._is_last_step()):
+                if self.checkpoints.after_step(self.state.step, last=self._is_last_step()):
                     break
         finally:
             self._close_outputs()
@@ -324,8 +324,8 @@ class Trainer:
             self.console.print(f"data: {self.data.describe()}")
         self.run_memory = RunMemory(self)
         self.run_memory.announce(self.console)
-        self.checkpoints = CheckpointManager.from_config(self.cfg, log=self._say)
-        self.checkpoints.resume(self)
+        self.checkpoints = CheckpointManager.from_config(self.cfg, self._checkpoint_states(), self.dist, self._say)
+        self.checkpoints.resume()
         self.checkpoints.install_signal_handlers()
         self.writer = MetricsWriter(self.out_dir, main, self.cfg.log.tensorboard)
         self.progress = make_progress(main and self.cfg.log.progress)
@@ -384,7 +384,10 @@ class Trainer:
         and, for a Hugging Face model, its save_pretrained folder. Every rank takes part."""
         out: dict = {}
         if self.cfg.checkpoint.export_16bit and self._is_last_step():
-            exported = self.checkpoints.export_16bit(self, self.out_dir)
+            from tenfold.engine.export import export_after_training
+
+            final = self.checkpoints.save_final(self.state.step)  # the trainer exports, not the manager
+            exported = export_after_training(self.out_dir, final, self.dtype_name, log=self._say)
             out["export"] = exported["safetensors"] if exported else str(self.out_dir / "model.safetensors")
         if self.adapter.kind == "hf":
             from tenfold.models.hf import save_hf_pretrained
@@ -392,6 +395,13 @@ class Trainer:
             save_hf_pretrained(self.model, self.out_dir / "hf", self.dist.is_main)
             out["hf_export"] = str(self.out_dir / "hf")
         return out
+
+    def _checkpoint_states(self) -> dict:
+        """What a checkpoint holds, by name (engine/checkpoint: Stateful objects)."""
+        from tenfold.engine.checkpoint import training_states
+
+        return training_states(self.model, self.optimizer, scheduler=self.scheduler, scaler=self.scaler,
+                               loader=self.loader, counters=self.state)
 
     def _save_tokenizer(self, folder: Path) -> Path | None:  # the tokenizer that made the ids
         return self.data.save_tokenizer(folder) if hasattr(self.data, "save_tokenizer") else None
