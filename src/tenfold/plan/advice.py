@@ -78,7 +78,7 @@ def emitted_toml(cfg: TenfoldConfig, plan: Plan, launch: str, replan: str) -> st
     m = plan.memory
     header = [
         f"{EMIT_MARK} for {plan.model} on {plan.gpus} x {plan.hardware}: a strategy tenfold train runs.",
-        f"# predicted per GPU: {m.total_bytes / 2**30:,.2f} GiB of {m.capacity_bytes / 2**30:,.1f}, step "
+        f"# predicted per GPU: {m.total_bytes / 2**30:,.2f} GiB of {m.capacity_bytes / 2**30:,.1f} GiB, step "
         f"{plan.step_time_s:,.3g} s, {plan.tokens_per_s:,.0f} tokens/s, MFU {plan.mfu:.1%}",
         "# run it:" + ("  (on every node; HEAD = the first node's hostname)" if launch.startswith("torchrun") else ""),
         f"#   {launch}",

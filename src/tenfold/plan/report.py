@@ -146,7 +146,7 @@ def print_run(run: dict | None, console: Console | None = None) -> None:
     if run is None:
         return
     c = console or Console()
-    c.print(f"tenfold train would run: {batch_line(run['batch'], run['dp'])} | {run['steps']} steps "
+    c.print(f"the run: {batch_line(run['batch'], run['dp'])} | {run['steps']} steps "
             f"(about {_duration(run['steps_time_s'])}) | {run['processes']} process(es)")
     c.print(memory_line(run["memory_predicted"]), markup=False, highlight=False)
     if run["other_stack"]:
