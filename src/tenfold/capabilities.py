@@ -23,6 +23,7 @@ from tenfold.terms import MULTI_STAGE_SCHEDULES, PIPELINE_SCHEDULES, PRECISIONS,
 # Model kinds: tenfold's own GPT (a preset or a shape), a Hugging Face causal LM through the
 # adapter (tenfold.models.hf), or a user's own module (Python API only).
 MODEL_KINDS = ("tenfold", "hf", "user")
+_KIND_NAMES = {"tenfold": "tenfold GPT", "hf": "Hugging Face", "user": "user's own"}
 
 
 @dataclass(frozen=True)
@@ -76,7 +77,7 @@ def problems(layout: Layout, caps: Capabilities = ENGINE) -> list[str]:
     if layout.pp > 1 and layout.model_kind not in caps.pipeline_models:
         out.append(
             f"parallel.pp_degree {layout.pp} (--pp): the pipeline split cuts tenfold's GPT by parameter "
-            f"name (tok_emb, layers.N, norm, output); a {layout.model_kind} model cannot be split. "
+            f"name (tok_emb, layers.N, norm, output); a {_KIND_NAMES[layout.model_kind]} model cannot be split. "
             "Use --pp 1 with --zero 0-3 and --ac"
         )
     elif layout.schedule in caps.pipeline_schedules:
@@ -103,7 +104,7 @@ def _technique_problems(layout: Layout, caps: Capabilities) -> list[str]:
     if policy.kind == "selective" and policy.target == "attention" and layout.model_kind not in caps.attention_core_models:
         out.append(
             "recompute.policy selective:attention (--ac) needs tenfold's attention core module (attn.core); "
-            f"a {layout.model_kind} model's blocks compute attention in a function: use selective:mlp, full, "
+            f"a {_KIND_NAMES[layout.model_kind]} model's blocks compute attention in a function: use selective:mlp, full, "
             "every:N or segments:K"
         )
     if layout.precision not in caps.precisions:
