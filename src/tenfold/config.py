@@ -7,7 +7,6 @@ field and what is allowed (exit 2 in the CLI), before anything is started or wri
 
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
@@ -15,6 +14,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from tenfold.errors import UserError
 from tenfold.models.presets import ModelConfig, get_preset
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: the tomli backport, same API (a dependency there)
+    import tomli as tomllib  # type: ignore[no-redef]
 
 
 class _Section(BaseModel):
