@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tenfold.config import build_config, resolve_batch
-from tenfold.deepspeed_json import load_deepspeed_json, unsupported_warning
+from tenfold.deepspeed_json import _NO_KNOB, KEYS, load_deepspeed_json, translate, unsupported_warning
 from tenfold.errors import UserError
 
 SEED = Path(__file__).parent / "data" / "ds_seed.json"
@@ -24,7 +24,7 @@ def _write(tmp_path: Path, obj_or_text, name: str = "ds.json") -> Path:
 
 
 def test_the_seeds_config_loads_and_maps():
-    layer, unsupported = load_deepspeed_json(SEED)
+    layer, unsupported, _ = load_deepspeed_json(SEED)
     assert unsupported == []
     assert layer == {
         "parallel": {"zero_stage": 3, "param_persistence_threshold": 10000, "contiguous_gradients": True},
@@ -57,7 +57,7 @@ def test_a_full_config_maps_every_supported_key(tmp_path):
         "tensorboard": {"enabled": False},
         "wall_clock_breakdown": False,
     }
-    layer, unsupported = load_deepspeed_json(_write(tmp_path, ds))
+    layer, unsupported, _ = load_deepspeed_json(_write(tmp_path, ds))
     assert unsupported == []
     cfg = build_config(layer)
     t = cfg.train
@@ -76,27 +76,27 @@ def test_a_full_config_maps_every_supported_key(tmp_path):
 
 def test_deepspeed_defaults_apply_inside_its_own_sections(tmp_path):
     # an optimizer section without params gets DeepSpeed's FusedAdam defaults, not tenfold's
-    layer, _ = load_deepspeed_json(_write(tmp_path, {"optimizer": {"type": "Adam"}}))
+    layer, _, _ = load_deepspeed_json(_write(tmp_path, {"optimizer": {"type": "Adam"}}))
     t = build_config(layer).train
     assert (t.lr, t.beta1, t.beta2, t.eps, t.weight_decay) == (1e-3, 0.9, 0.999, 1e-8, 0.0)
     # no fp16/bf16 enabled -> DeepSpeed trains in fp32
     assert build_config(layer).precision.dtype == "fp32"
     # WarmupDecayLR's default warmup_max_lr (0.001) is made explicit and becomes the peak lr
-    layer, _ = load_deepspeed_json(_write(tmp_path, {"scheduler": {"type": "WarmupDecayLR",
+    layer, _, _ = load_deepspeed_json(_write(tmp_path, {"scheduler": {"type": "WarmupDecayLR",
                                                                    "params": {"total_num_steps": 50}}}))
     t = build_config(layer).train
     assert t.schedule_params == {"total_num_steps": 50, "warmup_max_lr": 0.001} and t.lr == 0.001
     # cpu_checkpointing -> offload; pipeline activation_checkpoint_interval -> every:N
-    layer, _ = load_deepspeed_json(_write(tmp_path, {"activation_checkpointing": {"cpu_checkpointing": True}}))
+    layer, _, _ = load_deepspeed_json(_write(tmp_path, {"activation_checkpointing": {"cpu_checkpointing": True}}))
     assert build_config(layer).recompute.policy == "offload"
-    layer, _ = load_deepspeed_json(_write(tmp_path, {"pipeline": {"activation_checkpoint_interval": 2}}))
+    layer, _, _ = load_deepspeed_json(_write(tmp_path, {"pipeline": {"activation_checkpoint_interval": 2}}))
     assert layer["recompute"]["policy"] == "every:2"
 
 
 def test_auto_and_null_values_mean_not_given(tmp_path):
     ds = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": 4,
           "fp16": {"enabled": "auto", "loss_scale_window": 500}, "zero_optimization": {"overlap_comm": None}}
-    layer, unsupported = load_deepspeed_json(_write(tmp_path, ds))
+    layer, unsupported, _ = load_deepspeed_json(_write(tmp_path, ds))
     assert unsupported == []
     assert "global_batch" not in layer["train"] and layer["train"]["micro_batch"] == 4
     assert layer["precision"] == {"loss_scale_window": 500, "dtype": "fp32"}
@@ -114,7 +114,7 @@ def test_unsupported_keys_are_all_reported_in_one_warning(tmp_path):
         "wall_clock_breakdown": True,
     }
     path = _write(tmp_path, ds)
-    layer, unsupported = load_deepspeed_json(path)
+    layer, unsupported, _ = load_deepspeed_json(path)
     assert set(unsupported) == {
         "fp16.auto_cast=true",
         "zero_optimization.stage3_prefetch_bucket_size",
@@ -172,7 +172,7 @@ def test_missing_file(tmp_path):
 
 
 def test_inconsistent_batch_triplet_fails_with_deepspeeds_rule(tmp_path):
-    layer, _ = load_deepspeed_json(_write(tmp_path, {"train_batch_size": 16, "train_micro_batch_size_per_gpu": 3,
+    layer, _, _ = load_deepspeed_json(_write(tmp_path, {"train_batch_size": 16, "train_micro_batch_size_per_gpu": 3,
                                                      "gradient_accumulation_steps": 4}))
     t = build_config(layer).train
     with pytest.raises(UserError, match="16 != 3 \\* 4 \\* 1"):
@@ -186,7 +186,7 @@ def test_the_seeds_config_trains_through_the_trainer_and_overflows_skip_cleanly(
     from conftest import read_metrics, small_config
     from tenfold.engine.trainer import Trainer
 
-    layer, _ = load_deepspeed_json(SEED)
+    layer, _, _ = load_deepspeed_json(SEED)
     cfg = build_config(layer, small_config(tmp_path, precision={"dtype": "fp16", "initial_scale_power": 40},
                                            train={"steps": 4, "warmup_steps": 2}))
     assert cfg.parallel.zero_stage == 3 and cfg.train.grad_clip == 1.0
@@ -206,3 +206,61 @@ def test_the_seeds_config_trains_through_the_trainer_and_overflows_skip_cleanly(
     losses = Trainer(ok).fit()["losses"]
     assert all(math.isfinite(x) for x in losses)
     assert [r["skipped"] for r in read_metrics(tmp_path / "ok" / "run")] == [0, 0, 0]
+
+
+# DeepSpeed's optimizer semantics (DeepSpeedEngine._configure_basic_optimizer): the type
+# "Adam" decays decoupled (AdamW) unless adam_w_mode is false; "AdamW" always does. Omitted
+# params take the constructor's defaults: FusedAdam weight_decay 0; with torch_adam,
+# torch.optim.AdamW 0.01, or torch.optim.Adam 0 when adam_w_mode is false.
+@pytest.mark.parametrize(
+    "optimizer, weight_decay, l2_reported",
+    [
+        ({"type": "Adam"}, 0.0, False),
+        ({"type": "AdamW", "params": {"torch_adam": True}}, 0.01, False),
+        ({"type": "Adam", "params": {"torch_adam": True}}, 0.01, False),
+        ({"type": "Adam", "params": {"torch_adam": True, "adam_w_mode": False}}, 0.0, False),
+        ({"type": "Adam", "params": {"adam_w_mode": False}}, 0.0, False),  # nothing to decay
+        ({"type": "Adam", "params": {"adam_w_mode": False, "weight_decay": 0.1}}, 0.1, True),
+        ({"type": "Adam", "params": {"adam_w_mode": False, "weight_decay": 0.1, "torch_adam": True}}, 0.1, True),
+        ({"type": "AdamW", "params": {"adam_w_mode": False, "weight_decay": 0.1}}, 0.1, False),  # AdamW wins
+        ({"type": "adam", "params": {"adam_w_mode": True, "weight_decay": 0.1}}, 0.1, False),
+    ],
+)
+def test_adam_weight_decay_follows_deepspeed(tmp_path, optimizer, weight_decay, l2_reported):
+    layer, unsupported, _ = load_deepspeed_json(_write(tmp_path, {"optimizer": optimizer}))
+    assert build_config(layer).train.weight_decay == weight_decay
+    # tenfold only decays decoupled: an L2 penalty (Adam with adam_w_mode false) that would
+    # decay anything is named in the warning, never trained silently as AdamW
+    assert any(u.startswith("optimizer.params.adam_w_mode=false") for u in unsupported) == l2_reported
+
+
+def test_the_cli_warns_about_adam_with_l2_weight_decay(tmp_path, capsys):
+    from tenfold.cli import config_from_args, build_parser
+
+    ds = _write(tmp_path, {"optimizer": {"type": "Adam", "params": {"adam_w_mode": False, "weight_decay": 0.1}}})
+    args = build_parser(["train"]).parse_args(["train", "--deepspeed", str(ds)])
+    config_from_args(args)
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "warning" in err and "adam_w_mode=false" in err and str(ds) in err
+
+
+def _nested(dotted: str, value) -> dict:
+    head, _, rest = dotted.partition(".")
+    return {head: _nested(rest, value) if rest else value}
+
+
+QUIET = {k: key.quiet_at for k, key in KEYS.items() if key.quiet_at is not _NO_KNOB}
+
+
+@pytest.mark.parametrize("dotted", sorted(QUIET))
+def test_a_key_without_a_knob_is_quiet_only_at_tenfolds_behaviour(dotted):
+    def config(value) -> dict:
+        c = _nested(dotted, value)
+        if "optimizer" in c:  # an optimizer section needs its type
+            c["optimizer"]["type"] = "AdamW"
+        return c
+
+    quiet = QUIET[dotted]
+    assert translate(config(quiet))[1] == []
+    other = (not quiet) if isinstance(quiet, bool) else quiet + 1
+    assert translate(config(other))[1] == [f"{dotted}={json.dumps(other)}"]

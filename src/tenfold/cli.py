@@ -111,12 +111,15 @@ def config_from_args(args: argparse.Namespace):
     if args.config:
         layers.append(load_toml(args.config))
     if args.deepspeed:
-        from tenfold.deepspeed_json import load_deepspeed_json
+        from tenfold.deepspeed_json import load_deepspeed_json, unsupported_warning
 
-        ds_layer, unsupported = load_deepspeed_json(args.deepspeed)
-        if unsupported:
-            print(f"tenfold: warning: DeepSpeed keys not supported by tenfold (ignored): {', '.join(unsupported)}", file=sys.stderr)
-        layers.append(ds_layer)
+        ds = load_deepspeed_json(args.deepspeed)
+        for notice in ds.notices:
+            print(f"tenfold: note: {notice}", file=sys.stderr)
+        warning = unsupported_warning(args.deepspeed, ds.unsupported)
+        if warning:
+            print(f"tenfold: warning: {warning}", file=sys.stderr)
+        layers.append(ds.layer)
     flags: dict = {}
     for name, (section, key) in _TRAIN_FLAGS.items():
         value = getattr(args, name, None)
