@@ -130,18 +130,75 @@ def test_unsupported_keys_are_all_reported_in_one_warning(tmp_path):
     assert unsupported_warning(path, []) is None
 
 
+SEED_AS_PRINTED = Path(__file__).parent / "data" / "ds_seed_as_printed.json"  # the seed's snippet, verbatim
+
+
+def test_the_seeds_snippet_pasted_as_printed_reads_with_one_notice():
+    """`#` comments (as DeepSpeed's hjson reading accepts) and Python's `True` (one step further)."""
+    ds = load_deepspeed_json(SEED_AS_PRINTED)
+    assert ds.layer == load_deepspeed_json(SEED).layer and ds.unsupported == []
+    assert len(ds.notices) == 1
+    assert "True" in ds.notices[0] and "lines 6, 7, 10" in ds.notices[0] and "\n" not in ds.notices[0]
+
+
+def test_what_deepspeeds_reader_accepts_is_accepted(tmp_path):
+    plain = {"train_batch_size": 8, "fp16": {"enabled": True, "loss_scale_window": 500}, "wandb": {"project": "x"}}
+    hjson_text = """// DeepSpeed reads hjson
+{
+  # ZeRO off here
+  "train_batch_size": 8,   /* a block comment */
+  "fp16": {"enabled": true, "loss_scale_window": 500,},
+  "wandb": {"project": "x"}
+  ,
+}
+"""
+    want = load_deepspeed_json(_write(tmp_path, plain, "plain.json"))
+    got = load_deepspeed_json(_write(tmp_path, hjson_text))
+    assert (got.layer, got.unsupported, got.notices) == (want.layer, want.unsupported, [])
+
+
+def test_python_words_are_only_replaced_in_a_values_place(tmp_path):
+    text = '{"wandb": {"project": "True, False"}, # None\n True: 1, "fp16": {"enabled": False}}'
+    ds = load_deepspeed_json(_write(tmp_path, text))
+    assert set(ds.unsupported) == {"wandb", "True"} and ds.layer["precision"]["dtype"] == "fp32"
+    assert len(ds.notices) == 1 and "False" in ds.notices[0] and "True" not in ds.notices[0]
+
+
 @pytest.mark.parametrize(
     "text, match",
     [
-        ('{\n  "fp16": {"enabled": True}\n}', r"malformed JSON in .*ds.json: line 2 column 23"),
-        ('{"a": 1,}', r"malformed JSON .*line 1 column 9"),
+        ('{\n  "fp16": {"enabled": true}\n', r"ds.json, line 3 .*add the missing '\}'"),
+        ('{"fp16" {"enabled": true}}', r"line 1 column 9.*put a ':' between the key and its value"),
+        ('{"train_batch_size": 8,, }', r"line 1 .*delete the extra ','"),
+        ('{"fp16": {}}}', r"line 1 .*delete what follows the config's closing"),
+        ('{\n"fp16": {"loss_scale": NaN}\n}', r"line 2: 'NaN}' is read as text .* true, false or null"),
+        ('{"wandb": "x}', r"line 1 .*close the string"),
+        ('{"fp16": {}, "fp16": {}}', r"duplicate key 'fp16'"),
+        ("  \n", "is empty"),
         ("[1, 2]", "must be a JSON object"),
         ('"fp16"', "must be a JSON object"),
+        ('{"gradient_clipping": 1e400}', "out of range"),
     ],
 )
-def test_malformed_json_is_a_user_error_naming_file_and_position(tmp_path, text, match):
-    with pytest.raises(UserError, match=match):
+def test_malformed_config_names_the_line_and_what_to_change(tmp_path, text, match):
+    with pytest.raises(UserError, match=match) as e:
         load_deepspeed_json(_write(tmp_path, text))
+    assert "\n" not in str(e.value)
+
+
+def test_the_seeds_snippet_with_the_pages_next_word_says_what_to_delete(tmp_path):
+    glued = SEED_AS_PRINTED.read_text().rstrip() + "python\n"  # as the seed prints it: "}python"
+    with pytest.raises(UserError, match=r"line 16 .*delete what follows"):
+        load_deepspeed_json(_write(tmp_path, glued))
+
+
+def test_a_binary_file_is_one_line(tmp_path):
+    p = tmp_path / "ds.json"
+    p.write_bytes(b"PK\x03\x04\xff\xfe\x00binary")
+    with pytest.raises(UserError, match=r"ds.json is not UTF-8 text \(byte 0xff on line 1\)"):
+        load_deepspeed_json(p)
+    with pytest.raises(UserError, match="is a directory"):
+        load_deepspeed_json(tmp_path)
 
 
 @pytest.mark.parametrize(
@@ -264,3 +321,22 @@ def test_a_key_without_a_knob_is_quiet_only_at_tenfolds_behaviour(dotted):
     assert translate(config(quiet))[1] == []
     other = (not quiet) if isinstance(quiet, bool) else quiet + 1
     assert translate(config(other))[1] == [f"{dotted}={json.dumps(other)}"]
+
+
+def test_the_seeds_snippet_as_printed_trains_from_the_cli(tmp_path, capsys, one_thread):
+    from conftest import SMALL_FLAGS, read_metrics
+    from tenfold.cli import main
+
+    out = tmp_path / "run"
+    code = main(["train", "--deepspeed", str(SEED_AS_PRINTED), "--out", str(out), "--steps", "2",
+                 "--micro-batch", "2", "--set", "train.eval_every=0", *SMALL_FLAGS])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert [line for line in err.splitlines() if "note:" in line] == [
+        f"tenfold: note: {SEED_AS_PRINTED}: read Python's True as JSON's true (lines 6, 7, 10); "
+        "JSON writes true, false and null in lower case"
+    ]
+    assert "warning: " + str(SEED_AS_PRINTED) not in err  # every key of the seed is supported
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["config"]["precision"]["dtype"] == "fp16" and summary["config"]["parallel"]["zero_stage"] == 3
+    assert [r["step"] for r in read_metrics(out)] == [1, 2]

@@ -225,13 +225,13 @@ def parse_set_item(item: str) -> dict:
 
 
 def load_toml(path: str | Path) -> dict:
-    p = Path(path)
-    if not p.is_file():
-        raise UserError(f"config file not found: {p}")
+    from tenfold.textfiles import read_text
+
+    text = read_text(path, "config file")
     try:
-        return tomllib.loads(p.read_text())
+        return tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
-        raise UserError(f"malformed TOML in {p}: {e}") from None
+        raise UserError(f"malformed TOML in {path}: {e}") from None
 
 
 def build_config(*layers: dict) -> TenfoldConfig:

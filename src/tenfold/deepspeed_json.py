@@ -363,20 +363,12 @@ class DeepSpeedConfig(NamedTuple):
 
 
 def load_deepspeed_json(path: str | Path) -> DeepSpeedConfig:
-    """Read a DeepSpeed config file as DeepSpeed does, and translate it."""
-    p = Path(path)
-    if not p.is_file():
-        raise UserError(f"DeepSpeed config file not found: {p}")
-    try:
-        config = json.loads(p.read_text())
-    except json.JSONDecodeError as e:
-        raise UserError(f"malformed JSON in {p}: line {e.lineno} column {e.colno}: {e.msg}") from None
-    except UnicodeDecodeError as e:
-        raise UserError(f"DeepSpeed config {p} is not UTF-8 text: {e}") from None
-    if not isinstance(config, dict):
-        raise UserError(f"DeepSpeed config {p} must be a JSON object {{...}}, got a {type(config).__name__}")
+    """Read a DeepSpeed config file as DeepSpeed does (`tenfold.deepspeed_text`), and translate it."""
+    from tenfold.deepspeed_text import read_deepspeed_text
+
+    config, notices = read_deepspeed_text(Path(path))
     layer, unsupported = translate(config, path)
-    return DeepSpeedConfig(layer, unsupported, [])
+    return DeepSpeedConfig(layer, unsupported, notices)
 
 
 def unsupported_warning(path: str | Path, unsupported: list[str]) -> str | None:
