@@ -7,12 +7,15 @@ field and what is allowed (exit 2 in the CLI), before anything is started or wri
 
 from __future__ import annotations
 
+import types
+import typing
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from tenfold.errors import UserError
+from tenfold.lr_schedule import validate_schedule_params
 from tenfold.models.presets import ModelConfig, get_preset
 
 try:
@@ -22,7 +25,30 @@ except ModuleNotFoundError:  # Python 3.10: the tomli backport, same API (a depe
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # allow_inf_nan=False: `lr = inf` would start a run that dies (or trains on) later
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _typed_strictly(cls, value: Any, info: ValidationInfo) -> Any:
+        """pydantic's lax mode reads `zero_stage = true` as 1 and `tensorboard = 1` as true:
+        here a boolean is not a number, a number is not a boolean, and no name or path is ""."""
+        kinds = _scalar_kinds(cls.model_fields[info.field_name].annotation)
+        if isinstance(value, bool) and kinds & {int, float} and bool not in kinds:
+            raise ValueError("expected a number, not true/false")
+        if isinstance(value, list) and list[int] in kinds and any(isinstance(x, bool) for x in value):
+            raise ValueError("expected integers, not true/false")
+        if bool in kinds and value is not None and not isinstance(value, bool):
+            raise ValueError("expected true or false")
+        if isinstance(value, str) and str in kinds and not value.strip():
+            raise ValueError("must not be empty")
+        return value
+
+
+def _scalar_kinds(annotation: Any) -> set:
+    """{int}, {float, NoneType}, {bool}, ... for a field's annotation (unions unpacked)."""
+    args = typing.get_args(annotation)
+    return set(args) if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union else {annotation}
 
 
 class ModelSection(_Section):
@@ -96,6 +122,11 @@ class TrainSection(_Section):
     eval_every: int = Field(50, ge=0)  # 0: only at the end
     eval_batches: int = Field(4, gt=0)
     on_nan: Literal["stop", "skip"] = "stop"
+
+    @model_validator(mode="after")
+    def _schedule_params_fit_the_schedule(self) -> "TrainSection":
+        validate_schedule_params(self.schedule, self.schedule_params, self.steps)  # UserError naming them
+        return self
 
 
 class PrecisionSection(_Section):
@@ -187,9 +218,7 @@ def _format_validation_error(err: ValidationError) -> str:
         section = first["loc"][0] if len(first["loc"]) > 1 else None
         allowed = _allowed_keys(section)
         return f"unknown config key {loc!r}; allowed: {', '.join(allowed)}"
-    if first["type"] == "literal_error":
-        return f"invalid value {first.get('input')!r} for {loc}: {msg}"
-    return f"invalid value {first.get('input')!r} for {loc}: {msg}"
+    return f"invalid value {first.get('input')!r} for {loc}: {msg.removeprefix('Value error, ')}"
 
 
 def _allowed_keys(section: str | int | None) -> list[str]:

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any, Callable, NamedTuple
 
 from tenfold.errors import UserError
+from tenfold.lr_schedule import DEEPSPEED, validate_schedule_params
 
 _NO_KNOB = object()  # Key.quiet_at for keys that do have a tenfold knob
 
@@ -136,8 +137,6 @@ def _refused(allowed: str) -> Convert:
 
 
 def _scheduler_type(r: _Reader, key: str, v: Any) -> str:
-    from tenfold.engine.schedule import DEEPSPEED
-
     if v not in DEEPSPEED:
         raise r.bad(key, v, f"allowed: {', '.join(DEEPSPEED)}")
     return v
@@ -253,8 +252,6 @@ def _finish_optimizer(r: _Reader, seen: dict, layer: dict) -> None:
 
 
 def _finish_scheduler(r: _Reader, seen: dict, layer: dict) -> None:
-    from tenfold.engine.schedule import validate_schedule_params
-
     kind = seen.get("scheduler.type")
     if kind is None:
         kind = _scheduler_type(r, "scheduler.type", None)
