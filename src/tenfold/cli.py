@@ -31,6 +31,9 @@ EXAMPLES = """examples:
 """
 
 
+DEBUG_HELP = "on an error, show Python's traceback instead of the one-line message"
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse with the project's contract for bad flags: one line, exit status 2."""
 
@@ -79,7 +82,11 @@ def _add_train_parser(subparsers) -> None:
     c.add_argument("--checkpoint-every", type=int, help="save every N steps (0: never)")
     c.add_argument("--keep-last", type=int, help="keep only the newest K checkpoints")
     c.add_argument("--resume", help="auto (newest complete checkpoint in --out) or a checkpoint path")
-    p.add_argument("--memory-report", action="store_true", help="print the per-module memory of one step and exit")
+    once = p.add_mutually_exclusive_group()
+    once.add_argument("--dry-run", action="store_true", help="check the config and print the run it resolves to "
+                      "(batch, precision, model, processes, predicted memory per rank); build, read and write nothing")
+    once.add_argument("--memory-report", action="store_true", help="print the per-module memory of one step and exit")
+    p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=DEBUG_HELP)
     p.set_defaults(func=run_train)
 
 
@@ -134,6 +141,10 @@ def config_from_args(args: argparse.Namespace):
 
 def run_train(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
+    if args.dry_run:
+        from tenfold.engine.run_shape import dry_run
+
+        return dry_run(cfg)
     from tenfold.engine.distributed import launched_by_torchrun
 
     if cfg.parallel.nproc > 1 and not launched_by_torchrun():
@@ -156,6 +167,7 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EXAMPLES,
     )
     parser.add_argument("--version", action="version", version=f"tenfold {__version__}")
+    parser.add_argument("--debug", action="store_true", help=DEBUG_HELP)
     sub = parser.add_subparsers(dest="command", metavar="{" + ",".join(SUBCOMMANDS) + "}", parser_class=_Parser)
     wanted = next((a for a in argv if not a.startswith("-")), None)
     for name, (module, help_text) in SUBCOMMANDS.items():
@@ -182,6 +194,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     args, extra = parser.parse_known_args(argv)
+    if "--debug" in extra:  # accepted after any subcommand, not only where it is declared
+        extra.remove("--debug")
+        args.debug = True
     if extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.argv = argv  # the launcher re-runs this very command under torchrun
@@ -190,15 +205,31 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return int(args.func(args) or 0)
-    except UserError as e:
-        print(f"tenfold: error: {e}", file=sys.stderr)
-        return 2
-    except RunError as e:
-        print(f"tenfold: run stopped: {e}", file=sys.stderr)
-        return 1
+    except Exception as e:  # noqa: BLE001 - reported as one line below
+        if args.debug:
+            raise
+        return _one_line(e)
     except KeyboardInterrupt:
         print("tenfold: interrupted", file=sys.stderr)
         return 130
+
+
+def _one_line(e: BaseException) -> int:
+    """Every failure ends as one line on stderr and an exit status: 2 for the user's input,
+    1 for a run that failed; --debug shows the traceback instead."""
+    if isinstance(e, UserError):
+        print(f"tenfold: error: {e}", file=sys.stderr)
+        return 2
+    if isinstance(e, RunError):
+        print(f"tenfold: run stopped: {e}", file=sys.stderr)
+        return 1
+    if isinstance(e, OSError) and e.filename is not None:  # a file system failure names its path
+        print(f"tenfold: error: {e.strerror or e}: {e.filename}", file=sys.stderr)
+        return 1
+    text = " ".join(str(e).split())[:300] or "(no message)"
+    print(f"tenfold: error: unexpected {type(e).__name__}: {text} (rerun with --debug for the traceback)",
+          file=sys.stderr)
+    return 1
 
 
 if __name__ == "__main__":

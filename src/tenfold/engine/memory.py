@@ -31,6 +31,9 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
+# torch-free, shared with `tenfold train --dry-run`; planner_strategy is imported from here too
+from tenfold.engine.run_shape import fmt_bytes, memory_by_category, planner_strategy  # noqa: F401
+
 MEMORY_KEYS = (
     "params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes",
     "buffers_bytes", "other_bytes", "peak_bytes", "total_bytes",
@@ -326,15 +329,6 @@ def _natural_key(s: str) -> list:
     return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", s)]
 
 
-def fmt_bytes(n: float | None) -> str:
-    if n is None:
-        return "-"
-    for unit, div in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= div:
-            return f"{n / div:.2f} {unit}"
-    return f"{int(n)} B"
-
-
 def rows_table(rows: list[dict]):
     from rich.table import Table
 
@@ -384,9 +378,6 @@ def comparison_table(measured: dict, predicted: dict | None = None, title: str =
 # --------------------------------------------------------------------------- predicted
 
 
-_PLAN_SCHEDULES = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved": "interleaved", "zero-bubble": "1f1b"}
-
-
 def planner_hardware_name(device: torch.device) -> str:
     """The planner's catalog entry for this device: `cpu`, or the CUDA device's name matched
     against the catalog (H100 SXM when nothing matches: memory is what is compared here and
@@ -407,24 +398,6 @@ def planner_hardware_name(device: torch.device) -> str:
     return "h100-sxm"
 
 
-def planner_strategy(config, dist_info=None, dtype: str | None = None, seq_len: int | None = None):
-    """The planner's `Strategy` for a resolved `TenfoldConfig` as tenfold's engine runs it:
-    fp32 parameters under torch.amp (no 16-bit master split), tenfold's own activation style
-    (eager PyTorch, fp32 residual stream, dropout-free, SDPA without an s^2 term)."""
-    from tenfold.config import resolve_batch
-    from tenfold.plan.strategy import Strategy
-
-    dp = getattr(dist_info, "dp_size", 1) or 1
-    micro, accum, glob = resolve_batch(config.train.micro_batch, config.train.grad_accum, config.train.global_batch, dp)
-    par = config.parallel
-    return Strategy(
-        precision=dtype or config.precision.dtype, micro_batch=micro, grad_accum=accum, global_batch=glob,
-        seq_len=seq_len or config.seq_len(), ac=str(config.recompute.policy), zero=par.zero_stage, pp=par.pp_degree,
-        pp_schedule=_PLAN_SCHEDULES.get(par.pp_schedule, "1f1b"), virtual_stages=par.virtual_stages,
-        master_weights=False, dropout=False, flash_attention=True, activation_style="tenfold",
-    )
-
-
 def predicted_memory(config, dist_info=None, dtype: str | None = None, plan=None, model=None,
                      seq_len: int | None = None) -> dict[str, int]:
     """The planner's per-rank prediction for this run, under the measurement's keys.
@@ -434,10 +407,7 @@ def predicted_memory(config, dist_info=None, dtype: str | None = None, plan=None
     what the planner is given instead of the config's shape (e.g. a parameter count for a
     user's own module: then only model states are predicted, activations are 0).
     `seq_len`: the run's sequence length when it differs from the config's (user datasets).
-    activations_bytes includes the autocast 16-bit weight copies (the tracker sees them as
-    activations: they are created in forward and saved for backward); peak_bytes is the
-    planner's allocated total (its `Plan.memory.peak_bytes`: model states + activations +
-    communication buffers, no allocator reserve or CUDA context, which no tensor tracker sees).
+    The categories are `memory_by_category`'s.
     """
     if plan is None:
         from tenfold.plan.api import predict
@@ -446,15 +416,7 @@ def predicted_memory(config, dist_info=None, dtype: str | None = None, plan=None
         world = getattr(dist_info, "world_size", 1) or 1
         shape = model if model is not None else config.model_config_resolved()
         plan = predict(shape, planner_hardware_name(device), world, planner_strategy(config, dist_info, dtype, seq_len))
-    m = plan.memory
-    act = (m.activations_bytes or 0.0) + (m.autocast_weight_copies_bytes or 0.0)
-    out = {
-        "params_bytes": m.params_bytes, "grads_bytes": m.grads_bytes, "optimizer_bytes": m.optimizer_bytes,
-        "activations_bytes": act, "buffers_bytes": 0, "other_bytes": m.comm_buffers_bytes,
-        "peak_bytes": m.peak_bytes,
-    }
-    out["total_bytes"] = _model_states_plus_activations(out)
-    return {k: int(round(v)) for k, v in out.items()}
+    return memory_by_category(plan.memory)
 
 
 # --------------------------------------------------------------------------- one run
