@@ -45,6 +45,10 @@ STRICT = [
     (["--out", ""], ["log.out", "must not be empty"]),
     (["--data", ""], ["data.path", "must not be empty"]),
     (["--set", "recompute.policy=' '"], ["recompute.policy", "must not be empty"]),
+    # paths the file system itself refuses
+    (["--set", "model.hf_config=" + "x" * 300], ["model.hf_config", "File name too long"]),
+    (["--config", "x" * 300], ["cannot read config file", "File name too long"]),
+    (["--config", "run\n.toml"], ["config file not found: run\\n.toml"]),  # shown escaped, on one line
 ]
 
 
@@ -153,3 +157,10 @@ def test_anything_that_escapes_validation_is_one_line_and_debug_shows_it(tmp_pat
 def test_debug_is_accepted_after_any_subcommand(capsys):
     assert main(["plan", "--model", "tiny", "--gpu", "cpu", "--json", "--debug"]) == 0
     assert '"fits"' in capsys.readouterr().out
+
+
+def test_keys_with_control_characters_stay_on_one_line(tmp_path, capsys):
+    path = _file(tmp_path, "ds.json", '{"wand\\nb": 1, "fp16": {"enabled": True}}')
+    code, _, err = _run(tmp_path, capsys, "--deepspeed", path)
+    assert code == 0 and len(err.splitlines()) == 2, err  # the notice, then the warning
+    assert err.splitlines()[1].endswith("(ignored): wand\\nb")

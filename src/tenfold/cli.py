@@ -38,7 +38,7 @@ class _Parser(argparse.ArgumentParser):
     """argparse with the project's contract for bad flags: one line, exit status 2."""
 
     def error(self, message: str):  # type: ignore[override]
-        sys.stderr.write(f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        sys.stderr.write(f"{self.prog}: error: {escaped(message)} (see {self.prog} --help)\n")
         raise SystemExit(2)
 
 
@@ -122,10 +122,10 @@ def config_from_args(args: argparse.Namespace):
 
         ds = load_deepspeed_json(args.deepspeed)
         for notice in ds.notices:
-            print(f"tenfold: note: {notice}", file=sys.stderr)
+            say("note", notice)
         warning = unsupported_warning(args.deepspeed, ds.unsupported)
         if warning:
-            print(f"tenfold: warning: {warning}", file=sys.stderr)
+            say("warning", warning)
         layers.append(ds.layer)
     flags: dict = {}
     for name, (section, key) in _TRAIN_FLAGS.items():
@@ -214,21 +214,31 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def escaped(text: str) -> str:
+    """`text` with its control characters shown escaped (a key or path typed with a newline
+    in it stays on one line)."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+def say(kind: str, message: object) -> None:
+    """One line on stderr: `tenfold: <kind>: <message>`."""
+    print(f"tenfold: {kind}: {escaped(str(message))}", file=sys.stderr)
+
+
 def _one_line(e: BaseException) -> int:
     """Every failure ends as one line on stderr and an exit status: 2 for the user's input,
     1 for a run that failed; --debug shows the traceback instead."""
     if isinstance(e, UserError):
-        print(f"tenfold: error: {e}", file=sys.stderr)
+        say("error", e)
         return 2
     if isinstance(e, RunError):
-        print(f"tenfold: run stopped: {e}", file=sys.stderr)
+        say("run stopped", e)
         return 1
     if isinstance(e, OSError) and e.filename is not None:  # a file system failure names its path
-        print(f"tenfold: error: {e.strerror or e}: {e.filename}", file=sys.stderr)
+        say("error", f"{e.strerror or e}: {e.filename}")
         return 1
     text = " ".join(str(e).split())[:300] or "(no message)"
-    print(f"tenfold: error: unexpected {type(e).__name__}: {text} (rerun with --debug for the traceback)",
-          file=sys.stderr)
+    say("error", f"unexpected {type(e).__name__}: {text} (rerun with --debug for the traceback)")
     return 1
 
 

@@ -84,7 +84,11 @@ class ModelSection(_Section):
                 )
 
             path = Path(self.hf_pretrained or self.hf_config)
-            return model_from_hf_config(str(path / "config.json" if path.is_dir() else path))
+            try:
+                folder = path.is_dir()
+            except (OSError, ValueError) as e:  # a name too long, a NUL byte
+                raise UserError(f"model.hf_config/hf_pretrained {str(path)[:80]!r}: {getattr(e, 'strerror', None) or e}") from None
+            return model_from_hf_config(str(path / "config.json" if folder else path))
         overrides = self.model_dump(exclude={"name", "hf_config", "hf_pretrained", "blocks"})
         return get_preset(self.name).with_overrides(**overrides)
 

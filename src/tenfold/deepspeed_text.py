@@ -24,7 +24,7 @@ from tenfold.errors import UserError
 from tenfold.textfiles import read_text
 
 _PYTHON = {"True": "true", "False": "false", "None": "null"}  # same lengths: columns stay put
-_WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_WORD = re.compile(r"[^\W\d]\w*")  # a word, in any script
 _BEFORE_A_VALUE = {":", "[", ","}
 
 
@@ -78,7 +78,7 @@ def scan(text: str) -> _Scan:
             i = comment_end
         elif c in "\"'":
             i, prev = _string_end(text, i), '"'
-        elif c.isalpha() or c == "_":
+        elif _WORD.match(text, i):
             word_end = _WORD.match(text, i).end()
             word, rest = text[i:word_end], text[word_end : _line_end(text, i)]
             line = text.count("\n", 0, i) + 1

@@ -18,16 +18,16 @@ MAX_CONFIG_BYTES = 16 * 2**20  # configs are a few KB; a bigger file is the wron
 def read_text(path: str | Path, what: str, max_bytes: int = MAX_CONFIG_BYTES) -> str:
     """The text of `path`; `what` names it in messages ("config file", "DeepSpeed config")."""
     p = Path(path)
-    if not p.exists():
-        raise UserError(f"{what} not found: {p}")
-    if not p.is_file():
-        kind = "a directory" if p.is_dir() else "not a regular file"
-        raise UserError(f"{what} {p} is {kind}; expected a text file")
     try:
+        if not p.exists():
+            raise UserError(f"{what} not found: {p}")
+        if not p.is_file():
+            kind = "a directory" if p.is_dir() else "not a regular file"
+            raise UserError(f"{what} {p} is {kind}; expected a text file")
         with p.open("rb") as f:
             data = f.read(max_bytes + 1)
-    except OSError as e:
-        raise UserError(f"cannot read {what} {p}: {e.strerror or e}") from None
+    except (OSError, ValueError) as e:  # no permission, a name too long, a NUL byte in it
+        raise UserError(f"cannot read {what} {str(p)[:200]}: {getattr(e, 'strerror', None) or e}") from None
     if len(data) > max_bytes:
         raise UserError(f"{what} {p} is larger than {max_bytes // 2**20} MiB; expected a text config of a few KB")
     try:
