@@ -23,6 +23,7 @@ from tenfold.errors import UserError
 from tenfold.models.gpt import GPT
 from tenfold.models.presets import get_preset, param_count
 from tenfold.techniques import pipeline as pp
+from tenfold.techniques.pipeline_layout import validate_pipeline
 
 # A narrow `tiny` (same 4 layers, byte vocabulary) so the multi-process runs take seconds.
 CFG = get_preset("tiny").with_overrides(d_model=64, n_heads=4, d_ff=128, max_seq_len=16)
@@ -99,7 +100,7 @@ def test_predicted_bubble():
 def _check(**overrides):
     kw = dict(n_layers=4, world_size=2, pp_size=2, schedule="1f1b", virtual_stages=1, n_microbatches=4)
     kw.update(overrides)
-    pp.validate_pipeline(**kw)
+    validate_pipeline(**kw)
 
 
 @pytest.mark.parametrize(

@@ -60,7 +60,7 @@ def preflight(cfg: Any, nproc: int) -> None:
         raise UserError(f"parallel.pp_degree ({pp}) must divide --nproc ({nproc})")
     resolve_batch(cfg.train.micro_batch, cfg.train.grad_accum, cfg.train.global_batch, nproc // pp)
     if pp > 1:  # [pipeline] micro-batches >= stages, stages <= layers, --pp-split, tied embeddings
-        from tenfold.techniques.pipeline import validate_config
+        from tenfold.techniques.pipeline_layout import validate_config
 
         validate_config(cfg, nproc)
 
