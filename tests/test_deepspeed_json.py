@@ -340,3 +340,9 @@ def test_the_seeds_snippet_as_printed_trains_from_the_cli(tmp_path, capsys, one_
     summary = json.loads((out / "summary.json").read_text())
     assert summary["config"]["precision"]["dtype"] == "fp16" and summary["config"]["parallel"]["zero_stage"] == 3
     assert [r["step"] for r in read_metrics(out)] == [1, 2]
+
+
+def test_the_docs_name_every_key_of_the_table():
+    doc = (Path(__file__).parents[1] / "docs" / "precision.md").read_text()
+    missing = [k for k in KEYS if f"`{k}`" not in doc and f"`{k}:" not in doc]
+    assert missing == [], f"docs/precision.md §6 does not list {missing}"
