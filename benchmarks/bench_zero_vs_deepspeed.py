@@ -6,7 +6,7 @@ memory for each stage, as ratios tenfold / DeepSpeed measured in one run.
     python benchmarks/bench_zero_vs_deepspeed.py [--stages 0 1 2 3] [--steps 12]
 
 Both engines train tenfold's GPT (same init, same seed), AdamW with the same two parameter
-groups (tenfold.engine.optim.param_groups) and hyper-parameters, gradient clipping 1.0, fp32,
+groups (tenfold.techniques.optimizer.param_groups) and hyper-parameters, gradient clipping 1.0, fp32,
 each rank taking its slice of the same global batches. DeepSpeed runs with its own defaults
 for the knobs we do not set (bucket sizes, overlap_comm, persistence threshold), tenfold with
 its own: "the same config" is the DeepSpeed JSON's keys, as a user would pass them.
@@ -114,7 +114,7 @@ def deepspeed_stepper(args, data):
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    from tenfold.engine.optim import param_groups
+    from tenfold.techniques.optimizer import param_groups
 
     model = _gpt(args)
     optimizer = torch.optim.AdamW(param_groups(model, 0.1), lr=1e-3, betas=(0.9, 0.95), eps=1e-8, foreach=True)

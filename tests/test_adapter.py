@@ -18,7 +18,8 @@ import torch
 import torch.nn as nn
 
 from tenfold.errors import UserError
-from tenfold.models.adapter import adapt, check_techniques, find_blocks, logits_of
+from tenfold.engine.parallelize import check_techniques
+from tenfold.models.adapter import adapt, find_blocks, logits_of
 from tenfold.models.gpt import GPT
 from tenfold.models.presets import ModelConfig, flops_per_token, param_count
 
@@ -76,7 +77,7 @@ def token_rows(n: int = 96, seed: int = 0) -> np.ndarray:
 
 
 def user_loss_fn(model, batch):
-    from tenfold.techniques.accumulation import token_loss_sum
+    from tenfold.models.loss import token_loss_sum
 
     logits = model(batch["input_ids"])
     return token_loss_sum(logits, batch["labels"]), int((batch["labels"] != -100).sum())

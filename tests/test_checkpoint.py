@@ -35,7 +35,8 @@ from tenfold.engine.schedule import build_scheduler
 from tenfold.errors import RunError, UserError
 from tenfold.models.gpt import GPT
 from tenfold.models.presets import ModelConfig
-from tenfold.techniques.accumulation import IGNORE_INDEX, token_loss_sum
+from tenfold.models.loss import token_loss_sum
+from tenfold.terms import IGNORE_INDEX
 from tenfold.techniques.precision import DynamicLossScaler
 
 MODEL = {"name": "tiny", "n_layers": 2, "d_model": 32, "n_heads": 2, "d_ff": 64, "vocab_size": 64, "max_seq_len": 16}

@@ -231,7 +231,7 @@ def _nan_at(step: int):
     calls = {"n": 0}
 
     def loss_fn(model, batch):
-        from tenfold.techniques.accumulation import token_loss_sum
+        from tenfold.models.loss import token_loss_sum
 
         calls["n"] += 1
         loss = token_loss_sum(model(batch["input_ids"]), batch["labels"])

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from tenfold.config import build_config, resolve_batch
+from tenfold.config import build_config
 from tenfold.deepspeed_json import _NO_KNOB, KEYS, load_deepspeed_json, translate, unsupported_warning
+from tenfold.terms import resolve_batch
 from tenfold.errors import UserError
 
 SEED = Path(__file__).parent / "data" / "ds_seed.json"
@@ -61,7 +62,7 @@ def test_a_full_config_maps_every_supported_key(tmp_path):
     cfg = build_config(layer)
     t = cfg.train
     assert (t.global_batch, t.micro_batch, t.grad_accum, t.grad_clip) == (16, 2, 4, 0.5)
-    assert resolve_batch(t.micro_batch, t.grad_accum, t.global_batch, dp_size=2) == (2, 4, 16)
+    assert resolve_batch(t.micro_batch, t.grad_accum, t.global_batch, 2) == (2, 4, 16)
     assert (t.lr, t.beta1, t.beta2, t.eps, t.weight_decay) == (3e-4, 0.9, 0.95, 1e-6, 0.1)
     assert t.schedule == "WarmupCosineLR"
     assert t.schedule_params == {"total_num_steps": 100, "warmup_num_steps": 5}
@@ -231,8 +232,8 @@ def test_inconsistent_batch_triplet_fails_with_deepspeeds_rule(tmp_path):
     layer, _, _ = load_deepspeed_json(_write(tmp_path, {"train_batch_size": 16, "train_micro_batch_size_per_gpu": 3,
                                                      "gradient_accumulation_steps": 4}))
     t = build_config(layer).train
-    with pytest.raises(UserError, match="16 != 3 \\* 4 \\* 1"):
-        resolve_batch(t.micro_batch, t.grad_accum, t.global_batch, dp_size=1)
+    with pytest.raises(UserError, match="16 must equal --micro-batch x --grad-accum x data-parallel size = 3 x 4 x 1"):
+        resolve_batch(t.micro_batch, t.grad_accum, t.global_batch, 1)
 
 
 def test_the_seeds_config_trains_through_the_trainer_and_overflows_skip_cleanly(tmp_path):

@@ -71,7 +71,7 @@ def test_inconsistent_batch_triplet_exits_2(tmp_path):
     r = tenfold(["--nproc", "2", "--global-batch", "5", "--micro-batch", "1", "--grad-accum", "2",
                  "--steps", "1", *RUN_FLAGS, "--out", str(tmp_path / "bad")], timeout=120)
     assert r.returncode == 2, r.stderr[-3000:]
-    assert r.stderr.count("5 != 1 * 2 * 2") == 1  # checked once, before any rank starts
+    assert r.stderr.count("5 must equal --micro-batch x --grad-accum x data-parallel size = 1 x 2 x 2") == 1  # checked once, before any rank starts
     assert not (tmp_path / "bad").exists()
 
 
@@ -215,6 +215,6 @@ def test_preflight_checks_the_triplet_with_the_launch_size():
     from tenfold.errors import UserError
 
     cfg = build_config({"train": {"global_batch": 5, "micro_batch": 1, "grad_accum": 2}})
-    with pytest.raises(UserError, match="5 != 1 \\* 2 \\* 2"):
+    with pytest.raises(UserError, match="5 must equal --micro-batch x --grad-accum x data-parallel size = 1 x 2 x 2"):
         preflight(cfg, 2)
     preflight(build_config({"train": {"global_batch": 4, "micro_batch": 1, "grad_accum": 2}}), 2)

@@ -98,3 +98,17 @@ def test_cli_export_and_bad_input(tmp_path, capsys):
     assert not (tmp_path / "x.safetensors").exists()
     assert cli.main(["export", str(tmp_path / "missing")]) == 2
     assert "checkpoint not found" in capsys.readouterr().err
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_an_fp16_runs_own_export_is_fp16(small_cfg):
+    """checkpoint.export_16bit writes the run's own 16-bit dtype: fp16 stays fp16."""
+    from safetensors import safe_open
+
+    from tenfold.engine.trainer import Trainer
+
+    cfg = small_cfg(precision={"dtype": "fp16"}, checkpoint={"export_16bit": True}, train={"steps": 1})
+    summary = Trainer(cfg).fit()
+    with safe_open(summary["export"], "pt") as f:
+        dtypes = {f.get_slice(k).get_dtype() for k in f.keys()}
+    assert dtypes == {"F16"}, dtypes

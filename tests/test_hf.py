@@ -134,7 +134,8 @@ def test_mixed_precision_trains(tmp_path, dtype, name):
 
 def test_pipeline_and_unknown_blocks_are_user_errors(tmp_path):
     from tenfold.config import build_config
-    from tenfold.models.adapter import adapt, check_techniques
+    from tenfold.engine.parallelize import check_techniques
+    from tenfold.models.adapter import adapt
     from tenfold.models.hf import build_hf_model
 
     a = adapt(build_hf_model(hf_config=str(LLAMA)), 32)

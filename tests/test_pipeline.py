@@ -23,7 +23,9 @@ from tenfold.errors import UserError
 from tenfold.models.gpt import GPT
 from tenfold.models.presets import get_preset, param_count
 from tenfold.techniques import pipeline as pp
+from tenfold.techniques import pipeline_runner
 from tenfold.techniques.pipeline_layout import validate_pipeline
+from tenfold.terms import IGNORE_INDEX
 
 # A narrow `tiny` (same 4 layers, byte vocabulary) so the multi-process runs take seconds.
 CFG = get_preset("tiny").with_overrides(d_model=64, n_heads=4, d_ff=128, max_seq_len=16)
@@ -90,8 +92,8 @@ def test_manual_split_and_description():
 
 
 def test_predicted_bubble():
-    assert pp.predicted_bubble(2, 4) == 0.25
-    assert pp.predicted_bubble(4, 8, 2) == 3 / 16
+    assert pipeline_runner.predicted_bubble(2, 4) == 0.25
+    assert pipeline_runner.predicted_bubble(4, 8, 2) == 3 / 16
 
 
 # --------------------------------------------------------------------------- validation
@@ -152,7 +154,7 @@ def batch_for_step(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     n_pad = torch.randint(0, SEQ // 2, (ROWS,), generator=g)
     for r in range(ROWS):
         if n_pad[r]:
-            tgt[r, -int(n_pad[r]):] = pp.IGNORE_INDEX
+            tgt[r, -int(n_pad[r]):] = IGNORE_INDEX
     return ids, tgt
 
 
@@ -169,7 +171,7 @@ def reference_run(dtype: torch.dtype = torch.float32, steps: int = STEPS) -> dic
 
 
 def _reference_run(dtype: torch.dtype, steps: int) -> dict:
-    from tenfold.engine.optim import build_optimizer, clip_grad_norm
+    from tenfold.techniques.optimizer import build_optimizer, clip_grad_norm
 
     torch.manual_seed(SEED)
     model = GPT(CFG)
@@ -177,7 +179,7 @@ def _reference_run(dtype: torch.dtype, steps: int) -> dict:
     losses, norms = [], []
     for step in range(steps):
         ids, tgt = batch_for_step(step)
-        tokens = int((tgt != pp.IGNORE_INDEX).sum())
+        tokens = int((tgt != IGNORE_INDEX).sum())
         total = 0.0
         for i in range(0, ROWS, 2):
             with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
@@ -221,21 +223,18 @@ def _worker(rank: int, world: int, port: int, cases: list[dict], out: str) -> No
 
 
 def run_case(d, case: dict) -> dict:
-    """One training run through the pipeline, in engine.parallelize's order:
-    split -> recompute -> ZeRO on the dp axis (techniques/zero.py) -> stages + schedule."""
-    from tenfold.engine.optim import clip_grad_norm
-    from tenfold.techniques import recompute, zero
-    from tenfold.techniques.precision import LossScaler
+    """One training run through the pipeline, wrapped by the trainer's own composition point
+    (engine.parallelize: split -> recompute -> ZeRO on the dp axis -> stages + schedule)."""
+    from tenfold.engine.parallelize import parallelize
+    from tenfold.run import resolve_run
+    from tenfold.techniques import zero
+    from tenfold.techniques.optimizer import clip_grad_norm
+    from tenfold.techniques.precision import LossScaler, build_precision
 
     cfg = run_config(case, d.dp_size)
     torch.manual_seed(SEED)
-    model = GPT(CFG)
-    split = pp.split_for_rank(model, cfg, d)
-    parts = list(split.modules)
-    for part in parts:
-        recompute.apply_recompute(part, cfg.recompute.policy)
-    parts = [zero.apply_zero(p, cfg.parallel, d) for p in parts]
-    pm = pp.build_pipelined_model(split, parts, cfg, d)
+    compute_dtype = build_precision(cfg.precision, d.device).compute_dtype
+    pm = parallelize(GPT(CFG), resolve_run(cfg, d.world_size), d, param_dtype=compute_dtype)
     opt = zero.build_optimizer_for(pm, cfg.train, cfg.parallel, d)
     dp_group = d.mesh["dp"].get_group()
     rows = ROWS // d.dp_size
@@ -255,7 +254,7 @@ def run_case(d, case: dict) -> dict:
         bubbles.append(res.bubble)
     ids, tgt = batch_for_step(99)
     eval_sum = pm.eval_loss_sum([{"input_ids": ids, "labels": tgt}])
-    names = pp.gather_per_rank(sorted(n for n, _ in pm.named_parameters()))
+    names = pipeline_runner.gather_per_rank(sorted(n for n, _ in pm.named_parameters()))
     return {"loss": losses, "grad_norm": norms, "eval_sum": eval_sum, "bubble": bubbles,
             "names": sorted(set(sum(names, []))), "report": pm.report(d)}
 
@@ -318,7 +317,7 @@ def test_pp2_every_schedule_matches_one_process(reference, tmp_path):
         assert math.isclose(res["eval_sum"], want["eval_sum"], rel_tol=max(rel, 1e-5)), what
         assert res["names"] == full_names, what  # stages together hold the full model's FQNs
         rep = res["report"]
-        assert rep["bubble_predicted"] == pp.predicted_bubble(2, case["m"], case.get("v", 1))
+        assert rep["bubble_predicted"] == pipeline_runner.predicted_bubble(2, case["m"], case.get("v", 1))
         assert len(rep["bubble_measured_per_pp_rank"]) == 2
         assert all(0.0 <= b < 100 for b in rep["bubble_measured_per_pp_rank"])  # idle / busy
 

@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import SMALL_FLAGS
+from conftest import SMALL_FLAGS, read_metrics
 
 from tenfold.cli import main
 
@@ -62,6 +62,10 @@ def test_cli_pp2_gives_the_one_process_loss_curve(tmp_path):
     one = _train(tmp_path, "one")
     two = _train(tmp_path, "pp2", "--nproc", "2", "--pp", "2")
     for step, (a, b) in enumerate(zip(two["losses"], one["losses"], strict=True)):
+        assert math.isclose(a, b, rel_tol=1e-5), (step, a, b)
+    # the clipped norm is the norm over both stages' gradients, as on one process
+    norms = [[m["grad_norm"] for m in read_metrics(tmp_path / name)] for name in ("one", "pp2")]
+    for step, (a, b) in enumerate(zip(*norms, strict=True)):
         assert math.isclose(a, b, rel_tol=1e-5), (step, a, b)
     assert math.isclose(two["final"]["val_loss"], one["final"]["val_loss"], rel_tol=1e-5)
     pipe = two["pipeline"]

@@ -41,7 +41,7 @@ def test_done_when_175b_34_days(capsys):
 def test_time_model_without_achieved_tflops_is_in_range(capsys):
     # The same run from the planner's own time model: Narayanan report 140 TFLOP/s (34 days);
     # the calibrated model should land within +-20% of that without being told.
-    d = run_json(capsys, "--model", "gpt3-175b", "--gpus", "1024", "--tp", "8", "--pp", "16", "--global-batch", "1536",
+    d = run_json(capsys, "--model", "gpt3-175b", "--gpus", "1024", "--tp", "8", "--pp", "16", "--global-batch", "1536", "--micro-batch", "1",
                  "--ac", "full", "--tokens", "300e9", "--precision", "fp16", "--no-flash-attention", "--dropout",
                  "--no-overlap-comm")
     assert d["train_days"] == pytest.approx(34, rel=0.2)
@@ -109,8 +109,8 @@ def test_plot_writes_png(tmp_path, capsys):
 @pytest.mark.parametrize("argv,message", [
     (["--model", "nope"], "unknown model preset"),
     (["--model", "gpt3-175b", "--ac", "every:0"], "every:N"),
-    (["--model", "gpt3-175b", "--ac", "segments:x"], "segments:N"),
-    (["--model", "gpt3-175b", "--ac", "sometimes"], "not a recompute policy"),
+    (["--model", "gpt3-175b", "--ac", "segments:x"], "segments: needs a positive integer"),
+    (["--model", "gpt3-175b", "--ac", "sometimes"], "invalid recompute policy"),
     (["--model", "gpt3-175b", "--gpus", "12", "--tp", "8"], "multiple of --tp x --pp"),
     (["--model", "gpt3-175b", "--gpus", "10", "--tp", "5"], "must divide the number of attention heads"),
     (["--model", "gpt3-175b", "--gpus", "8", "--offload", "optimizer"], "needs --zero"),

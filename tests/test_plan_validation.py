@@ -22,7 +22,8 @@ from tenfold.plan.flops import (
 )
 from tenfold.plan.hardware import CATALOG, GPU_GEMM_EFFICIENCY
 from tenfold.plan.memory import activation_bytes_per_layer, largest_model_that_fits, stage_activations, zero_model_states_gb
-from tenfold.plan.strategy import Strategy, parse_ac
+from tenfold.plan.strategy import Strategy
+from tenfold.terms import parse_recompute
 
 # ZeRO Table 1 verbatim: {psi: {dp: (P_os, P_os+g, P_os+g+p)}} in GB (1e9 bytes).
 ZERO_TABLE1 = {
@@ -126,7 +127,7 @@ def test_v9_selective_saves_70_and_65_percent():
 def test_v9_first_stage_total_eq6_and_interleave():
     # TP=8, SP, selective, p=8: the first stage holds p micro-batches x L/p layers = L layers.
     s = replace(KORTHIKANTI, tp=8, pp=8, sequence_parallel=True, pp_schedule="1f1b")
-    pol = parse_ac("selective")
+    pol = parse_recompute("selective")
     sa = stage_activations(GPT3, s, pol, 2048, 1, 8, 8, 64, 1, 12, first=True, last=False)
     assert sa.stored_bytes / 2**30 == pytest.approx(9.56, rel=0.005)
     s3 = replace(s, pp_schedule="interleaved", virtual_stages=3)

@@ -1,13 +1,15 @@
-"""Mixed precision: DeepSpeed's DynamicLossScaler semantics (engine.md §2.9), the skip-step
+"""Mixed precision: DeepSpeed's DynamicLossScaler semantics (deepspeed/runtime/fp16/loss_scaler.py), the skip-step
 rule, loss-scaling equivalence, a tiny fp16 run, and the global overflow vote over 2 ranks."""
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import tempfile
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,7 +19,7 @@ from torch import nn
 
 from tenfold.engine.distributed import shutdown
 from tenfold.config import build_config
-from tenfold.engine.optim import build_optimizer, clip_grad_norm
+from tenfold.techniques.optimizer import build_optimizer, clip_grad_norm
 from tenfold.engine.schedule import build_scheduler
 from tenfold.errors import UserError
 from tenfold.models.gpt import GPT
@@ -29,6 +31,7 @@ from tenfold.techniques.precision import (
     LossScaler,
     autocast_context,
     build_loss_scaler,
+    build_precision,
     finish_step,
     grads_have_inf_or_nan,
     resolve_dtype,
@@ -231,18 +234,26 @@ def _step_setup(dtype: str = "fp16"):
     model = _tiny_gpt()
     opt = build_optimizer(model, cfg.train, CPU)
     sched = build_scheduler(opt, cfg.train, total_steps=10)
-    return cfg, model, opt, sched, build_loss_scaler(cfg.precision, dtype)
+    return cfg, model, opt, sched, build_precision(cfg.precision, CPU)
+
+
+def _finish(opt, sched, precision, model, max_norm, loss=1.0):
+    """The trainer's step tail (Trainer.apply_gradients calls exactly this function)."""
+    params = list(model.parameters())
+    return finish_step(opt, sched, precision, params, loss, 32, lambda m: clip_grad_norm(params, m), max_norm)
 
 
 def test_forced_overflow_skips_the_step_everywhere_it_matters():
-    cfg, model, opt, sched, scaler = _step_setup()
+    cfg, model, opt, sched, precision = _step_setup()
+    scaler = precision.scaler
     before = [p.detach().clone() for p in model.parameters()]
     ids = torch.randint(0, 64, (2, 16))
     scaler.scale_loss(_lm_loss(model, ids)).backward()
     next(model.parameters()).grad.view(-1)[3] = math.inf  # an overflow in one element
     lr_before = sched.get_last_lr()
-    r = finish_step(opt, sched, scaler, list(model.parameters()), cfg.train.grad_clip)
-    assert r.skipped and r.grad_norm is None and r.loss_scale == 2.0**16
+    r = _finish(opt, sched, precision, model, cfg.train.grad_clip)
+    assert r.skipped and math.isnan(r.grad_norm) and r.loss_scale == 2.0**16
+    assert r.message.startswith("OVERFLOW! Skipping step")
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))  # weights unchanged
     assert all(p.grad is None for p in model.parameters())  # the inf never reaches the weights
     assert len(opt.state) == 0  # AdamW moments untouched
@@ -251,17 +262,18 @@ def test_forced_overflow_skips_the_step_everywhere_it_matters():
     # second overflow: hysteresis used up -> the scale halves
     scaler.scale_loss(_lm_loss(model, ids)).backward()
     next(model.parameters()).grad.view(-1)[0] = math.nan
-    assert finish_step(opt, sched, scaler, list(model.parameters()), 1.0).skipped
+    assert _finish(opt, sched, precision, model, 1.0).skipped
     assert scaler.skipped_steps == 2 and scaler.scale == 2.0**15
     # a clean step goes through: weights move, schedule advances
     scaler.scale_loss(_lm_loss(model, ids)).backward()
-    r = finish_step(opt, sched, scaler, list(model.parameters()), 1.0)
+    r = _finish(opt, sched, precision, model, 1.0)
     assert not r.skipped and r.grad_norm > 0 and sched.last_epoch == 1
     assert not all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
 
 
 def test_tiny_fp16_run_trains_without_nan_and_the_loss_falls():
-    cfg, model, opt, sched, scaler = _step_setup()
+    cfg, model, opt, sched, precision = _step_setup()
+    scaler = precision.scaler
     g = torch.Generator().manual_seed(0)
     base = torch.randint(0, 64, (4, 8), generator=g)
     data = base.repeat(1, 2)  # periodic sequences: learnable in a few steps
@@ -270,7 +282,7 @@ def test_tiny_fp16_run_trains_without_nan_and_the_loss_falls():
         with autocast_context("fp16", CPU):
             loss = _lm_loss(model, data)
         scaler.scale_loss(loss).backward()
-        finish_step(opt, sched, scaler, list(model.parameters()), 1.0)
+        _finish(opt, sched, precision, model, 1.0, loss.item())
         losses.append(loss.item())
     assert all(math.isfinite(x) for x in losses)
     assert all(torch.isfinite(p).all() for p in model.parameters())
@@ -345,3 +357,41 @@ def test_overflow_vote_is_global_over_two_gloo_ranks_and_clip_norm_is_global_und
         assert out["fsdp_norm"] == pytest.approx(out["ref_norm"], rel=1e-5)
         assert out["fsdp_norm_after_clip"] == pytest.approx(out["fsdp_clipped_to"], rel=1e-4)  # coef has +1e-6
     assert outs[0]["fsdp_norm"] == outs[1]["fsdp_norm"]
+
+
+# --------------------------------------------------------------------------- through the trainer
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_an_overflow_on_the_training_path_logs_deepspeeds_message(small_cfg, caplog):
+    """fp16 from a start scale of 2**40 overflows: the trainer's own step skips and says so."""
+    from tenfold.engine.trainer import Trainer
+
+    cfg = small_cfg(precision={"dtype": "fp16", "initial_scale_power": 40}, train={"steps": 2})
+    with caplog.at_level(logging.WARNING, logger="tenfold"):
+        summary = Trainer(cfg).fit()
+    assert summary["final"]["skipped_steps"] >= 1
+    skips = [r.getMessage() for r in caplog.records if "OVERFLOW! Skipping step" in r.getMessage()]
+    assert skips and "Attempted loss scale: 1.09951e+12" in skips[0], [r.getMessage() for r in caplog.records]
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_fp16_gradients_are_unscaled_before_the_norm_and_the_step(small_cfg):
+    """A static loss scale of 2**10 must not show in the reported gradient norm or the update:
+    the same run at scale 1 gives the same norms and losses (clip far above the norm, so
+    clipping cannot hide a scaled gradient; AdamW's scale invariance would hide it from the
+    loss alone, the norm cannot hide it)."""
+    from tenfold.engine.trainer import Trainer
+
+    def run(scale: float, name: str) -> list[dict]:
+        cfg = small_cfg(precision={"dtype": "fp16", "loss_scale": scale}, train={"steps": 3, "grad_clip": 1e6},
+                        log={"out": str(Path(cfg_root) / name), "progress": False, "tensorboard": False})
+        Trainer(cfg).fit()
+        return [json.loads(line) for line in (Path(cfg_root) / name / "metrics.jsonl").read_text().splitlines()]
+
+    cfg_root = small_cfg()["log"]["out"]
+    scaled, plain = run(2.0**10, "scaled"), run(1.0, "plain")
+    for a, b in zip(scaled, plain, strict=True):
+        assert not a["skipped"] and not b["skipped"]
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=2e-2), (a, b)
+        assert a["loss"] == pytest.approx(b["loss"], rel=2e-3)

@@ -17,14 +17,9 @@ import torch.utils.checkpoint
 from tenfold.errors import UserError
 from tenfold.models.gpt import GPT
 from tenfold.models.presets import get_preset
-from tenfold.techniques.recompute import (
-    RecomputePolicy,
-    apply_recompute,
-    check_supported,
-    describe,
-    parse_policy,
-    split_segments,
-)
+from tenfold.techniques.recompute import apply_recompute, check_supported, describe
+from tenfold.terms import RecomputePolicy, split_segments
+from tenfold.terms import parse_recompute as parse_policy
 
 POLICIES = ["full", "every:2", "segments:2", "segments:3", "selective", "selective:attention", "selective:mlp"]
 DISTINCT = ["full", "every:2", "segments:2", "selective:attention", "selective:mlp"]

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tenfold.config import build_config
-from tenfold.engine.optim import build_optimizer, clip_grad_norm, param_groups
+from tenfold.techniques.optimizer import build_optimizer, clip_grad_norm, param_groups
 from tenfold.engine.schedule import build_scheduler, validate_schedule_params
 from tenfold.errors import UserError
 

@@ -123,7 +123,7 @@ def test_user_module_and_array_dataset(tmp_path):
 
 BAD_INPUTS = [
     (["--precision", "fp17"], "precision.dtype"),
-    (["--micro-batch", "2", "--grad-accum", "4", "--global-batch", "16"], "16 != 2 * 4 * 1"),
+    (["--micro-batch", "2", "--grad-accum", "4", "--global-batch", "16"], "16 must equal --micro-batch x --grad-accum x data-parallel size = 2 x 4 x 1"),
     (["--lr", "-1"], "train.lr"),
     (["--lr", "0"], "train.lr"),
     (["--steps", "0"], "train.steps"),

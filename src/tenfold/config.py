@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 from tenfold.errors import UserError
 from tenfold.lr_schedule import validate_schedule_params
 from tenfold.models.presets import ModelConfig, get_preset
+from tenfold.terms import parse_recompute
 
 try:
     import tomllib
@@ -74,7 +75,7 @@ class ModelSection(_Section):
 
     def build(self) -> ModelConfig:
         if self.hf_config or self.hf_pretrained:  # the HF shape, as the planner reads it
-            from tenfold.plan.shape import model_from_hf_config
+            from tenfold.models.hf_config import model_from_hf_config
 
             shape_keys = self.model_dump(exclude={"name", "hf_config", "hf_pretrained", "blocks"}, exclude_none=True)
             if shape_keys:
@@ -107,7 +108,7 @@ class DataSection(_Section):
 
 class TrainSection(_Section):
     steps: int = Field(200, gt=0)
-    micro_batch: int = Field(8, gt=0)
+    micro_batch: int | None = Field(None, gt=0)  # None: tenfold.terms.resolve_batch's default
     grad_accum: int | None = Field(None, gt=0)
     global_batch: int | None = Field(None, gt=0)  # sequences per optimizer step, all ranks
     lr: float = Field(2e-3, gt=0)
@@ -146,15 +147,20 @@ class PrecisionSection(_Section):
 
 
 class RecomputeSection(_Section):
-    policy: str = "none"  # none | full | every:N | segments:K | selective[:attention|:mlp] | offload
+    policy: str = "none"  # tenfold.terms.RECOMPUTE_FORMS
+
+    @field_validator("policy")
+    @classmethod
+    def _policy_parses(cls, v: str) -> str:
+        return str(parse_recompute(v))
 
 
 class ParallelSection(_Section):
     zero_stage: int = Field(0, ge=0, le=3)
     nproc: int = Field(1, gt=0)  # `tenfold train --nproc N` starts N local ranks
     pp_degree: int = Field(1, gt=0)
-    pp_schedule: Literal["gpipe", "1f1b", "interleaved", "zero-bubble"] = "1f1b"
-    virtual_stages: int = Field(1, gt=0)
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved", "zero-bubble"] = "1f1b"  # tenfold.terms.PIPELINE_SCHEDULES
+    virtual_stages: int | None = Field(None, gt=0)  # None: 2 for interleaved schedules, else 1
     pp_split: list[int] | None = None
     param_persistence_threshold: int = Field(100_000, ge=0)  # stage3_param_persistence_threshold
     reduce_bucket_size: int | None = None
@@ -279,33 +285,3 @@ def build_config(*layers: dict) -> TenfoldConfig:
         raise UserError(_format_validation_error(e)) from None
     cfg.seq_len()  # context check
     return cfg
-
-
-def resolve_batch(
-    micro_batch: int | None, grad_accum: int | None, global_batch: int | None, dp_size: int
-) -> tuple[int, int, int]:
-    """DeepSpeed's batch triplet rule (engine.md §2.1): fill what is missing by floor
-    division, then assert `global == micro * accum * dp` with DeepSpeed's message."""
-    for name, v in (("micro_batch", micro_batch), ("grad_accum", grad_accum), ("global_batch", global_batch)):
-        if v is not None and v <= 0:
-            raise UserError(f"train.{name} must be a positive integer, got {v}")
-    if global_batch is not None and micro_batch is not None and grad_accum is None:
-        grad_accum = global_batch // micro_batch // dp_size
-    elif global_batch is not None and grad_accum is not None and micro_batch is None:
-        micro_batch = global_batch // dp_size // grad_accum
-    elif micro_batch is not None and grad_accum is not None and global_batch is None:
-        global_batch = micro_batch * grad_accum * dp_size
-    elif global_batch is not None and micro_batch is None and grad_accum is None:
-        grad_accum, micro_batch = 1, global_batch // dp_size
-    elif micro_batch is not None and global_batch is None and grad_accum is None:
-        grad_accum, global_batch = 1, micro_batch * dp_size
-    elif micro_batch is None and global_batch is None:
-        raise UserError("Either train.global_batch or train.micro_batch needs to be provided")
-    assert micro_batch is not None and grad_accum is not None and global_batch is not None
-    if micro_batch <= 0 or grad_accum <= 0 or global_batch != micro_batch * grad_accum * dp_size:
-        raise UserError(
-            "Check batch related parameters. train.global_batch is not equal to "
-            f"micro_batch * grad_accum * data_parallel_size {global_batch} != "
-            f"{micro_batch} * {grad_accum} * {dp_size}"
-        )
-    return micro_batch, grad_accum, global_batch

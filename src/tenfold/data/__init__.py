@@ -10,7 +10,8 @@ See docs/data.md.
 """
 
 from tenfold.data.build import DataBundle, build_data
-from tenfold.data.loader import IGNORE_INDEX, GlobalBatchLoader, iter_eval, to_batch
+from tenfold.data.loader import GlobalBatchLoader, iter_eval, to_batch
+from tenfold.terms import IGNORE_INDEX
 from tenfold.data.tokenizer import BPETokenizer, ByteTokenizer, IdTokenizer
 
 __all__ = [

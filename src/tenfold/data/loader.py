@@ -20,8 +20,6 @@ import torch
 
 from tenfold.errors import UserError
 
-IGNORE_INDEX = -100  # label of positions without a target (torch cross_entropy's ignore_index)
-
 
 def to_batch(rows: np.ndarray) -> dict[str, torch.Tensor]:
     """[B, seq_len + 1] token rows -> int64 `input_ids` = rows[:, :-1], `labels` = rows[:, 1:]

@@ -18,6 +18,7 @@ from __future__ import annotations
 import io
 import os
 import sys
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -63,7 +64,14 @@ def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
+def world_size_from_env() -> int:
+    """Processes in this job: torchrun's WORLD_SIZE, 1 when not launched by torchrun."""
+    return int(os.environ["WORLD_SIZE"]) if launched_by_torchrun() else 1
+
+
 def init_distributed(pp_size: int = 1, timeout_s: float = 600.0) -> DistInfo:
+    """Join the job's process group and build the (pp, dp) device mesh. The sizes come from
+    the resolved run (tenfold.run.resolve_run has checked that pp divides the world)."""
     if not launched_by_torchrun() or int(os.environ["WORLD_SIZE"]) == 1:
         return DistInfo(device=pick_device(0))
     from tenfold.errors import UserError
@@ -122,6 +130,24 @@ def tighten_timeouts(info: DistInfo, timeout_s: float) -> None:
 
 
 # --------------------------------------------------------------------------- output
+
+
+def tighten_timeouts_after_first_step(optimizer: torch.optim.Optimizer, timeout_s: float, info: DistInfo) -> None:
+    """After the first optimizer step (process start, lazy FSDP init and warm-up are behind us)
+    shorten the collective timeout from `parallel.timeout_s` to ~20x that first step, at
+    least 120 s (`distributed.tightened_timeout_s`): a rank that hangs is then noticed in
+    bounded time. Measured from the optimizer's creation, so it includes the first step."""
+    if not info.initialized:
+        return
+    started = time.perf_counter()
+    handle = None
+
+    def after_first_step(*_):
+        elapsed = time.perf_counter() - started
+        tighten_timeouts(info, tightened_timeout_s(elapsed, timeout_s))
+        handle.remove()
+
+    handle = optimizer.register_step_post_hook(after_first_step)
 
 
 def print0(*args: Any, **kwargs: Any) -> None:

@@ -51,18 +51,18 @@ def _threads_per_rank(nproc: int) -> int:
 
 
 def preflight(cfg: Any, nproc: int) -> None:
-    """Checks that need no process: the batch triplet with dp = nproc / pp (UserError -> 2)."""
-    from tenfold.config import resolve_batch
+    """What can be checked before any process starts (UserError -> exit 2): the run resolved
+    on `nproc` processes (batch triplet, pp dividing the world) and the pipeline's rules."""
     from tenfold.errors import UserError
+    from tenfold.run import resolve_run
 
-    pp = cfg.parallel.pp_degree
-    if nproc % pp:
-        raise UserError(f"parallel.pp_degree ({pp}) must divide --nproc ({nproc})")
-    resolve_batch(cfg.train.micro_batch, cfg.train.grad_accum, cfg.train.global_batch, nproc // pp)
-    if pp > 1:  # [pipeline] micro-batches >= stages, stages <= layers, --pp-split, tied embeddings
-        from tenfold.techniques.pipeline_layout import validate_config
+    if nproc % cfg.parallel.pp_degree:
+        raise UserError(f"parallel.pp_degree ({cfg.parallel.pp_degree}) must divide --nproc ({nproc})")
+    run = resolve_run(cfg, nproc)
+    if run.pp > 1:  # micro-batches >= stages, stages <= layers, --pp-split, tied embeddings
+        from tenfold.techniques.pipeline_layout import validate_run
 
-        validate_config(cfg, nproc)
+        validate_run(run)
 
 
 def run_under_torchrun(argv: list[str], nproc: int, cfg: Any = None) -> int:

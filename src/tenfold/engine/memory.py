@@ -31,8 +31,8 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-# torch-free, shared with `tenfold train --dry-run`; planner_strategy is imported from here too
-from tenfold.engine.run_shape import fmt_bytes, memory_by_category, planner_strategy  # noqa: F401
+from tenfold.engine.metrics import peak_memory_bytes
+from tenfold.engine.run_shape import fmt_bytes, memory_by_category  # torch-free: the dry run's too
 
 MEMORY_KEYS = (
     "params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes",
@@ -398,24 +398,21 @@ def planner_hardware_name(device: torch.device) -> str:
     return "h100-sxm"
 
 
-def predicted_memory(config, dist_info=None, dtype: str | None = None, plan=None, model=None,
-                     seq_len: int | None = None) -> dict[str, int]:
-    """The planner's per-rank prediction for this run, under the measurement's keys.
+def predicted_memory(run, device: torch.device | None = None, dtype: str | None = None, plan=None,
+                     model=None) -> dict[str, int]:
+    """The planner's per-rank prediction for a resolved run (tenfold.run), under the
+    measurement's keys.
 
     `dtype`: the precision the engine actually runs (bf16 falls back to fp32 where the device
-    lacks it); default `config.precision.dtype`. `plan`: an already computed `Plan`. `model`:
-    what the planner is given instead of the config's shape (e.g. a parameter count for a
-    user's own module: then only model states are predicted, activations are 0).
-    `seq_len`: the run's sequence length when it differs from the config's (user datasets).
+    lacks it); default the configured one. `plan`: an already computed `Plan`. `model`: what the
+    planner is given instead of the run's shape (e.g. a parameter count for a user's own module:
+    then only model states are predicted, activations are 0).
     The categories are `memory_by_category`'s.
     """
     if plan is None:
-        from tenfold.plan.api import predict
+        from tenfold.plan.for_run import predict_run
 
-        device = getattr(dist_info, "device", torch.device("cpu"))
-        world = getattr(dist_info, "world_size", 1) or 1
-        shape = model if model is not None else config.model_config_resolved()
-        plan = predict(shape, planner_hardware_name(device), world, planner_strategy(config, dist_info, dtype, seq_len))
+        plan = predict_run(run, planner_hardware_name(device or torch.device("cpu")), dtype, model)
     return memory_by_category(plan.memory)
 
 
@@ -443,7 +440,7 @@ class RunMemory:
         t = self.trainer
         model = float(t.param_count) if t.user_model is not None else None
         try:
-            self.predicted = predicted_memory(t.cfg, t.dist, t.dtype_name, model=model, seq_len=t.seq_len)
+            self.predicted = predicted_memory(t.run, t.dist.device, t.dtype_name, model=model)
         except Exception as exc:  # noqa: BLE001 - the prediction must never stop a training run
             self.predicted, self.note = None, f"no prediction: {type(exc).__name__}: {exc}"
         return self.predicted
@@ -484,6 +481,12 @@ class RunMemory:
         }
         if self.note:
             out["note"] = self.note
+        dist = self.trainer.dist
+        if dist.world_size > 1:  # every rank's measured step (memory.measured's keys), on rank 0
+            from tenfold.engine.distributed import gather_to_main
+
+            mine = self.measured or {"peak_bytes": peak_memory_bytes(dist.device)}
+            out["measured_per_rank"] = gather_to_main(mine, dist)
         return out
 
 

@@ -1,11 +1,13 @@
-"""The one place where the seed's techniques are applied to a model, in a fixed order.
+"""The one place where the techniques are applied to a model, in a fixed order.
 
-Order (torchtitan's `parallelize`, engine.md §5.1-5.2): pipeline split -> activation
-recompute -> ZeRO/FSDP wrapping. Recompute must wrap blocks before FSDP2 `fully_shard`
-takes them over (so that unsharded parameters are re-gathered inside the recomputed
-forward), and the pipeline split must come first because each stage shards only what it owns.
-Mixed precision is not a wrapper here: autocast is entered in the step (precision.py), and
-under FSDP2 the ZeRO module passes a MixedPrecisionPolicy.
+Order (torchtitan's `parallelize_llama`): pipeline split -> activation recompute ->
+ZeRO/FSDP wrapping. Recompute must wrap blocks before FSDP2's `fully_shard` takes them over
+(so that unsharded parameters are re-gathered inside the recomputed forward), and the pipeline
+split comes first because each stage shards only what it owns. Mixed precision is not a
+wrapper: autocast is entered in the step (techniques/precision.py), and under FSDP2 the ZeRO
+module passes a MixedPrecisionPolicy.
+
+`check_techniques` runs first: every technique the config asks for must fit the model.
 """
 
 from __future__ import annotations
@@ -15,28 +17,78 @@ import torch.nn as nn
 
 from tenfold.config import TenfoldConfig
 from tenfold.engine.distributed import DistInfo
+from tenfold.errors import UserError
+from tenfold.models.adapter import ModelAdapter
+from tenfold.run import ResolvedRun
+from tenfold.terms import parse_recompute
 
 
 def parallelize(
-    model: nn.Module, cfg: TenfoldConfig, dist: DistInfo, blocks: list[nn.Module] | None = None,
+    model: nn.Module, run: ResolvedRun, dist: DistInfo, blocks: list[nn.Module] | None = None,
     param_dtype: torch.dtype | None = None,
 ) -> nn.Module:
     """`blocks`: the model's repeated blocks (tenfold.models.adapter), recomputed and sharded
     one by one; None: tenfold's GPT `model.layers`. `param_dtype`: the 16-bit compute dtype
     (None for fp32); FSDP2 (ZeRO-2/3) then gathers parameters in it and reduces in fp32, over
     fp32 sharded master weights (MixedPrecisionPolicy)."""
-    if dist.pp_size > 1:  # [pipeline] split first; each stage then gets recompute + ZeRO alone
-        from tenfold.techniques import pipeline
+    if dist.pp_size > 1:  # split first; each stage then gets recompute + ZeRO alone
+        from tenfold.techniques.pipeline import split_for_rank
+        from tenfold.techniques.pipeline_runner import build_pipelined_model
 
-        split = pipeline.split_for_rank(model, cfg, dist)
-        parts = [_recompute_and_zero(part, cfg, dist, param_dtype=param_dtype) for part in split.modules]
-        return pipeline.build_pipelined_model(split, parts, cfg, dist)
-    return _recompute_and_zero(model, cfg, dist, blocks, param_dtype)
+        split = split_for_rank(model, run, dist, param_dtype)
+        parts = [_recompute_and_zero(part, run, dist, param_dtype=param_dtype) for part in split.modules]
+        return build_pipelined_model(split, parts, run, dist, param_dtype)
+    return _recompute_and_zero(model, run, dist, blocks, param_dtype)
 
 
-def _recompute_and_zero(model: nn.Module, cfg: TenfoldConfig, dist: DistInfo, blocks=None, param_dtype=None) -> nn.Module:
+def _recompute_and_zero(model: nn.Module, run: ResolvedRun, dist: DistInfo, blocks=None, param_dtype=None) -> nn.Module:
     from tenfold.techniques import recompute, zero
 
-    if cfg.recompute.policy != "none":
-        recompute.apply_recompute(model, recompute.parse_policy(cfg.recompute.policy), blocks=blocks)
-    return zero.apply_zero(model, cfg.parallel, dist, param_dtype=param_dtype, blocks=blocks)
+    if run.recompute.kind != "none":
+        recompute.apply_recompute(model, run.recompute, blocks=blocks)
+    return zero.apply_zero(model, run.config.parallel, dist, param_dtype=param_dtype, blocks=blocks)
+
+
+# --------------------------------------------------------------------------- technique checks
+
+
+def check_techniques(adapter: ModelAdapter, cfg: TenfoldConfig) -> None:
+    """Every technique the config asks for can be applied to this model, else a UserError
+    (exit 2) naming what is possible. Runs before anything is wrapped."""
+    policy = parse_recompute(cfg.recompute.policy)
+    if policy.kind != "none":
+        adapter.require_blocks(f"recompute.policy {str(policy)!r} (--ac)")
+    if policy.kind == "selective":
+        _check_selective(adapter, policy.target)
+    if int(cfg.parallel.zero_stage) == 3:
+        # ZeRO-3 gathers one unit at a time; without blocks the whole model is one unit and
+        # the full parameters are gathered at once: no ZeRO-3 saving. (ZeRO-2 with the root as
+        # its only unit still shards gradients and optimizer states, so it is allowed.)
+        # Checked on one process too: the error is about the model, not the launch.
+        adapter.require_blocks("parallel.zero_stage 3 (--zero 3, FSDP2 one unit per block)")
+    if cfg.parallel.pp_degree > 1 and adapter.kind != "tenfold":
+        raise UserError(
+            f"parallel.pp_degree {cfg.parallel.pp_degree} (--pp): the pipeline split cuts "
+            f"tenfold's GPT by parameter name (tok_emb, layers.N, norm, output); a {adapter.kind} "
+            f"model ({adapter.describe()}) cannot be split. Use --pp 1 with --zero 0-3 and --ac"
+        )
+
+
+def _check_selective(adapter: ModelAdapter, target: str) -> None:
+    """selective:mlp recomputes `block.mlp` (tenfold, Llama, GPT-2 blocks all have one);
+    selective:attention needs a parameter-free attention core module (`block.attn.core`,
+    tenfold's Block). Hugging Face blocks compute attention in a function, not a module."""
+    block = adapter.blocks[0]
+    if target == "mlp" and isinstance(getattr(block, "mlp", None), nn.Module):
+        return
+    attn = getattr(block, "attn", None)
+    if target == "attention" and isinstance(getattr(attn, "core", None), nn.Module):
+        return
+    possible = ["full", "every:N", "segments:K"]
+    if isinstance(getattr(block, "mlp", None), nn.Module):
+        possible.insert(0, "selective:mlp")
+    what = "a parameter-free attention core module `attn.core`" if target == "attention" else "an `mlp` submodule"
+    raise UserError(
+        f"recompute.policy selective:{target} (--ac) needs blocks with {what}; "
+        f"{adapter.block_class} has none. Possible for this model: {', '.join(possible)}"
+    )

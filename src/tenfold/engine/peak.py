@@ -10,16 +10,15 @@ in a subprocess so that the planner itself never imports torch.
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
-DTYPES = ("fp32", "bf16", "fp16")
+from tenfold.terms import PRECISIONS as DTYPES
+from tenfold.terms import cache_dir
 
 
 def cache_path() -> Path:
-    root = os.environ.get("TENFOLD_CACHE_DIR") or os.path.join(Path.home(), ".cache", "tenfold")
-    return Path(root) / "cpu_peak.json"
+    return cache_dir() / "cpu_peak.json"
 
 
 def cpu_key() -> str:

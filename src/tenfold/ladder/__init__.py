@@ -173,10 +173,10 @@ def prepare(args: argparse.Namespace) -> "Ladder":
 
 
 def _check_ac(policy: str) -> None:
-    from tenfold.plan.strategy import parse_ac
+    from tenfold.terms import parse_recompute
 
     if policy != "auto":
-        parse_ac(policy)  # UserError naming the allowed policies
+        parse_recompute(policy)  # UserError naming the allowed policies
 
 
 def _default_global_batch(preferred: int, nproc: int, pp: int) -> int:

@@ -1,7 +1,7 @@
 """The planner's forecast for a rung, and the micro-batch the memory budget allows.
 
 The prediction uses the same config the rung trains with: `build_config(user layers, rung
-overrides)` -> `tenfold.engine.memory.planner_strategy` (how tenfold's engine runs it: fp32
+overrides)` -> `tenfold.plan.for_run.strategy_for_run` (how tenfold's engine runs it: fp32
 parameters under autocast, eager activations) -> `tenfold.plan.api.predict` on the planner's
 hardware entry for this device (`cpu`: peak FLOP/s measured by `tenfold.engine.peak`).
 """
@@ -9,7 +9,6 @@ hardware entry for this device (`cpu`: peak FLOP/s measured by `tenfold.engine.p
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from types import SimpleNamespace
 from typing import Any, Callable
 
 from tenfold.ladder.rungs import LadderSetup, RungSpec, divisors, recompute_rung
@@ -41,17 +40,15 @@ def predict_rung(spec: RungSpec, user_layers: list[dict], device_type: str = "cp
     try:
         import torch
 
-        from tenfold.engine.memory import planner_hardware_name, planner_strategy, predicted_memory
-        from tenfold.plan.api import predict
+        from tenfold.engine.memory import planner_hardware_name, predicted_memory
+        from tenfold.plan.for_run import predict_run
+        from tenfold.run import resolve_run
 
-        cfg = rung_config(spec, user_layers)
-        k = spec.knobs
+        run = resolve_run(rung_config(spec, user_layers), spec.nproc)
         device = torch.device(device_type)
-        dist = SimpleNamespace(dp_size=k["dp"], world_size=spec.nproc, device=device)
-        dtype = k["precision"]
-        plan = predict(cfg.model_config_resolved(), planner_hardware_name(device), spec.nproc,
-                       planner_strategy(cfg, dist, dtype))
-        mem = predicted_memory(cfg, dist, dtype, plan=plan)
+        dtype = spec.knobs["precision"]
+        plan = predict_run(run, planner_hardware_name(device), dtype)
+        mem = predicted_memory(run, device, dtype, plan=plan)
         return Prediction(plan.tokens_per_s, mem["peak_bytes"], mem, plan.step_time_s, plan.mfu)
     except Exception as exc:  # the planner is another component: report, don't stop the ladder
         return Prediction(error=f"{type(exc).__name__}: {exc}".splitlines()[0][:300])
@@ -144,7 +141,12 @@ def choose_policy(build: Callable[[str], RungSpec], user_layers: list[dict], bud
 
 
 def _n_layers(spec: RungSpec, user_layers: list[dict]) -> int:
-    return rung_config(spec, user_layers).model_config_resolved().n_layers
+    """The model's layer count (the rung's recompute setting may still be `auto`, which only
+    the ladder reads, so it is left out)."""
+    from tenfold.config import build_config
+
+    overrides = {k: v for k, v in spec.overrides.items() if k != "recompute"}
+    return build_config(*user_layers, overrides).model.build().n_layers
 
 
 def _candidate(spec: RungSpec, user_layers: list[dict], activation_scale: float, device_type: str, **key) -> dict:

@@ -20,10 +20,10 @@ instead: every module of that class, in registration order.
 
 Loss: tenfold's labels are ALREADY shifted (labels[t] is the token after input_ids[t]) and the
 loss of a step is the token-weighted sum over the whole global batch
-(`tenfold.techniques.accumulation`). A Hugging Face model given `labels=` would shift them a
+(tenfold.techniques.accumulation). A Hugging Face model given `labels=` would shift them a
 second time and return a per-micro-batch mean, so we never pass labels: we take
 `model(input_ids=..., use_cache=False).logits` and sum the token losses ourselves with
-`token_loss_sum`. (`use_cache=False`: no KV cache is built in training; with recompute a cache
+`tenfold.models.loss.token_loss_sum`. (`use_cache=False`: no KV cache is built in training; with recompute a cache
 would be written twice.)
 
 Top level imports torch only (no transformers): `tenfold.models.hf` is imported lazily.
@@ -38,6 +38,7 @@ import torch
 import torch.nn as nn
 
 from tenfold.errors import UserError
+from tenfold.models.loss import token_loss_sum
 
 LossFn = Callable[[nn.Module, dict], Any]
 
@@ -59,8 +60,6 @@ class ModelAdapter:
     def loss_sum(self, model: nn.Module, batch: dict) -> torch.Tensor:
         """Sum of the token losses of one micro-batch, in fp32. `model` is the module the
         trainer calls (possibly a DDP wrapper, whose forward hooks must run)."""
-        from tenfold.techniques.accumulation import token_loss_sum
-
         if self.user_loss_fn is not None:
             out = self.user_loss_fn(model, batch)
             loss_sum = out[0] if isinstance(out, (tuple, list)) else out
@@ -286,51 +285,4 @@ def _check_against_no_split_modules(model: nn.Module, found: list[nn.Module]) ->
         f"{type(model).__name__} declares its blocks as {sorted(declared)} (_no_split_modules) but the "
         f"largest list of one class holds {guess}; using {guess}. Pass --blocks ClassName to choose",
         stacklevel=3,
-    )
-
-
-# --------------------------------------------------------------------------- technique checks
-
-
-def check_techniques(adapter: ModelAdapter, cfg: Any) -> None:
-    """Every technique the config asks for can be applied to this model, else a UserError
-    (exit 2) naming what is possible. Runs before anything is wrapped."""
-    from tenfold.techniques.recompute import parse_policy
-
-    policy = parse_policy(cfg.recompute.policy)
-    if policy.kind != "none":
-        adapter.require_blocks(f"recompute.policy {str(policy)!r} (--ac)")
-    if policy.kind == "selective":
-        _check_selective(adapter, policy.target)
-    if int(cfg.parallel.zero_stage) == 3:
-        # ZeRO-3 gathers one unit at a time; without blocks the whole model is one unit and
-        # the full parameters are gathered at once: no ZeRO-3 saving. (ZeRO-2 with the root as
-        # its only unit still shards gradients and optimizer states, so it is allowed.)
-        # Checked on one process too: the error is about the model, not the launch.
-        adapter.require_blocks("parallel.zero_stage 3 (--zero 3, FSDP2 one unit per block)")
-    if cfg.parallel.pp_degree > 1 and adapter.kind != "tenfold":
-        raise UserError(
-            f"parallel.pp_degree {cfg.parallel.pp_degree} (--pp): the pipeline split cuts "
-            f"tenfold's GPT by parameter name (tok_emb, layers.N, norm, output); a {adapter.kind} "
-            f"model ({adapter.describe()}) cannot be split. Use --pp 1 with --zero 0-3 and --ac"
-        )
-
-
-def _check_selective(adapter: ModelAdapter, target: str) -> None:
-    """selective:mlp recomputes `block.mlp` (tenfold, Llama, GPT-2 blocks all have one);
-    selective:attention needs a parameter-free attention core module (`block.attn.core`,
-    tenfold's Block). Hugging Face blocks compute attention in a function, not a module."""
-    block = adapter.blocks[0]
-    if target == "mlp" and isinstance(getattr(block, "mlp", None), nn.Module):
-        return
-    attn = getattr(block, "attn", None)
-    if target == "attention" and isinstance(getattr(attn, "core", None), nn.Module):
-        return
-    possible = ["full", "every:N", "segments:K"]
-    if isinstance(getattr(block, "mlp", None), nn.Module):
-        possible.insert(0, "selective:mlp")
-    what = "a parameter-free attention core module `attn.core`" if target == "attention" else "an `mlp` submodule"
-    raise UserError(
-        f"recompute.policy selective:{target} (--ac) needs blocks with {what}; "
-        f"{adapter.block_class} has none. Possible for this model: {', '.join(possible)}"
     )

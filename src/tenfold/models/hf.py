@@ -146,9 +146,9 @@ def write_hf_folder(state: dict, config, out_dir: str | Path, dtype: str = "fp32
     import torch
 
     tf = _transformers()
-    from tenfold.techniques.precision import DTYPES
+    from tenfold.terms import TORCH_DTYPE_NAMES
 
-    torch_dtype = DTYPES[dtype]
+    torch_dtype = getattr(torch, TORCH_DTYPE_NAMES[dtype])
     if isinstance(config, (str, Path)):
         config = load_hf_config(config)
     set_config_dtype(config, torch_dtype)  # what from_pretrained(dtype="auto") will give back

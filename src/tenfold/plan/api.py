@@ -331,9 +331,10 @@ def _time(shape: ModelShape, hw: Hardware, r: Resolved, tr: _Trace, notes: list[
     fwd, bwd, rc, tpc, ppc, host = mb.fwd, mb.bwd, mb.rc, mb.tpc, mb.ppc, mb.host
     t_mb = fwd + bwd + rc + tpc + host
     t_mb_total = t_mb + ppc
-    bubble = (s.pp - 1) / r.v * t_mb_total if s.pp > 1 else 0.0
+    bubble = (s.pp - 1) / r.v * t_mb_total * _bubble_factor(s.pp_schedule) if s.pp > 1 else 0.0
     pipeline = m * t_mb_total + bubble
-    tr("bubble_fraction", bubble / (m * t_mb_total), "(p - 1) / (v m)", "Narayanan et al. 2021 §2.2 (GPipe, 1F1B, interleaved)")
+    tr("bubble_fraction", bubble / (m * t_mb_total), "(p - 1) / (v m), x 1/3 for zero-bubble",
+       "Narayanan et al. 2021 §2.2 (GPipe, 1F1B, interleaved); Qi et al. 2023 (zero bubble, ZB-H1)")
     # ---- data parallel / ZeRO
     n_params = max(stage_params(shape, s.pp, st, s.tp) for st in {0, s.pp - 1})
     bpp = memory.bytes_per_param(s)
@@ -486,3 +487,11 @@ def largest_micro_batch(model, hardware, gpus: int, strategy: Strategy | None = 
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if ok(mid) else (lo, mid)
     return lo
+
+
+def _bubble_factor(schedule: str) -> float:
+    """Zero-bubble schedules split each backward into input- and weight-gradient halves and fill
+    the warm-up/cool-down idle time with weight-gradient work: with forward, input-gradient and
+    weight-gradient passes of equal length, the idle time is (p-1) of them instead of 3(p-1)
+    (Qi et al. 2023, "Zero Bubble Pipeline Parallelism", ZB-H1, section 3)."""
+    return 1.0 / 3.0 if schedule == "zero-bubble" else 1.0

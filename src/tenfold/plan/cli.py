@@ -12,6 +12,7 @@ import math
 import sys
 
 from tenfold.errors import UserError
+from tenfold.terms import DEFAULT_PIPELINE_SCHEDULE, PIPELINE_SCHEDULES, PRECISIONS, RECOMPUTE_FORMS
 
 GiB = 2**30
 
@@ -54,17 +55,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     h.add_argument("--gpus-per-node", type=_count)
     h.add_argument("--memory-gb", type=_number, help="override the device memory (GB = 1e9 bytes), e.g. a budget")
     s = p.add_argument_group("strategy")
-    s.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="bf16")
-    s.add_argument("--micro-batch", type=_count, default=1)
+    s.add_argument("--precision", choices=PRECISIONS, default="bf16")
+    s.add_argument("--micro-batch", type=_count, help="sequences per micro-batch per data-parallel rank (default: 8, or global batch / dp)")
     s.add_argument("--global-batch", type=_count)
     s.add_argument("--grad-accum", type=_count)
-    s.add_argument("--ac", default="none", help="none | full | every:N | segments:K | selective[:attention|:mlp] | offload")
+    s.add_argument("--ac", default="none", help=f"activation recompute: {RECOMPUTE_FORMS}")
     s.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0)
     s.add_argument("--offload", choices=("none", "optimizer", "optimizer+params"), default="none")
     s.add_argument("--tp", type=_count, default=1)
     s.add_argument("--pp", type=_count, default=1)
-    s.add_argument("--pp-schedule", choices=("gpipe", "1f1b", "interleaved"), default="1f1b")
-    s.add_argument("--virtual-stages", type=_count, default=2, help="chunks per device for --pp-schedule interleaved")
+    s.add_argument("--pp-schedule", choices=PIPELINE_SCHEDULES, default=DEFAULT_PIPELINE_SCHEDULE)
+    s.add_argument("--virtual-stages", type=_count, help="stages per device for interleaved schedules (default 2)")
     s.add_argument("--flash-attention", action=argparse.BooleanOptionalAction, default=True)
     s.add_argument("--sequence-parallel", action="store_true")
     s.add_argument("--dropout", action="store_true", help="the model uses dropout (GPT-2/3 style)")
@@ -94,7 +95,7 @@ def register(subparsers) -> argparse.ArgumentParser:
 
 def _model(args):
     from tenfold.models.presets import ModelConfig, get_preset
-    from tenfold.plan.shape import model_from_hf_config
+    from tenfold.models.hf_config import model_from_hf_config
 
     dims = {k: getattr(args, k) for k in ("layers", "hidden", "heads", "vocab")}
     given = [n for n, v in (("--model", args.model), ("--params", args.params), ("--hf-config", args.hf_config),
@@ -135,7 +136,7 @@ def _strategy(args):
         precision=args.precision, micro_batch=args.micro_batch, grad_accum=args.grad_accum,
         global_batch=args.global_batch, seq_len=args.seq_len, ac=args.ac, zero=args.zero, offload=args.offload,
         tp=args.tp, pp=args.pp, pp_schedule=args.pp_schedule,
-        virtual_stages=args.virtual_stages if args.pp_schedule == "interleaved" else 1,
+        virtual_stages=args.virtual_stages,
         flash_attention=args.flash_attention, sequence_parallel=args.sequence_parallel, tokens=args.tokens,
         achieved_tflops=args.achieved_tflops, master_weights=args.master_weights, grads_fp32=args.grads_fp32,
         overlap_comm=args.overlap_comm, dropout=args.dropout, activation_style=args.activation_style,

@@ -8,11 +8,10 @@ halving: PaLM App. B, torchtitan, 2023 Megatron); recompute is not counted in MF
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from tenfold.models.presets import ModelConfig, flops_per_token
-from tenfold.plan.strategy import RecomputePolicy
+from tenfold.terms import RecomputePolicy
 
 
 @dataclass(frozen=True)
@@ -77,15 +76,9 @@ def model_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
 
 
 def recomputed_layers(policy: RecomputePolicy, n_layers: int) -> float:
-    """Blocks whose forward runs twice."""
-    if policy.kind == "full":
-        return float(n_layers)
-    if policy.kind == "every":
-        return float(math.ceil(n_layers / policy.n))
-    if policy.kind == "segments":
-        segs = min(policy.n, n_layers)
-        return float((segs - 1) * (n_layers // segs))  # the last segment is not checkpointed
-    return 0.0
+    """Blocks whose forward runs twice: exactly the blocks the engine wraps
+    (tenfold.terms.RecomputePolicy.checkpointed_blocks)."""
+    return float(len(policy.recomputed_blocks(n_layers)))
 
 
 def recompute_flops_per_token(cfg: ModelConfig, seq_len: int, policy: RecomputePolicy) -> float:
@@ -95,7 +88,7 @@ def recompute_flops_per_token(cfg: ModelConfig, seq_len: int, policy: RecomputeP
     if policy.kind in ("full", "every", "segments"):
         return recomputed_layers(policy, cfg.n_layers) * layer_forward_flops_per_token(cfg, seq_len)
     if policy.kind == "selective":
-        per = attention_core_forward_flops_per_token(cfg, seq_len) if policy.part == "attention" else mlp_forward_flops_per_token(cfg)
+        per = attention_core_forward_flops_per_token(cfg, seq_len) if policy.target == "attention" else mlp_forward_flops_per_token(cfg)
         return cfg.n_layers * per
     return 0.0
 

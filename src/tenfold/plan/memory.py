@@ -7,11 +7,11 @@ them all with worked examples.
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass
 
 from tenfold.models.presets import ModelConfig
-from tenfold.plan.strategy import RecomputePolicy, Strategy
+from tenfold.plan.strategy import Strategy
+from tenfold.terms import MULTI_STAGE_SCHEDULES, RecomputePolicy
 
 MiB = 2**20
 
@@ -271,9 +271,26 @@ def inflight_microbatches(schedule: str, pp: int, m: int, v: int) -> float:
         return 1.0
     if schedule == "gpipe":
         return float(m)
-    if schedule == "interleaved" and v > 1:
+    if schedule in MULTI_STAGE_SCHEDULES and v > 1:
         return pp * (1 + (pp - 1) / (pp * v))
     return float(min(pp, m))
+
+
+def _block_recompute_bytes(policy: RecomputePolicy, layers: int, full: float, ckpt: float) -> tuple[float, float]:
+    """(kept, working) activation bytes of one micro-batch when `policy` checkpoints groups of
+    blocks (the engine's groups: RecomputePolicy.checkpointed_blocks). Kept, at the start of
+    backward: each group's input, every other block's full activations. Working: what
+    recomputing one group adds at its worst moment. Backward runs from the last block down, so
+    when group j is recomputed the blocks above it are already freed: live are the inputs of
+    groups 0..j, the unwrapped blocks below group j, and group j's rebuilt activations."""
+    groups = policy.checkpointed_blocks(layers)
+    wrapped = {i for g in groups for i in g}
+    kept = len(groups) * ckpt + (layers - len(wrapped)) * full
+    peak = 0.0
+    for j, g in enumerate(groups):
+        unwrapped_below = sum(1 for i in range(g[0]) if i not in wrapped)
+        peak = max(peak, (j + 1) * ckpt + (unwrapped_below + len(g)) * full)
+    return kept, max(0.0, peak - kept)
 
 
 def stage_activations(cfg: ModelConfig, s: Strategy, policy: RecomputePolicy, seq_len: int, micro_batch: int,
@@ -285,21 +302,10 @@ def stage_activations(cfg: ModelConfig, s: Strategy, policy: RecomputePolicy, se
     k = policy.kind
     if k == "none":
         per_mb = layers * full
-    elif k == "full":
-        per_mb = layers * ckpt
-        working = full  # one layer recomputed at a time in backward
-    elif k == "every":
-        n_ckpt = math.ceil(layers / policy.n)
-        per_mb = n_ckpt * ckpt + (layers - n_ckpt) * full
-        working = full
-    elif k == "segments":
-        # torch.utils.checkpoint.checkpoint_sequential: K segments, every segment but the last
-        # is checkpointed (keeps its input); the last runs normally. Peak at backward start.
-        segs = min(policy.n, layers)
-        last_seg = layers - (segs - 1) * (layers // segs)
-        per_mb = (segs - 1) * ckpt + last_seg * full
+    elif k in ("full", "every", "segments"):
+        per_mb, working = _block_recompute_bytes(policy, layers, full, ckpt)
     elif k == "selective":
-        dropped = ("attn_core",) if policy.part == "attention" else ("mlp",)
+        dropped = ("attn_core",) if policy.target == "attention" else ("mlp",)
         per_mb = layers * activation_bytes_per_layer(cfg, s, seq_len, micro_batch, tp, dropped)
         working = full - activation_bytes_per_layer(cfg, s, seq_len, micro_batch, tp, dropped)
     elif k == "offload":
@@ -308,7 +314,7 @@ def stage_activations(cfg: ModelConfig, s: Strategy, policy: RecomputePolicy, se
         per_mb = full
         cpu = layers * full * inflight
         working = 0.0
-    else:  # pragma: no cover - parse_ac rejects anything else
+    else:  # pragma: no cover - parse_recompute rejects anything else
         raise AssertionError(k)
     stored = per_mb if k == "offload" else per_mb * inflight
     extra = 0.0

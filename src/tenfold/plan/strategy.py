@@ -4,52 +4,15 @@ validated against the model and fleet in `resolve()` (all errors are `UserError`
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
-from typing import Literal
+
 
 from tenfold.errors import UserError
+from tenfold.terms import (
+    PIPELINE_SCHEDULES, PRECISIONS, RecomputePolicy, parse_recompute, resolve_batch, virtual_stages_for,
+)
 
-PRECISIONS = ("fp32", "bf16", "fp16")
 OFFLOADS = ("none", "optimizer", "optimizer+params")
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
 STYLES = ("megatron", "tenfold")
-AC_HELP = "none | full | every:N | segments:K | selective | selective:attention | selective:mlp | offload"
-
-
-@dataclass(frozen=True)
-class RecomputePolicy:
-    """A parsed `--ac` string (tenfold's recompute policy grammar)."""
-
-    kind: Literal["none", "full", "every", "segments", "selective", "offload"]
-    n: int = 1  # every:N or segments:K
-    part: Literal["attention", "mlp"] = "attention"  # selective:<part>
-
-    @property
-    def text(self) -> str:
-        if self.kind in ("every", "segments"):
-            return f"{self.kind}:{self.n}"
-        if self.kind == "selective":
-            return "selective" if self.part == "attention" else f"selective:{self.part}"
-        return self.kind
-
-
-def parse_ac(text: str) -> RecomputePolicy:
-    t = (text or "none").strip().lower()
-    if t in ("none", "full", "offload"):
-        return RecomputePolicy(t)  # type: ignore[arg-type]
-    if t in ("selective", "selective:attention"):
-        return RecomputePolicy("selective", part="attention")
-    if t == "selective:mlp":
-        return RecomputePolicy("selective", part="mlp")
-    head, _, tail = t.partition(":")
-    if head in ("every", "segments"):
-        try:
-            n = int(tail)
-        except ValueError:
-            n = 0
-        if n <= 0:
-            raise UserError(f"--ac {text!r}: {head}:N needs a positive integer N; allowed: {AC_HELP}")
-        return RecomputePolicy(head, n=n)  # type: ignore[arg-type]
-    raise UserError(f"--ac {text!r} is not a recompute policy; allowed: {AC_HELP}")
 
 
 @dataclass(frozen=True)
@@ -57,7 +20,7 @@ class Strategy:
     """How to train. `dp` is derived: gpus / (tp * pp)."""
 
     precision: str = "bf16"
-    micro_batch: int = 1
+    micro_batch: int | None = None  # None: tenfold.terms.resolve_batch's rule, as `tenfold train`
     grad_accum: int | None = None
     global_batch: int | None = None  # sequences per optimizer step, all ranks
     seq_len: int | None = None  # None: the model's max_seq_len
@@ -67,7 +30,7 @@ class Strategy:
     tp: int = 1
     pp: int = 1
     pp_schedule: str = "1f1b"
-    virtual_stages: int = 1
+    virtual_stages: int | None = None  # None: tenfold.terms.virtual_stages_for's default
     flash_attention: bool = True
     sequence_parallel: bool = False
     tokens: float | None = None
@@ -83,7 +46,7 @@ class Strategy:
 
     @property
     def policy(self) -> RecomputePolicy:
-        return parse_ac(self.ac)
+        return parse_recompute(self.ac)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -118,8 +81,8 @@ def resolve(s: Strategy, gpus: int, n_layers: int | None, n_heads: int | None, m
         raise UserError(f"--precision {s.precision!r}; allowed: {', '.join(PRECISIONS)}")
     if s.offload not in OFFLOADS:
         raise UserError(f"--offload {s.offload!r}; allowed: {', '.join(OFFLOADS)}")
-    if s.pp_schedule not in SCHEDULES:
-        raise UserError(f"--pp-schedule {s.pp_schedule!r}; allowed: {', '.join(SCHEDULES)}")
+    if s.pp_schedule not in PIPELINE_SCHEDULES:
+        raise UserError(f"--pp-schedule {s.pp_schedule!r}; allowed: {', '.join(PIPELINE_SCHEDULES)}")
     if s.activation_style not in STYLES:
         raise UserError(f"activation_style {s.activation_style!r}; allowed: {', '.join(STYLES)}")
     if s.zero not in (0, 1, 2, 3):
@@ -129,7 +92,7 @@ def resolve(s: Strategy, gpus: int, n_layers: int | None, n_heads: int | None, m
     _positive("grad-accum", s.grad_accum)
     _positive("global-batch", s.global_batch)
     _positive("seq-len", s.seq_len)
-    policy = parse_ac(s.ac)
+    policy = parse_recompute(s.ac)
     if s.offload != "none" and s.zero == 0:
         raise UserError(f"--offload {s.offload} needs --zero 1, 2 or 3 (ZeRO-Offload partitions what it moves)")
     if s.offload == "optimizer+params" and s.zero != 3:
@@ -143,36 +106,17 @@ def resolve(s: Strategy, gpus: int, n_layers: int | None, n_heads: int | None, m
         raise UserError(f"--pp {s.pp} exceeds the number of layers ({n_layers})")
     if s.sequence_parallel and s.tp == 1:
         raise UserError("--sequence-parallel needs --tp > 1")
-    v = 1
-    if s.pp_schedule == "interleaved" and s.pp > 1:
-        v = s.virtual_stages
-        if n_layers is not None and n_layers % (s.pp * v):
-            raise UserError(
-                f"--virtual-stages {v}: layers ({n_layers}) must divide evenly into pp x virtual stages = {s.pp * v}"
-            )
+    v = virtual_stages_for(s.pp_schedule, s.virtual_stages) if s.pp > 1 else 1
+    if v > 1 and n_layers is not None and n_layers % (s.pp * v):
+        raise UserError(
+            f"--virtual-stages {v}: layers ({n_layers}) must divide evenly into pp x virtual stages = {s.pp * v}"
+        )
     seq_len = s.seq_len or max_seq_len
     if seq_len is None:
         seq_len = 2048
-    micro, accum, glob = _batch_triplet(s.micro_batch, s.grad_accum, s.global_batch, dp)
+    micro, accum, glob = resolve_batch(s.micro_batch, s.grad_accum, s.global_batch, dp)
     if v > 1 and accum % s.pp:
         raise UserError(
             f"--pp-schedule interleaved needs the number of micro-batches ({accum}) to be a multiple of --pp ({s.pp})"
         )
     return Resolved(s, gpus, dp, micro, accum, glob, seq_len, policy, v)
-
-
-def _batch_triplet(micro: int, accum: int | None, glob: int | None, dp: int) -> tuple[int, int, int]:
-    """global = micro x accum x dp (DeepSpeed's rule, as tenfold.config.resolve_batch)."""
-    if glob is not None and accum is None:
-        if glob % (micro * dp):
-            raise UserError(
-                f"--global-batch {glob} must be a multiple of --micro-batch x data-parallel size = {micro} x {dp}"
-            )
-        accum = glob // (micro * dp)
-    elif accum is None:
-        accum = 1
-    if glob is None:
-        glob = micro * accum * dp
-    if glob != micro * accum * dp:
-        raise UserError(f"--global-batch {glob} != micro-batch x grad-accum x dp = {micro} x {accum} x {dp}")
-    return micro, accum, glob

@@ -28,7 +28,8 @@ from dataclasses import dataclass
 from tenfold.models.presets import ModelConfig
 from tenfold.plan.flops import Gemm, attention_core_gemms, head_gemm, layer_gemms
 from tenfold.plan.hardware import Hardware
-from tenfold.plan.strategy import RecomputePolicy, Strategy
+from tenfold.plan.strategy import Strategy
+from tenfold.terms import RecomputePolicy
 
 MEMORY_EFFICIENCY = 0.8  # fraction of HBM bandwidth that streaming kernels reach (assumption)
 TILE_MN = 128
@@ -115,7 +116,7 @@ def recompute_time_per_layer(lt: LayerTimes, policy: RecomputePolicy, n_layers: 
     if policy.kind in ("full", "every", "segments"):
         return lt.fwd * recomputed / n_layers  # its TP all-reduces are counted with TP comm
     if policy.kind == "selective":
-        return lt.attn_fwd if policy.part == "attention" else lt.mlp_fwd
+        return lt.attn_fwd if policy.target == "attention" else lt.mlp_fwd
     return 0.0
 
 

@@ -16,9 +16,8 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as torch_dist
-import torch.nn.functional as F
 
-IGNORE_INDEX = -100
+from tenfold.terms import IGNORE_INDEX
 
 
 def count_targets(micro_batches: list[dict]) -> int:
@@ -34,14 +33,6 @@ def all_reduce_sum(value: float, group=None) -> float:
         t = t.cuda()
     torch_dist.all_reduce(t, group=group)
     return float(t.item())
-
-
-def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Sum of next-token cross-entropies over positions that carry a target, in fp32."""
-    return F.cross_entropy(
-        logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
-        ignore_index=IGNORE_INDEX, reduction="sum",
-    )
 
 
 def scaled_for_backward(loss_sum: torch.Tensor, global_tokens: int, dp_size: int) -> torch.Tensor:

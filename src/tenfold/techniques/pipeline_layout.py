@@ -1,8 +1,8 @@
-"""Pipeline layout without torch: the schedule names, how many stages a schedule makes and
-which rank owns which, how the blocks are divided among the stages (by FQN, torchtitan's
-`generate_llm_fqn_per_model_part`), and the checks a config must pass before any process
-group exists. `tenfold.techniques.pipeline` builds the stages from this; `tenfold train
---dry-run` runs the same checks without importing torch.
+"""Pipeline layout without torch: how many stages a schedule makes and which rank owns which,
+how the blocks are divided among the stages (by FQN, torchtitan's
+`generate_llm_fqn_per_model_part`), and the checks a run must pass before any process group
+exists. `tenfold.techniques.pipeline` builds the stages from this; `tenfold train --dry-run`
+and the launcher run the same checks without importing torch.
 """
 
 from __future__ import annotations
@@ -10,10 +10,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from tenfold.errors import UserError
-
-SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved", "zero-bubble")
-# Schedules that place several (virtual) stages on each rank.
-MULTI_STAGE_SCHEDULES = ("interleaved", "zero-bubble")
+from tenfold.terms import MULTI_STAGE_SCHEDULES, PIPELINE_SCHEDULES
 
 
 # --------------------------------------------------------------------------- validation
@@ -38,9 +35,9 @@ def validate_pipeline(
 ) -> None:
     """Every way a pipeline config can be wrong, as a `UserError` (exit 2) naming the field,
     the value and what is allowed, before any process group or model is touched."""
-    if schedule not in SCHEDULE_NAMES:
+    if schedule not in PIPELINE_SCHEDULES:
         raise UserError(
-            f"parallel.pp_schedule must be one of {', '.join(SCHEDULE_NAMES)}, got {schedule!r}"
+            f"parallel.pp_schedule must be one of {', '.join(PIPELINE_SCHEDULES)}, got {schedule!r}"
         )
     check_pp_degree(pp_size, world_size)
     if virtual_stages < 1:
@@ -67,6 +64,10 @@ def validate_pipeline(
         )
     if pp_split is not None:
         check_manual_split(pp_split, stages, n_layers)
+    _check_microbatches(schedule, pp_size, n_microbatches, world_size // pp_size, zero_stage)
+
+
+def _check_microbatches(schedule: str, pp_size: int, n_microbatches: int, dp_size: int, zero_stage: int) -> None:
     # Every stage must see every micro-batch at least once per step, otherwise the
     # schedule deadlocks or idles (torch's Schedule1F1B raises for m < P itself).
     if n_microbatches < pp_size:
@@ -86,7 +87,7 @@ def validate_pipeline(
     # pass that DDP's reducer takes as the last backward: DDP all-reduces before the last
     # W passes have accumulated (measured: the loss drifts 5e-3 from one process by step 2
     # on tiny, torch 2.13). FSDP2 reduces in the schedule's explicit REDUCE_GRAD action.
-    if schedule == "zero-bubble" and world_size // pp_size > 1 and zero_stage <= 1:
+    if schedule == "zero-bubble" and dp_size > 1 and zero_stage <= 1:
         raise UserError(
             f"the zero-bubble schedule with data parallelism needs parallel.zero_stage 2 or 3 "
             f"(FSDP2), got {zero_stage} (DDP); use --zero 2/3 or --pp-schedule interleaved"
@@ -175,25 +176,14 @@ def local_stage_ids(pp_rank: int, pp_size: int, n_stages: int) -> list[int]:
     return list(range(pp_rank, n_stages, pp_size))
 
 
-# --------------------------------------------------------------------------- a config's checks
+# --------------------------------------------------------------------------- a run's checks
 
 
-def microbatches_per_step(cfg, dp_size: int) -> int:
-    """m = the accumulation steps per dp rank (DeepSpeed's batch triplet, config.resolve_batch)."""
-    from tenfold.config import resolve_batch
-
-    return resolve_batch(cfg.train.micro_batch, cfg.train.grad_accum, cfg.train.global_batch, dp_size)[1]
-
-
-def validate_config(cfg, world_size: int) -> None:
-    """`validate_pipeline` for a `TenfoldConfig` on `world_size` processes; call it before
-    the process group exists (pp must divide the world before the pp x dp mesh is built)."""
-    par = cfg.parallel
-    pp = par.pp_degree
-    check_pp_degree(pp, world_size)  # before dividing by it below
-    model_cfg = cfg.model_config_resolved()
+def validate_run(run) -> None:
+    """`validate_pipeline` for a resolved run (tenfold.run.ResolvedRun); call it before the
+    process group exists."""
     validate_pipeline(
-        n_layers=model_cfg.n_layers, world_size=world_size, pp_size=pp, schedule=par.pp_schedule,
-        virtual_stages=par.virtual_stages, n_microbatches=microbatches_per_step(cfg, world_size // pp),
-        pp_split=par.pp_split, tie_embeddings=model_cfg.tie_embeddings, zero_stage=par.zero_stage,
+        n_layers=run.model.n_layers, world_size=run.world_size, pp_size=run.pp, schedule=run.pp_schedule,
+        virtual_stages=run.virtual_stages, n_microbatches=run.grad_accum,
+        pp_split=run.config.parallel.pp_split, tie_embeddings=run.model.tie_embeddings, zero_stage=run.zero_stage,
     )

@@ -16,22 +16,25 @@ Design (the "fp32 master weights" recipe, Micikevicius et al. 2018, as torch.amp
   as DeepSpeed's `CreateLossScaler` does. Non-finite gradients still skip the step (as
   DeepSpeed's `bf16.check_grad_overflow=true`, its default since PR #8035).
 
-Order inside one optimizer step (`finish_step` implements the part after backward):
+Order inside one optimizer step (`finish_step`, the part after the last backward; the
+trainer runs exactly this function):
 
     for each micro-batch: scaler.scale_loss(loss).backward()
     scaler.unscale_grads_(params)                 # true gradients, before clipping
-    overflow = grads_have_inf_or_nan(params)      # one all-reduce(MAX): global decision
-    if overflow:  zero grads; skip optimizer.step AND scheduler.step; scaler.update(True)
-    else:         norm = clip (pre-clip norm reported); optimizer.step(); scheduler.step();
-                  scaler.update(False)
+    fp16: overflow = grads_have_inf_or_nan(params) (one all-reduce(MAX): a global decision)
+    bf16/fp32: non-finite = the (globally reduced) loss or the gradient norm is inf/NaN
+    if so:   zero grads; skip optimizer.step AND scheduler.step; fp16: scaler.update(True)
+             and DeepSpeed's "OVERFLOW! Skipping step" line; bf16/fp32: stop (train.on_nan=stop)
+             or skip (on_nan=skip)
+    else:    norm = clip (pre-clip norm reported); optimizer.step(); scheduler.step();
+             scaler.update(False)
 
-The overflow decision is global (all ranks skip together), so every rank's scale, step
-count and LR stay identical (issue 5, item 5).
+The decision is global (all ranks skip together), so every rank's scale, step count and LR
+stay identical.
 """
 
 from __future__ import annotations
 
-import logging
 import math
 import warnings
 from contextlib import nullcontext
@@ -42,10 +45,9 @@ import torch
 import torch.distributed as dist
 
 from tenfold.errors import RunError, UserError
+from tenfold.terms import TORCH_DTYPE_NAMES, check_precision
 
-log = logging.getLogger(__name__)
-
-DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES: dict[str, torch.dtype] = {name: getattr(torch, attr) for name, attr in TORCH_DTYPE_NAMES.items()}
 
 _warned_fp16_on_cpu = False
 
@@ -69,8 +71,7 @@ def resolve_dtype(name: str, device: torch.device) -> str:
     a `tiny` training step 3-7x slower).
     """
     global _warned_fp16_on_cpu
-    if name not in DTYPES:
-        raise UserError(f"invalid precision {name!r}; allowed: {', '.join(DTYPES)}")
+    check_precision(name)
     if name == "bf16" and not bf16_supported(device):
         warnings.warn(f"bf16 autocast is not supported on {device}; training in fp32", stacklevel=2)
         return "fp32"
@@ -89,10 +90,8 @@ def autocast_context(dtype_name: str, device: torch.device) -> ContextManager:
 
     Backward needs no context: autograd runs each op's backward in the dtype its forward used.
     """
-    if dtype_name == "fp32":
+    if check_precision(dtype_name) == "fp32":
         return nullcontext()
-    if dtype_name not in DTYPES:
-        raise UserError(f"invalid precision {dtype_name!r}; allowed: {', '.join(DTYPES)}")
     return torch.autocast(device_type=device.type, dtype=DTYPES[dtype_name])
 
 
@@ -306,47 +305,99 @@ def build_loss_scaler(precision_section: Any, dtype_name: str) -> LossScaler:
     )
 
 
-# --------------------------------------------------------------------------- the step
+# --------------------------------------------------------------------------- the run's precision
+
+
+@dataclass
+class Precision:
+    """The run's precision on its device: what autocast computes in, the loss scaler, and
+    which rule decides that a step is skipped. Built once by `build_precision`; nothing else
+    compares precision strings."""
+
+    name: str  # "fp32" | "bf16" | "fp16", after the device fallback of resolve_dtype
+    device: torch.device
+    scaler: LossScaler
+
+    @property
+    def compute_dtype(self) -> torch.dtype | None:
+        """The 16-bit dtype matmuls run in; None for fp32."""
+        return None if self.name == "fp32" else DTYPES[self.name]
+
+    @property
+    def checks_gradients(self) -> bool:
+        """fp16 reads every gradient for inf/NaN each step (overflow is expected now and then);
+        bf16/fp32 only look at the loss and the gradient norm, which they compute anyway."""
+        return self.name == "fp16"
+
+    def autocast(self) -> ContextManager:
+        return autocast_context(self.name, self.device)
+
+
+def build_precision(precision_section: Any, device: torch.device) -> Precision:
+    name = resolve_dtype(precision_section.dtype, device)
+    return Precision(name, device, build_loss_scaler(precision_section, name))
+
+
+# --------------------------------------------------------------------------- the step tail
 
 
 @dataclass
 class StepResult:
-    skipped: bool  # overflow: no optimizer/scheduler step happened
-    grad_norm: float | None  # pre-clip global norm of the unscaled grads; None when skipped
+    loss: float  # mean token loss of the global batch
+    grad_norm: float  # pre-clip global norm of the unscaled gradients; NaN when skipped
+    skipped: bool  # no optimizer or scheduler step happened
+    target_tokens: int  # tokens the loss was averaged over (all ranks)
     loss_scale: float  # the scale this step's backward used
+    message: str | None = None  # why the step was skipped (DeepSpeed's "OVERFLOW! ..." for fp16)
 
 
 def finish_step(
     optimizer: torch.optim.Optimizer,
     scheduler: Any,
-    scaler: LossScaler,
+    precision: Precision,
     params: list[torch.nn.Parameter],
+    loss: float,
+    target_tokens: int,
+    clip: Callable[[float], float],
     max_norm: float,
-    clip_fn: Callable[[list[torch.nn.Parameter], float], float] | None = None,
-    group: dist.ProcessGroup | None = None,
-    zero_grad: bool = True,
+    on_nan: str = "stop",
+    step: int = 0,
 ) -> StepResult:
-    """Everything after the last micro-batch's backward, in the order in the module docstring.
+    """Everything after the last micro-batch's backward, in the order of the module docstring.
 
-    `clip_fn(params, max_norm) -> pre-clip norm` defaults to `engine.optim.clip_grad_norm`;
-    ZeRO/pipeline code passes one that reduces the norm over its shards/stages. `group` is the
-    process group of the overflow vote (None: the default group = all ranks).
+    `loss` is the global mean loss (the same on every rank); `clip(max_norm)` clips to the
+    global gradient norm over every shard and stage and returns the pre-clip norm.
     """
-    if clip_fn is None:
-        from tenfold.engine.optim import clip_grad_norm as clip_fn
+    scaler = precision.scaler
     used_scale = scaler.scale
     scaler.unscale_grads_(params)
-    if grads_have_inf_or_nan(params, group):
-        optimizer.zero_grad(set_to_none=True)
-        scaler.update(True)  # may raise LossScaleAtMinimumError
-        if scaler.last_message:
-            log.warning(scaler.last_message)
-        return StepResult(skipped=True, grad_norm=None, loss_scale=used_scale)
-    norm = clip_fn(params, max_norm)
+    if precision.checks_gradients:
+        non_finite = grads_have_inf_or_nan(params)  # one vote over all ranks
+    else:
+        non_finite = not math.isfinite(loss)
+    norm = float("nan") if non_finite else clip(max_norm)
+    if non_finite or not math.isfinite(norm):
+        message = _skip(optimizer, precision, loss, on_nan, step)
+        return StepResult(loss, float("nan"), True, target_tokens, used_scale, message)
     optimizer.step()
     if scheduler is not None:
         scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
     scaler.update(False)
-    if zero_grad:
-        optimizer.zero_grad(set_to_none=True)
-    return StepResult(skipped=False, grad_norm=norm, loss_scale=used_scale)
+    return StepResult(loss, norm, False, target_tokens, used_scale)
+
+
+def _skip(optimizer: torch.optim.Optimizer, precision: Precision, loss: float, on_nan: str, step: int) -> str:
+    """Leave weights, optimizer states and LR schedule untouched. fp16: an overflow is expected
+    now and then, the scaler backs off (and may give up at its minimum). bf16/fp32: a
+    non-finite loss or norm means the run diverged: stop, unless train.on_nan is skip."""
+    optimizer.zero_grad(set_to_none=True)
+    if precision.checks_gradients:
+        precision.scaler.update(True)  # may raise LossScaleAtMinimumError
+        return precision.scaler.last_message or "OVERFLOW! Skipping step"
+    if on_nan == "stop":
+        raise RunError(
+            f"non-finite loss or gradients at step {step} (loss={loss}); the weights were not updated. Lower "
+            "train.lr, use --precision fp32, or pass --set train.on_nan=skip to skip such steps"
+        )
+    return f"non-finite loss or gradients at step {step} (loss={loss}): step skipped (train.on_nan=skip)"

@@ -1,22 +1,11 @@
 """Activation checkpointing (seed §3): keep fewer activations, recompute them in backward.
 
-Policies (`--ac`, config `[recompute] policy`), all applied per transformer block with
-`torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`:
-
-  none                 keep every activation (the baseline)
-  full                 checkpoint every block: only block inputs are kept (Korthikanti's 2sbh
-                       per layer in 16 bit), one extra forward per block in backward
-  every:N              checkpoint one block in N (blocks N-1, 2N-1, ...; torchtitan's layer
-                       SAC, `selective_ac_option="N"`)
-  segments:K           the stack cut into K segments of consecutive blocks; only segment
-                       boundaries are kept (`torch.utils.checkpoint.checkpoint_sequential`'s
-                       semantics, which the seed uses: as there, the last segment is not
-                       checkpointed because its backward starts right after its forward)
-  selective            = selective:attention: recompute only the parameter-free attention
-                       core softmax(QK^T)V (Korthikanti et al. 2022, §4.3)
-  selective:mlp        recompute only the MLP
-  offload              keep everything but move saved activations to pinned CPU memory
-                       (`torch.autograd.graph.save_on_cpu`); GPU only
+Policies (`--ac`, config `[recompute] policy`; grammar and block lists in tenfold.terms,
+which the planner reads too), applied per transformer block with
+`torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`: full / every:N / segments:K wrap
+the blocks `RecomputePolicy.checkpointed_blocks` lists; selective wraps the attention core or
+the MLP of every block; offload saves activations to pinned host memory
+(`torch.autograd.graph.save_on_cpu`, GPU only).
 
 How: the module's `forward` is replaced by a checkpointed call of the original forward (an
 instance attribute), instead of wrapping the module in a new parent. Parameter names
@@ -25,90 +14,20 @@ portable, and FSDP2's `fully_shard` can still be applied to each block afterward
 run around the checkpointed forward, so the all-gathered parameters are re-gathered inside
 the recompute; engine/parallelize.py applies recompute before ZeRO for that reason).
 
-This module's top level does not import torch, so the planner can parse a policy with it.
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 from tenfold.errors import UserError
+from tenfold.terms import RecomputePolicy, parse_recompute
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch.nn as nn
 
-ALLOWED_FORMS = (
-    "none, full, every:N, segments:K, selective, selective:attention, selective:mlp, offload "
-    "(N, K positive integers)"
-)
 _MARK = "_tenfold_recompute"  # attribute set on each module whose forward we replaced
-
-
-@dataclass(frozen=True)
-class RecomputePolicy:
-    kind: str  # "none" | "full" | "every" | "segments" | "selective" | "offload"
-    n: int = 0  # N of every:N, K of segments:K
-    target: str = ""  # "attention" | "mlp" for selective
-
-    def __str__(self) -> str:
-        if self.kind in ("every", "segments"):
-            return f"{self.kind}:{self.n}"
-        if self.kind == "selective":
-            return f"selective:{self.target}"
-        return self.kind
-
-    def checkpointed_blocks(self, n_blocks: int) -> list[list[int]]:
-        """Groups of block indices run as one checkpointed unit (pure Python: the planner uses
-        it too). `full` -> [[0], [1], ...]; `every:2` on 4 -> [[1], [3]]; `segments:2` on 4 ->
-        [[0, 1]] (the last segment is not checkpointed, as in checkpoint_sequential)."""
-        if self.kind == "full":
-            return [[i] for i in range(n_blocks)]
-        if self.kind == "every":
-            return [[i] for i in range(n_blocks) if (i + 1) % self.n == 0]
-        if self.kind == "segments":
-            return [seg for seg in split_segments(n_blocks, self.n)[:-1] if seg]
-        return []
-
-
-def split_segments(n_blocks: int, k: int) -> list[list[int]]:
-    """Cut range(n_blocks) into min(k, n_blocks) runs of consecutive indices, sizes differing by
-    at most one (the first runs get the extra block)."""
-    k = max(1, min(k, n_blocks))
-    base, extra = divmod(n_blocks, k)
-    out, start = [], 0
-    for i in range(k):
-        size = base + (1 if i < extra else 0)
-        out.append(list(range(start, start + size)))
-        start += size
-    return out
-
-
-def _bad(text: str, why: str = "") -> UserError:
-    extra = f" ({why})" if why else ""
-    return UserError(f"invalid recompute.policy (--ac) {text!r}{extra}; allowed: {ALLOWED_FORMS}")
-
-
-def parse_policy(text: str | RecomputePolicy) -> RecomputePolicy:
-    """Parse `none | full | every:N | segments:K | selective[:attention|:mlp] | offload`."""
-    if isinstance(text, RecomputePolicy):
-        return text
-    if not isinstance(text, str):
-        raise _bad(repr(text), "not a string")
-    raw = text.strip().lower()
-    if raw in ("none", "full", "offload"):
-        return RecomputePolicy(raw)
-    if raw in ("selective", "selective:attention", "selective:attn"):
-        return RecomputePolicy("selective", target="attention")
-    if raw == "selective:mlp":
-        return RecomputePolicy("selective", target="mlp")
-    head, sep, arg = raw.partition(":")
-    if sep and head in ("every", "segments"):
-        if not arg.isdigit() or int(arg) <= 0:
-            raise _bad(text, f"{head}: needs a positive integer, got {arg!r}")
-        return RecomputePolicy(head, n=int(arg))
-    raise _bad(text)
 
 
 # --------------------------------------------------------------------------- applying
@@ -153,7 +72,7 @@ def apply_recompute(
     `blocks` defaults to `model.layers.values()` (tenfold's GPT) and must be listed in the
     order the model calls them (segments:K relies on it).
     """
-    policy = parse_policy(policy)
+    policy = parse_recompute(policy)
     if policy.kind == "none":
         return
     check_supported(policy)

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import time
 import warnings
 from typing import Any
 
@@ -169,16 +168,15 @@ def _warn_unmapped_knobs(parallel_cfg: Any, stage: int, dist: Any) -> None:
 
 
 def build_optimizer_for(model: nn.Module, train_cfg: Any, parallel_cfg: Any, dist: Any) -> torch.optim.Optimizer:
-    """The AdamW of `tenfold.engine.optim` over the (wrapped) model; at ZeRO-1 with more than
+    """The AdamW of `tenfold.techniques.optimizer` over the (wrapped) model; at ZeRO-1 with more than
     one dp rank, the same optimizer inside `ZeroRedundancyOptimizer`, which gives each rank
     the states of ~1/N of the parameters (whole tensors, largest first, greedy) and broadcasts
     the updated parameters after each step."""
-    from tenfold.engine.optim import build_optimizer
+    from tenfold.techniques.optimizer import build_optimizer
 
     optimizer = build_optimizer(unwrap(model), train_cfg, dist.device)
     if int(parallel_cfg.zero_stage) == 1 and dist.dp_size > 1:
         optimizer = _zero_redundancy(optimizer, dist)
-    _tighten_timeouts_after_first_step(optimizer, parallel_cfg, dist)
     return optimizer
 
 
@@ -193,26 +191,6 @@ def _zero_redundancy(optimizer: torch.optim.Optimizer, dist: Any) -> torch.optim
     return ZeroRedundancyOptimizer(
         groups, optimizer_class=type(optimizer), process_group=dp_group(dist), **defaults
     )
-
-
-def _tighten_timeouts_after_first_step(optimizer: torch.optim.Optimizer, parallel_cfg: Any, dist: Any) -> None:
-    """After the first optimizer step (process start, lazy FSDP init and warm-up are behind us)
-    shorten the collective timeout from `parallel.timeout_s` to ~20x that first step, at
-    least 120 s (`distributed.tightened_timeout_s`): a rank that hangs is then noticed in
-    bounded time. Measured from the optimizer's creation, so it includes the first step."""
-    if not dist.initialized:
-        return
-    from tenfold.engine.distributed import tighten_timeouts, tightened_timeout_s
-
-    started = time.perf_counter()
-    handle = None
-
-    def after_first_step(*_):
-        elapsed = time.perf_counter() - started
-        tighten_timeouts(dist, tightened_timeout_s(elapsed, parallel_cfg.timeout_s))
-        handle.remove()
-
-    handle = optimizer.register_step_post_hook(after_first_step)
 
 
 def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -248,9 +226,9 @@ def clip_grad_norm(model: nn.Module, max_norm: float, extra_groups=()) -> float:
     """Clip to the GLOBAL gradient norm (over all shards) and return the pre-clip norm.
 
     FSDP2 gradients are DTensors sharded on dim 0: the norm of the local shards is a Partial
-    DTensor whose `full_tensor()` all-reduces the squares (tenfold.engine.optim.clip_grad_norm).
+    DTensor whose `full_tensor()` all-reduces the squares (tenfold.techniques.optimizer.clip_grad_norm).
     DDP gradients are already full on every rank. `max_norm == 0` only measures."""
-    from tenfold.engine.optim import clip_grad_norm as _clip
+    from tenfold.techniques.optimizer import clip_grad_norm as _clip
 
     return _clip([p for p in model.parameters() if p.grad is not None], max_norm, extra_groups=extra_groups)
 

@@ -1,0 +1,98 @@
+"""What a run says about itself: the header line at the start, `summary.json` and the summary
+table at the end. Built from plain values, so the training loop only hands over what it measured."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+@dataclass
+class RunFacts:
+    """What the summary reports about the run itself (not what it measured)."""
+
+    config: dict
+    model_label: str
+    blocks: str
+    params: int
+    flops_per_token: float
+    device: str
+    world_size: int
+    dtype: str
+    peak_flops_per_device: float | None
+    batch: dict  # micro_batch, grad_accum, global_batch, seq_len
+
+
+def header_line(facts: RunFacts, steps: int, dp: int, device_type: str) -> str:
+    b = facts.batch
+    return (
+        f"[bold]tenfold train[/] {facts.model_label} ({facts.params / 1e6:.2f}M params) | {facts.dtype} | "
+        f"batch {b['global_batch']} = {b['micro_batch']} x {b['grad_accum']} x dp {dp} "
+        f"| seq {b['seq_len']} | {steps} steps | {facts.world_size} process(es) on {device_type}"
+    )
+
+
+def mfu(flops_per_token: float, tokens_per_s: float | None, peak: float | None, devices: int) -> float | None:
+    """Model FLOPs utilisation: model FLOPs per second over the devices' dense peak
+    (PaLM, Chowdhery et al. 2022, appendix B)."""
+    if not peak or not tokens_per_s:
+        return None
+    return flops_per_token * tokens_per_s / (peak * devices)
+
+
+def build_summary(facts: RunFacts, history: list, totals: dict, last: dict, wall_s: float) -> dict:
+    """summary.json's content. `history`: (step, loss) of every step; `totals`: steps, tokens,
+    skipped_steps, val_loss, loss_scale."""
+    tokens = totals["tokens"]
+    tps = tokens / wall_s if wall_s > 0 else None
+    return {
+        "config": facts.config,
+        "model": {"name": facts.model_label, "blocks": facts.blocks, "params": facts.params,
+                  "flops_per_token": facts.flops_per_token},
+        "hardware": {"device": facts.device, "world_size": facts.world_size,
+                     "peak_flops_per_device": facts.peak_flops_per_device, "dtype": facts.dtype},
+        "batch": dict(facts.batch),
+        "final": {
+            "steps": totals["steps"], "tokens": tokens, "skipped_steps": totals["skipped_steps"],
+            "first_loss": history[0][1] if history else None, "loss": last.get("loss"),
+            "val_loss": totals["val_loss"], "wall_s": wall_s, "tokens_per_s": tps,
+            "mfu": mfu(facts.flops_per_token, tps, facts.peak_flops_per_device, facts.world_size),
+            "loss_scale": totals["loss_scale"],
+        },
+        "losses": [loss for _, loss in history],
+        "memory": {"peak_mem_bytes": last.get("peak_mem_bytes")},
+    }
+
+
+def summary_table(summary: dict, out_dir: Path):
+    """The table printed at the end of a run (predicted beside measured memory included)."""
+    from rich.table import Table
+
+    from tenfold.engine.memory import add_summary_rows
+
+    f = summary["final"]
+    t = Table(title="tenfold train: summary", show_header=False)
+    t.add_row("steps (skipped)", f"{f['steps']} ({f['skipped_steps']})")
+    t.add_row("tokens", f"{f['tokens']:,}")
+    if f["first_loss"] is not None and f["loss"] is not None:
+        drop = 100 * (1 - f["loss"] / f["first_loss"]) if f["first_loss"] else 0.0
+        t.add_row("loss first -> last", f"{f['first_loss']:.4f} -> {f['loss']:.4f} ({drop:.0f}% lower)")
+    if f["val_loss"] is not None:
+        t.add_row("validation loss", f"{f['val_loss']:.4f}")
+    t.add_row("wall time", f"{f['wall_s']:.1f} s")
+    if f["tokens_per_s"]:
+        t.add_row("tokens/s", f"{f['tokens_per_s']:,.0f}")
+    if f["mfu"] is not None:
+        t.add_row("MFU", f"{f['mfu']:.1%}")
+    add_summary_rows(t, summary.get("memory", {}))
+    t.add_row("output", str(out_dir))
+    return t
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2, default=str))
+    os.replace(tmp, path)

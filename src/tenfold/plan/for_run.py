@@ -1,0 +1,29 @@
+"""The planner's view of a `tenfold train` run: the resolved run (tenfold.run) as a planner
+`Strategy`, so that the prediction printed at the start of a run and `tenfold plan` for the
+same config come from one translation."""
+
+from __future__ import annotations
+
+from tenfold.plan.api import Plan, predict
+from tenfold.plan.strategy import Strategy
+from tenfold.run import ResolvedRun
+
+
+def strategy_for_run(run: ResolvedRun, precision: str | None = None) -> Strategy:
+    """How tenfold's engine trains: fp32 parameters under torch.amp autocast (no 16-bit
+    master split), eager PyTorch activations (fp32 residual stream, no dropout, SDPA without
+    an s^2 term). `precision`: the one the engine really runs (bf16 falls back to fp32 on a
+    device without it); default the configured one."""
+    return Strategy(
+        precision=precision or run.precision, micro_batch=run.micro_batch, grad_accum=run.grad_accum,
+        global_batch=run.global_batch, seq_len=run.seq_len, ac=str(run.recompute), zero=run.zero_stage,
+        pp=run.pp, pp_schedule=run.pp_schedule, virtual_stages=run.virtual_stages,
+        master_weights=False, dropout=False, flash_attention=True, activation_style="tenfold",
+    )
+
+
+def predict_run(run: ResolvedRun, hardware: str, precision: str | None = None, model=None) -> Plan:
+    """`model`: what the planner is given instead of the run's configured shape (a parameter
+    count for a user's own module: then only model states are predicted)."""
+    shape = model if model is not None else run.model
+    return predict(shape, hardware, run.world_size, strategy_for_run(run, precision))

@@ -1,0 +1,228 @@
+"""The words the planner and the engine share, defined once.
+
+`tenfold plan` predicts the run that `tenfold train` does, so both must read a recompute
+policy, a batch triplet, a pipeline schedule and a precision name the same way. Each of those
+is defined here and nowhere else: the planner counts the recomputed blocks with
+`RecomputePolicy.checkpointed_blocks`, and the engine wraps exactly those blocks.
+
+No torch here: the planner runs on a laptop without it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NamedTuple
+
+from tenfold.errors import UserError
+
+# Label of a position without a target (padding, a fine-tuning prompt): no loss, not counted.
+IGNORE_INDEX = -100  # torch.nn.functional.cross_entropy's default ignore_index
+
+# --------------------------------------------------------------------------- precision
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+# torch attribute names of each precision (torch.float32, ...), for the modules that import torch.
+TORCH_DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+BYTES_PER_ELEMENT = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+def check_precision(name: str) -> str:
+    if name not in PRECISIONS:
+        raise UserError(f"invalid precision {name!r}; allowed: {', '.join(PRECISIONS)}")
+    return name
+
+
+# --------------------------------------------------------------------------- recompute
+
+RECOMPUTE_FORMS = (
+    "none, full, every:N, segments:K, selective, selective:attention, selective:mlp, offload "
+    "(N, K positive integers)"
+)
+# Policies that wrap whole blocks in torch.utils.checkpoint (the others keep every block's
+# forward: selective recomputes a part of each block, offload recomputes nothing).
+BLOCK_POLICIES = ("full", "every", "segments")
+
+
+@dataclass(frozen=True)
+class RecomputePolicy:
+    """A parsed `--ac` / `[recompute] policy`.
+
+    none          keep every activation
+    full          checkpoint every block (only block inputs are kept)
+    every:N       checkpoint one block in N: blocks N-1, 2N-1, ... (torchtitan's layer AC,
+                  `selective_ac_option="N"`)
+    segments:K    K runs of consecutive blocks, sizes differing by at most one, the first runs
+                  taking the extra blocks; every run but the last is checkpointed as one unit
+                  (`torch.utils.checkpoint.checkpoint_sequential`: the last segment's backward
+                  starts right after its forward, so checkpointing it would save nothing)
+    selective     = selective:attention, recompute the parameter-free attention core
+                  softmax(QK^T)V (Korthikanti et al. 2022, "Reducing Activation Recomputation
+                  in Large Transformer Models", section 4.3); selective:mlp recomputes the MLP
+    offload       keep every activation, in pinned host memory
+    """
+
+    kind: str  # "none" | "full" | "every" | "segments" | "selective" | "offload"
+    n: int = 0  # N of every:N, K of segments:K
+    target: str = ""  # "attention" | "mlp" for selective
+
+    def __str__(self) -> str:
+        if self.kind in ("every", "segments"):
+            return f"{self.kind}:{self.n}"
+        if self.kind == "selective":
+            return f"selective:{self.target}"
+        return self.kind
+
+    @property
+    def text(self) -> str:
+        return str(self)
+
+    @property
+    def wraps_blocks(self) -> bool:
+        return self.kind in BLOCK_POLICIES
+
+    def checkpointed_blocks(self, n_blocks: int) -> list[list[int]]:
+        """Groups of block indices run as one checkpointed unit: `full` on 3 -> [[0], [1], [2]];
+        `every:2` on 4 -> [[1], [3]]; `segments:2` on 5 -> [[0, 1, 2]]."""
+        if self.kind == "full":
+            return [[i] for i in range(n_blocks)]
+        if self.kind == "every":
+            return [[i] for i in range(n_blocks) if (i + 1) % self.n == 0]
+        if self.kind == "segments":
+            return [seg for seg in split_segments(n_blocks, self.n)[:-1] if seg]
+        return []
+
+    def recomputed_blocks(self, n_blocks: int) -> list[int]:
+        """Indices of the blocks whose forward runs twice."""
+        return [i for group in self.checkpointed_blocks(n_blocks) for i in group]
+
+
+def split_segments(n_blocks: int, k: int) -> list[list[int]]:
+    """range(n_blocks) cut into min(k, n_blocks) runs of consecutive indices whose sizes differ
+    by at most one, the first runs taking the extra block."""
+    k = max(1, min(k, n_blocks))
+    base, extra = divmod(n_blocks, k)
+    out, start = [], 0
+    for i in range(k):
+        size = base + (1 if i < extra else 0)
+        out.append(list(range(start, start + size)))
+        start += size
+    return out
+
+
+def _bad_policy(text: str, why: str = "") -> UserError:
+    extra = f" ({why})" if why else ""
+    return UserError(f"invalid recompute policy (--ac) {text!r}{extra}; allowed: {RECOMPUTE_FORMS}")
+
+
+def parse_recompute(text: str | RecomputePolicy | None) -> RecomputePolicy:
+    """`none | full | every:N | segments:K | selective[:attention|:mlp] | offload` (case and
+    surrounding spaces ignored; None means none)."""
+    if isinstance(text, RecomputePolicy):
+        return text
+    if text is None:
+        return RecomputePolicy("none")
+    if not isinstance(text, str):
+        raise _bad_policy(repr(text), "not a string")
+    raw = text.strip().lower()
+    if raw in ("none", "full", "offload"):
+        return RecomputePolicy(raw)
+    if raw in ("selective", "selective:attention"):
+        return RecomputePolicy("selective", target="attention")
+    if raw == "selective:mlp":
+        return RecomputePolicy("selective", target="mlp")
+    head, sep, arg = raw.partition(":")
+    if sep and head in ("every", "segments"):
+        if not arg.isdigit() or int(arg) <= 0:
+            raise _bad_policy(text, f"{head}: needs a positive integer, got {arg!r}")
+        return RecomputePolicy(head, n=int(arg))
+    raise _bad_policy(text)
+
+
+# --------------------------------------------------------------------------- batch
+
+DEFAULT_MICRO_BATCH = 8  # sequences per micro-batch per rank when neither it nor the global batch is given
+
+
+class BatchTriplet(NamedTuple):
+    micro_batch: int  # sequences per micro-batch per data-parallel rank
+    grad_accum: int  # micro-batches per optimizer step
+    global_batch: int  # sequences per optimizer step, all ranks: micro x accum x dp
+
+
+def resolve_batch(micro: int | None, accum: int | None, global_batch: int | None, dp: int) -> BatchTriplet:
+    """`global = micro x accum x dp` (DeepSpeed's `train_batch_size = train_micro_batch_size_per_gpu
+    x gradient_accumulation_steps x world size`): any two give the third. Fewer than two: the
+    micro-batch defaults to 8 sequences, or with only the global batch given, to the largest
+    divisor of global / dp up to 8, and accumulation makes up the rest; no accumulation when
+    nothing but the micro-batch is given."""
+    for name, v in (("micro_batch", micro), ("grad_accum", accum), ("global_batch", global_batch)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
+            raise UserError(f"{_flag(name)} must be a positive integer, got {v!r}")
+    if global_batch is None:
+        micro = micro or DEFAULT_MICRO_BATCH
+        accum = accum or 1
+        return BatchTriplet(micro, accum, micro * accum * dp)
+    if micro is None and accum is None:
+        per_rank = _exact_quotient(global_batch, dp, "the data-parallel size")
+        micro = max(d for d in range(1, min(DEFAULT_MICRO_BATCH, per_rank) + 1) if per_rank % d == 0)
+    if micro is None:
+        micro = _exact_quotient(global_batch, accum * dp, f"--grad-accum x data-parallel size = {accum} x {dp}")
+    elif accum is None:
+        accum = _exact_quotient(global_batch, micro * dp, f"--micro-batch x data-parallel size = {micro} x {dp}")
+    if global_batch != micro * accum * dp:
+        raise UserError(
+            f"{_flag('global_batch')} {global_batch} must equal --micro-batch x --grad-accum x data-parallel size "
+            f"= {micro} x {accum} x {dp} = {micro * accum * dp}; give two of the three and tenfold derives the third"
+        )
+    return BatchTriplet(micro, accum, global_batch)
+
+
+def _exact_quotient(total: int, divisor: int, what: str) -> int:
+    if total % divisor:
+        raise UserError(f"{_flag('global_batch')} {total} must be a multiple of {what} = {divisor}")
+    return total // divisor
+
+
+def _flag(key: str) -> str:
+    """`global_batch` -> `--global-batch (train.global_batch)`: errors name both spellings."""
+    return f"--{key.replace('_', '-')} (train.{key})"
+
+
+# --------------------------------------------------------------------------- pipeline
+
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero-bubble")
+# Schedules that give each rank several (virtual) stages: torch.distributed.pipelining's
+# ScheduleInterleaved1F1B and ScheduleInterleavedZeroBubble.
+MULTI_STAGE_SCHEDULES = ("interleaved", "zero-bubble")
+DEFAULT_PIPELINE_SCHEDULE = "1f1b"
+
+
+def check_schedule(name: str) -> str:
+    if name not in PIPELINE_SCHEDULES:
+        raise UserError(f"invalid pipeline schedule {name!r}; allowed: {', '.join(PIPELINE_SCHEDULES)}")
+    return name
+
+
+def virtual_stages_for(schedule: str, requested: int | None) -> int:
+    """Stages per rank: 1 for single-stage schedules; for interleaved ones the requested number,
+    2 when none is given (the least that interleaves)."""
+    if schedule not in MULTI_STAGE_SCHEDULES:
+        if requested not in (None, 1):
+            raise UserError(
+                f"parallel.virtual_stages={requested} needs an interleaved schedule "
+                f"({' or '.join(MULTI_STAGE_SCHEDULES)}); parallel.pp_schedule is {schedule!r}"
+            )
+        return 1
+    if requested is not None and (isinstance(requested, bool) or requested < 1):
+        raise UserError(f"virtual_stages must be a positive integer, got {requested!r}")
+    return requested or 2
+
+
+# --------------------------------------------------------------------------- files
+
+
+def cache_dir() -> Path:
+    """Where measured machine constants are kept: $TENFOLD_CACHE_DIR, else ~/.cache/tenfold."""
+    return Path(os.environ.get("TENFOLD_CACHE_DIR") or Path.home() / ".cache" / "tenfold")
