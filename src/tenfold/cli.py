@@ -26,6 +26,7 @@ EXAMPLES = """examples:
   tenfold train                                   # tiny on the stdlib corpus, bf16, a few minutes on a CPU
   tenfold train --model small --steps 500 --micro-batch 4 --grad-accum 8
   tenfold train --precision fp16 --deepspeed ds_config.json
+  tenfold train --deepspeed ds_config.json --dry-run  # check the config, print the run; build nothing
   tenfold train --nproc 2 --zero 3 --ac full      # two local ranks, ZeRO-3, full recompute
   tenfold plan --model gpt3-175b --gpu a100-80gb --gpus 64 --zero 3 --ac full
 """
@@ -49,7 +50,7 @@ def _add_train_parser(subparsers) -> None:
     )
     g = p.add_argument_group("run")
     g.add_argument("--config", metavar="FILE.toml", help="TOML config (sections model, data, train, precision, recompute, parallel, checkpoint, log)")
-    g.add_argument("--deepspeed", metavar="DS.json", help="a DeepSpeed JSON config; unsupported keys are named in one warning")
+    g.add_argument("--deepspeed", metavar="DS.json", help="a DeepSpeed config, read as DeepSpeed reads it (comments and trailing commas allowed); unsupported keys are named in one warning")
     g.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override any config key (repeatable), e.g. --set train.weight_decay=0.05")
     g.add_argument("--out", help="output directory (metrics.jsonl, summary.json, tensorboard/, checkpoints/); default runs/tenfold")
     g.add_argument("--no-progress", action="store_true", help="no live progress bar")
