@@ -53,6 +53,8 @@ FLAG_VALUES = {
     "--pp-schedule": st.sampled_from(["gpipe", "1f1b", "interleaved", "zero-bubble", "2f2b"]),
     "--on-nan": st.sampled_from(["stop", "skip", "ignore"]),
     "--pp-split": st.sampled_from(["1,1", "1,3", "2", "a,b", "", "-1,5"]),
+    "--data-format": st.sampled_from(["auto", "text", "jsonl", "bin", "prompt-completion", "chat", "csv"]),
+    "--tokenizer": st.sampled_from(["byte", "bpe", "tokenizer.json", ""]),
 }
 INT_FLAGS = ["--steps", "--micro-batch", "--grad-accum", "--global-batch", "--seed", "--eval-every", "--zero",
              "--nproc", "--pp", "--virtual-stages", "--checkpoint-every", "--keep-last", "--seq-len"]
