@@ -202,7 +202,7 @@ def test_nodes_split_the_gpus_evenly(gpus, per_node, expected):
 
 
 def test_launch_line_runs_the_config_exactly():
-    cfg = build_config({"model": {"name": "small", "n_layers": 4}, "train": {"lr": 3e-4, "schedule_params": {"warmup_max_lr": 1e-3}},
+    cfg = build_config({"model": {"name": "small", "n_layers": 4}, "train": {"lr": 3e-4, "schedule": "WarmupLR", "schedule_params": {"warmup_max_lr": 1e-3}},
                         "data": {"path": "my corpus/train.jsonl"}, "parallel": {"nproc": 4, "pp_degree": 2, "pp_split": [1, 3]},
                         "log": {"progress": False, "out": "runs/a b"}})
     line = advice.launch_line(cfg, 4, 8)
