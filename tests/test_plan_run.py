@@ -236,6 +236,8 @@ def test_emit_writes_a_config_plan_and_train_read_back(tmp_path, capsys):
 @pytest.mark.parametrize("extra,needle", [
     (["--tp", "2", "--gpus", "4"], "cannot run this plan: tensor parallelism"),
     (["--params", "1e9"], "give a model"),
+    (["--master-weights"], "priced as another training stack (master_weights=True)"),
+    (["--search", "--activation-style", "megatron"], "priced as another training stack (activation_style=megatron)"),
 ])
 def test_emit_refuses_what_train_cannot_run(tmp_path, capsys, extra, needle):
     toml = tmp_path / "run.toml"

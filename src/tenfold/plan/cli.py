@@ -253,10 +253,15 @@ class Advice:
 def _advise(args, t: Target, plan, hw) -> Advice:
     """`plan` as train runs it: the config, the launch line, and the --emit file if asked for."""
     from tenfold.plan import advice
+    from tenfold.plan.for_run import stack_departures
 
     cfg, run = advice.config_for_plan(t.cfg, plan, hw.gpus_per_node)
     if not args.emit:
         return Advice(cfg, run, advice.launch_line(cfg, plan.gpus, hw.gpus_per_node))
+    other = stack_departures(t.strategy)
+    if other:  # the file's predicted figures would describe another stack than the run it holds
+        raise UserError(f"--emit {args.emit}: this plan is priced as another training stack ({', '.join(other)}); "
+                        "drop those flags to write what tenfold train runs; nothing written")
     launch = advice.launch_line(cfg, plan.gpus, hw.gpus_per_node, config_file=args.emit)
     advice.write_emit(args.emit, advice.emitted_toml(cfg, plan, launch, _replan_line(args, plan.gpus)))
     return Advice(cfg, run, launch, args.emit)
