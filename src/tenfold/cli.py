@@ -1,4 +1,4 @@
-"""`tenfold train | plan | ladder | export`: parse, call, print. Thin on purpose.
+"""`tenfold train | plan | ladder | tune | export | data`: parse, call, print. Thin on purpose.
 
 Only the requested subcommand's module is imported, so `tenfold plan` never imports torch.
 Bad input of any kind (flag, config, data file, checkpoint) -> one line on stderr, exit 2.
@@ -19,6 +19,7 @@ SUBCOMMANDS: dict[str, tuple[str | None, str]] = {
     "train": (None, "train a model with the configured techniques (defaults: tiny, stdlib corpus, bf16)"),
     "plan": ("tenfold.plan.cli", "predict memory and time per GPU for a model, fleet and strategy; search strategies"),
     "ladder": ("tenfold.ladder", "measure the seed's optimization path step by step on this machine"),
+    "tune": ("tenfold.tune", "measure the planner's best strategies here, calibrate the planner, keep the fastest"),
     "export": ("tenfold.engine.export", "write a checkpoint's weights as one safetensors file (+ model config)"),
     "data": ("tenfold.data.prepare", "prepare data: tokenize once into a memory-mapped .bin"),
 }
@@ -32,6 +33,7 @@ EXAMPLES = """examples:
   tenfold train --hf-pretrained MODEL_DIR --data train.jsonl   # fine-tune with the model's own tokenizer
   tenfold data prepare corpus/ --out corpus.bin --tokenizer MODEL_DIR
   tenfold plan --model gpt3-175b --gpu a100-80gb --gpus 64 --zero 3 --ac full
+  tenfold tune --model small --nproc 2 --budget 600  # measure the best strategies here; writes best.toml
 """
 
 

@@ -74,16 +74,16 @@ def register(subparsers) -> argparse.ArgumentParser:
 # --------------------------------------------------------------------------- options
 
 
-def parse_bytes(text: str) -> int:
+def parse_bytes(text: str, flag: str = "--memory-budget") -> int:
     """'256MiB', '2GiB', '1.5GB', '300M', '268435456' -> bytes (binary units for *iB)."""
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([kmgt]?)(i?)b?\s*", text.lower())
     if not m:
-        raise UserError(f"--memory-budget {text!r} is not a size; use e.g. 256MiB, 2GiB or a byte count")
+        raise UserError(f"{flag} {text!r} is not a size; use e.g. 256MiB, 2GiB or a byte count")
     value, unit, binary = float(m.group(1)), m.group(2), m.group(3)
     scale = (1024 if binary or unit == "" else 1000) ** " kmgt".index(unit or " ")
     n = int(value * scale)
     if n <= 0:
-        raise UserError(f"--memory-budget must be positive, got {text!r}")
+        raise UserError(f"{flag} must be positive, got {text!r}")
     return n
 
 

@@ -85,17 +85,24 @@ def run_rung(spec: RungSpec, out_dir: Path, user_set_args: list[str], prediction
         if result.prediction_error:
             result.prediction_error = None
         return result
-    if out_dir.exists():  # metrics.jsonl is appended to: a previous ladder's rung must go first
+    return measure_command(result, train_command(spec, out_dir, user_set_args), out_dir, timeout_s, on_step)
+
+
+def measure_command(result: RungResult, cmd: list[str], out_dir: Path, timeout_s: float,
+                    on_step: Callable[[int], None] | None = None) -> RungResult:
+    """Run the `tenfold train` command `cmd` writing into `out_dir` (emptied first) and fill
+    `result` with what it measured, or with why it failed (`tenfold tune` measures its trials
+    with this too)."""
+    if out_dir.exists():  # metrics.jsonl is appended to: a previous run's must go first
         shutil.rmtree(out_dir)
     out_dir.mkdir(parents=True)
-    cmd = train_command(spec, out_dir, user_set_args)
     result.out_dir, result.command = str(out_dir), cmd
     load_before = _load_avg()
     cpu_before = _children_cpu_s()
     rc, elapsed, tail = _run(cmd, out_dir, timeout_s, on_step)
     result.cpu_s = round(_children_cpu_s() - cpu_before, 2)
     result.process_s = elapsed
-    # other work on the machine slows a rung: say how busy it was (1-minute load vs cores)
+    # other work on the machine slows a run: say how busy it was (1-minute load vs cores)
     result.load_avg = None if load_before is None else [load_before, _load_avg()]
     summary_path = out_dir / "summary.json"
     if rc != 0 or not summary_path.is_file():

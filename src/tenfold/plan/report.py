@@ -92,6 +92,8 @@ def print_plan(p: Plan, hw: Hardware, explain: bool = False, console: Console | 
                         (f"DP/ZeRO comm exposed (of {_secs(p.time.dp_comm_s)})", p.time.dp_comm_exposed_s),
                         ("optimizer step", p.time.optimizer_s)):
             tt.add_row(name, _secs(v))
+        if p.time.overhead_s:
+            tt.add_row("overhead (measured: per step + per micro-batch)", _secs(p.time.overhead_s))
         tt.add_row("[bold]step[/]", f"[bold]{_secs(p.time.step_s)}[/]")
     c.print(tt)
     r = Table(title="Throughput", box=box.SIMPLE_HEAVY)

@@ -31,6 +31,7 @@ class TimeBreakdown:
     step_s: float
     bubble_fraction: float
     source: str  # "model" or "achieved_tflops"
+    overhead_s: float = 0.0  # measured per-step + per-micro-batch overhead (Hardware; `tenfold tune`)
 
 
 @dataclass
@@ -80,10 +81,10 @@ def step_time(shape: ModelShape, hw: Hardware, r: Resolved, tr) -> tuple[TimeBre
         step = hw_flops / (r.gpus * s.achieved_tflops * 1e12)
         tr("step_time_s", step, "(model + recompute FLOPs) / (gpus x X)", "Narayanan et al. 2021 Eq. (4): 8TP/(nX)")
         return TimeBreakdown(step, 0, 0, 0, 0, 0, 0, 0, 0, step, 0, "achieved_tflops"), model_flops, hw_flops
-    peak = hw.peak(s.precision) * compute_share(hw, r.gpus)
+    peak = hw.gemm_peak(s.precision) * compute_share(hw, r.gpus)
     m = r.grad_accum
     mb = microbatch(shape, hw, r, peak)
-    t_mb = mb.fwd + mb.bwd + mb.rc + mb.tpc + mb.host + mb.ppc
+    t_mb = mb.fwd + mb.bwd + mb.rc + mb.tpc + mb.host + mb.ppc + hw.microbatch_overhead_s
     bubble = (s.pp - 1) / r.v * t_mb * bubble_factor(s.pp_schedule) if s.pp > 1 else 0.0
     dp = dp_time.dp_step_comm(s.zero, stage_work(shape, r, mb), hw,
                               comm.group_layout(r.dp, s.tp, hw.gpus_per_node), s.overlap_comm)
@@ -91,12 +92,13 @@ def step_time(shape: ModelShape, hw: Hardware, r: Resolved, tr) -> tuple[TimeBre
     on_rank = n_params / (r.dp if s.zero >= 1 else 1)
     pcie = (4.0 if s.zero == 1 else 2.0) if s.offload != "none" else 0.0  # 16-bit grads down (ZeRO-1) + params up
     opt = tm.optimizer_step_time(on_rank, hw, s.offload != "none", min(r.gpus, hw.gpus_per_node), pcie)
-    step = m * t_mb + bubble + dp.exposed_s + opt
+    overhead = m * hw.microbatch_overhead_s + hw.step_overhead_s
+    step = m * t_mb + bubble + dp.exposed_s + opt + hw.step_overhead_s
     _trace_time(tr, r, hw, mb, bubble, dp, opt, step)
     t = TimeBreakdown(
         compute_s=m * (mb.fwd + mb.bwd), recompute_s=m * mb.rc, tp_comm_s=m * mb.tpc, pp_comm_s=m * mb.ppc,
         host_transfer_s=m * mb.host, bubble_s=bubble, dp_comm_s=dp.total_s, dp_comm_exposed_s=dp.exposed_s,
-        optimizer_s=opt, step_s=step, bubble_fraction=bubble / (m * t_mb), source="model",
+        optimizer_s=opt, step_s=step, bubble_fraction=bubble / (m * t_mb), source="model", overhead_s=overhead,
     )
     return t, model_flops, hw_flops
 
@@ -112,7 +114,7 @@ def bubble_factor(schedule: str) -> float:
 def _trace_time(tr, r: Resolved, hw: Hardware, mb: MicroBatch, bubble: float, dp: dp_time.DpComm, opt: float,
                 step: float) -> None:
     m = r.grad_accum
-    tr("bubble_fraction", bubble / (m * (mb.fwd + mb.bwd + mb.rc + mb.tpc + mb.host + mb.ppc)),
+    tr("bubble_fraction", bubble / (m * (mb.fwd + mb.bwd + mb.rc + mb.tpc + mb.host + mb.ppc + hw.microbatch_overhead_s)),
        "(p - 1) / (v m), x 1/3 for zero-bubble",
        "Narayanan et al. 2021 §2.2 (GPipe, 1F1B, interleaved); Qi et al. 2023 (zero bubble, ZB-H1)")
     tr("compute_s", m * (mb.fwd + mb.bwd), "m x sum over GEMMs max(FLOPs/(peak x e_max x tile x wave), bytes/HBM) "
@@ -130,7 +132,11 @@ def _trace_time(tr, r: Resolved, hw: Hardware, mb: MicroBatch, bubble: float, dp
     tr("dp_comm_exposed_s", dp.exposed_s, f"per layer max(0, comm - compute) + first gather / last reduce; "
        f"+{dp_time.OVERLAP_CONTENTION:.0%} of the hidden part", "FSDP2 prefetch semantics; tenfold time model")
     tr("optimizer_s", opt, "~30 bytes/param of the rank's shard / HBM (host when offloaded)", "memory-bound Adam")
-    tr("step_time_s", step, "m x t_mb + bubble + exposed DP/ZeRO comm + optimizer step", "tenfold time model (docs/planner.md)")
+    if hw.step_overhead_s or hw.microbatch_overhead_s:
+        tr("overhead_s", m * hw.microbatch_overhead_s + hw.step_overhead_s,
+           "m x per-micro-batch overhead + per-step overhead", f"measured: {hw.sources.get('overhead', 'hardware file')}")
+    tr("step_time_s", step, "m x t_mb + bubble + exposed DP/ZeRO comm + optimizer step (+ overhead)",
+       "tenfold time model (docs/planner.md)")
 
 
 def stage_work(shape: ModelShape, r: Resolved, mb: MicroBatch) -> dp_time.StageWork:

@@ -1,0 +1,236 @@
+"""`tenfold tune`: which run comes next (pure), the trial's settings and failure reasons, the
+resumable state, bad options; and one real tune on a shrunken `tiny` on 2 ranks, shared by the
+tests at the end: within its budget and one run, all outputs written, a candidate over the memory
+limit recorded and skipped, best.toml trains, the calibrated hardware file is what `tenfold plan`
+uses, and a second run on the same folder runs no finished trial again."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tenfold.cli import main
+from tenfold.errors import UserError
+from tenfold.tune import choose
+from tenfold.tune.choose import Outlook
+from tenfold.tune.state import Trial, fingerprint, load
+from tenfold.tune.trial import Run, classify_failure, trial_steps
+
+
+def _trial(tid: str, key: str, rates: list[float | None], baseline: bool = False) -> Trial:
+    t = Trial(tid, key, key, baseline, {}, f"/x/{tid}", 100.0, None)
+    for i, r in enumerate(rates, start=1):
+        t.runs.append(Run(i, "measured" if r else "oom", None if r else "out of memory", "", 4, tokens_per_s=r))
+    return t
+
+
+# --------------------------------------------------------------------------- the choice
+
+
+def test_the_baseline_runs_first_whatever_the_planner_says():
+    a = choose.next_action("base", [], [Outlook("fast", 1e6, 0.1)], None)
+    assert (a.kind, a.key, a.round) == ("baseline", "base", 1)
+
+
+def test_explore_the_most_optimistic_and_prune_what_cannot_win():
+    trials = [_trial("t1", "base", [100.0], baseline=True)]
+    outlooks = [Outlook("sure", 110.0, 0.01), Outlook("unsure", 90.0, 0.5), Outlook("hopeless", 50.0, 0.1)]
+    a = choose.next_action("base", trials, outlooks, None)
+    assert (a.kind, a.key) == ("explore", "unsure")  # 90 x e^0.75 = 190 > 110 x e^0.015
+    assert [o.key for o in choose.promising(outlooks, {"base": trials[0]}, 100.0)] == ["unsure", "sure"]
+    trials.append(_trial("t2", "unsure", [95.0]))
+    trials.append(_trial("t3", "sure", [120.0]))
+    # best measured 120: hopeless's optimistic 50 x e^0.15 = 58 cannot change the answer
+    a = choose.next_action("base", trials, [outlooks[2]], None)
+    assert a.kind == "confirm"
+
+
+def test_max_trials_ends_exploring():
+    trials = [_trial("t1", "base", [100.0], baseline=True), _trial("t2", "a", [120.0])]
+    a = choose.next_action("base", trials, [Outlook("b", 500.0, 0.1)], explored_cap=1)
+    assert a.kind == "confirm"
+
+
+def test_confirmation_halves_the_field_then_stops():
+    trials = [_trial(f"t{i}", f"k{i}", [100.0 + i]) for i in range(1, 9)]  # 8 measured once
+    ran = []
+    while (a := choose.confirmation(trials)) is not None:
+        t = next(t for t in trials if t.key == a.key)
+        assert a.round == len(t.runs) + 1
+        t.runs.append(Run(a.round, "measured", None, "", 4, tokens_per_s=t.tokens_per_s))
+        ran.append((a.key, a.round))
+    # round 2: the best 4 run again; round 3: the best 2 of those
+    assert ran == [("k8", 2), ("k7", 2), ("k6", 2), ("k5", 2), ("k8", 3), ("k7", 3)]
+    assert choose.confirmation([_trial("t1", "only", [100.0])]) is None  # nothing to compare with
+
+
+def test_a_trial_counts_its_best_run_and_failed_trials_its_reason():
+    t = _trial("t1", "k", [100.0, 130.0, None])
+    assert t.tokens_per_s == 130.0 and t.status == "measured"
+    bad = _trial("t2", "k2", [None])
+    assert bad.status == "oom" and bad.reason == "out of memory" and bad.tokens_per_s is None
+
+
+# --------------------------------------------------------------------------- trials
+
+
+def test_trial_steps_fill_the_window_after_warmup_and_the_memory_step():
+    assert trial_steps(step_s=10.0, window_s=20.0) == 4  # 2 + 2 measured
+    assert trial_steps(step_s=1.0, window_s=20.0) == 22
+    assert trial_steps(step_s=100.0, window_s=20.0) == 4  # at least two measured steps
+    assert trial_steps(step_s=1e-6, window_s=20.0) == 200  # capped
+
+
+@pytest.mark.parametrize("reason, status", [
+    ("timed out after 120 s", "timeout"),
+    ("exit status 1: tenfold: rank 0 failed first: exit status 1: CUDA out of memory. Tried to allocate", "oom"),
+    ("exit status 1: RuntimeError: [enforce fail at alloc_cpu.cpp] DefaultCPUAllocator: can't allocate memory", "oom"),
+    ("exit status 1: tenfold: rank 1 failed first: killed by SIGKILL", "oom"),
+    ("exit status 2: tenfold: error: parallel.pp_degree 3 must divide", "failed"),
+])
+def test_failures_are_classified(reason, status):
+    assert classify_failure(reason) == (status, reason)
+
+
+def test_a_tune_folder_belongs_to_one_setup(tmp_path):
+    from tenfold.config import build_config
+    from tenfold.tune.state import save
+
+    cfg = build_config({"model": {"name": "tiny"}, "train": {"micro_batch": 4}})
+    other_strategy = build_config({"model": {"name": "tiny"}, "train": {"micro_batch": 2}, "parallel": {"zero_stage": 3}})
+    key = fingerprint(cfg, 2, "cpu", 16, 256)
+    assert key == fingerprint(other_strategy, 2, "cpu", 16, 256)  # what a tune varies is not the setup
+    t = _trial("t1", "k", [100.0])
+    t.runs.append(Run(2, "running", None, "", 4))  # interrupted: runs again
+    save(tmp_path / "tune.json", {"setup": key, "trials": [t.to_dict()]})
+    back = load(tmp_path / "tune.json", key)
+    assert [r.round for r in back[0].runs] == [1] and back[0].tokens_per_s == 100.0
+    with pytest.raises(UserError, match="another setup .*nproc"):
+        load(tmp_path / "tune.json", fingerprint(cfg, 4, "cpu", 16, 256))
+    (tmp_path / "tune.json").write_text("{not json")
+    with pytest.raises(UserError, match="not a tune.json"):
+        load(tmp_path / "tune.json", key)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--budget", "0"], "--budget must be a positive number"),
+    (["--fixed", "precision,colour"], "unknown knob"),
+    (["--margin", "0.95"], "--margin must be in"),
+    (["--memory-limit", "lots"], "--memory-limit 'lots' is not a size"),
+    (["--max-trials", "1.5"], "--max-trials must be a positive integer"),
+])
+def test_bad_options_exit_2_with_one_line(flags, message, capsys, tmp_path):
+    assert main(["tune", "--out", str(tmp_path / "t"), *flags]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "t").exists()  # nothing written
+
+
+# --------------------------------------------------------------------------- one real tune
+
+
+SHAPE = ["--set", "model.n_layers=2", "--set", "model.d_model=64", "--set", "model.n_heads=4", "--set", "model.d_ff=128",
+         "--set", "model.max_seq_len=64", "--seq-len", "64", "--set", "data.max_bytes=300000"]
+# The baseline: micro-batch 32 x 2 ranks under ZeRO-3. At 12 MiB per rank (margin 0.1) the planner
+# lets in ZeRO-2/3 candidates up to micro-batch 16 (about 10 MiB predicted); the baseline needs about
+# 18 MiB (measured and predicted), so its trial runs and is recorded as out of memory.
+BASELINE = ["--nproc", "2", "--micro-batch", "32", "--global-batch", "64", "--zero", "3", "--precision", "fp32"]
+BUDGET_S = 70.0
+
+
+def _tune(out: Path, *extra: str, timeout: float = 600) -> tuple[subprocess.CompletedProcess, float]:
+    cmd = [sys.executable, "-m", "tenfold", "tune", *SHAPE, *BASELINE, "--memory-limit", "12MiB", "--window", "1",
+           "--out", str(out), *extra]
+    start = time.perf_counter()
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=dict(os.environ, COLUMNS="200"))
+    return r, time.perf_counter() - start
+
+
+@pytest.fixture(scope="module")
+def tuned(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tune") / "t"
+    r, wall = _tune(out, "--budget", str(BUDGET_S))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return out, r, wall, json.loads((out / "tune.json").read_text())
+
+
+@pytest.mark.slow
+def test_a_tune_ends_within_its_budget_and_one_run(tuned):
+    out, r, wall, doc = tuned
+    runs = [run for t in doc["trials"] for run in t["runs"]]
+    assert len(runs) >= 2
+    longest = max(run["process_s"] for run in runs)
+    assert doc["elapsed_s"] <= BUDGET_S + longest + 15  # + the refits between runs
+    assert wall <= BUDGET_S + longest + 90  # + imports, the search and the reports
+    assert "budget spent" in doc["stop_reason"] or "nothing left" in doc["stop_reason"]
+
+
+@pytest.mark.slow
+def test_a_tune_writes_its_outputs_and_one_line_per_run(tuned):
+    out, r, wall, doc = tuned
+    for name in ("tune.json", "tune.md", "tune.png", "best.toml", "hardware.toml"):
+        assert (out / name).is_file(), name
+    assert (out / "tune.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    trial = doc["trials"][1]
+    for key in ("knobs", "tokens_per_s", "peak_bytes_per_rank", "predicted_before", "predicted_after", "status"):
+        assert key in trial
+    assert len(trial["peak_bytes_per_rank"]) == 2  # every rank's measured peak
+    ids = [t["id"] for t in doc["trials"]]
+    lines = [ln for ln in r.stdout.splitlines() if ln.split(" ")[0] in ids and " run " in ln and "]: " in ln]
+    assert len(lines) == 2 * sum(len(t["runs"]) for t in doc["trials"])  # a line as each run starts and ends
+    md = (out / "tune.md").read_text()
+    assert "## Trials, fastest first" in md and "## Calibration" in md
+    c = doc["candidates"]
+    assert c["fitting"] > c["tried"] >= 2
+
+
+@pytest.mark.slow
+def test_a_candidate_over_the_memory_limit_is_recorded_and_skipped(tuned):
+    out, r, wall, doc = tuned
+    base = doc["trials"][0]
+    assert base["baseline"] and base["status"] == "oom" and "12.0 MiB limit per rank" in base["reason"]
+    assert max(base["runs"][0]["peak_bytes_per_rank"]) > 12 * 2**20
+    assert any(t["status"] == "measured" for t in doc["trials"][1:])  # the tune went on
+    assert doc["best"]["trial"] != base["id"]
+
+
+@pytest.mark.slow
+def test_best_toml_trains_and_the_calibrated_machine_is_what_plan_uses(tuned, tmp_path):
+    out, r, wall, doc = tuned
+    best = next(t for t in doc["trials"] if t["id"] == doc["best"]["trial"])
+    run = subprocess.run([sys.executable, "-m", "tenfold", "train", "--config", str(out / "best.toml"), "--steps", "2",
+                          "--out", str(tmp_path / "run"), "--no-progress"], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["hardware"]["world_size"] == 2
+    assert summary["batch"]["micro_batch"] == best["knobs"]["micro_batch"]
+    assert summary["batch"]["global_batch"] == 64
+    plan = subprocess.run([sys.executable, "-m", "tenfold", "plan", "--config", str(out / "best.toml"), "--hardware-file",
+                           str(out / "hardware.toml"), "--json"], capture_output=True, text=True, timeout=120)
+    assert plan.returncode == 0, plan.stderr
+    got = json.loads(plan.stdout)
+    assert got["hardware"] == "cpu-tuned"
+    assert got["tokens_per_s"] == pytest.approx(best["predicted_after"], rel=1e-9)
+
+
+@pytest.mark.slow
+def test_a_second_run_on_the_same_folder_runs_no_finished_trial_again(tuned):
+    out, r, wall, doc = tuned
+    before = {(t["key"], run["round"]): run for t in doc["trials"] for run in t["runs"]}
+    stamps = {p: p.stat().st_mtime_ns for p in (out / "trials").rglob("summary.json")}
+    r2, _ = _tune(out, "--budget", "1")  # the first run of a session always starts: exactly one
+    assert r2.returncode == 0, r2.stderr[-2000:]
+    doc2 = json.loads((out / "tune.json").read_text())
+    after = {(t["key"], run["round"]): run for t in doc2["trials"] for run in t["runs"]}
+    assert {k: after[k] for k in before} == before  # every finished run kept as it was
+    new = set(after) - set(before)
+    assert len(new) == 1
+    assert all(p.stat().st_mtime_ns == m for p, m in stamps.items())  # and its files untouched
+    assert f"{len(doc['trials'])} trial(s) already in" in r2.stdout
