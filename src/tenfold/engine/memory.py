@@ -34,6 +34,7 @@ import torch.nn as nn
 from tenfold.engine.metrics import peak_memory_bytes
 # torch-free: `tenfold plan` reports the same prediction in the same words
 from tenfold.plan.for_run import fmt_bytes, memory_by_category, memory_line
+from tenfold.terms import MULTI_STAGE_SCHEDULES
 
 MEMORY_KEYS = (
     "params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes",
@@ -458,6 +459,13 @@ class RunMemory:
     def step(self, step_number: int, run_step: Callable[[], Any]) -> Any:
         """Run `run_step()` (one optimizer step); measured when it is the representative step."""
         if step_number != self.measure_at or self.measured is not None:
+            return run_step()
+        run = self.trainer.run
+        if run.pp > 1 and run.pp_schedule in MULTI_STAGE_SCHEDULES and self.trainer.dist.device.type != "cuda":
+            # The tensor tracker's module hooks break a multi-stage schedule's stage backward
+            # ("Failed to run stage backward ... Output gradient grad=False", torch 2.13): the
+            # per-rank figure is then the process's peak resident set (summary's measured_per_rank).
+            self.note = f"not measured by category: the tensor tracker cannot follow the {run.pp_schedule} schedule"
             return run_step()
         out: list = []
         t = self.trainer

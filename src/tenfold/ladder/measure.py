@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -190,17 +191,50 @@ def _run(cmd: list[str], out_dir: Path, timeout_s: float, on_step) -> tuple[int 
 
 
 def _stop_group(proc: subprocess.Popen) -> None:
-    """SIGTERM the rung's process group (this subprocess and the ranks it started), then SIGKILL."""
+    """SIGTERM the run's process group and the ranks torchrun started (each in a session of its
+    own, so outside that group), then SIGKILL what is left; return once all of them are gone."""
+    ranks = _descendants(proc.pid)
     for sig, wait in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
+        for kill, target in ((os.killpg, proc.pid), *((os.kill, pid) for pid in ranks)):
+            try:
+                kill(target, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+        deadline = time.perf_counter() + wait
+        while time.perf_counter() < deadline:
+            if proc.poll() is not None and not any(_alive(pid) for pid in ranks):
+                return
+            time.sleep(0.1)
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below `pid` (Linux /proc; none elsewhere)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=wait)
-            return
-        except subprocess.TimeoutExpired:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
             continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie (exited, not yet reaped by its parent) is gone for our purpose
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def _count_lines(path: Path) -> int:
@@ -217,8 +251,11 @@ def _error_line(log_path: Path) -> str:
         lines = [ln.strip() for ln in log_path.read_text(errors="replace").splitlines() if ln.strip()]
     except OSError:
         return ""
-    for prefix in ("tenfold: error:", "tenfold: rank", "tenfold: run stopped:"):
-        hits = [ln for ln in lines if ln.startswith(prefix)]
+    # a rank's own error comes as "[rank N] tenfold: error: ..." under torchrun; the launcher's
+    # summary ("tenfold: rank 0 failed first: exit status 1") only says which rank failed
+    own = [re.sub(r"^\[rank \d+\] ", "", ln) for ln in lines]
+    for prefix in ("tenfold: error:", "tenfold: run stopped:", "tenfold: rank"):
+        hits = [ln for ln in own if ln.startswith(prefix)]
         if hits:
             return hits[0][:400]
     errors = [ln for ln in lines if "Error" in ln or "error" in ln]

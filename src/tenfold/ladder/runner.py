@@ -93,7 +93,7 @@ class Ladder:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         header = self.header()
         chosen = self.chosen
-        _exit_on_sigterm()
+        exit_on_sigterm()
         progress = _progress(show_progress)
         with progress:
             task = progress.add_task("ladder", total=len(self.selected) * self.repeats, detail="")
@@ -176,7 +176,7 @@ class Ladder:
         }
 
 
-def _exit_on_sigterm() -> None:
+def exit_on_sigterm() -> None:
     """SIGTERM -> SystemExit, so the running rung's process group is stopped on the way out."""
     import signal
     import threading

@@ -12,6 +12,10 @@ The constants, each a field of `tenfold.plan.hardware.Hardware`:
   step_overhead        seconds per optimizer step outside the modelled work (step_overhead_s)
   microbatch_overhead  seconds per micro-batch (operator dispatch, autograd bookkeeping) (microbatch_overhead_s)
 
+An overhead the hardware does not have starts at 1% of the median measured step (micro-batch)
+with a wide prior (a factor 20 at one sigma): at 0 it would govern no share of any run's time,
+and the fit could not move it.
+
 The fit is a maximum a posteriori estimate with log-normal priors centred on the hardware's own
 values: it minimises
 
@@ -28,9 +32,8 @@ uncertainty and each untried strategy's predictive spread.
 Each constant is reported with the runs that determined it: those whose predicted time moves
 by at least 5% per unit of its logarithm (the elasticity d ln T / d ln c, which is the share of
 the run's time the constant governs), and it counts as determined when the measurements pin it
-down: a rate to +-25% (one posterior standard deviation), an overhead to +-10% of the median
-measured step (or micro-batch). An undetermined constant is still fitted, but the split
-between it and the others is the prior's, not the machine's.
+down to +-25% (one posterior standard deviation). An undetermined constant is still fitted, but
+the split between it and the others is the prior's, not the machine's.
 """
 
 from __future__ import annotations
@@ -46,10 +49,10 @@ from tenfold.plan.strategy import Strategy
 NOISE = 0.10  # run-to-run spread of a measured rate assumed by the fit (ln units), before it is estimated
 MIN_NOISE = 0.05  # the estimate's floor: a few runs agreeing by chance do not make the model exact
 RATE_PRIOR = 1.0  # prior spread of a speed constant (ln): a factor 2.7 either way at 1 sigma
-OVERHEAD_PRIOR = 1.0  # prior spread of an overhead: as long as the median step (or micro-batch) at 1 sigma
+OVERHEAD_PRIOR = 3.0  # prior spread of an overhead (ln): a factor 20 either way at 1 sigma ...
+OVERHEAD_START = 0.01  # ... around 1% of the median measured step (micro-batch) where the hardware has none
 ELASTICITY_SHOWN = 0.05  # a run "determines" a constant that governs at least 5% of its time
-DETERMINED = math.log(1.25)  # a rate is determined when known to +-25% (one posterior sigma) ...
-DETERMINED_OVERHEAD = 0.1  # ... an overhead when known to +-10% of the median step (micro-batch)
+DETERMINED = math.log(1.25)  # a constant is determined when known to +-25% (one posterior sigma)
 STEP = 1e-3  # finite-difference step in ln c
 
 
@@ -72,15 +75,13 @@ class Constant:
     label: str
     unit: str
     scale: float  # value / scale is shown in `unit`
-    prior_sigma: float  # in ln units; an additive constant's in units of its reference time
+    prior_sigma: float  # ln units
     get: Callable[[Hardware], float]
     put: Callable[[Hardware, float], Hardware]
-    # An overhead is fitted as seconds (it may well be 0, where a logarithm has no gradient), in
-    # units of a reference time: the median measured step (per step) or micro-batch (per micro-batch).
-    additive: str | None = None  # None | "step" | "microbatch"
-
-    def value(self, start: float, x: float, ref: float) -> float:
-        return max(0.0, start + x * ref) if self.additive else start * math.exp(x)
+    # An overhead the hardware does not have (0) starts at 1% of the median measured step
+    # ("step") or micro-batch ("microbatch"): a logarithm needs a start above 0, and at 0 it
+    # would govern no share of any run's time, so nothing would move it.
+    overhead: str | None = None
 
 
 def _matmul(dtype: str) -> Constant:
@@ -93,9 +94,9 @@ def _matmul(dtype: str) -> Constant:
     return Constant(f"matmul:{dtype}", f"matmul rate, {dtype}", "TFLOP/s", 1e12, RATE_PRIOR, get, put)
 
 
-def _field(key: str, name: str, label: str, unit: str, scale: float, sigma: float, additive: str | None = None) -> Constant:
+def _field(key: str, name: str, label: str, unit: str, scale: float, sigma: float, overhead: str | None = None) -> Constant:
     return Constant(key, label, unit, scale, sigma, lambda hw: getattr(hw, name), lambda hw, v: replace(hw, **{name: v}),
-                    additive)
+                    overhead)
 
 
 def constants_for(dtypes) -> list[Constant]:
@@ -132,16 +133,16 @@ class ConstantFit:
 
 @dataclass
 class _Space:
-    """The fitted coordinates: x_k = ln(c_k / c_k0), or for an overhead (c_k - c_k0) / ref_k."""
+    """The fitted coordinates: x_k = ln(c_k / start_k)."""
 
     prior: Hardware
     consts: list[Constant]
-    refs: list[float]
+    starts: list[float]
 
     def machine(self, x) -> Hardware:
         hw = self.prior
-        for c, xk, ref in zip(self.consts, x, self.refs):
-            hw = c.put(hw, c.value(c.get(self.prior), float(xk), ref))
+        for c, xk, start in zip(self.consts, x, self.starts):
+            hw = c.put(hw, start * math.exp(float(xk)))
         return hw
 
 
@@ -192,10 +193,9 @@ def fit(observations: list[Observation], prior: Hardware, consts: list[Constant]
     consts = consts if consts is not None else constants_for(o.strategy.precision for o in observations)
     plans = [_predict(o.model, prior, o.gpus, o.strategy, trace=False) for o in observations]
     mems = [p.memory for p in plans]
-    space = _Space(prior, consts, _references(consts, observations, plans))
+    space = _Space(prior, consts, _starts(consts, prior, observations, plans))
     measured = np.log([o.tokens_per_s for o in observations])
     sig = np.array([c.prior_sigma for c in consts])
-    lower = np.array([-c.get(prior) / ref if c.additive else -np.inf for c, ref in zip(consts, space.refs)])
 
     def data_residuals(x) -> np.ndarray:
         hw = space.machine(x)
@@ -205,7 +205,7 @@ def fit(observations: list[Observation], prior: Hardware, consts: list[Constant]
         cols = [(data_residuals(_bump(x, k)) - r0) / STEP for k in range(len(consts))]
         return np.stack(cols, axis=1) if cols else np.zeros((len(observations), 0))
 
-    x, r, J = _levenberg_marquardt(np.zeros(len(consts)), data_residuals, jacobian, sig, lower, noise, iterations)
+    x, r, J = _levenberg_marquardt(np.zeros(len(consts)), data_residuals, jacobian, sig, noise, iterations)
     info = J.T @ J / noise**2
     p_eff = float(np.trace(info @ np.linalg.inv(info + np.diag(1 / sig**2))))
     dof = len(observations) - p_eff
@@ -222,11 +222,13 @@ def fit(observations: list[Observation], prior: Hardware, consts: list[Constant]
     )
 
 
-def _references(consts: list[Constant], observations: list[Observation], plans) -> list[float]:
-    """Each additive constant's unit: the median measured step, or micro-batch, in seconds."""
+def _starts(consts: list[Constant], prior: Hardware, observations: list[Observation], plans) -> list[float]:
+    """Each constant's prior value, or for an overhead the hardware lacks, 1% of the median
+    measured step (micro-batch)."""
     steps = sorted(p.tokens_per_step / o.tokens_per_s for o, p in zip(observations, plans))
     mbs = sorted(p.tokens_per_step / o.tokens_per_s / p.grad_accum for o, p in zip(observations, plans))
-    return [(steps if c.additive == "step" else mbs)[len(steps) // 2] if c.additive else 1.0 for c in consts]
+    median = {"step": steps[len(steps) // 2], "microbatch": mbs[len(mbs) // 2]}
+    return [c.get(prior) or OVERHEAD_START * median[c.overhead] if c.overhead else c.get(prior) for c in consts]
 
 
 def _cost(x, r, sig, noise: float) -> float:
@@ -235,8 +237,8 @@ def _cost(x, r, sig, noise: float) -> float:
     return float(r @ r) / noise**2 + float(np.sum((x / sig) ** 2))
 
 
-def _levenberg_marquardt(x, data_residuals, jacobian, sig, lower, noise: float, iterations: int):
-    """Minimise |r(x) / noise|^2 + |x / sig|^2 with x >= lower; returns (x, r(x), J(x))."""
+def _levenberg_marquardt(x, data_residuals, jacobian, sig, noise: float, iterations: int):
+    """Minimise |r(x) / noise|^2 + |x / sig|^2; returns (x, r(x), J(x))."""
     import numpy as np
 
     def cost(x, r) -> float:
@@ -248,7 +250,7 @@ def _levenberg_marquardt(x, data_residuals, jacobian, sig, lower, noise: float, 
     for _ in range(iterations):
         A = J.T @ J / noise**2 + np.diag(1 / sig**2)
         g = J.T @ r / noise**2 + x / sig**2
-        x_new = np.maximum(lower, x + np.linalg.solve(A + lam * np.diag(np.diag(A)), -g))
+        x_new = x + np.linalg.solve(A + lam * np.diag(np.diag(A)), -g)
         r_new = data_residuals(x_new)
         if cost(x_new, r_new) < cost(x, r):
             moved = float(np.max(np.abs(x_new - x)))
@@ -264,17 +266,17 @@ def _levenberg_marquardt(x, data_residuals, jacobian, sig, lower, noise: float, 
 
 
 def _constant_fit(space: _Space, k: int, x, J, names: list[str], cov) -> ConstantFit:
-    c, ref = space.consts[k], space.refs[k]
-    start, sigma = c.get(space.prior), math.sqrt(max(0.0, float(cov[k, k])))
-    value = c.value(start, float(x[k]), ref)
-    # The share of each run's time c governs: |d ln(step time) / d ln c| = |d ln(tokens/s) / d ln c|
-    # (a rate's is negative: faster, less time); for an overhead, d ln c = dx ref / c.
-    per_ln = abs(J[:, k]) * (value / ref if c.additive else 1.0)
-    shares = sorted(((n, float(e)) for n, e in zip(names, per_ln) if e >= ELASTICITY_SHOWN), key=lambda t: -t[1])
-    low, high = c.value(start, float(x[k]) - sigma, ref), c.value(start, float(x[k]) + sigma, ref)
+    c, start = space.consts[k], space.starts[k]
+    sigma = math.sqrt(max(0.0, float(cov[k, k])))
+    # The share of each run's time c governs, |d ln(step time) / d ln c| = |d ln(tokens/s) / d ln c|
+    # (negative for a rate: faster, less time).
+    shares = sorted(((n, float(abs(e))) for n, e in zip(names, J[:, k]) if abs(e) >= ELASTICITY_SHOWN),
+                    key=lambda t: -t[1])
+    value = start * math.exp(float(x[k]))
     return ConstantFit(
-        key=c.key, label=c.label, unit=c.unit, prior=start / c.scale, fitted=value / c.scale, low=low / c.scale,
-        high=high / c.scale, determined_by=shares, determined=sigma < (DETERMINED_OVERHEAD if c.additive else DETERMINED),
+        key=c.key, label=c.label, unit=c.unit, prior=c.get(space.prior) / c.scale, fitted=value / c.scale,
+        low=value * math.exp(-sigma) / c.scale, high=value * math.exp(sigma) / c.scale, determined_by=shares,
+        determined=sigma < DETERMINED,
     )
 
 

@@ -63,8 +63,11 @@ def run(args: argparse.Namespace) -> int:
     from tenfold.tune.report import finish
     from tenfold.tune.setup import prepare
 
+    from tenfold.ladder.runner import exit_on_sigterm
+
     setup = prepare(args)
     tune = _start(setup, args)
+    exit_on_sigterm()  # a stopped tune stops its running trial's ranks too (measure._run)
     try:
         tune.run()
     finally:

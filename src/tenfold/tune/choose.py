@@ -5,8 +5,9 @@
    calibrated planner's tokens/s times e^(1.5 sigma) (sigma: the spread of its prediction, from
    the calibration's posterior uncertainty and the runs' own noise; an upper confidence bound,
    Auer et al. 2002, Srinivas et al. 2010). A candidate whose optimistic rate is below the
-   best measured rate cannot change the answer and is pruned. Exploring ends when none is
-   left, or when `--max-trials` candidates have run.
+   best measured rate cannot change the answer and is pruned; one a failed trial rules out
+   (`ruled_out`) is not tried either. Exploring ends when none is left, or when `--max-trials`
+   candidates have run.
 3. Confirm (successive halving, Jamieson & Talwalkar 2016): the best half of the measured
    candidates (at most 4) run again, then the best two of those; a candidate's rate is the best
    of its runs, so a slow spell of a shared machine does not decide the winner.
@@ -34,6 +35,7 @@ class Outlook:
     key: str
     tokens_per_s: float
     sigma: float
+    ruled_out: str | None = None  # why a failed trial makes this one not worth a run (`ruled_out`)
 
     @property
     def optimistic(self) -> float:
@@ -70,7 +72,38 @@ def next_action(baseline_key: str, trials: list[Trial], outlooks: list[Outlook],
 
 def promising(outlooks: list[Outlook], tried: dict[str, Trial], best: float) -> list[Outlook]:
     """Untried candidates that could beat `best`, the most optimistic first."""
-    return sorted((o for o in outlooks if o.key not in tried and o.optimistic > best), key=lambda o: -o.optimistic)
+    return sorted((o for o in outlooks if o.key not in tried and not o.ruled_out and o.optimistic > best),
+                  key=lambda o: -o.optimistic)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What the failure rules compare: a candidate's parallel layout and its predicted peak."""
+
+    layout: tuple  # (ZeRO stage, pipeline stages, schedule, tensor-parallel size)
+    peak_bytes: float
+
+
+def ruled_out(trials: list[Trial], shapes: dict[str, Shape]) -> dict[str, str]:
+    """Untried candidates that the failed trials rule out, each with why:
+    - a trial that failed with an error (not out of memory, not a timeout) takes out its parallel
+      layout: an engine or launcher error in a layout repeats in it, whatever the micro-batch;
+    - a trial that ran out of memory takes out every candidate the planner predicts to need at
+      least as much memory per rank (memory grows with what the prediction counts)."""
+    out: dict[str, str] = {}
+    tried = {t.key for t in trials}
+    for t in trials:
+        if t.status not in ("failed", "oom") or t.key not in shapes:
+            continue
+        bad = shapes[t.key]
+        for key, shape in shapes.items():
+            if key in tried or key in out:
+                continue
+            if t.status == "failed" and shape.layout == bad.layout:
+                out[key] = f"the same layout failed in {t.id}"
+            elif t.status == "oom" and shape.peak_bytes >= bad.peak_bytes:
+                out[key] = f"predicted to need at least the memory {t.id} ran out of"
+    return out
 
 
 def confirmation(trials: list[Trial]) -> Action | None:

@@ -62,9 +62,11 @@ def render(doc: dict[str, Any]) -> str:
         b = doc["best"]
         vs = f", {b['vs_baseline']:.2f}x the baseline" if b["vs_baseline"] else ""
         lines += [f"**Best: {b['trial']} [{b['name']}], {b['tokens_per_s']:,.0f} tokens/s{vs}** (best.toml).", ""]
-    lines += [f"Candidates: {counts['fitting']} fit the memory limit with the margin, {counts['tried']} tried "
+    lines += [f"Candidates: {counts['fitting']} fit the memory limit with the margin"
+              + ("" if counts.get("baseline_fits", True) else " (the baseline is not one of them)") + f", {counts['tried']} tried "
               f"({counts['tried'] / max(1, counts['fitting']):.0%}), {counts['pruned']} pruned (their optimistic "
-              f"rate is below the best measured); {counts['evaluated']} strategies priced, {counts['over_memory']} "
+              f"rate is below the best measured), {counts.get('ruled_out', 0)} ruled out by a failed trial; "
+              f"{counts['evaluated']} strategies priced, {counts['over_memory']} "
               f"over memory, {counts['fixed_out']} outside --fixed.", "", "## Trials, fastest first", "",
               *_table(TRIAL_HEADER, trial_rows(doc)), "",
               "tok/s: steady state after the warm-up step (best of the runs; every run shown). planner: the "
@@ -75,7 +77,8 @@ def render(doc: dict[str, Any]) -> str:
 
 def _untried_section(doc: dict[str, Any]) -> list[str]:
     rows = [[u["name"], _rate(u["predicted_before"]), _rate(u["predicted_after"]), _rate(u["optimistic"]),
-             "pruned" if u["pruned"] else "not reached"] for u in doc["untried"][:SHOWN_UNTRIED]]
+             f"ruled out: {u['ruled_out']}" if u.get("ruled_out") else "pruned" if u["pruned"] else "not reached"]
+            for u in doc["untried"][:SHOWN_UNTRIED]]
     if not rows:
         return []
     return [f"## Untried candidates (the {len(rows)} the calibrated planner ranks highest of {len(doc['untried'])})", "",

@@ -65,12 +65,16 @@ def _machine(setup) -> dict[str, Any]:
 
 
 def _counts(tune) -> dict[str, Any]:
+    """`fitting`: the search's candidates (the baseline is one only if it is predicted to fit too);
+    `tried`: how many of those ran."""
     s = tune.space
+    space = {c.key for c in s.candidates}
     tried = {t.key for t in tune.trials}
-    fitting = len(tune.candidates)
-    return {"fitting": fitting, "tried": len(tried), "evaluated": s.evaluated, "over_memory": s.over_memory,
-            "fixed_out": s.fixed_out, "refused_by_train": s.refused,
-            "pruned": sum(1 for o in tune.outlooks.values() if o.optimistic <= _best(tune))}
+    return {"fitting": len(space), "tried": len(tried & space), "baseline_fits": tune.baseline.key in space,
+            "evaluated": s.evaluated, "over_memory": s.over_memory, "fixed_out": s.fixed_out,
+            "refused_by_train": s.refused,
+            "pruned": sum(1 for o in tune.outlooks.values() if o.optimistic <= _best(tune) and not o.ruled_out),
+            "ruled_out": sum(1 for o in tune.outlooks.values() if o.ruled_out)}
 
 
 def _best(tune) -> float:
@@ -83,7 +87,7 @@ def _untried(tune) -> list[dict[str, Any]]:
     rows = sorted(tune.outlooks.values(), key=lambda o: -o.tokens_per_s)
     return [{"key": o.key, "name": cands[o.key].name, "knobs": cands[o.key].knobs,
              "predicted_before": cands[o.key].prior.tokens_per_s, "predicted_after": o.tokens_per_s,
-             "optimistic": o.optimistic, "pruned": o.optimistic <= best,
+             "optimistic": o.optimistic, "pruned": o.optimistic <= best, "ruled_out": o.ruled_out,
              "predicted_peak_bytes": cands[o.key].prior.memory.peak_bytes} for o in rows]
 
 

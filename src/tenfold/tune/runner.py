@@ -105,15 +105,18 @@ class Tune:
         obs = self.observations()
         self.calibration = fit(obs, self.setup.hardware, self.calibration_constants()) if obs else None
         tried = {t.key for t in self.trials}
+        shapes = {k: choose.Shape((c.run.zero_stage, c.run.pp, c.run.pp_schedule if c.run.pp > 1 else None, c.strategy.tp),
+                                  c.prior.memory.peak_bytes) for k, c in self.candidates.items()}
+        ruled = choose.ruled_out(self.trials, shapes)
         self.outlooks = {}
         for key, c in self.candidates.items():
             if key in tried:
                 continue
             if self.calibration is None:
-                self.outlooks[key] = Outlook(key, c.prior.tokens_per_s, PRIOR_SPREAD)
+                rate, sigma = c.prior.tokens_per_s, PRIOR_SPREAD
             else:
                 rate, sigma = self.calibration.predictive(c.run.model, self.setup.nproc, c.strategy, c.prior.memory)
-                self.outlooks[key] = Outlook(key, rate, sigma)
+            self.outlooks[key] = Outlook(key, rate, sigma, ruled.get(key))
 
     def calibration_constants(self):
         """Every precision a candidate may use: an untried one's matmul rate is uncertain, not exact."""
