@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from tenfold.tune.choose import OPTIMISM
+
 SHOWN_UNTRIED = 10
 
 
@@ -82,7 +84,7 @@ def _untried_section(doc: dict[str, Any]) -> list[str]:
     if not rows:
         return []
     return [f"## Untried candidates (the {len(rows)} the calibrated planner ranks highest of {len(doc['untried'])})", "",
-            *_table(["strategy", "planner, before", "calibrated", "optimistic (2 sigma)", ""], rows), ""]
+            *_table(["strategy", "planner, before", "calibrated", f"optimistic (+{OPTIMISM:g} sigma)", ""], rows), ""]
 
 
 def _calibration_section(cal: dict[str, Any] | None) -> list[str]:
