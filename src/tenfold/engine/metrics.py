@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import resource
+import stat
 import sys
 from pathlib import Path
 
@@ -37,29 +38,32 @@ def _finite_or_none(x):
 
 
 class MetricsWriter:
-    """Writes metrics.jsonl and TensorBoard scalars; a no-op on non-main ranks."""
+    """Writes metrics.jsonl and TensorBoard scalars; a no-op on non-main ranks.
 
-    def __init__(self, out_dir: Path, enabled: bool, tensorboard: bool):
+    Neither is reached through a link planted in OUT (`safe_files.Folder`: metrics.jsonl is
+    opened with O_NOFOLLOW, a link at `tensorboard` is refused). `resumed_at`: the step a
+    resumed run continues from; TensorBoard hides the old events after it (`purge_step`)."""
+
+    def __init__(self, out_dir: Path, enabled: bool, tensorboard: bool, resumed_at: int | None = None):
         self.enabled = enabled
         self._jsonl = None
         self._tb = None
         if not enabled:
             return
-        out_dir.mkdir(parents=True, exist_ok=True)
-        self._jsonl = open(out_dir / "metrics.jsonl", "a", buffering=1)
-        if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
+        from tenfold.engine.safe_files import Folder
 
-                self._tb = SummaryWriter(log_dir=str(out_dir / "tensorboard"))
-            except ImportError:  # tensorboard is a dependency; tolerate a stripped install
-                self._tb = None
+        out_dir.mkdir(parents=True, exist_ok=True)
+        with Folder(out_dir, follow=True) as folder:
+            self._jsonl = folder.open_append("metrics.jsonl")
+            if tensorboard:
+                self._tb = _tensorboard_writer(folder, resumed_at)
 
     def log_step(self, record: dict) -> None:
         if not self.enabled:
             return
         clean = {k: _finite_or_none(v) for k, v in record.items()}
         self._jsonl.write(json.dumps(clean) + "\n")
+        self._jsonl.flush()
         if self._tb is not None:
             step = record["step"]
             for key, value in record.items():
@@ -70,11 +74,34 @@ class MetricsWriter:
         if self.enabled and self._tb is not None:
             self._tb.add_scalar("val/loss", val_loss, step)
 
+    def flush(self) -> None:
+        if self._jsonl is not None:
+            self._jsonl.flush()
+        if self._tb is not None:
+            self._tb.flush()
+
     def close(self) -> None:
         if self._jsonl is not None:
             self._jsonl.close()
         if self._tb is not None:
             self._tb.close()
+
+
+def _tensorboard_writer(folder, resumed_at: int | None):
+    """A SummaryWriter on OUT/tensorboard, a real folder (created here, never through a link)."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:  # tensorboard is a dependency; tolerate a stripped install
+        return None
+    from tenfold.engine.safe_files import UnsafeFileError
+
+    st = folder.lstat("tensorboard")
+    if st is None:
+        folder.mkdir("tensorboard")
+    elif not stat.S_ISDIR(st.st_mode):
+        raise UnsafeFileError(f"{folder.path / 'tensorboard'} is not a folder; tenfold does not follow links in a run folder")
+    purge = None if resumed_at is None else resumed_at + 1
+    return SummaryWriter(log_dir=str(folder.path / "tensorboard"), purge_step=purge)
 
 
 def make_progress(enabled: bool):
