@@ -384,3 +384,21 @@ def test_overwrite_never_deletes_through_a_link(run_copy, tmp_path):
     assert train(out, data, "--steps", "2", "--overwrite") == 0
     assert victim_file.read_text() == "precious\n" and sorted(p.name for p in victim_dir.iterdir()) == ["keep.txt"]
     assert steps(out) == [1, 2] and not (out / "metrics.jsonl").is_symlink()
+
+
+def test_the_metrics_writer_itself_never_writes_through_a_link(tmp_path):
+    """Behind the up-front refusal: a link planted after the check is not followed either."""
+    from tenfold.engine.metrics import MetricsWriter
+    from tenfold.engine.safe_files import UnsafeFileError
+
+    victim_file, victim_dir = _victims(tmp_path)
+    out = tmp_path / "out"
+    out.mkdir()
+    os.symlink(victim_file, out / "metrics.jsonl")
+    with pytest.raises(UnsafeFileError, match="metrics.jsonl is a symbolic link"):
+        MetricsWriter(out, enabled=True, tensorboard=False)
+    (out / "metrics.jsonl").unlink()
+    os.symlink(victim_dir, out / "tensorboard")
+    with pytest.raises(UnsafeFileError, match="tensorboard is not a folder"):
+        MetricsWriter(out, enabled=True, tensorboard=True)
+    assert victim_file.read_text() == "precious\n" and sorted(p.name for p in victim_dir.iterdir()) == ["keep.txt"]

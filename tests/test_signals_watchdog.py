@@ -56,6 +56,14 @@ def _rank_pid(proc: subprocess.Popen, rank: int) -> int:
     return next(p for p in _children(proc.pid) if _rank_of(p) == rank)
 
 
+def _running(pid: int) -> bool:
+    """Not exited (a zombie has exited; its parent has not reaped it yet)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def _saved_at_the_last_step(out: Path) -> int:
     from tenfold.engine import checkpoint as ck
 
@@ -113,7 +121,7 @@ def test_a_stopped_rank_stops_the_job_through_the_watchdog(tmp_path):
         rank0, rank1 = _rank_pid(proc, 0), _rank_pid(proc, 1)
         os.kill(rank1, signal.SIGSTOP)
         stopped_at = time.time()
-        while Path(f"/proc/{rank0}").exists() and Path(f"/proc/{rank0}/stat").read_text().split()[2] != "Z":
+        while _running(rank0):
             assert time.time() - stopped_at < 60, "rank 0 still waiting 60 s after its peer stopped"
             time.sleep(0.1)
         took = time.time() - stopped_at
