@@ -73,7 +73,9 @@ def _threads_per_rank(nproc: int) -> int:
 
 def preflight(cfg: Any, nproc: int) -> None:
     """What can be checked before any process starts (UserError -> exit 2): the run resolved
-    on `nproc` processes (batch triplet, pp dividing the world) and the pipeline's rules."""
+    on `nproc` processes (batch triplet, pp dividing the world, and what the engine can run:
+    the capability table and the pipeline's rules, tenfold.capabilities), and the run folder
+    (--out, --resume, an earlier run in --out: engine/run_folder.py)."""
     from tenfold.errors import UserError
     from tenfold.run import resolve_run
 
@@ -82,11 +84,7 @@ def preflight(cfg: Any, nproc: int) -> None:
     from tenfold.engine.run_folder import RunFolder
 
     RunFolder.check(cfg)  # --out, --resume, an earlier run in --out: said once, not once per rank
-    run = resolve_run(cfg, nproc)
-    if run.pp > 1:  # micro-batches >= stages, stages <= layers, --pp-split, tied embeddings
-        from tenfold.techniques.pipeline_layout import validate_run
-
-        validate_run(run)
+    resolve_run(cfg, nproc)
 
 
 def run_under_torchrun(argv: list[str], nproc: int, cfg: Any = None) -> int:
