@@ -402,3 +402,26 @@ def test_the_metrics_writer_itself_never_writes_through_a_link(tmp_path):
     with pytest.raises(UnsafeFileError, match="tensorboard is not a folder"):
         MetricsWriter(out, enabled=True, tensorboard=True)
     assert victim_file.read_text() == "precious\n" and sorted(p.name for p in victim_dir.iterdir()) == ["keep.txt"]
+
+
+def test_overwrite_keeps_a_checkpoints_link_and_replaces_what_is_behind_it(run_copy, tmp_path, monkeypatch):
+    """OUT/checkpoints may be your link to a scratch disk: it stays, the old checkpoints behind
+    it go (and come back if the new run fails before its first step)."""
+    from tenfold.engine.trainer import Trainer
+
+    out, data = run_copy
+    scratch = tmp_path / "scratch"
+    shutil.move(out / "checkpoints", scratch)
+    os.symlink(scratch, out / "checkpoints")
+    before, behind, real = snapshot(out), snapshot(scratch), Trainer.train_step
+
+    def fails(self, micro_batches):
+        raise RuntimeError("no first step")
+
+    monkeypatch.setattr(Trainer, "train_step", fails)
+    assert train(out, data, "--steps", "2", "--overwrite") == 1
+    assert snapshot(out) == before and snapshot(scratch) == behind
+    monkeypatch.setattr(Trainer, "train_step", real)
+    assert train(out, data, "--steps", "2", "--overwrite") == 0
+    assert (out / "checkpoints").is_symlink() and sorted(p.name for p in scratch.iterdir()) == ["latest", "step_2"]
+    assert steps(out) == [1, 2] and not [p for p in out.iterdir() if p.name.startswith(ASIDE_PREFIX)]

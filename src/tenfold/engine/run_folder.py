@@ -13,9 +13,10 @@ following links.
   moved back); `--resume auto` continues it, `--overwrite` replaces it. A symbolic link or an
   entry of the wrong kind where the run writes is refused too.
 * `RunFolder.open()` (rank 0, after setup): with `--overwrite` the earlier run's entries are
-  renamed into `OUT/.tenfold-replaced-<time>/` (renames on one file system: atomic, and a
-  link is moved, never followed); `started()` deletes that folder once the new run has
-  finished its first step, `failed()` before that puts everything back as it was.
+  renamed into `OUT/.tenfold-replaced-<time>-<pid>/` (renames on one file system: atomic, and
+  a link is moved, never followed; a `checkpoints` link stays and what is behind it is set
+  aside there); `started()` deletes the aside folders once the new run has finished its first
+  step, `failed()` before that puts everything back as it was.
 * `cut_metrics(step)`: on resume, `metrics.jsonl` loses the rows after the resumed step (the
   steps that are about to be redone), so every step appears once.
 * `replace_folder`: a folder written by a library that follows links (the tokenizer copy) is
@@ -48,6 +49,7 @@ CHECKPOINTS = "checkpoints"
 RUN_FILES = (METRICS, SUMMARY, "model.safetensors", "model.config.json")
 RUN_FOLDERS = ("tensorboard", "tokenizer", CHECKPOINTS, "hf")
 SCRATCH = (f"{SUMMARY}.tmp", f".{METRICS}.tmp", ".tokenizer.tmp", ".model.safetensors.tmp", ".model.config.json.tmp")
+RUN_ENTRIES = (*RUN_FILES, *RUN_FOLDERS, *SCRATCH)
 ASIDE_PREFIX = ".tenfold-replaced-"
 _CHECKPOINT_NAME = re.compile(r"^(step_\d+|latest)$")
 MAX_METRICS_BYTES = 1 << 34
@@ -170,7 +172,7 @@ class RunFolder:
     resume: bool = False
     existed: set = field(default_factory=set)  # entries present before this run (kept)
     created: bool = False  # OUT itself was made by this run
-    aside: str | None = None  # where --overwrite moved the earlier run
+    asides: list = field(default_factory=list)  # (folder, name): where --overwrite moved the earlier run
     is_started: bool = False
 
     @classmethod
@@ -191,45 +193,62 @@ class RunFolder:
         return cls(path, overwrite=overwrite, resume=resume)
 
     def open(self) -> None:
-        """Rank 0, before the first write: create OUT; with --overwrite move the earlier run aside."""
+        """Rank 0, before the first write: create OUT; with --overwrite move the earlier run aside.
+        A `checkpoints` link (yours, to a scratch disk) stays; what is behind it is set aside there."""
         self.created = not self.path.exists()
         self.path.mkdir(parents=True, exist_ok=True)
         with Folder(self.path, follow=True) as folder:
-            present = {n for n in (*RUN_FILES, *RUN_FOLDERS, *SCRATCH) if folder.lstat(n) is not None}
-            if self.overwrite and present:
-                self.aside = f"{ASIDE_PREFIX}{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
-                folder.mkdir(self.aside)
-                with folder.subfolder(self.aside) as aside:
-                    for name in sorted(present):
-                        os.rename(name, name, src_dir_fd=folder.fd, dst_dir_fd=aside.fd)
-                folder.fsync()
-                present = set()
-            self.existed = present
+            present = {n for n in RUN_ENTRIES if folder.lstat(n) is not None}
+            st = folder.lstat(CHECKPOINTS)
+            kept_link = st is not None and stat.S_ISLNK(st.st_mode)
+        if self.overwrite:
+            if kept_link:
+                present.discard(CHECKPOINTS)
+                self._set_aside(self.path / CHECKPOINTS, None)
+            self._set_aside(self.path, present)
+            present = {CHECKPOINTS} if kept_link else set()
+        self.existed = present
+
+    def _set_aside(self, where: Path, names: set | None) -> None:
+        """Rename `names` (None: every entry but earlier asides) of `where` into a new aside folder there."""
+        with Folder(where, follow=True) as folder:
+            names = {n for n in folder.names() if not n.startswith(ASIDE_PREFIX)} if names is None else names
+            if not names:
+                return
+            aside = f"{ASIDE_PREFIX}{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+            folder.mkdir(aside)
+            with folder.subfolder(aside) as box:
+                for name in sorted(names):
+                    os.rename(name, name, src_dir_fd=folder.fd, dst_dir_fd=box.fd)
+            folder.fsync()
+        self.asides.append((where, aside))
 
     def started(self) -> None:
         """The new run has finished a step: the run it replaced is deleted (never through a link)."""
         if self.is_started:
             return
         self.is_started = True
-        if self.aside is not None:
-            with Folder(self.path, follow=True) as folder:
-                folder.remove(self.aside)
-            self.aside = None
+        for where, aside in self.asides:
+            with Folder(where, follow=True) as folder:
+                folder.remove(aside)
+        self.asides = []
 
     def failed(self) -> None:
         """The new run failed before its first step: what it created goes, the earlier run comes back."""
         if self.is_started or not self.path.is_dir():
             return
         with Folder(self.path, follow=True) as folder:
-            for name in (*RUN_FILES, *RUN_FOLDERS, *SCRATCH):
+            for name in RUN_ENTRIES:
                 if name not in self.existed:
                     folder.remove(name)
-            if self.aside is not None:
-                with folder.subfolder(self.aside) as aside:
-                    for name in aside.names():
-                        os.rename(name, name, src_dir_fd=aside.fd, dst_dir_fd=folder.fd)
-                folder.remove(self.aside)
-                self.aside = None
+        for where, aside in reversed(self.asides):
+            with Folder(where, follow=True) as folder, folder.subfolder(aside) as box:
+                for name in box.names():
+                    folder.remove(name)  # the new run's entry of that name, if any
+                    os.rename(name, name, src_dir_fd=box.fd, dst_dir_fd=folder.fd)
+            with Folder(where, follow=True) as folder:
+                folder.remove(aside)
+        self.asides = []
         if self.created:
             try:
                 self.path.rmdir()
