@@ -288,6 +288,20 @@ def test_resume_that_is_not_a_folder_is_one_line_before_any_work(tmp_path, no_bu
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("kind", ["device", "fifo", "link"])
+def test_export_of_what_is_not_a_checkpoint_folder_is_one_line(earlier, tmp_path, capsys, kind):
+    if kind == "link":
+        path = tmp_path / "run_link"
+        os.symlink(earlier[0], path)
+        expected = f"export {path} is a symbolic link; tenfold does not read checkpoints through links: give the folder itself"
+    else:
+        path = Path(os.devnull) if kind == "device" else _fifo(tmp_path)
+        expected = f"export {path} is a device, FIFO or socket, not a checkpoint"
+    capsys.readouterr()
+    assert cli.main(["export", str(path), "--out", str(tmp_path / "x.safetensors")]) == 2
+    assert expected in error_line(capsys)
+
+
 @pytest.mark.parametrize("kind", ["device", "fifo"])
 def test_data_that_is_a_device_or_fifo_is_one_line(tmp_path, capsys, kind):
     path = Path(os.devnull) if kind == "device" else _fifo(tmp_path)

@@ -123,6 +123,9 @@ def export_checkpoint(source: str | Path, out: str | Path | None = None, dtype: 
     into safetensors. One process; returns a summary dict."""
     if dtype not in DTYPES:
         raise UserError(f"export --dtype {dtype!r} is not supported; allowed: {', '.join(sorted(DTYPES))}")
+    from tenfold.engine.run_folder import check_checkpoint_path
+
+    check_checkpoint_path(source, "export")
     ckpt = lay.resolve_checkpoint_path(source)
     try:  # --out checked before the work (hashing every file): the model's kind says file or folder
         _checked_out(ckpt, out, saved_model_section(ckpt))

@@ -300,23 +300,28 @@ def replace_folder(out: Path, name: str, fill: Callable[[Path], Any]) -> Path | 
 
 
 def check_resume_path(resume: str | None) -> None:
-    """`--resume PATH` resolved now (missing, a file, a folder without checkpoints: one line),
-    so that the mistake is not found after data and model are built."""
-    if not resume or resume == "auto":
-        return
+    """`--resume PATH` checked now, so that the mistake is not found after data and model
+    are built (`auto` is resolved when the run starts)."""
+    if resume and resume != "auto":
+        check_checkpoint_path(resume, "--resume")
+
+
+def check_checkpoint_path(path: str | Path, flag: str) -> None:
+    """A checkpoint or run folder to read (`--resume PATH`, `tenfold export PATH`): missing, a
+    file, a device, a FIFO, a link, a folder without checkpoints: one UserError line."""
     from tenfold.engine.checkpoint.layout import resolve_checkpoint_path
 
-    p = Path(resume).expanduser()
+    p = Path(path).expanduser()
     try:
         if os.path.islink(p):  # a checkpoint is never read through a link (layout.open_checkpoint)
             where = os.path.realpath(p)
             if not os.path.exists(where):
-                raise UserError(f"checkpoint not found: --resume {p} is a symbolic link to {where}, which does not exist")
-            raise UserError(f"--resume {p} is a symbolic link; tenfold does not read checkpoints through links: "
+                raise UserError(f"checkpoint not found: {flag} {p} is a symbolic link to {where}, which does not exist")
+            raise UserError(f"{flag} {p} is a symbolic link; tenfold does not read checkpoints through links: "
                             f"give the folder itself, {where}")
         if os.path.exists(p) and not p.is_dir():
-            raise UserError(f"--resume {p} is {_kind(p)}, not a checkpoint: expected a checkpoint folder "
+            raise UserError(f"{flag} {p} is {_kind(p)}, not a checkpoint: expected a checkpoint folder "
                             "(OUT/checkpoints/step_N) or a run folder (OUT)")
         resolve_checkpoint_path(p)
     except (OSError, ValueError) as e:  # a name too long, a NUL byte, no permission to look
-        raise UserError(f"--resume {str(resume)[:200]}: {getattr(e, 'strerror', None) or e}") from None
+        raise UserError(f"{flag} {str(path)[:200]}: {getattr(e, 'strerror', None) or e}") from None
