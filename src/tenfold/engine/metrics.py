@@ -33,6 +33,8 @@ STEP_TAGS = {
     "step_time_s": "perf/step_time_s", "peak_mem_bytes": "memory/peak_bytes",
 }
 VAL_LOSS_TAG = "val/loss"
+# summary.json `final` figures with no per-step tag of their own, logged once under final/.
+FINAL_KEYS = ("tokens_per_s", "tokens_per_s_overall", "warmup_steps", "warmup_s", "mfu", "wall_s")
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -127,12 +129,11 @@ class MetricsWriter:
         under final/ at the last step, the W&B run summary."""
         if not self.enabled:
             return
-        numbers = {k: v for k, v in figures.items() if _number(v)}
+        numbers = {k: figures[k] for k in FINAL_KEYS if _number(figures.get(k))}
         step = int(figures.get("steps", 0))
         if self._tb is not None:
             for key, value in numbers.items():
-                if key != "steps":
-                    self._tb.add_scalar(f"final/{key}", value, step)
+                self._tb.add_scalar(f"final/{key}", value, step)
         if self._wandb is not None:
             self._wandb.summary({f"final/{k}": v for k, v in numbers.items()})
 

@@ -20,11 +20,18 @@ from tenfold.errors import UserError
 
 def check_available(wanted: bool) -> None:
     """Called before anything is built or written: the package must be importable."""
-    if wanted and importlib.util.find_spec("wandb") is None:
+    if wanted and not _installed():
         raise UserError(
             "log.wandb (--wandb) needs the wandb package: pip install 'tenfold[wandb]' "
             "(or drop --wandb; metrics.jsonl and TensorBoard are written either way)"
         )
+
+
+def _installed() -> bool:
+    try:
+        return importlib.util.find_spec("wandb") is not None
+    except ValueError:  # already in sys.modules without a spec (a stand-in): importable
+        return True
 
 
 class WandbRun:

@@ -173,6 +173,17 @@ def best_rung(results: list[RungResult]) -> RungResult | None:
 
 
 def plot(results: list[RungResult], header: dict[str, Any], path: Path) -> None:
+    """Write `figure(...)` as a PNG (atomically)."""
+    import matplotlib.pyplot as plt
+
+    fig = figure(results, header)
+    tmp = path.with_name(path.stem + ".tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
+def figure(results: list[RungResult], header: dict[str, Any]):
     """Two panels: throughput and peak memory per rank, one group per rung, both on linear axes
     from zero (a 2.7x speed-up looks 2.7x tall); measured bars (memory stacked by category
     where measured), predicted values as markers. Text sits where no marker can be: speed-ups
@@ -194,10 +205,7 @@ def plot(results: list[RungResult], header: dict[str, Any], path: Path) -> None:
     fig.suptitle(f"tenfold ladder: {header['model']}, {header['budget_tokens']:,} tokens per rung, "
                  f"{header['hardware']['description']}", fontsize=10)
     fig.tight_layout()
-    tmp = path.with_name(path.stem + ".tmp.png")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    os.replace(tmp, path)
+    return fig
 
 
 def _throughput_panel(ax, results: list[RungResult], xs: list[int]) -> None:
