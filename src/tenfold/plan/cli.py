@@ -73,7 +73,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="16-bit params + fp32 master copy (ZeRO/DeepSpeed); --no-master-weights: fp32 params + autocast")
     s.add_argument("--grads-fp32", action="store_true", help="fp32 gradients (Megatron main grads)")
     s.add_argument("--overlap-comm", action=argparse.BooleanOptionalAction, default=True)
-    s.add_argument("--activation-style", choices=("megatron", "tenfold"), default="megatron")
+    s.add_argument("--activation-style", choices=("tenfold", "megatron"), default="tenfold",
+                   help="tenfold: eager PyTorch + autocast, fp32 loss tensors (default); megatron: fused kernels "
+                        "(Korthikanti et al. 2022)")
     s.add_argument("--tokens", type=_number, help="training tokens, for days and GPU-hours")
     s.add_argument("--achieved-tflops", type=_number, help="per-GPU hardware TFLOP/s (Narayanan's X) instead of the time model")
     o = p.add_argument_group("output")

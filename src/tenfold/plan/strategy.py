@@ -42,7 +42,10 @@ class Strategy:
     fp32_grad_copy: bool = False  # Megatron fp16: an fp32 copy of the grads for the optimizer
     overlap_comm: bool = True  # DP gradient reduction overlapped with backward
     dropout: bool = False  # the model applies dropout (GPT-2/3, Megatron); tenfold's model has none
-    activation_style: str = "megatron"  # "megatron": fused kernels, 16-bit residual; "tenfold": eager PyTorch + autocast
+    # "tenfold" (default): eager PyTorch + autocast as tenfold and plain PyTorch train, incl. the
+    # fp32 log-probabilities and their gradient (8 b s V bytes); "megatron": Megatron's fused
+    # kernels, 16-bit residual, one fp32 logits copy (Korthikanti et al. 2022).
+    activation_style: str = "tenfold"
 
     @property
     def policy(self) -> RecomputePolicy:
@@ -70,12 +73,20 @@ class Resolved:
     v: int  # virtual stages actually used (1 unless interleaved)
 
 
+def tp_choices(n_heads: int, n_kv_heads: int | None = None) -> list[int]:
+    """Tensor-parallel sizes that split both the query heads and the key/value heads evenly
+    (Megatron's column split gives each rank whole heads; GQA's KV heads are split, not copied)."""
+    kv = n_kv_heads or n_heads
+    return [t for t in range(1, n_heads + 1) if n_heads % t == 0 and kv % t == 0]
+
+
 def _positive(name: str, value) -> None:
     if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
         raise UserError(f"--{name} must be a positive integer, got {value!r}")
 
 
-def resolve(s: Strategy, gpus: int, n_layers: int | None, n_heads: int | None, max_seq_len: int | None) -> Resolved:
+def resolve(s: Strategy, gpus: int, n_layers: int | None, n_heads: int | None, max_seq_len: int | None,
+            n_kv_heads: int | None = None) -> Resolved:
     """Check every field and derive dp, grad_accum, global batch (DeepSpeed's triplet rule)."""
     if s.precision not in PRECISIONS:
         raise UserError(f"--precision {s.precision!r}; allowed: {', '.join(PRECISIONS)}")
@@ -100,8 +111,10 @@ def resolve(s: Strategy, gpus: int, n_layers: int | None, n_heads: int | None, m
     if gpus % (s.tp * s.pp):
         raise UserError(f"--gpus {gpus} must be a multiple of --tp x --pp = {s.tp * s.pp}")
     dp = gpus // (s.tp * s.pp)
-    if n_heads is not None and n_heads % s.tp:
-        raise UserError(f"--tp {s.tp} must divide the number of attention heads ({n_heads})")
+    if n_heads is not None and (n_heads % s.tp or (n_kv_heads or n_heads) % s.tp):
+        kv = f" and key/value heads ({n_kv_heads})" if n_kv_heads and n_kv_heads != n_heads else ""
+        raise UserError(f"--tp {s.tp} must divide the number of attention heads ({n_heads}){kv}; "
+                        f"allowed: {', '.join(str(t) for t in tp_choices(n_heads, n_kv_heads))}")
     if n_layers is not None and s.pp > n_layers:
         raise UserError(f"--pp {s.pp} exceeds the number of layers ({n_layers})")
     if s.sequence_parallel and s.tp == 1:
