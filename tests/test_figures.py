@@ -237,3 +237,17 @@ def test_resume_with_another_global_batch_warns(tmp_path, caplog):
         Trainer(build_config(other)).fit()
     (warning,) = [r.message for r in caplog.records if "global batch" in r.message]
     assert "changes from 4 to 8 sequences per step" in warning and "--global-batch 4" in warning
+
+
+def test_a_checkpoint_saved_before_the_batch_was_recorded_still_loads():
+    """trainer_state.json from a tenfold without `global_batch` validates against a fresh run's
+    counters (0: unknown, so no warning); once known, the batch is saved."""
+    from tenfold.engine.checkpoint.states import JsonState
+    from tenfold.engine.trainer import TrainState
+
+    fresh = TrainState()
+    JsonState(fresh, "state").validate({"step": 3, "tokens": 96, "skipped": 0, "history": [[1, 5.0]]})
+    fresh.load_state_dict({"step": 3, "tokens": 96, "skipped": 0, "history": [[1, 5.0]]})
+    assert fresh.step == 3 and fresh.global_batch == 0
+    fresh.global_batch = 8
+    assert JsonState(fresh, "state").state_dict()["global_batch"] == 8
