@@ -60,7 +60,7 @@ def preflight(cfg: Any, nproc: int) -> None:
         raise UserError(f"parallel.pp_degree ({cfg.parallel.pp_degree}) must divide --nproc ({nproc})")
     run = resolve_run(cfg, nproc)
     if run.pp > 1:  # micro-batches >= stages, stages <= layers, --pp-split, tied embeddings
-        from tenfold.techniques.pipeline import validate_run
+        from tenfold.techniques.pipeline_layout import validate_run
 
         validate_run(run)
 
