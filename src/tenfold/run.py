@@ -3,6 +3,9 @@ part of tenfold reads (batch triplet, sequence length, model shape, mesh sizes, 
 policy, pipeline schedule). The trainer, the launcher and the planner's view of a training
 run all start from `resolve_run`, so none of them derives these values a second time.
 
+Every run is checked against the engine's capability table (tenfold.capabilities) as it is
+resolved, so `tenfold train` and `tenfold plan` refuse the same runs with the same message.
+
 No torch here: `tenfold plan` resolves the same run without it.
 """
 
@@ -10,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from tenfold import capabilities
 from tenfold.config import TenfoldConfig
 from tenfold.errors import UserError
 from tenfold.models.presets import ModelConfig
@@ -47,13 +51,40 @@ class ResolvedRun:
     def tokens_per_step(self) -> int:
         return self.global_batch * self.seq_len
 
+    @property
+    def model_kind(self) -> str:
+        return model_kind(self.config)
+
+    @property
+    def layout(self) -> capabilities.Layout:
+        """The run as the capability table judges it."""
+        split = self.config.parallel.pp_split
+        return capabilities.Layout(
+            model=self.model, world_size=self.world_size, pp=self.pp, zero=self.zero_stage, recompute=self.recompute,
+            precision=self.precision, micro_batches=self.grad_accum, schedule=self.pp_schedule,
+            virtual_stages=self.virtual_stages, model_kind=self.model_kind, pp_split=tuple(split) if split else None,
+        )
+
+    def batch_summary(self) -> dict:
+        """The batch as a run reports it (summary.json's `batch`, `tenfold plan --json`'s `run.batch`)."""
+        return {"micro_batch": self.micro_batch, "grad_accum": self.grad_accum, "global_batch": self.global_batch,
+                "seq_len": self.seq_len}
+
     def with_seq_len(self, seq_len: int) -> "ResolvedRun":
         """The same run on sequences of another length (a user's own packed dataset)."""
         return replace(self, seq_len=seq_len)
 
 
-def resolve_run(cfg: TenfoldConfig, world_size: int) -> ResolvedRun:
-    """Check what depends on the number of processes and derive every shared value."""
+def model_kind(cfg: TenfoldConfig) -> str:
+    """The configured model's kind (tenfold.capabilities.MODEL_KINDS): tenfold's GPT, or a
+    Hugging Face model."""
+    return "hf" if cfg.model.hf_config or cfg.model.hf_pretrained else "tenfold"
+
+
+def resolve_run(cfg: TenfoldConfig, world_size: int, check: bool = True) -> ResolvedRun:
+    """Check what depends on the number of processes, derive every shared value, and refuse
+    (UserError) a run the engine cannot do. `check=False`: do not refuse it (`tenfold plan`
+    prices such a run and says why train would refuse it)."""
     if isinstance(world_size, bool) or world_size < 1:
         raise UserError(f"the number of processes must be a positive integer, got {world_size!r}")
     par = cfg.parallel
@@ -61,7 +92,7 @@ def resolve_run(cfg: TenfoldConfig, world_size: int) -> ResolvedRun:
     if world_size % pp:
         raise UserError(f"parallel.pp_degree (--pp) {pp} must divide the number of processes ({world_size})")
     dp = world_size // pp
-    return ResolvedRun(
+    run = ResolvedRun(
         config=cfg, world_size=world_size, pp=pp, dp=dp,
         batch=resolve_batch(cfg.train.micro_batch, cfg.train.grad_accum, cfg.train.global_batch, dp),
         seq_len=cfg.seq_len(), precision=cfg.precision.dtype, model=cfg.model.build(),
@@ -69,3 +100,6 @@ def resolve_run(cfg: TenfoldConfig, world_size: int) -> ResolvedRun:
         pp_schedule=par.pp_schedule,
         virtual_stages=virtual_stages_for(par.pp_schedule, par.virtual_stages) if pp > 1 else 1,
     )
+    if check:
+        capabilities.check(run.layout)
+    return run

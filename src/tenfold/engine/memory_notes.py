@@ -9,8 +9,7 @@ Table 1); the engine runs ZeRO-2/3 on FSDP2 and measures tensors at fixed moment
 from __future__ import annotations
 
 
-def _mib(n: float) -> str:
-    return f"{n / 2**20:,.2f} MiB"
+from tenfold.plan.for_run import fmt_bytes
 
 
 def row_notes(predicted: dict | None, measured: dict | None, zero_stage: int, dp: int,
@@ -44,5 +43,5 @@ def _peak_note(predicted: dict, measured: dict, zero_stage: int, dp: int) -> str
         absent = (dp == 1 and zero_stage < 3) or zero_stage == 2
         extra = " this run lacks (" + ("one process" if dp == 1 else "FSDP2 at ZeRO-2") + ")" if absent else ""
         what = "DDP buckets" if zero_stage < 3 else "communication buffers"
-        parts.append(f"predicted: the sum + {_mib(other)} {what}{extra}")
+        parts.append(f"predicted: the sum + {fmt_bytes(other)} {what}{extra}")
     return "; ".join(parts)

@@ -29,7 +29,7 @@ def fmt_duration(seconds: float) -> str:
 
 def plain_line(row: dict, total_steps: int, eta_s: float | None) -> str:
     """One step as one line (module docstring)."""
-    from tenfold.engine.memory import fmt_bytes
+    from tenfold.plan.for_run import fmt_bytes  # torch-free, the units every report uses
 
     parts = [f"step {row['step']}/{total_steps}", f"loss {row['loss']:.4f}", f"lr {row['lr']:.2e}",
              f"{row['tokens_per_s']:,.0f} tok/s"]

@@ -84,6 +84,8 @@ class Plan:
     train_days: float | None
     gpu_hours: float | None
     max_micro_batch: int | None = None  # largest micro-batch that fits, the rest unchanged (set by the CLI; see largest_micro_batch)
+    # Why `tenfold train` cannot run this strategy (tenfold.capabilities; set by the CLI and --search)
+    unsupported: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     explain: list[Explained] = field(default_factory=list)
 
