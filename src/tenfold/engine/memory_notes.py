@@ -8,7 +8,6 @@ Table 1); the engine runs ZeRO-2/3 on FSDP2 and measures tensors at fixed moment
 
 from __future__ import annotations
 
-
 from tenfold.plan.for_run import fmt_bytes
 
 
