@@ -115,7 +115,11 @@ def _check_tensorboard(args: list[str], cwd: Path) -> None:
 
 
 def run_command(command: str, cwd: Path) -> None:
-    """Run one README command the way the module docstring says."""
+    """Run one README command the way the module docstring says (`a && b`: a, then b)."""
+    if " && " in command:
+        for part in command.split(" && "):
+            run_command(part, cwd)
+        return
     words = shlex.split(command)
     env = {}
     while words and re.match(r"^[A-Z_]+=", words[0]):
