@@ -1,7 +1,7 @@
 """The run folder (`--out`): one run per folder, checked before any work, written without
 following links.
 
-    OUT/metrics.jsonl  summary.json  tensorboard/  tokenizer/  checkpoints/  hf/  model.safetensors
+    OUT/metrics.jsonl  summary.json  tensorboard/  tokenizer/  checkpoints/  hf/  wandb/  model.safetensors
 
 * `check_out_path`: `--out` must be a folder tenfold can create and write. An existing file,
   a path under a file, a place where no folder can be created (`/proc/x`, a read-only file
@@ -17,8 +17,8 @@ following links.
   a link is moved, never followed; a `checkpoints` link stays and what is behind it is set
   aside there); `started()` deletes the aside folders once the new run has finished its first
   step, `failed()` before that puts everything back as it was.
-* `cut_metrics(step)`: on resume, `metrics.jsonl` loses the rows after the resumed step (the
-  steps that are about to be redone), so every step appears once.
+* On resume `metrics.jsonl` loses the rows after the resumed step (`metrics.keep_rows_up_to`),
+  so every step appears once.
 * `replace_folder`: a folder written by a library that follows links (the tokenizer copy) is
   filled under a fresh scratch name and renamed into place.
 
@@ -29,7 +29,6 @@ followed; nothing inside is.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import stat
@@ -47,12 +46,11 @@ SUMMARY = "summary.json"
 CHECKPOINTS = "checkpoints"
 # What a run writes into OUT, and the kind each entry must be.
 RUN_FILES = (METRICS, SUMMARY, "model.safetensors", "model.config.json")
-RUN_FOLDERS = ("tensorboard", "tokenizer", CHECKPOINTS, "hf")
+RUN_FOLDERS = ("tensorboard", "tokenizer", CHECKPOINTS, "hf", "wandb")
 SCRATCH = (f"{SUMMARY}.tmp", f".{METRICS}.tmp", ".tokenizer.tmp", ".model.safetensors.tmp", ".model.config.json.tmp")
 RUN_ENTRIES = (*RUN_FILES, *RUN_FOLDERS, *SCRATCH)
 ASIDE_PREFIX = ".tenfold-replaced-"
 _CHECKPOINT_NAME = re.compile(r"^(step_\d+|latest)$")
-MAX_METRICS_BYTES = 1 << 34
 CONTINUE_HINT = "continue it with --resume auto, or replace it with --overwrite (or choose another --out)"
 
 
@@ -254,28 +252,6 @@ class RunFolder:
                 self.path.rmdir()
             except OSError:  # not empty: something else was put there meanwhile
                 pass
-
-    def cut_metrics(self, step: int) -> int:
-        """Drop the metrics rows after `step` (and a last line cut short by a kill); how many went."""
-        with Folder(self.path, follow=True) as folder:
-            if folder.lstat(METRICS) is None:
-                return 0
-            lines = folder.read_bytes(METRICS, MAX_METRICS_BYTES).splitlines(keepends=True)
-            kept = [line for i, line in enumerate(lines) if _keep_row(line, step, last=i == len(lines) - 1)]
-            if len(kept) != len(lines):
-                folder.write_atomic(METRICS, b"".join(kept))
-        return len(lines) - len(kept)
-
-
-def _keep_row(line: bytes, step: int, last: bool) -> bool:
-    """A metrics row up to `step`; a line that is not a JSON row is kept unless it is the
-    last one (a write cut short by a kill)."""
-    try:
-        row = json.loads(line)
-    except ValueError:
-        return not last and line.strip() != b""
-    row_step = row.get("step") if isinstance(row, dict) else None
-    return not isinstance(row_step, int) or row_step <= step
 
 
 def replace_folder(out: Path, name: str, fill: Callable[[Path], Any]) -> Path | None:
