@@ -74,16 +74,13 @@ def _threads_per_rank(nproc: int) -> int:
 def preflight(cfg: Any, nproc: int) -> None:
     """What can be checked before any process starts (UserError -> exit 2): the run resolved
     on `nproc` processes (batch triplet, pp dividing the world, and what the engine can run:
-    the capability table and the pipeline's rules, tenfold.capabilities), and the run folder
-    (--out, --resume, an earlier run in --out: engine/run_folder.py)."""
+    the capability table and the pipeline's rules, tenfold.capabilities). Torch-free and
+    touching no file: `--dry-run` runs it too."""
     from tenfold.errors import UserError
     from tenfold.run import resolve_run
 
     if nproc % cfg.parallel.pp_degree:
         raise UserError(f"parallel.pp_degree ({cfg.parallel.pp_degree}) must divide --nproc ({nproc})")
-    from tenfold.engine.run_folder import RunFolder
-
-    RunFolder.check(cfg)  # --out, --resume, an earlier run in --out: said once, not once per rank
     resolve_run(cfg, nproc)
 
 
@@ -94,7 +91,10 @@ def run_under_torchrun(argv: list[str], nproc: int, cfg: Any = None) -> int:
     if nproc < 1:
         raise UserError(f"--nproc must be a positive integer, got {nproc}")
     if cfg is not None:
+        from tenfold.engine.run_folder import RunFolder
+
         preflight(cfg, nproc)
+        RunFolder.check(cfg)  # --out, --resume, an earlier run in --out: said once, not once per rank
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
