@@ -112,7 +112,7 @@ def test_plot_writes_png(tmp_path, capsys):
     (["--model", "gpt3-175b", "--ac", "segments:x"], "segments: needs a positive integer"),
     (["--model", "gpt3-175b", "--ac", "sometimes"], "invalid recompute policy"),
     (["--model", "gpt3-175b", "--gpus", "12", "--tp", "8"], "multiple of --tp x --pp"),
-    (["--model", "gpt3-175b", "--gpus", "10", "--tp", "5"], "must divide the number of attention heads"),
+    (["--model", "gpt3-175b", "--gpus", "10", "--tp", "5"], "must divide the 96 query heads"),
     (["--model", "gpt3-175b", "--gpus", "8", "--offload", "optimizer"], "needs --zero"),
     (["--model", "gpt3-175b", "--gpus", "8", "--zero", "2", "--offload", "optimizer+params"], "needs --zero 3"),
     (["--model", "gpt3-175b", "--gpus", "8", "--global-batch", "12", "--micro-batch", "4"], "multiple of --micro-batch"),

@@ -13,7 +13,9 @@ from dataclasses import dataclass, replace
 from tenfold.config import TenfoldConfig
 from tenfold.errors import UserError
 from tenfold.models.presets import ModelConfig
-from tenfold.terms import BatchTriplet, RecomputePolicy, parse_recompute, resolve_batch, virtual_stages_for
+from tenfold.terms import (
+    BatchTriplet, RecomputePolicy, check_tp_heads, parse_recompute, resolve_batch, virtual_stages_for,
+)
 
 
 @dataclass(frozen=True)
@@ -21,7 +23,7 @@ class ResolvedRun:
     config: TenfoldConfig
     world_size: int
     pp: int  # pipeline stages (ranks along the pipeline axis)
-    dp: int  # data-parallel ranks: world_size / pp
+    dp: int  # data-parallel ranks: world_size / (pp x tp)
     batch: BatchTriplet
     seq_len: int
     precision: str  # as configured; the engine may fall back to fp32 on a device without bf16
@@ -30,6 +32,8 @@ class ResolvedRun:
     zero_stage: int
     pp_schedule: str
     virtual_stages: int  # stages per pipeline rank (1 unless the schedule interleaves)
+    tp: int = 1  # tensor-parallel ranks: each layer's matrices split over them
+    sequence_parallel: bool = False  # norms and the residual stream split by sequence over the tp ranks
 
     @property
     def micro_batch(self) -> int:
@@ -52,20 +56,38 @@ class ResolvedRun:
         return replace(self, seq_len=seq_len)
 
 
-def resolve_run(cfg: TenfoldConfig, world_size: int) -> ResolvedRun:
-    """Check what depends on the number of processes and derive every shared value."""
+def resolve_run(cfg: TenfoldConfig, world_size: int, own_model: bool = False) -> ResolvedRun:
+    """Check what depends on the number of processes and derive every shared value.
+    `own_model`: the model is the user's own module (Python API), so the configured shape says
+    nothing about its heads; its tensor-parallel plan is checked when it is applied."""
     if isinstance(world_size, bool) or world_size < 1:
         raise UserError(f"the number of processes must be a positive integer, got {world_size!r}")
     par = cfg.parallel
-    pp = par.pp_degree
-    if world_size % pp:
-        raise UserError(f"parallel.pp_degree (--pp) {pp} must divide the number of processes ({world_size})")
-    dp = world_size // pp
+    pp, tp = par.pp_degree, par.tp_degree
+    model = cfg.model.build()
+    if tp > 1 and not own_model:
+        check_tp_heads(tp, model.n_heads, model.kv_heads, flag="parallel.tp_degree (--tp)")
+    if world_size % (pp * tp):
+        raise UserError(
+            f"parallel.pp_degree (--pp) {pp} x parallel.tp_degree (--tp) {tp} = {pp * tp} must divide "
+            f"the number of processes ({world_size}); world = pp x dp x tp"
+        )
+    dp = world_size // (pp * tp)
     return ResolvedRun(
         config=cfg, world_size=world_size, pp=pp, dp=dp,
         batch=resolve_batch(cfg.train.micro_batch, cfg.train.grad_accum, cfg.train.global_batch, dp),
-        seq_len=cfg.seq_len(), precision=cfg.precision.dtype, model=cfg.model.build(),
+        seq_len=cfg.seq_len(), precision=cfg.precision.dtype, model=model,
         recompute=parse_recompute(cfg.recompute.policy), zero_stage=par.zero_stage,
         pp_schedule=par.pp_schedule,
         virtual_stages=virtual_stages_for(par.pp_schedule, par.virtual_stages) if pp > 1 else 1,
+        tp=tp, sequence_parallel=sequence_parallel_for(tp, par.sequence_parallel),
     )
+
+
+def sequence_parallel_for(tp: int, requested: bool | None) -> bool:
+    """Sequence parallelism is on by default with tensor parallelism (it only replaces each
+    all-reduce by a reduce-scatter + all-gather of the same volume, and divides the norms'
+    activations by tp: Korthikanti et al. 2022, section 4.2.2); it needs tp > 1."""
+    if requested and tp == 1:
+        raise UserError("parallel.sequence_parallel (--sequence-parallel) needs parallel.tp_degree (--tp) > 1")
+    return tp > 1 if requested is None else bool(requested)

@@ -52,7 +52,8 @@ def _threads_per_rank(nproc: int) -> int:
 
 def preflight(cfg: Any, nproc: int) -> None:
     """What can be checked before any process starts (UserError -> exit 2): the run resolved
-    on `nproc` processes (batch triplet, pp dividing the world) and the pipeline's rules."""
+    on `nproc` processes (batch triplet, pp x tp dividing the world, tp dividing the heads),
+    the pipeline's rules and a Hugging Face model's tensor-parallel family."""
     from tenfold.errors import UserError
     from tenfold.run import resolve_run
 
@@ -63,6 +64,10 @@ def preflight(cfg: Any, nproc: int) -> None:
         from tenfold.techniques.pipeline import validate_run
 
         validate_run(run)
+    if run.tp > 1:  # a Hugging Face family without a tensor-parallel plan, said once
+        from tenfold.techniques.tensor_parallel import check_hf_family
+
+        check_hf_family(cfg.model.hf_pretrained or cfg.model.hf_config)
 
 
 def run_under_torchrun(argv: list[str], nproc: int, cfg: Any = None) -> int:

@@ -67,7 +67,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--pp-schedule", choices=PIPELINE_SCHEDULES, default=DEFAULT_PIPELINE_SCHEDULE)
     s.add_argument("--virtual-stages", type=_count, help="stages per device for interleaved schedules (default 2)")
     s.add_argument("--flash-attention", action=argparse.BooleanOptionalAction, default=True)
-    s.add_argument("--sequence-parallel", action="store_true")
+    s.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None,
+                   help="Korthikanti et al. 2022 sequence parallelism (default: on when --tp > 1, as tenfold train)")
     s.add_argument("--dropout", action="store_true", help="the model uses dropout (GPT-2/3 style)")
     s.add_argument("--master-weights", action=argparse.BooleanOptionalAction, default=True,
                    help="16-bit params + fp32 master copy (ZeRO/DeepSpeed); --no-master-weights: fp32 params + autocast")
@@ -137,7 +138,8 @@ def _strategy(args):
         global_batch=args.global_batch, seq_len=args.seq_len, ac=args.ac, zero=args.zero, offload=args.offload,
         tp=args.tp, pp=args.pp, pp_schedule=args.pp_schedule,
         virtual_stages=args.virtual_stages,
-        flash_attention=args.flash_attention, sequence_parallel=args.sequence_parallel, tokens=args.tokens,
+        flash_attention=args.flash_attention, tokens=args.tokens,
+        sequence_parallel=args.tp > 1 if args.sequence_parallel is None else args.sequence_parallel,
         achieved_tflops=args.achieved_tflops, master_weights=args.master_weights, grads_fp32=args.grads_fp32,
         overlap_comm=args.overlap_comm, dropout=args.dropout, activation_style=args.activation_style,
     )

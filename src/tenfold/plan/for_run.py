@@ -18,7 +18,7 @@ def strategy_for_run(run: ResolvedRun, precision: str | None = None) -> Strategy
         precision=precision or run.precision, micro_batch=run.micro_batch, grad_accum=run.grad_accum,
         global_batch=run.global_batch, seq_len=run.seq_len, ac=str(run.recompute), zero=run.zero_stage,
         pp=run.pp, pp_schedule=run.pp_schedule, virtual_stages=run.virtual_stages,
-        master_weights=False, dropout=False, flash_attention=True, activation_style="tenfold",
+        tp=run.tp, sequence_parallel=run.sequence_parallel, master_weights=False, dropout=False, flash_attention=True, activation_style="tenfold",
     )
 
 

@@ -8,8 +8,11 @@ from dataclasses import asdict, dataclass, replace
 
 from tenfold.errors import UserError
 from tenfold.terms import (
-    PIPELINE_SCHEDULES, PRECISIONS, RecomputePolicy, parse_recompute, resolve_batch, virtual_stages_for,
+    PIPELINE_SCHEDULES, PRECISIONS, RecomputePolicy, check_tp_heads, parse_recompute, resolve_batch,
+    tp_choices, virtual_stages_for,
 )
+
+__all__ = ["Strategy", "Resolved", "resolve", "tp_choices"]
 
 OFFLOADS = ("none", "optimizer", "optimizer+params")
 STYLES = ("megatron", "tenfold")
@@ -75,7 +78,8 @@ def _positive(name: str, value) -> None:
         raise UserError(f"--{name} must be a positive integer, got {value!r}")
 
 
-def resolve(s: Strategy, gpus: int, n_layers: int | None, n_heads: int | None, max_seq_len: int | None) -> Resolved:
+def resolve(s: Strategy, gpus: int, n_layers: int | None, n_heads: int | None, max_seq_len: int | None,
+            n_kv_heads: int | None = None) -> Resolved:
     """Check every field and derive dp, grad_accum, global batch (DeepSpeed's triplet rule)."""
     if s.precision not in PRECISIONS:
         raise UserError(f"--precision {s.precision!r}; allowed: {', '.join(PRECISIONS)}")
@@ -97,11 +101,11 @@ def resolve(s: Strategy, gpus: int, n_layers: int | None, n_heads: int | None, m
         raise UserError(f"--offload {s.offload} needs --zero 1, 2 or 3 (ZeRO-Offload partitions what it moves)")
     if s.offload == "optimizer+params" and s.zero != 3:
         raise UserError("--offload optimizer+params needs --zero 3 (only stage 3 partitions parameters)")
+    if n_heads is not None:
+        check_tp_heads(s.tp, n_heads, n_kv_heads)  # the rule `tenfold train` applies too
     if gpus % (s.tp * s.pp):
         raise UserError(f"--gpus {gpus} must be a multiple of --tp x --pp = {s.tp * s.pp}")
     dp = gpus // (s.tp * s.pp)
-    if n_heads is not None and n_heads % s.tp:
-        raise UserError(f"--tp {s.tp} must divide the number of attention heads ({n_heads})")
     if n_layers is not None and s.pp > n_layers:
         raise UserError(f"--pp {s.pp} exceeds the number of layers ({n_layers})")
     if s.sequence_parallel and s.tp == 1:

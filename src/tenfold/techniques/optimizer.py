@@ -62,13 +62,10 @@ def clip_grad_norm(
     over them (sum of norm**p, or max for the inf-norm) before clipping.
     """
     params = [p for p in params if p.grad is not None]
-    grads = [p.grad for p in params]
-    if not grads:
+    if not params:
         return 0.0
-    total = torch.nn.utils.get_total_norm(grads, norm_type=norm_type, foreach=True)
-    full_tensor = getattr(total, "full_tensor", None)
-    if callable(full_tensor):
-        total = full_tensor()
+    by_mesh = _by_mesh(params)
+    total = _combine([_group_norm([p.grad for p in ps], norm_type) for ps in by_mesh], norm_type)
     for group in extra_groups:
         if math.isinf(norm_type):
             dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)
@@ -77,5 +74,35 @@ def clip_grad_norm(
             dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
             total = total ** (1.0 / norm_type)
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
+        for ps in by_mesh:
+            torch.nn.utils.clip_grads_with_norm_(ps, max_norm, total, foreach=True)
     return float(total.item())
+
+
+def _by_mesh(params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
+    """Parameters grouped by the device mesh of their gradients (None: plain tensors). Tensor
+    parallelism mixes meshes: FSDP2 puts the tp-split parameters on a (dp, tp) mesh and the
+    others on the dp mesh, and a foreach kernel cannot take DTensors of two meshes."""
+    groups: dict[int, list[nn.Parameter]] = {}
+    for p in params:
+        mesh = getattr(p.grad, "device_mesh", None)
+        groups.setdefault(id(mesh), []).append(p)
+    return list(groups.values())
+
+
+def _group_norm(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
+    """Norm of one mesh's gradients over every shard: DTensor gradients give a DTensor norm
+    whose `full_tensor()` reduces the shards' parts and leaves replicated dims alone."""
+    total = torch.nn.utils.get_total_norm(grads, norm_type=norm_type, foreach=True)
+    full_tensor = getattr(total, "full_tensor", None)
+    return full_tensor() if callable(full_tensor) else total
+
+
+def _combine(norms: list[torch.Tensor], norm_type: float) -> torch.Tensor:
+    """The norm of disjoint groups from the groups' norms."""
+    if len(norms) == 1:
+        return norms[0]
+    stacked = torch.stack([n.float() for n in norms])
+    if math.isinf(norm_type):
+        return stacked.max()
+    return (stacked**norm_type).sum() ** (1.0 / norm_type)
