@@ -53,7 +53,7 @@ class ResolvedRun:
 
     def with_seq_len(self, seq_len: int) -> "ResolvedRun":
         """The same run on sequences of another length (a user's own packed dataset)."""
-        return replace(self, seq_len=seq_len)
+        return replace(self, seq_len=check_sequence_split(seq_len, self.tp, self.sequence_parallel))
 
 
 def resolve_run(cfg: TenfoldConfig, world_size: int, own_model: bool = False) -> ResolvedRun:
@@ -73,14 +73,16 @@ def resolve_run(cfg: TenfoldConfig, world_size: int, own_model: bool = False) ->
             f"the number of processes ({world_size}); world = pp x dp x tp"
         )
     dp = world_size // (pp * tp)
+    sequence_parallel = sequence_parallel_for(tp, par.sequence_parallel)
+    seq_len = check_sequence_split(cfg.seq_len(), tp, sequence_parallel)
     return ResolvedRun(
         config=cfg, world_size=world_size, pp=pp, dp=dp,
         batch=resolve_batch(cfg.train.micro_batch, cfg.train.grad_accum, cfg.train.global_batch, dp),
-        seq_len=cfg.seq_len(), precision=cfg.precision.dtype, model=model,
+        seq_len=seq_len, precision=cfg.precision.dtype, model=model,
         recompute=parse_recompute(cfg.recompute.policy), zero_stage=par.zero_stage,
         pp_schedule=par.pp_schedule,
         virtual_stages=virtual_stages_for(par.pp_schedule, par.virtual_stages) if pp > 1 else 1,
-        tp=tp, sequence_parallel=sequence_parallel_for(tp, par.sequence_parallel),
+        tp=tp, sequence_parallel=sequence_parallel,
     )
 
 
@@ -91,3 +93,13 @@ def sequence_parallel_for(tp: int, requested: bool | None) -> bool:
     if requested and tp == 1:
         raise UserError("parallel.sequence_parallel (--sequence-parallel) needs parallel.tp_degree (--tp) > 1")
     return tp > 1 if requested is None else bool(requested)
+
+
+def check_sequence_split(seq_len: int, tp: int, sequence_parallel: bool) -> int:
+    """Sequence parallelism cuts every sequence into tp equal parts."""
+    if sequence_parallel and seq_len % tp:
+        raise UserError(
+            f"sequence parallelism splits each sequence over the {tp} tp ranks: the sequence length "
+            f"({seq_len}, --seq-len) must be a multiple of parallel.tp_degree (--tp) {tp}; or pass --no-sequence-parallel"
+        )
+    return seq_len

@@ -115,9 +115,10 @@ def _check_selective(adapter: ModelAdapter, target: str) -> None:
 
 
 def check_tensor_parallel(model: nn.Module, adapter: ModelAdapter, run: ResolvedRun, tp_plan: dict | None) -> None:
-    """Under --tp N: the model has a plan (built in, or the user's), the plan fits the model
+    """Under --tp N: the model has a plan (built in, or the user's) and the plan fits the model
     (every module it names exists, every split dimension divides by N, every parameter is
-    covered), and sequence parallelism can cut the sequences. Runs on the whole, unsplit model."""
+    covered). Runs on the whole, unsplit model. (tenfold.run checked the heads and that
+    sequence parallelism can cut the sequences.)"""
     if run.tp <= 1:
         if tp_plan is not None:
             raise UserError("a tensor-parallel plan (tp_plan) was given but parallel.tp_degree (--tp) is 1")
@@ -127,5 +128,3 @@ def check_tensor_parallel(model: nn.Module, adapter: ModelAdapter, run: Resolved
     plan = tp.plan_for(model, adapter.kind, run.sequence_parallel, tp_plan)
     if tp_plan is None:  # a user's plan may use patterns and keep modules replicated on purpose
         tp.check_plan(model, plan, run.tp)
-    if run.sequence_parallel:
-        tp.check_sequence_length(run.seq_len, run.tp)

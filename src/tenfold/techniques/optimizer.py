@@ -23,13 +23,24 @@ from torch import nn
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """Two AdamW groups: decayed (ndim >= 2) and not decayed (ndim < 2); frozen params left out."""
+    """Two AdamW groups: decayed (ndim >= 2) and not decayed (ndim < 2); frozen params left out.
+    Each is split further by device mesh when tensor parallelism leaves DTensor and plain
+    parameters (or DTensors of two meshes) side by side: the foreach kernels take one kind."""
     decay, no_decay = [], []
     for p in model.parameters():
         if p.requires_grad:
             (decay if p.ndim >= 2 else no_decay).append(p)
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    groups = [{"params": ps, "weight_decay": wd} for params, wd in ((decay, weight_decay), (no_decay, 0.0))
+              for ps in by_mesh(params)]
     return [g for g in groups if g["params"]]
+
+
+def by_mesh(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """`tensors` grouped by DTensor device mesh (plain tensors form one group), first seen first."""
+    groups: dict[Any, list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault(getattr(t, "device_mesh", None), []).append(t)  # DeviceMesh: equal = same ranks
+    return list(groups.values()) or [[]]
 
 
 def adamw_kwargs(train_cfg: Any, device: torch.device) -> dict[str, Any]:
@@ -64,8 +75,10 @@ def clip_grad_norm(
     params = [p for p in params if p.grad is not None]
     if not params:
         return 0.0
-    by_mesh = _by_mesh(params)
-    total = _combine([_group_norm([p.grad for p in ps], norm_type) for ps in by_mesh], norm_type)
+    # Tensor parallelism mixes meshes (FSDP2 puts the tp-split parameters on a (dp, tp) mesh,
+    # the others on the dp mesh, plain tensors beside them), and a foreach kernel takes one.
+    groups = by_mesh(params)
+    total = _combine([_group_norm([p.grad for p in ps], norm_type) for ps in groups], norm_type)
     for group in extra_groups:
         if math.isinf(norm_type):
             dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)
@@ -74,20 +87,9 @@ def clip_grad_norm(
             dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
             total = total ** (1.0 / norm_type)
     if max_norm > 0:
-        for ps in by_mesh:
+        for ps in groups:
             torch.nn.utils.clip_grads_with_norm_(ps, max_norm, total, foreach=True)
     return float(total.item())
-
-
-def _by_mesh(params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
-    """Parameters grouped by the device mesh of their gradients (None: plain tensors). Tensor
-    parallelism mixes meshes: FSDP2 puts the tp-split parameters on a (dp, tp) mesh and the
-    others on the dp mesh, and a foreach kernel cannot take DTensors of two meshes."""
-    groups: dict[int, list[nn.Parameter]] = {}
-    for p in params:
-        mesh = getattr(p.grad, "device_mesh", None)
-        groups.setdefault(id(mesh), []).append(p)
-    return list(groups.values())
 
 
 def _group_norm(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
