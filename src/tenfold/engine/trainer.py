@@ -349,7 +349,7 @@ class Trainer:
         self.facts = self._facts()
         if self.console is not None:
             self.console.print(run_summary.header_line(self.facts, self.cfg.train.steps, self.dist.dp_size,
-                                                       self.dist.device.type))
+                                                       self.dist.device.type, self.dist.tp_size))
             self.console.print(f"data: {self.data.describe()}")
         self.run_memory = RunMemory(self)
         self.run_memory.announce(self.console)
