@@ -80,17 +80,21 @@ def measure(model_name: str, rank: int, world: int, out: Path, steps: int, seq_l
     from tenfold.models.presets import param_count
 
     quiet = lambda msg: None  # noqa: E731
+
+    def states(r: SimpleNamespace) -> dict:
+        return ck.training_states(r.model, r.optimizer, scheduler=r.scheduler, counters=r.state)
+
     run = _run_parts(model_name, rank, world, seq_len, micro_batch)
     step_times = [_step(run) for _ in range(steps)]
     _barrier()
-    sync = ck.CheckpointManager(out / "sync", log=quiet)
+    sync = ck.CheckpointManager(out / "sync", states(run), config=run.cfg, log=quiet)
     t0 = time.perf_counter()
-    result = sync.save(run.state["step"], run)
+    result = sync.save(run.state["step"])
     save_s = time.perf_counter() - t0
-    asyn = ck.CheckpointManager(out / "async", async_save=True, log=quiet)
+    asyn = ck.CheckpointManager(out / "async", states(run), config=run.cfg, async_save=True, log=quiet)
     _barrier()
     t0 = time.perf_counter()
-    asyn.save(run.state["step"], run)
+    asyn.save(run.state["step"])
     block_s = time.perf_counter() - t0
     extra_step = _step(run)  # training goes on while the background thread writes
     asyn.wait()
@@ -104,7 +108,7 @@ def measure(model_name: str, rank: int, world: int, out: Path, steps: int, seq_l
     _step(fresh)  # optimizer states exist, as in a resumed run's set-up
     _barrier()
     t0 = time.perf_counter()
-    ck.CheckpointManager(out / "sync", resume=str(ckpt), log=quiet).resume(fresh)
+    ck.CheckpointManager(out / "sync", states(fresh), config=fresh.cfg, resume=str(ckpt), log=quiet).resume()
     load_s = time.perf_counter() - t0
     return {
         "model": model_name, "world_size": world, "params": param_count(run.cfg.model_config_resolved()),

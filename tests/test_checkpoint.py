@@ -31,6 +31,8 @@ import torch.distributed as torch_dist
 from tenfold.config import TrainSection, build_config
 from tenfold.data import GlobalBatchLoader
 from tenfold.engine import checkpoint as ck
+from tenfold.engine.checkpoint import manager as manager_module
+from tenfold.engine.checkpoint import states as states_module
 from tenfold.engine.schedule import build_scheduler
 from tenfold.errors import RunError, UserError
 from tenfold.models.gpt import GPT
@@ -116,15 +118,28 @@ def train(run: SimpleNamespace, until: int, manager: ck.CheckpointManager | None
     while run.state["step"] < until:
         out.append(train_step(run))
         if manager is not None:
-            manager.after_step(run.state["step"], run, last=run.state["step"] == until)
+            manager.after_step(run.state["step"], last=run.state["step"] == until)
     if manager is not None:
         manager.close()
     return out
 
 
-def manager(out: Path, every: int = 3, resume: str | None = None, **kw) -> ck.CheckpointManager:
+def states(run: SimpleNamespace) -> dict:
+    """The run's parts as the manager's `states` (what Trainer._checkpoint_states builds)."""
+    return ck.training_states(run.model, run.optimizer, scheduler=run.scheduler, scaler=run.scaler,
+                              loader=run.loader, counters=run.state)
+
+
+def manager(out: Path, run: SimpleNamespace, every: int = 3, resume: str | None = None, **kw) -> ck.CheckpointManager:
     messages: list[str] = kw.pop("messages", [])
-    return ck.CheckpointManager(out, every=every, resume=resume, log=messages.append, **kw)
+    return ck.CheckpointManager(out, states(run), config=run.cfg, every=every, resume=resume,
+                                log=messages.append, **kw)
+
+
+def fresh_run_with_checkpoints(out: Path, until: int, **kw) -> SimpleNamespace:
+    run = make_run()
+    train(run, until, manager(out, run, **kw))
+    return run
 
 
 # --------------------------------------------------------------------------- exact resume
@@ -135,10 +150,10 @@ def test_resume_matches_uninterrupted_exactly(tmp_path):
     assert len({r["scale"] for r in reference}) > 1, "the loss scale must move for the test to mean something"
     assert len({r["lr"] for r in reference}) > 1
     first = make_run()
-    train(first, 3, manager(tmp_path))
+    train(first, 3, manager(tmp_path, first))
     assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step_3"
     resumed = make_run()  # fresh objects, different RNG position than at step 3
-    tstate = manager(tmp_path, resume="auto").resume(resumed)
+    tstate = manager(tmp_path, resumed, resume="auto").resume()
     assert tstate["step"] == 3 and resumed.state == {"step": 3, "tokens": 3 * GLOBAL_BATCH * SEQ}
     rest = train(resumed, STEPS)
     assert [r["step"] for r in rest] == [4, 5, 6]
@@ -149,39 +164,39 @@ def test_resume_matches_uninterrupted_exactly(tmp_path):
 def test_resume_without_rng_state_would_differ(tmp_path):
     """The exact test above can fail: dropping the RNG restore changes the curve."""
     reference = train(make_run(), STEPS)
-    train(make_run(), 3, manager(tmp_path))
+    fresh_run_with_checkpoints(tmp_path, 3)
     resumed = make_run()
-    m = manager(tmp_path, resume="auto")
-    original = ck.restore_rng_state
-    ck.restore_rng_state = lambda state: None
+    m = manager(tmp_path, resumed, resume="auto")
+    original = states_module.restore_rng_state
+    states_module.restore_rng_state = lambda state: None
     try:
-        m.resume(resumed)
+        m.resume()
     finally:
-        ck.restore_rng_state = original
+        states_module.restore_rng_state = original
     rest = train(resumed, STEPS)
     assert abs(rest[-1]["loss"] - reference[-1]["loss"]) > 1e-4  # the noise stream was not restored
 
 
 def test_resume_auto_without_checkpoint_starts_fresh(tmp_path):
     messages: list[str] = []
-    assert manager(tmp_path, resume="auto", messages=messages).resume(make_run()) is None
+    assert manager(tmp_path, make_run(), resume="auto", messages=messages).resume() is None
     assert any("starting fresh" in m for m in messages)
 
 
 def test_resume_from_explicit_path_and_run_dir(tmp_path):
-    train(make_run(), 6, manager(tmp_path, every=2))
+    fresh_run_with_checkpoints(tmp_path, 6, every=2)
     run = make_run()
-    assert manager(tmp_path, resume=str(tmp_path / "checkpoints" / "step_4")).resume(run)["step"] == 4
+    assert manager(tmp_path, run, resume=str(tmp_path / "checkpoints" / "step_4")).resume()["step"] == 4
     assert ck.resolve_checkpoint_path(tmp_path) == tmp_path / "checkpoints" / "step_6"
     with pytest.raises(UserError, match="checkpoint not found"):
-        manager(tmp_path, resume=str(tmp_path / "nope")).resume(make_run())
+        manager(tmp_path, make_run(), resume=str(tmp_path / "nope")).resume()
 
 
 # --------------------------------------------------------------------------- layout, keep-last
 
 
 def test_layout_manifest_and_keep_last(tmp_path):
-    train(make_run(), 6, manager(tmp_path, every=1, keep_last=2))
+    fresh_run_with_checkpoints(tmp_path, 6, every=1, keep_last=2)
     root = tmp_path / "checkpoints"
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_5", "step_6"]
     ckpt = root / "step_6"
@@ -198,8 +213,8 @@ def test_layout_manifest_and_keep_last(tmp_path):
 
 
 def test_saving_the_same_step_again_replaces_it(tmp_path):
-    train(make_run(), 3, manager(tmp_path))
-    train(make_run(), 3, manager(tmp_path))  # a second fresh run into the same OUT
+    fresh_run_with_checkpoints(tmp_path, 3)
+    fresh_run_with_checkpoints(tmp_path, 3)  # a second fresh run into the same OUT
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step_3"]
     ck.verify_checkpoint(tmp_path / "checkpoints" / "step_3")
 
@@ -208,7 +223,7 @@ def test_saving_the_same_step_again_replaces_it(tmp_path):
 
 
 def _two_checkpoints(tmp_path) -> Path:
-    train(make_run(), 6, manager(tmp_path, every=3))
+    fresh_run_with_checkpoints(tmp_path, 6, every=3)
     return tmp_path / "checkpoints"
 
 
@@ -235,12 +250,12 @@ def test_bad_checkpoint_named_and_auto_falls_back(tmp_path, damage):
         shard.unlink()
         expect = f"checkpoint file missing: {shard}"
     with pytest.raises(UserError) as info:
-        manager(tmp_path, resume=str(bad)).resume(make_run())
+        manager(tmp_path, make_run(), resume=str(bad)).resume()
     assert expect in str(info.value)
     assert "\n" not in str(info.value)
     messages: list[str] = []
     run = make_run()
-    tstate = manager(tmp_path, resume="auto", messages=messages).resume(run)
+    tstate = manager(tmp_path, run, resume="auto", messages=messages).resume()
     assert tstate["step"] == 3
     assert any(expect in m and "falling back" in m for m in messages)
 
@@ -250,24 +265,24 @@ def test_all_checkpoints_bad_is_an_error_not_a_fresh_start(tmp_path):
     for d in ("step_3", "step_6"):
         (root / d / "trainer_state.json").write_text("{broken")
     with pytest.raises(UserError, match="no usable checkpoint"):
-        manager(tmp_path, resume="auto").resume(make_run())
+        manager(tmp_path, make_run(), resume="auto").resume()
 
 
 def test_checkpoint_of_another_model_is_refused(tmp_path):
-    train(make_run(), 3, manager(tmp_path))
+    fresh_run_with_checkpoints(tmp_path, 3)
     other = make_run()
     other.model = GPT(ModelConfig(n_layers=2, d_model=48, n_heads=2, vocab_size=64, max_seq_len=16))
     other.optimizer = torch.optim.AdamW(other.model.parameters(), lr=1e-2)
     with pytest.raises(UserError, match=r"step_3 does not fit this model/optimizer: Size mismatch"):
-        manager(tmp_path, resume="auto").resume(other)
+        manager(tmp_path, other, resume="auto").resume()
     other.cfg = build_config({"model": {**MODEL, "d_model": 48}})  # with a config: named fields
     with pytest.raises(UserError, match=r"step_3 holds a different model: d_model=32 \(run: 48\)"):
-        manager(tmp_path, resume=str(tmp_path / "checkpoints" / "step_3")).resume(other)
+        manager(tmp_path, other, resume=str(tmp_path / "checkpoints" / "step_3")).resume()
 
 
 def test_metadata_pickle_with_code_is_refused(tmp_path):
     """DCP's .metadata is a plain pickle; ours is read with an allow-list unpickler."""
-    train(make_run(), 3, manager(tmp_path))
+    fresh_run_with_checkpoints(tmp_path, 3)
     ckpt = tmp_path / "checkpoints" / "step_3"
     marker = tmp_path / "pwned"
 
@@ -276,36 +291,36 @@ def test_metadata_pickle_with_code_is_refused(tmp_path):
             return (os.system, (f"touch {marker}",))
 
     (ckpt / ".metadata").write_bytes(pickle.dumps(Evil()))
-    with pytest.raises(pickle.UnpicklingError, match="refusing to load posix.system"):
+    with pytest.raises(UserError, match=r"malformed checkpoint file .*\.metadata: refusing to load posix.system"):
         ck.SafeReader(ckpt).read_metadata()
     # through the normal path the manifest's checksum already catches it:
     with pytest.raises(UserError, match=r"altered checkpoint file .*step_3/\.metadata"):
-        manager(tmp_path, resume=str(ckpt)).resume(make_run())
+        manager(tmp_path, make_run(), resume=str(ckpt)).resume()
     assert not marker.exists()
 
 
 def test_full_disk_reports_error_keeps_previous_and_removes_tmp(tmp_path, monkeypatch):
-    train(make_run(), 3, manager(tmp_path))
+    fresh_run_with_checkpoints(tmp_path, 3)
     run = make_run()
-    m = manager(tmp_path, resume="auto")
-    m.resume(run)
-    real_save = ck.dcp.save
+    m = manager(tmp_path, run, resume="auto")
+    m.resume()
+    real_save = manager_module.dcp.save
 
     def save_then_disk_full(state, checkpoint_id, **kwargs):
         Path(checkpoint_id, "__0_0.distcp").write_bytes(b"partial")
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(ck.dcp, "save", save_then_disk_full)
+    monkeypatch.setattr(manager_module.dcp, "save", save_then_disk_full)
     train_step(run)
     with pytest.raises(UserError) as info:
-        m.save(4, run)
+        m.save(4)
     msg = str(info.value)
     assert "No space left on device" in msg and "step_3 is intact" in msg
-    monkeypatch.setattr(ck.dcp, "save", real_save)
+    monkeypatch.setattr(manager_module.dcp, "save", real_save)
     root = tmp_path / "checkpoints"
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_3"]
     assert ck.read_latest(root) == root / "step_3"
-    assert manager(tmp_path, resume="auto").resume(make_run())["step"] == 3
+    assert manager(tmp_path, make_run(), resume="auto").resume()["step"] == 3
 
 
 def test_nan_weights_are_never_saved(tmp_path):
@@ -314,7 +329,7 @@ def test_nan_weights_are_never_saved(tmp_path):
     with torch.no_grad():
         run.model.layers["0"].mlp.w1.weight[0, 0] = float("nan")
     with pytest.raises(RunError, match=r"step 1: parameter layers.0.mlp.w1.weight holds NaN"):
-        manager(tmp_path).save(1, run)
+        manager(tmp_path, run).save(1)
     assert not (tmp_path / "checkpoints" / "step_1").exists()
 
 
@@ -326,11 +341,11 @@ KILL_SCRIPT = textwrap.dedent(
     import test_checkpoint as t
     out = Path({out!r})
     run = t.make_run()
-    t.train(run, 3, t.manager(out))            # step_3 complete
+    t.train(run, 3, t.manager(out, run))       # step_3 complete
     print("READY", flush=True)
     import os
     os.environ[t.ck.SLOW_SAVE_ENV] = "60"
-    t.train(run, 6, t.manager(out))            # step_6 save is slowed down and killed
+    t.train(run, 6, t.manager(out, run))       # step_6 save is slowed down and killed
     """
 )
 
@@ -354,10 +369,10 @@ def test_kill_9_during_save_leaves_previous_checkpoint(tmp_path):
     assert not (root / "step_6").exists()
     reference = train(make_run(), STEPS)  # (make_run seeds the global RNGs: before resume)
     run = make_run()
-    assert manager(tmp_path, resume="auto").resume(run)["step"] == 3
+    assert manager(tmp_path, run, resume="auto").resume()["step"] == 3
     assert train(run, STEPS) == reference[3:]
     # the next save clears the leftover of the killed one
-    manager(tmp_path).save(6, run)
+    manager(tmp_path, run).save(6)
     assert not tmp.exists() and (root / "step_6").is_dir()
 
 
@@ -366,14 +381,14 @@ def test_kill_9_during_save_leaves_previous_checkpoint(tmp_path):
 
 def test_sigterm_saves_at_next_step_boundary_and_stops(tmp_path):
     run = make_run()
-    m = manager(tmp_path, every=0)
+    m = manager(tmp_path, run, every=0)
     m.install_signal_handlers()
     try:
         train_step(run)
-        assert not m.after_step(1, run)
+        assert not m.after_step(1)
         os.kill(os.getpid(), signal.SIGTERM)  # arrives "during" step 2
         train_step(run)
-        assert m.after_step(2, run) is True
+        assert m.after_step(2) is True
     finally:
         m.close()
     root = tmp_path / "checkpoints"
@@ -385,11 +400,11 @@ def test_async_save_snapshot_is_exact(tmp_path):
     """Background save: training goes on while step 3 is written; resume is still exact."""
     reference = train(make_run(), STEPS)
     run = make_run()
-    m = manager(tmp_path, async_save=True)
+    m = manager(tmp_path, run, async_save=True)
     train(run, 5, m)  # step 3 async, finalised later; the last step saves synchronously
     assert [s.step for s in m.saves] == [3, 5]
     resumed = make_run()
-    manager(tmp_path, resume=str(tmp_path / "checkpoints" / "step_3")).resume(resumed)
+    manager(tmp_path, resumed, resume=str(tmp_path / "checkpoints" / "step_3")).resume()
     assert train(resumed, STEPS) == reference[3:]
 
 

@@ -34,12 +34,13 @@ def _exact_resume(out: Path, zero: int, async_save: bool = False) -> dict:
     reference = t.train(t.make_run(torch_dist.get_rank(), WORLD, zero), t.STEPS)
     # async: step 2's save is written in the background while steps 3-4 run; resume from it
     until, every, resume = (4, 2, str(out / "checkpoints" / "step_2")) if async_save else (3, 3, "auto")
-    saver = t.manager(out, every=every, async_save=async_save)
-    t.train(t.make_run(torch_dist.get_rank(), WORLD, zero), until, saver)
+    first = t.make_run(torch_dist.get_rank(), WORLD, zero)
+    saver = t.manager(out, first, every=every, async_save=async_save)
+    t.train(first, until, saver)
     if async_save:
         assert [s.step for s in saver.saves] == [2, 4]
     resumed = t.make_run(torch_dist.get_rank(), WORLD, zero)
-    start = t.manager(out, resume=resume).resume(resumed)["step"]
+    start = t.manager(out, resumed, resume=resume).resume()["step"]
     return {"reference": reference[start:], "resumed": t.train(resumed, t.STEPS)}
 
 
@@ -57,11 +58,12 @@ def _worker(rank: int, tmp: str) -> None:
         # 2 ranks ZeRO-3 -> checkpoint at step 3 (resumed on one process by the parent), and
         # the 2-rank uninterrupted curve without RNG noise (the parent compares against it).
         results["zero3_reference"] = t.train(t.make_run(rank, WORLD, 3, noise=False), t.STEPS)
-        t.train(t.make_run(rank, WORLD, 3, noise=False), 3, t.manager(root / "from2"))
+        two = t.make_run(rank, WORLD, 3, noise=False)
+        t.train(two, 3, t.manager(root / "from2", two))
         # one-process checkpoint (written by the parent) -> 2 ranks ZeRO-3
         up = t.make_run(rank, WORLD, 3, noise=False)
         messages: list[str] = []
-        t.manager(root / "from1", resume="auto", messages=messages).resume(up)
+        t.manager(root / "from1", up, resume="auto", messages=messages).resume()
         results["from1"] = t.train(up, t.STEPS)
         results["from1_messages"] = messages
         results["files_zero3"] = sorted(json.loads(
@@ -80,7 +82,8 @@ def two_rank_results(tmp_path_factory):
     try:
         one = t.make_run(noise=False)
         reference_1 = t.train(one, t.STEPS)
-        t.train(t.make_run(noise=False), 3, t.manager(tmp / "from1"))
+        one_saved = t.make_run(noise=False)
+        t.train(one_saved, 3, t.manager(tmp / "from1", one_saved))
     finally:
         torch.set_num_threads(before)
     mp.start_processes(_worker, args=(str(tmp),), nprocs=WORLD, start_method="spawn", join=True)
@@ -108,7 +111,7 @@ def test_zero3_checkpoint_has_one_shard_file_per_rank(two_rank_results):
 def test_two_rank_zero3_checkpoint_resumes_on_one_process(two_rank_results, one_thread):
     messages: list[str] = []
     run = t.make_run(noise=False)
-    t.manager(two_rank_results["tmp"] / "from2", resume="auto", messages=messages).resume(run)
+    t.manager(two_rank_results["tmp"] / "from2", run, resume="auto", messages=messages).resume()
     assert any("resharding 2 -> 1" in m for m in messages)
     got = t.train(run, t.STEPS)
     assert _rel_close(got, two_rank_results["zero3_reference"][3:], 1e-4)
@@ -134,7 +137,7 @@ def test_export_consolidates_two_rank_zero3_checkpoint(two_rank_results):
     out = src / "zero3.safetensors"
     export.export_checkpoint(src, out, "fp32")
     run = t.make_run(noise=False)
-    t.manager(src, resume="auto").resume(run)
+    t.manager(src, run, resume="auto").resume()
     weights = load_file(str(out))
     state = run.model.state_dict()
     assert set(weights) == set(state)

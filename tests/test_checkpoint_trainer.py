@@ -106,11 +106,11 @@ import sys, time
 from tenfold import cli
 import tenfold.engine.checkpoint as ck
 real = ck.CheckpointManager.after_step
-def slow_after_step(self, step, trainer, last=False):
+def slow_after_step(self, step, last=False):
     if step == 2:
         print("STEP2", flush=True)
         time.sleep(1.0)   # the parent's SIGTERM lands here, inside the loop
-    return real(self, step, trainer, last)
+    return real(self, step, last)
 ck.CheckpointManager.after_step = slow_after_step
 sys.exit(cli.main(sys.argv[1:]))
 """

@@ -30,7 +30,7 @@ def _trained(tmp_path, model_overrides: dict | None = None):
         run.model, run.cfg = GPT(cfg.model_config_resolved()), cfg
         run.optimizer = torch.optim.AdamW(run.model.parameters(), lr=1e-2)
         run.scheduler = t.build_scheduler(run.optimizer, t.TrainSection(steps=t.STEPS), t.STEPS)
-    t.train(run, 3, t.manager(tmp_path))
+    t.train(run, 3, t.manager(tmp_path, run))
     return run
 
 

@@ -61,7 +61,7 @@ def test_tenfold_activation_model_matches_saved_tensors(name, dtype):
 def test_gqa_shrinks_megatron_k_v_but_not_tenfold_repeat_interleave():
     mha = PRESETS["llama-7b"]
     gqa = replace(mha, n_kv_heads=8)
-    meg = Strategy(precision="bf16")
+    meg = Strategy(precision="bf16", activation_style="megatron")
     assert activation_bytes_per_layer(gqa, meg, 2048, 1) < activation_bytes_per_layer(mha, meg, 2048, 1)
     assert activation_bytes_per_layer(gqa, TENFOLD, 2048, 1) == activation_bytes_per_layer(mha, TENFOLD, 2048, 1)
 
@@ -153,5 +153,5 @@ def test_largest_micro_batch_is_the_boundary_of_fitting():
     assert fits(b).total_bytes <= fits(b).capacity_bytes < fits(b + 1).total_bytes
     assert largest_micro_batch("llama-7b", "a100-80gb", 8, replace(s, ac="full")) > b  # recompute frees room
     assert largest_micro_batch("gpt3-175b", "a100-80gb", 8, s) == 0
-    small = largest_micro_batch("llama-7b", "a100-80gb", 8, s, memory_budget_bytes=30e9)
+    small = largest_micro_batch("llama-7b", "a100-80gb", 8, s, memory_budget_bytes=40e9)
     assert 1 <= small < b

@@ -1,4 +1,4 @@
-"""The planner against published numbers (/work/shared/reference/planner.md §3, cases V1-V28).
+"""The planner against published numbers (cases V1-V28: ZeRO, Korthikanti, Narayanan, nanoGPT, NCCL).
 
 Each test names its case. Tolerances follow the reference's suggestions unless stated."""
 
@@ -20,9 +20,10 @@ from tenfold.plan.flops import (
     narayanan_params,
     palm_flops_per_token,
 )
-from tenfold.plan.hardware import CATALOG, GPU_GEMM_EFFICIENCY
+from tenfold.plan.hardware import CATALOG, GEMM_SHARE_OF_MAMF
 from tenfold.plan.memory import activation_bytes_per_layer, largest_model_that_fits, stage_activations, zero_model_states_gb
 from tenfold.plan.strategy import Strategy
+from tenfold.plan.validation import CASES, check_all, predicted_value
 from tenfold.terms import parse_recompute
 
 # ZeRO Table 1 verbatim: {psi: {dp: (P_os, P_os+g, P_os+g+p)}} in GB (1e9 bytes).
@@ -210,7 +211,7 @@ def test_v18_tp_and_pp_volumes():
     assert 2 * comm.tp_volume_elements_per_layer(1, 2048, 12288, 8) / 1e6 == pytest.approx(352, rel=0.005)
     assert comm.pp_volume_elements(1, 2048, 12288, 8) == 2048 * 12288 / 8
     # The time model's 4 all-reduces per layer move exactly that volume (no latency, full bandwidth).
-    hw = replace(CATALOG["a100-80gb"], bus_efficiency=1.0, intra_latency_s=0.0)
+    hw = replace(CATALOG["a100-80gb"], bus_efficiency=1.0, intra_latency_s=0.0, collective_latency_s=0.0)
     t = 4 * comm.all_reduce_time(2048 * 12288 * 2, hw, comm.Group(8, 8))
     assert t == pytest.approx(comm.tp_volume_elements_per_layer(1, 2048, 12288, 8) * 2 / hw.intra_node_bw)
 
@@ -232,7 +233,8 @@ def test_v22_nanogpt_124m():
 
 
 def test_v27_ring_allreduce_and_zero3_volume():
-    hw = replace(CATALOG["a100-80gb"], bus_efficiency=1.0, intra_latency_s=0.0, inter_latency_s=0.0)
+    hw = replace(CATALOG["a100-80gb"], bus_efficiency=1.0, intra_latency_s=0.0, inter_latency_s=0.0,
+                 collective_latency_s=0.0)
     S = 2 * 1e9
     assert comm.all_reduce_time(S, hw, comm.Group(8, 8)) == pytest.approx(1.75 * S / hw.intra_node_bw)
     # ZeRO-3 moves 3Ψ where DP moves 2Ψ (one micro-batch, nothing overlapped).
@@ -254,11 +256,36 @@ def test_v28_gpt3_table21_shapes():
 
 
 def test_time_model_calibration_reproduces_constant_and_table1():
-    """The only fitted number: e_max on Narayanan Table 1 (every other effect is modelled)."""
+    """The only fitted number: the GEMM ceiling's share of the best measured matmul, on
+    Narayanan Table 1 (every other effect is modelled)."""
     e, rows = fit()
-    assert e == pytest.approx(GPU_GEMM_EFFICIENCY, abs=0.01)
+    assert e == pytest.approx(GEMM_SHARE_OF_MAMF, abs=0.005)
     for params, published, predicted in rows:
         assert predicted == pytest.approx(published, rel=0.10), params
     # log-RMS error over the table
     rms = math.sqrt(sum(math.log(p / q) ** 2 for _, q, p in rows) / len(rows))
     assert rms < 0.05
+
+
+# --------------------------------------------------------------------------- published runs
+# tenfold.plan.validation: data-parallel ZeRO-3/FSDP runs at growing GPU counts (MosaicML),
+# Llama-style runs on H100s (torchtitan, Llama 3), a 32k-token FSDP run's memory. None of them
+# calibrated anything; docs/planner.md shows each error.
+@pytest.mark.parametrize("case", [
+    pytest.param(c, marks=pytest.mark.xfail(strict=True, reason=c.known_miss)) if c.known_miss else c
+    for c in CASES if c.tolerance is not None
+], ids=lambda c: c.name)
+def test_published_run_within_its_tolerance(case):
+    error = predicted_value(case) / case.published - 1
+    assert abs(error) <= case.tolerance, f"{case.name}: {error:+.1%} (tolerance {case.tolerance:.0%})"
+
+
+def test_validation_covers_zero3_scaling_and_llama_h100():
+    rows = check_all()
+    zero3 = [r for r in rows if r.case.group == "zero3-scaling"]
+    assert len(zero3) >= 20 and len({r.case.gpus for r in zero3}) >= 5
+    assert sum(abs(r.error) <= 0.25 for r in zero3) >= len(zero3) - 1  # the one miss is explained in the case
+    assert len([r for r in rows if r.case.group == "llama-h100"]) >= 4
+    # The 32k-token FSDP run: the default (PyTorch) accounting within 10%, Megatron's ~40% low.
+    mem = {r.case.strategy.activation_style: r.error for r in rows if r.case.group == "memory" and r.case.strategy.seq_len == 32768}
+    assert abs(mem["tenfold"]) < 0.10 and mem["megatron"] < -0.30

@@ -227,13 +227,17 @@ def test_the_run_and_the_planner_share_the_tp_layout():
     assert not off.sequence_parallel
 
 
-def test_plan_cli_turns_sequence_parallel_on_with_tp(capsys):
-    assert main(["plan", "--model", "tiny", "--gpus", "2", "--tp", "2", "--gpu", "cpu", "--json"]) == 0
-    plan = json.loads(capsys.readouterr().out)
-    assert plan["strategy"]["sequence_parallel"] is True and plan["tp_bytes_per_step"] > 0
-    assert main(["plan", "--model", "tiny", "--gpus", "2", "--tp", "2", "--gpu", "cpu", "--json",
-                 "--no-sequence-parallel"]) == 0
-    assert json.loads(capsys.readouterr().out)["strategy"]["sequence_parallel"] is False
+def test_plan_cli_prices_sequence_parallelism_when_asked(capsys):
+    """`tenfold plan --tp 2` keeps Narayanan et al. 2021's layout (no SP) unless
+    --sequence-parallel is given; `tenfold train --tp 2` runs with SP and predicts with it."""
+    argv = ["plan", "--model", "tiny", "--gpus", "2", "--tp", "2", "--gpu", "cpu", "--json"]
+    assert main(argv) == 0
+    off = json.loads(capsys.readouterr().out)
+    assert main([*argv, "--sequence-parallel"]) == 0
+    on = json.loads(capsys.readouterr().out)
+    assert (off["strategy"]["sequence_parallel"], on["strategy"]["sequence_parallel"]) == (False, True)
+    assert on["memory"]["activations_bytes"] < off["memory"]["activations_bytes"]
+    assert on["tp_bytes_per_step"] > 0
 
 
 def test_planner_traffic_per_layer_is_narayanans():

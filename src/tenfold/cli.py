@@ -20,6 +20,7 @@ SUBCOMMANDS: dict[str, tuple[str | None, str]] = {
     "plan": ("tenfold.plan.cli", "predict memory and time per GPU for a model, fleet and strategy; search strategies"),
     "ladder": ("tenfold.ladder", "measure the seed's optimization path step by step on this machine"),
     "export": ("tenfold.engine.export", "write a checkpoint's weights as one safetensors file (+ model config)"),
+    "data": ("tenfold.data.prepare", "prepare data: tokenize once into a memory-mapped .bin"),
 }
 
 EXAMPLES = """examples:
@@ -28,6 +29,8 @@ EXAMPLES = """examples:
   tenfold train --precision fp16 --deepspeed ds_config.json
   tenfold train --nproc 2 --zero 3 --ac full      # two local ranks, ZeRO-3, full recompute
   tenfold train --nproc 4 --tp 2 --zero 3         # tensor parallel pairs, ZeRO-3 across them
+  tenfold train --hf-pretrained MODEL_DIR --data train.jsonl   # fine-tune with the model's own tokenizer
+  tenfold data prepare corpus/ --out corpus.bin --tokenizer MODEL_DIR
   tenfold plan --model gpt3-175b --gpu a100-80gb --gpus 64 --zero 3 --ac full
 """
 
@@ -54,7 +57,10 @@ def _add_train_parser(subparsers) -> None:
     m = p.add_argument_group("model and data")
     m.add_argument("--model", help="preset: tiny, small, gpt3-125m ... gpt3-175b, llama-7b/13b/70b (default tiny)")
     m.add_argument("--seq-len", type=int, help="tokens per sequence (default: the model's context)")
-    m.add_argument("--data", help="text / JSONL / .bin file or directory (default: this Python's stdlib sources)")
+    m.add_argument("--data", help="text / JSONL / .bin / parquet file or directory, a datasets save_to_disk folder, or hf:NAME (default: this Python's stdlib sources)")
+    m.add_argument("--data-format", help="text | jsonl | prompt-completion | chat | bin (default: detected from the data)")
+    m.add_argument("--tokenizer", help="byte | bpe | a tokenizer.json or Hugging Face tokenizer folder (default: byte, or the --hf-pretrained folder's own)")
+    m.add_argument("--streaming", action="store_true", default=None, help="read the data lazily (larger than memory); resumes exactly")
     m.add_argument("--hf-config", metavar="config.json", help="a Hugging Face causal LM from its config.json (random init, no download; needs tenfold[hf])")
     m.add_argument("--hf-pretrained", metavar="DIR", help="a local Hugging Face folder with config.json + *.safetensors weights")
     m.add_argument("--blocks", metavar="ClassName", help="the model's repeated block class for recompute and ZeRO (default: found automatically)")
@@ -90,6 +96,7 @@ def _add_train_parser(subparsers) -> None:
 # flag -> (section, key)
 _TRAIN_FLAGS = {
     "out": ("log", "out"), "model": ("model", "name"), "seq_len": ("data", "seq_len"), "data": ("data", "path"),
+    "data_format": ("data", "format"), "tokenizer": ("data", "tokenizer"), "streaming": ("data", "streaming"),
     "hf_config": ("model", "hf_config"), "hf_pretrained": ("model", "hf_pretrained"), "blocks": ("model", "blocks"),
     "steps": ("train", "steps"), "micro_batch": ("train", "micro_batch"), "grad_accum": ("train", "grad_accum"),
     "global_batch": ("train", "global_batch"), "lr": ("train", "lr"), "seed": ("train", "seed"),

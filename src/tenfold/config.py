@@ -61,12 +61,17 @@ class ModelSection(_Section):
 
 
 class DataSection(_Section):
-    path: str | None = None  # None: the running Python's standard library sources
-    format: Literal["auto", "text", "jsonl", "bin"] = "auto"
-    tokenizer: Literal["byte", "bpe"] = "byte"
+    path: str | None = None  # None: the running Python's standard library sources; hf:NAME = a cached dataset
+    format: Literal["auto", "text", "jsonl", "bin", "prompt-completion", "chat"] = "auto"
+    # byte | bpe | a tokenizer.json or tokenizer folder; None: byte, or the --hf-pretrained folder's own
+    tokenizer: str | None = Field(None, min_length=1)
     bpe_vocab_size: int = Field(4096, gt=256)
     jsonl_field: str = "text"
-    bin_dtype: Literal["uint16", "uint32"] = "uint16"
+    bin_dtype: Literal["uint16", "uint32"] | None = None  # None: from `data prepare`'s FILE.json, else uint16
+    split: str = "train"  # the split of a Hugging Face dataset
+    streaming: bool = False  # read lazily (corpora larger than memory); exact resume
+    shuffle_block: int = Field(1024, gt=0)  # streaming: rows shuffled together
+    packing: bool = True  # fine-tuning formats: several whole examples per row
     seq_len: int | None = Field(None, gt=0)  # None: the model's max_seq_len
     val_fraction: float = Field(0.05, ge=0.0, lt=1.0)
     max_bytes: int | None = Field(None, gt=0)  # cap on corpus size read (None = all)

@@ -1,8 +1,10 @@
-"""Data: default corpus (the Python standard library), text / JSONL / `.bin` files, byte or
-BPE tokens, packing, a validation split, and the resumable split-independent loader.
+"""Data: default corpus (the Python standard library), text / JSONL / `.bin` files, Hugging Face
+`datasets`, prompt/completion and chat fine-tuning records; byte, BPE or a model's own
+tokenizer; packing, a validation split, and the resumable split-independent loaders (in memory,
+or streamed for corpora larger than memory).
 
-    bundle = build_data(cfg.data, seq_len, seed, model_vocab_size=...)
-    loader = GlobalBatchLoader(bundle.train, global_batch, micro_batch, grad_accum, dp_rank, dp_size, seed)
+    bundle = build_data(cfg.data, seq_len, seed, model_vocab_size=..., hf_pretrained=...)
+    loader = make_loader(bundle, global_batch, micro_batch, grad_accum, dp_rank, dp_size, seed)
     micro_batches = loader.next_step()          # grad_accum dicts of input_ids / labels
     for batch in iter_eval(bundle.val, batch_size, max_batches): ...
 
@@ -11,6 +13,7 @@ See docs/data.md.
 
 from tenfold.data.build import DataBundle, build_data
 from tenfold.data.loader import GlobalBatchLoader, iter_eval, to_batch
+from tenfold.data.stream import StreamingLoader, make_loader
 from tenfold.terms import IGNORE_INDEX
 from tenfold.data.tokenizer import BPETokenizer, ByteTokenizer, IdTokenizer
 
@@ -21,7 +24,9 @@ __all__ = [
     "GlobalBatchLoader",
     "IGNORE_INDEX",
     "IdTokenizer",
+    "StreamingLoader",
     "build_data",
     "iter_eval",
+    "make_loader",
     "to_batch",
 ]

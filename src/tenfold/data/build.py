@@ -1,82 +1,254 @@
-"""`build_data`: config -> tokens -> packed train / val sequences, with the tokenizer."""
+"""`build_data`: config -> tokenizer -> records -> packed train / val rows (or a row stream)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from tenfold.data import sources
+from tenfold.data.examples import ExampleRows, PackStats, example_rows
 from tenfold.data.packing import pack_sequences, split_train_val
-from tenfold.data.tokenizer import ByteTokenizer, IdTokenizer, build_bpe
+from tenfold.data.records import FINETUNE_FORMATS, RecordSource, detect_format, record_text
+from tenfold.data.tokenizer import IdTokenizer, build_bpe
 from tenfold.errors import UserError
-
 
 @dataclass
 class DataBundle:
-    """Packed sequences ([N, seq_len + 1] integer arrays, possibly memmap views) and how they
-    were made. `train` and `val` never share a token."""
+    """Packed rows ([N, seq_len + 1] arrays, possibly memmap views, or `ExampleRows` for
+    fine-tuning formats) and how they were made. `train` and `val` never share a token. A
+    streaming bundle has `stream` (read by `StreamingLoader`) instead of `train`."""
 
-    train: np.ndarray
-    val: np.ndarray
+    train: Any
+    val: Any
     vocab_size: int
-    tokenizer: Any  # encode(str) -> list[int], decode(ids) -> str
+    tokenizer: Any  # encode(str) -> list[int], decode(ids) -> str, describe(), save(folder)
     source: str
-    num_tokens: int
+    num_tokens: int | None
     seq_len: int
+    format: str = "text"
+    stream: Any = None
+    shuffle_block: int = 1024
+    pack_stats: PackStats | None = None
+    packing: bool = True
+    notes: list[str] = field(default_factory=list)
 
     def describe(self) -> str:
-        return (
-            f"{self.source} | {self.num_tokens:,} tokens | {len(self.train):,} train + "
-            f"{len(self.val):,} val sequences of {self.seq_len}+1 | tokenizer "
-            f"{self.tokenizer.name} (vocab {self.vocab_size})"
-        )
+        """One line (plus the packing line of fine-tuning data) for the run header."""
+        tok = f"tokenizer {self.tokenizer.name} (vocab {self.vocab_size})"
+        if self.stream is not None:
+            line = (f"{self.source} | {self.format}, streamed (shuffled in blocks of {self.shuffle_block} rows) | "
+                    f"rows of {self.seq_len}+1 | {len(self.val):,} val rows | {tok}")
+        else:
+            what = "target tokens" if self.fine_tuning else "tokens"
+            line = (f"{self.source} | {self.format} | {self.num_tokens:,} {what} | {len(self.train):,} train + "
+                    f"{len(self.val):,} val sequences of {self.seq_len}+1 | {tok}")
+        return "\n".join([line, *self.notes])
+
+    @property
+    def fine_tuning(self) -> bool:
+        return self.format in FINETUNE_FORMATS
+
+    def packing_note(self, masks_examples: bool) -> str | None:
+        """The run header's line on how examples share rows (None for plain text)."""
+        if not self.fine_tuning:
+            return None
+        how = "packed whole into rows" if self.packing else "one per row"
+        stats = (self.pack_stats.describe(self.seq_len + 1, self.packing) if self.pack_stats
+                 else f"examples {how} of {self.seq_len + 1} ids, as they stream")
+        if not self.packing:
+            return f"packing: off, {stats}; no example sees another"
+        if masks_examples:
+            return f"packing: {stats}; attention masked per example (position_ids restart at each)"
+        return (f"packing: {stats}; attention crosses example boundaries inside a row (this model takes "
+                "no document mask; data.packing=false gives one example per row)")
+
+    def fit_to_model(self, model, kind: str, device) -> None:
+        """Fine-tuning rows: batches carry position_ids only if this model masks attention by
+        them (checked on the model itself), and the run header says which applies."""
+        if not self.fine_tuning:
+            return
+        from tenfold.data.examples import model_masks_packed_examples
+
+        masks = self.packing and kind == "hf" and model_masks_packed_examples(model, self.vocab_size, device)
+        self.use_positions(bool(masks))
+        self.notes = [self.packing_note(bool(masks))]
+
+    def use_positions(self, flag: bool) -> None:
+        """Whether batches carry position_ids (only for a model that masks by them)."""
+        for rows in (self.train, self.val):
+            if isinstance(rows, ExampleRows):
+                rows.with_positions = flag
+        if self.stream is not None and self.fine_tuning:
+            self.stream.stack = functools.partial(ExampleRows.stack, with_positions=flag)
+
+    def tokenizer_record(self) -> dict:
+        return self.tokenizer.describe() if hasattr(self.tokenizer, "describe") else {"name": self.tokenizer.name}
+
+    def save_tokenizer(self, folder: str | Path) -> Path | None:
+        """Write the tokenizer's files into `folder` (None when there is nothing to write)."""
+        return self.tokenizer.save(folder) if hasattr(self.tokenizer, "save") else None
 
 
-def build_data(data_cfg, seq_len: int, seed: int, model_vocab_size: int | None = None) -> DataBundle:
+def build_data(data_cfg, seq_len: int, seed: int, model_vocab_size: int | None = None,
+               hf_pretrained: str | None = None) -> DataBundle:
     """Build the training data from a `tenfold.config.DataSection`.
 
     `seed` is accepted for interface stability but unused: the split is a contiguous tail and
-    sample order belongs to `GlobalBatchLoader`. `model_vocab_size`, when given, is checked
-    against the data (ids of a `.bin` file, or the tokenizer's vocabulary) so that an id past
-    the embedding table is a clear error, not an index error on the first step."""
+    sample order belongs to the loader. `model_vocab_size`, when given, is checked against the
+    data (ids of a `.bin` file, or the tokenizer's vocabulary) so that an id past the embedding
+    table is a clear error, not an index error on the first step. `hf_pretrained`: the model
+    folder whose own tokenizer is the default."""
     del seed
     if seq_len <= 0:
         raise UserError(f"data.seq_len must be a positive integer, got {seq_len}")
+    from tenfold.data.tokenizer import resolve_tokenizer
+
+    tokenizer = resolve_tokenizer(data_cfg, hf_pretrained)
+    given = tokenizer if data_cfg.tokenizer is not None or hf_pretrained else None  # not the default bytes
+    _check_vocab(given, model_vocab_size, data_cfg)
+    source, fmt = open_source(data_cfg)
+    if fmt == "bin":
+        if data_cfg.tokenizer == "bpe":
+            raise UserError("data.tokenizer=bpe is trained on text; a .bin file is already token ids")
+        return _bin_bundle(source.files, data_cfg, seq_len, model_vocab_size, given)
+    _check_vocab(tokenizer, model_vocab_size, data_cfg)
+    if tokenizer is None and (data_cfg.streaming or fmt in FINETUNE_FORMATS):
+        raise UserError(f"data.tokenizer=bpe is trained on the whole text at once; data.format={fmt}"
+                        f"{' with data.streaming' if data_cfg.streaming else ''} needs a fixed tokenizer: "
+                        "byte, or --tokenizer PATH (a tokenizer.json or tokenizer folder)")
+    if data_cfg.streaming:
+        from tenfold.data.streaming_build import stream_bundle
+
+        return stream_bundle(source, fmt, tokenizer, data_cfg, seq_len)
+    if fmt in FINETUNE_FORMATS:
+        return _examples_bundle(source, fmt, tokenizer, data_cfg, seq_len)
+    tokens, tokenizer = _text_tokens(_documents(source, data_cfg), data_cfg, tokenizer)
+    _check_vocab(tokenizer, model_vocab_size, data_cfg)
+    train, val = split_train_val(pack_sequences(tokens, seq_len, source.name), data_cfg.val_fraction, source.name)
+    return DataBundle(train, val, tokenizer.vocab_size, tokenizer, source.name, len(tokens), seq_len, fmt)
+
+
+def _check_vocab(tokenizer, model_vocab_size: int | None, data_cfg) -> None:
+    if tokenizer is None or model_vocab_size is None or tokenizer.vocab_size <= model_vocab_size:
+        return
+    fix = ("a smaller data.bpe_vocab_size" if tokenizer.name == "bpe"
+           else "the model's own tokenizer, or a model whose embedding is large enough")
+    raise UserError(
+        f"data.tokenizer={data_cfg.tokenizer or tokenizer.name} has {tokenizer.vocab_size} tokens but the model's "
+        f"embedding has {model_vocab_size} rows (model.vocab_size, or vocab_size in the Hugging Face config.json); "
+        f"use {fix}"
+    )
+
+
+def open_source(data_cfg) -> tuple[RecordSource, str]:
+    """Where the records are and which format they have (`data.format`, or detected)."""
+    from tenfold.data import hf_datasets
+
+    path, fmt = data_cfg.path, data_cfg.format
+    if path is None:
+        return RecordSource("text", "python-stdlib", files=sources.default_corpus_files()), _text_format(fmt)
+    if path.startswith(hf_datasets.HF_PREFIX) or hf_datasets.is_saved_dataset(Path(path).expanduser()):
+        source = hf_datasets.open_dataset(path, None, data_cfg.split, data_cfg.streaming)
+        return source, _record_format(source, fmt, data_cfg)
+    files = sources.list_data_files(path)
+    if hf_datasets.builder_of(files) and fmt != "text":
+        source = hf_datasets.open_dataset(path, files, data_cfg.split, data_cfg.streaming)
+        return source, _record_format(source, fmt, data_cfg)
+    kind = sources.resolve_format(files, "auto" if fmt in FINETUNE_FORMATS else fmt)
+    name = str(files[0]) if len(files) == 1 else f"{files[0].parent} ({len(files)} files)"
+    if kind == "bin" or fmt == "text" or sources.all_text(files):
+        return RecordSource("text", name, files=files), "bin" if kind == "bin" else "text"
+    if kind == "mixed" and fmt == "auto":
+        if data_cfg.streaming:
+            raise UserError("data.streaming reads one kind of file; data.path mixes text and JSONL files")
+        return RecordSource("mixed", name, files=files), "text"
+    source = RecordSource("jsonl", name, files=files)
+    return source, _record_format(source, fmt, data_cfg)
+
+
+def _text_format(fmt: str) -> str:
+    if fmt not in ("auto", "text"):
+        raise UserError(f"data.format={fmt} needs data.path (the default corpus is plain text)")
+    return "text"
+
+
+def _record_format(source: RecordSource, fmt: str, data_cfg) -> str:
+    if fmt == "auto":
+        return detect_format(source.first_record()[1], source.name, data_cfg.jsonl_field)
+    return "jsonl" if fmt == "text" else fmt
+
+
+def _documents(source: RecordSource, data_cfg) -> sources.TextCorpus:
+    """The in-memory text path: every document (bytes), up to data.max_bytes in all."""
     if data_cfg.path is None:
-        tokens, tokenizer, source = _text_tokens(sources.read_default_corpus(data_cfg.max_bytes), data_cfg)
-    else:
-        files = sources.list_data_files(data_cfg.path)
-        fmt = sources.resolve_format(files, data_cfg.format)
-        if fmt == "bin":
-            tokens, tokenizer, source = _bin_tokens(files, data_cfg, model_vocab_size)
-        else:
-            corpus = sources.read_text_corpus(files, fmt, data_cfg.jsonl_field, data_cfg.max_bytes)
-            tokens, tokenizer, source = _text_tokens(corpus, data_cfg)
-    if model_vocab_size is not None and tokenizer.vocab_size > model_vocab_size:
-        raise UserError(
-            f"data.tokenizer={data_cfg.tokenizer} has {tokenizer.vocab_size} tokens but the model's "
-            f"vocabulary (model.vocab_size) is {model_vocab_size}; set model.vocab_size="
-            f"{tokenizer.vocab_size} or a smaller data.bpe_vocab_size"
-        )
-    train, val = split_train_val(pack_sequences(tokens, seq_len, source), data_cfg.val_fraction, source)
-    return DataBundle(train, val, tokenizer.vocab_size, tokenizer, source, len(tokens), seq_len)
+        return sources.read_default_corpus(data_cfg.max_bytes)
+    if source.kind != "dataset":
+        return sources.read_text_corpus(source.files, source.kind, data_cfg.jsonl_field, data_cfg.max_bytes)
+    docs, total = [], 0
+    for i, record in source.records():
+        doc = record_text(record, data_cfg.jsonl_field, f"{source.name} record {i}")
+        doc = doc.encode("utf-8") if isinstance(doc, str) else doc
+        if data_cfg.max_bytes is not None and total + len(doc) >= data_cfg.max_bytes:
+            docs.append(doc[: data_cfg.max_bytes - total])
+            total = data_cfg.max_bytes
+            break
+        docs.append(doc)
+        total += len(doc)
+    if not docs:
+        raise UserError(f"data.path: {source.name} holds no records")
+    return sources.TextCorpus(docs, source.name, total)
 
 
-def _text_tokens(corpus: sources.TextCorpus, data_cfg):
-    if data_cfg.tokenizer == "bpe":
+def _text_tokens(corpus: sources.TextCorpus, data_cfg, tokenizer):
+    if tokenizer is None:  # bpe: trained on this corpus
         tokenizer, tokens = build_bpe(corpus.documents, data_cfg.bpe_vocab_size)
-    else:
-        tokenizer = ByteTokenizer()
-        tokens = tokenizer.encode_documents(corpus.documents)
-    return tokens, tokenizer, corpus.source
+        return tokens, tokenizer
+    return tokenizer.encode_documents(corpus.documents), tokenizer
 
 
-def _bin_tokens(files, data_cfg, model_vocab_size: int | None):
-    tokens = sources.read_bin_tokens(files, data_cfg.bin_dtype, data_cfg.max_bytes)
+def _examples_bundle(source: RecordSource, fmt: str, tokenizer, data_cfg, seq_len: int) -> DataBundle:
+    """Fine-tuning records -> ExampleRows, the last ceil(N * val_fraction) rows held out."""
+    stats = PackStats()
+    rows = [row for row, _ in example_rows(source, fmt, tokenizer, seq_len + 1, data_cfg.packing, stats=stats)]
+    if not rows:
+        raise UserError(f"{source.name}: no example has a target token within seq_len + 1 = {seq_len + 1} ids "
+                        "(every prompt is longer); use a longer --seq-len")
+    train, val = split_train_val(ExampleRows.stack(rows), data_cfg.val_fraction, source.name)
+    return DataBundle(train, val, tokenizer.vocab_size, tokenizer, source.name, stats.target_tokens, seq_len,
+                      fmt, pack_stats=stats, packing=data_cfg.packing)
+
+
+def _bin_bundle(files, data_cfg, seq_len: int, model_vocab_size: int | None, given) -> DataBundle:
+    """Pre-tokenized ids. `given`: a tokenizer the run names (--tokenizer, --hf-pretrained), or None."""
+    from tenfold.data.prepare import read_sidecar
+
+    sidecar = read_sidecar(files[0]) if len(files) == 1 else {}
+    dtype = data_cfg.bin_dtype or sidecar.get("dtype", "uint16")
+    tokens = sources.read_bin_tokens(files, dtype, data_cfg.max_bytes)
     source = str(files[0]) if len(files) == 1 else f"{files[0].parent} ({len(files)} .bin files)"
     limit = model_vocab_size if model_vocab_size is not None else np.iinfo(tokens.dtype).max + 1
     largest = sources.check_token_ids(tokens, limit, source)
-    vocab = model_vocab_size if model_vocab_size is not None else largest + 1
-    return tokens, IdTokenizer(vocab), f"{source} ({data_cfg.bin_dtype})"
+    tokenizer = _bin_tokenizer(sidecar.get("tokenizer") or {}, given, source)
+    vocab = model_vocab_size if model_vocab_size is not None else max(largest + 1, getattr(tokenizer, "vocab_size", 0))
+    tokenizer = tokenizer if tokenizer is not None else IdTokenizer(vocab)
+    train, val = split_train_val(pack_sequences(tokens, seq_len, source), data_cfg.val_fraction, source)
+    return DataBundle(train, val, vocab, tokenizer, f"{source} ({dtype})", len(tokens), seq_len, "bin")
+
+
+def _bin_tokenizer(made_with: dict, given, source: str):
+    """The tokenizer a `data prepare` FILE.json names; a tokenizer the run names must be that one."""
+    from tenfold.data.tokenizer import load_named_tokenizer
+
+    if not made_with:
+        return given
+    if given is None:
+        return load_named_tokenizer(made_with)
+    if given.describe().get("sha256") != made_with.get("sha256"):
+        raise UserError(
+            f"{source} was prepared with the tokenizer {made_with.get('name')} but this run's tokenizer is "
+            f"{given.name}; pass --tokenizer {made_with.get('name')}, or prepare the data again")
+    return given

@@ -23,9 +23,26 @@ from tenfold.errors import UserError
 
 def to_batch(rows: np.ndarray) -> dict[str, torch.Tensor]:
     """[B, seq_len + 1] token rows -> int64 `input_ids` = rows[:, :-1], `labels` = rows[:, 1:]
-    (CPU tensors; the trainer moves them)."""
+    (CPU tensors; the trainer moves them). Fine-tuning rows (`ExampleRows`) make their own
+    batch: labels masked outside the targets, and position_ids."""
+    if hasattr(rows, "to_batch"):
+        return rows.to_batch()
     t = torch.from_numpy(np.asarray(rows, dtype=np.int64))
     return {"input_ids": t[:, :-1].contiguous(), "labels": t[:, 1:].contiguous()}
+
+
+def check_batch_split(global_batch: int, micro_batch: int, grad_accum: int, dp_rank: int, dp_size: int) -> None:
+    for name, v in (("global_batch", global_batch), ("micro_batch", micro_batch),
+                    ("grad_accum", grad_accum), ("dp_size", dp_size)):
+        if v <= 0:
+            raise ValueError(f"{name} must be positive, got {v}")
+    if global_batch != micro_batch * grad_accum * dp_size:
+        raise ValueError(
+            f"global_batch {global_batch} != micro_batch {micro_batch} * grad_accum "
+            f"{grad_accum} * dp_size {dp_size}"
+        )
+    if not 0 <= dp_rank < dp_size:
+        raise ValueError(f"dp_rank {dp_rank} is outside [0, {dp_size})")
 
 
 class GlobalBatchLoader:
@@ -39,17 +56,7 @@ class GlobalBatchLoader:
         dp_size: int = 1,
         seed: int = 0,
     ):
-        for name, v in (("global_batch", global_batch), ("micro_batch", micro_batch),
-                        ("grad_accum", grad_accum), ("dp_size", dp_size)):
-            if v <= 0:
-                raise ValueError(f"{name} must be positive, got {v}")
-        if global_batch != micro_batch * grad_accum * dp_size:
-            raise ValueError(
-                f"global_batch {global_batch} != micro_batch {micro_batch} * grad_accum "
-                f"{grad_accum} * dp_size {dp_size}"
-            )
-        if not 0 <= dp_rank < dp_size:
-            raise ValueError(f"dp_rank {dp_rank} is outside [0, {dp_size})")
+        check_batch_split(global_batch, micro_batch, grad_accum, dp_rank, dp_size)
         if global_batch > len(sequences):
             raise UserError(
                 f"the global batch ({global_batch} sequences = micro_batch {micro_batch} x "
@@ -112,8 +119,11 @@ class GlobalBatchLoader:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        # Refuse a position in other data or another order (engine.md §3 #8): continuing
-        # silently would repeat or skip samples.
+        # Refuse a position in other data or another order: continuing silently would
+        # repeat or skip samples.
+        if state.get("kind") == "stream":
+            raise UserError("the saved data position is for streamed data (data.streaming=true); "
+                            "resume with the same data settings")
         if int(state["num_sequences"]) != len(self.sequences):
             raise UserError(
                 f"the saved data position is for {state['num_sequences']} training sequences but "

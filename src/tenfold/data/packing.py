@@ -38,3 +38,27 @@ def split_train_val(sequences: np.ndarray, val_fraction: float, source: str) -> 
             "a smaller --seq-len, or data.val_fraction=0"
         )
     return sequences[: n - n_val], sequences[n - n_val :]
+
+
+def text_rows(source, tok, width: int, text_field: str, start: tuple[int, int] = (0, 0),
+              keep=lambda i: True, first: int = 0):
+    """Streamed `pack_sequences`: rows of `width` ids cut from the documents of `source` from
+    record `start[0]`, id `start[1]` on, each with where the next row starts (record, id).
+    Document i is `tok.document_ids(text, i != first)`, so the rows equal those of the
+    in-memory path (a separator between documents, none before the first). The tail shorter
+    than a row is dropped."""
+    from tenfold.data.records import record_text
+
+    buf: list[int] = []
+    for i, record in source.records(start[0]):
+        if not keep(i):
+            continue
+        ids = tok.document_ids(record_text(record, text_field, f"{source.name} record {i}"), int(i != first))
+        k = start[1] if i == start[0] else 0
+        while k < len(ids):
+            take = min(width - len(buf), len(ids) - k)
+            buf += ids[k : k + take]
+            k += take
+            if len(buf) == width:
+                yield np.asarray(buf, dtype=np.int64), (i, k)
+                buf = []

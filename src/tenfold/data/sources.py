@@ -60,6 +60,7 @@ def list_data_files(path: str | Path) -> list[Path]:
         f
         for f in p.rglob("*")
         if f.is_file() and not any(part.startswith(".") for part in f.relative_to(p).parts)
+        and not (f.suffix == ".json" and f.with_suffix(".bin").is_file())  # `data prepare`'s FILE.json
     )
     if not files:
         raise UserError(f"data.path: directory {p} holds no data files")
@@ -80,6 +81,11 @@ def resolve_format(files: list[Path], fmt: str) -> str:
     return "bin" if kinds == {"bin"} else ("jsonl" if kinds == {"jsonl"} else "mixed")
 
 
+def all_text(files: list[Path]) -> bool:
+    """No file is JSONL or .bin (each file is one text document)."""
+    return all(_format_of(f) == "text" for f in files)
+
+
 def _format_of(f: Path) -> str:
     suffix = f.suffix.lower()
     if suffix in BIN_SUFFIXES:
@@ -87,13 +93,18 @@ def _format_of(f: Path) -> str:
     return "jsonl" if suffix in JSONL_SUFFIXES else "text"
 
 
-def read_default_corpus(max_bytes: int | None) -> TextCorpus:
+def default_corpus_files() -> list[Path]:
     files = stdlib_python_files()
     if not files:
         raise UserError(
             f"the default corpus is empty: no .py files under {sysconfig.get_paths()['stdlib']}; "
             "set data.path to a text, JSONL or .bin file"
         )
+    return files
+
+
+def read_default_corpus(max_bytes: int | None) -> TextCorpus:
+    files = default_corpus_files()
     docs, total = _read_capped(files, "text", "text", max_bytes)
     return TextCorpus(docs, f"python-stdlib ({len(docs)} files)", total)
 

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
+from tenfold.errors import UserError
+
 EOT = "<|endoftext|>"
 # The BPE is trained on at most this many bytes of the corpus: merges are learned from
 # frequent pairs, and 2 MB of Python already gives stable ones in about 0.5 s.
@@ -35,6 +37,27 @@ class ByteTokenizer:
 
     def encode_documents(self, docs: list[bytes]) -> np.ndarray:
         return np.frombuffer(bytes([self.eot_id]).join(docs), dtype=np.uint8)
+
+    def document_ids(self, doc: str | bytes, index: int = 0) -> list[int]:
+        """Document `index` of a stream: the separator before it (not before the first), then
+        its bytes; concatenated, these are exactly `encode_documents`."""
+        raw = doc if isinstance(doc, bytes) else doc.encode("utf-8")
+        return ([self.eot_id] if index else []) + list(raw)
+
+    def describe(self) -> dict:
+        return {"name": self.name, "kind": "byte", "vocab_size": self.vocab_size, "bos": None, "eos": None,
+                "sha256": "byte"}
+
+    def save(self, folder: str | Path) -> Path:
+        """A `tokenizer.json` that gives the same ids (byte b -> id b), so that transformers'
+        AutoTokenizer can load a byte-level run's export."""
+        out = Path(folder)
+        out.mkdir(parents=True, exist_ok=True)
+        byte_level_tokenizer().save(str(out / "tokenizer.json"))
+        from tenfold.data.hf_tokenizer import write_tokenizer_config
+
+        write_tokenizer_config(out, None, None)
+        return out
 
 
 class BPETokenizer:
@@ -69,8 +92,25 @@ class BPETokenizer:
 
         return cls(Tokenizer.from_file(str(path)))
 
-    def save(self, path: str | Path) -> None:
+    def save_file(self, path: str | Path) -> None:
         self._tok.save(str(path))
+
+    def save(self, folder: str | Path) -> Path:
+        out = Path(folder)
+        out.mkdir(parents=True, exist_ok=True)
+        self.save_file(out / "tokenizer.json")
+        from tenfold.data.hf_tokenizer import write_tokenizer_config
+
+        write_tokenizer_config(out, None, EOT)
+        return out
+
+    def describe(self) -> dict:
+        return {"name": self.name, "kind": "bpe", "vocab_size": self.vocab_size, "bos": None, "eos": EOT,
+                "sha256": hashlib.sha256(self._tok.to_str().encode()).hexdigest()[:16]}
+
+    def document_ids(self, doc: str | bytes, index: int = 0) -> list[int]:
+        text = doc.decode("utf-8", errors="replace") if isinstance(doc, bytes) else doc
+        return ([self.eot_id] if index else []) + self.encode(text)
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text).ids
@@ -97,11 +137,79 @@ class IdTokenizer:
     def __init__(self, vocab_size: int):
         self.vocab_size = vocab_size
 
+    def describe(self) -> dict:
+        return {"name": self.name, "kind": "ids", "vocab_size": self.vocab_size, "bos": None, "eos": None}
+
+    def save(self, folder: str | Path) -> None:
+        return None  # nothing to save: the ids' tokenizer is unknown
+
     def encode(self, text: str) -> list[int]:
         return [int(t) for t in text.split()]
 
     def decode(self, ids) -> str:
         return " ".join(str(int(i)) for i in ids)
+
+
+def resolve_tokenizer(data_cfg, hf_pretrained: str | None = None):
+    """`data.tokenizer` -> a tokenizer; None for `bpe` (trained later, on the corpus).
+
+    Unset: the `--hf-pretrained` folder's own tokenizer, else bytes. A pretrained model is
+    never paired with the byte tokenizer unless the run asks for it (`--tokenizer byte`)."""
+    from tenfold.data.hf_tokenizer import has_tokenizer, load_tokenizer_path
+
+    spec = data_cfg.tokenizer
+    if spec is None and hf_pretrained:
+        from tenfold.models.hf import check_pretrained_folder
+
+        check_pretrained_folder(hf_pretrained)  # a folder without weights is the first thing to say
+        if not has_tokenizer(hf_pretrained):
+            raise UserError(
+                f"model.hf_pretrained (--hf-pretrained) {hf_pretrained} holds no tokenizer (tokenizer.json, "
+                "tokenizer_config.json or tokenizer.model), and a pretrained model is not trained on bytes "
+                "unless asked: pass --tokenizer PATH (a tokenizer.json or tokenizer folder), or --tokenizer byte")
+        return load_tokenizer_path(hf_pretrained)
+    if spec is None or spec == "byte":
+        return ByteTokenizer()
+    if spec == "bpe":
+        return None
+    return load_tokenizer_path(spec)
+
+
+def load_named_tokenizer(record: dict):
+    """The tokenizer a `describe()` record names (a prepared .bin's FILE.json), when it can be
+    loaded again: bytes, or a tokenizer path that still exists; else None."""
+    from tenfold.data.hf_tokenizer import load_tokenizer_path
+
+    if record.get("kind") == "byte":
+        return ByteTokenizer()
+    if record.get("kind") == "huggingface" and Path(str(record.get("name"))).exists():
+        return load_tokenizer_path(record["name"])
+    return None
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character table (openai/gpt-2, src/encoder.py),
+    the alphabet of byte-level tokenizers."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return chars
+
+
+def byte_level_tokenizer():
+    """A `tokenizers` byte-level BPE with no merges and id = byte value: ByteTokenizer's ids."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {ch: b for b, ch in _bytes_to_unicode().items()}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    return tok
 
 
 def _bounded_sample(docs: list[str], max_chars: int) -> list[str]:
@@ -163,7 +271,7 @@ def _write_cache(entry: Path, tok: BPETokenizer, tokens: np.ndarray) -> None:
         entry.parent.mkdir(parents=True, exist_ok=True)
         tmp = entry.parent / f".{entry.name}.{os.getpid()}.tmp"
         tmp.mkdir(exist_ok=True)
-        tok.save(tmp / "tokenizer.json")
+        tok.save_file(tmp / "tokenizer.json")
         np.save(tmp / "tokens.npy", tokens)
         if entry.exists() and not _complete(entry):
             shutil.rmtree(entry, ignore_errors=True)

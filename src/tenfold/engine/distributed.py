@@ -12,6 +12,9 @@
   `timeout_s` (a rank that dies is noticed by torchrun's agent, which stops the others).
 * Only rank 0 prints (`print0`) and writes shared files; `gather_to_main` collects per-rank
   results (memory) on rank 0.
+* Agreement collectives for work that can fail on one rank (checkpoint saves and loads, the
+  final export): `on_every_rank`, `any_rank`, `all_gather_small`, `broadcast_small`,
+  `side_barrier`, on a gloo `side_group` of their own; no-ops on one process.
 """
 
 from __future__ import annotations
@@ -278,3 +281,102 @@ def shutdown() -> None:
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------- agreement collectives
+#
+# Small collectives that keep the ranks in step around work that can fail on one rank only
+# (checkpoint saves and loads, the export at the end of training). They run on a separate
+# gloo group (`side_group`), one process or many alike: with one process they are no-ops.
+
+
+def dist_on() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank_now() -> int:
+    """This process's global rank (0 without a process group)."""
+    return dist.get_rank() if dist_on() else 0
+
+
+def world_now() -> int:
+    return dist.get_world_size() if dist_on() else 1
+
+
+_SIDE_GROUP: dict[str, Any] = {}
+
+
+def side_group():
+    """The gloo group every checkpoint collective runs on (created collectively on first use,
+    once per default process group). Two reasons: `tighten_timeouts` shortens the training
+    groups' timeout after step 1 to max(120 s, 20 x first step), and the slowest rank's write
+    of a large checkpoint can take longer, while this group keeps torch's default (30 min);
+    and async saves run collectives from a background thread, which must never interleave
+    with the training loop's collectives on the default group (torchtitan uses a gloo group
+    for the same reason)."""
+    if not dist_on():
+        return None
+    default = dist.distributed_c10d._get_default_group()
+    if _SIDE_GROUP.get("default") is not default:
+        _SIDE_GROUP.update(default=default, group=dist.new_group(backend="gloo"))
+    return _SIDE_GROUP["group"]
+
+
+def side_barrier() -> None:
+    if dist_on():
+        dist.barrier(group=side_group())
+
+
+def all_gather_small(obj: Any) -> list[Any]:
+    """Every rank's `obj` (small, JSON-like), indexed by rank; one process -> [obj]. Pickle
+    over the process group is fine here: the bytes come from our own ranks, not a file."""
+    if not dist_on():
+        return [obj]
+    out: list[Any] = [None] * world_now()
+    dist.all_gather_object(out, obj, group=side_group())
+    return out
+
+
+def broadcast_small(obj: Any) -> Any:
+    """Rank 0's `obj` on every rank."""
+    if not dist_on():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0, group=side_group())
+    return box[0]
+
+
+def any_rank(flag: bool) -> bool:
+    """True on every rank when `flag` is True on at least one (a MAX all-reduce on the default
+    group, one per step), so that decisions taken at a step boundary (stop, save) agree."""
+    if not dist_on():
+        return flag
+    t = torch.tensor([1.0 if flag else 0.0])
+    if dist.get_backend() == "nccl":
+        t = t.cuda()
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item() > 0)
+
+
+def first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0] if text else type(e).__name__
+
+
+def on_every_rank(fn, peer_error=RuntimeError) -> Any:
+    """Run `fn` on every rank and make a failure on one rank a failure on all of them, so that
+    no rank walks on into the next collective while another has given up (a hang). The rank
+    that failed re-raises its own exception; the others raise `peer_error("rank k: ...")`."""
+    error: BaseException | None = None
+    result = None
+    try:
+        result = fn()
+    except Exception as e:  # noqa: BLE001 - re-raised below, on every rank
+        error = e
+    messages = all_gather_small(None if error is None else f"rank {rank_now()}: {first_line(error)}")
+    if error is not None:
+        raise error
+    failed = [m for m in messages if m]
+    if failed:
+        raise peer_error(failed[0])
+    return result

@@ -26,7 +26,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from tenfold.engine import checkpoint as ck
+from tenfold.engine import distributed as d
+from tenfold.engine.checkpoint import layout as lay
+from tenfold.engine.checkpoint.reader import SafeLoadPlanner, SafeReader, inner_error, read_safe_metadata
 from tenfold.errors import UserError
 from tenfold.techniques.precision import DTYPES  # the one name -> torch dtype table
 
@@ -44,33 +46,48 @@ def default_out(ckpt: Path) -> Path:
     return run_dir / "model.safetensors"
 
 
-def consolidated_model_state(ckpt: Path) -> dict[str, torch.Tensor]:
-    """Every `model.*` tensor of a DCP checkpoint, full-size, on CPU, in the saved dtype."""
-    metadata = ck.SafeReader(ckpt).read_metadata()
+def consolidated_model_state(ckpt: Path, listed: set[str] | None = None) -> dict[str, torch.Tensor]:
+    """Every `model.*` tensor of a DCP checkpoint, full-size, on CPU, in the saved dtype.
+    `listed`: the manifest's file names (storage files must be among them)."""
+    metadata = read_safe_metadata(ckpt, listed)
     shapes = {
         fqn[len(MODEL_PREFIX):]: meta
         for fqn, meta in metadata.state_dict_metadata.items()
         if fqn.startswith(MODEL_PREFIX) and isinstance(meta, TensorStorageMetadata)
     }
     if not shapes:
-        raise ck.CheckpointError(f"checkpoint {ckpt} holds no model weights (no 'model.*' entries in .metadata)")
+        raise lay.CheckpointError(f"checkpoint {ckpt} holds no model weights (no 'model.*' entries in .metadata)")
     state = {"model": {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in shapes.items()}}
-    with warnings.catch_warnings():  # "torch.distributed is not initialized": one process is the point
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.load(state, storage_reader=ck.SafeReader(ckpt), planner=ck.SafeLoadPlanner(), no_dist=True)
+    try:
+        with warnings.catch_warnings():  # "torch.distributed is not initialized": one process is the point
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(state, storage_reader=SafeReader(ckpt, listed), planner=SafeLoadPlanner(), no_dist=True)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # DCP's CheckpointException is a BaseException
+        raise lay.CheckpointError(f"cannot read the weights of checkpoint {ckpt}: {d.first_line(inner_error(e))}") from None
     return state["model"]
+
+
+def saved_model_section(ckpt: Path) -> dict:
+    """The `[model]` section of the checkpoint's config.json."""
+    saved = lay.read_json(ckpt / lay.CONFIG_FILE)
+    model = saved.get("model", {}) if isinstance(saved, dict) else None
+    if not isinstance(model, dict):
+        raise lay.CheckpointError(f"malformed checkpoint file {ckpt / lay.CONFIG_FILE}: no [model] section")
+    return model
 
 
 def model_config_of(ckpt: Path) -> dict:
     """The checkpoint's resolved model shape (preset + overrides) as a plain dict."""
     from tenfold.config import build_config
 
-    saved = ck._read_json(ckpt / ck.CONFIG_FILE)
+    saved = saved_model_section(ckpt)
     try:
-        mc = build_config({"model": saved.get("model", {})}).model_config_resolved()
+        mc = build_config({"model": saved}).model_config_resolved()
     except UserError as e:
-        raise ck.CheckpointError(f"checkpoint config {ckpt / ck.CONFIG_FILE} is not valid: {e}") from None
-    return {"name": saved.get("model", {}).get("name"), **mc.to_dict()}
+        raise lay.CheckpointError(f"checkpoint config {ckpt / lay.CONFIG_FILE} is not valid: {e}") from None
+    return {"name": saved.get("name"), **mc.to_dict()}
 
 
 def write_safetensors(weights: dict[str, torch.Tensor], out: Path, dtype: str, info: dict) -> tuple[Path, Path]:
@@ -102,34 +119,52 @@ def export_checkpoint(source: str | Path, out: str | Path | None = None, dtype: 
     into safetensors. One process; returns a summary dict."""
     if dtype not in DTYPES:
         raise UserError(f"export --dtype {dtype!r} is not supported; allowed: {', '.join(sorted(DTYPES))}")
-    ckpt = ck.resolve_checkpoint_path(source)
-    manifest = ck.verify_checkpoint(ckpt, collective=False)
-    saved_model = (ck._read_json(ckpt / ck.CONFIG_FILE) or {}).get("model", {})
+    ckpt = lay.resolve_checkpoint_path(source)
+    manifest = lay.verify_checkpoint(ckpt, collective=False)
+    listed = set(manifest["files"])
+    saved_model = saved_model_section(ckpt)
     if saved_model.get("hf_config") or saved_model.get("hf_pretrained"):  # [any model] -> save_pretrained folder
         from tenfold.models.hf import export_checkpoint_to_hf
 
         out_dir = Path(out).with_suffix("") if out is not None else default_out(ckpt).with_name("hf")  # a folder
         info = {"dtype": dtype, "step": manifest["step"], "source": str(ckpt)}
-        return export_checkpoint_to_hf(consolidated_model_state(ckpt), saved_model, out_dir, info)
+        summary = export_checkpoint_to_hf(consolidated_model_state(ckpt, listed), saved_model, out_dir, info)
+        return {**summary, "tokenizer": _copy_run_tokenizer(ckpt, out_dir)}
     model_cfg = model_config_of(ckpt)
-    weights = consolidated_model_state(ckpt)
+    weights = consolidated_model_state(ckpt, listed)
     out_path = Path(out) if out is not None else default_out(ckpt)
     info = {
         "format": "tenfold-gpt", "model": model_cfg, "dtype": dtype, "step": manifest["step"],
         "source": str(ckpt), "num_params": int(sum(v.numel() for v in weights.values())),
     }
     st_path, cfg_path = write_safetensors(weights, out_path, dtype, info)
-    return {**info, "safetensors": str(st_path), "config": str(cfg_path), "bytes": st_path.stat().st_size}
+    return {**info, "safetensors": str(st_path), "config": str(cfg_path), "bytes": st_path.stat().st_size,
+            "tokenizer": _copy_run_tokenizer(ckpt, out_path.parent / "tokenizer")}
 
 
-def export_after_training(out_dir: str | Path, ckpt: Path, precision: str, log=print) -> dict:
+def _copy_run_tokenizer(ckpt: Path, out_dir: Path) -> str | None:
+    """The run's OUT/tokenizer (saved by `tenfold train`) copied beside the exported weights."""
+    from tenfold.data.hf_tokenizer import copy_tokenizer_files
+
+    copied = copy_tokenizer_files(default_out(ckpt).parent / "tokenizer", out_dir)
+    return str(copied) if copied else None
+
+
+def export_after_training(out_dir: str | Path, ckpt: Path, precision: str, log=print) -> dict | None:
     """`checkpoint.export_16bit` (DeepSpeed's stage3_gather_16bit_weights_on_model_save):
     the final checkpoint -> OUT/model.safetensors in the run's 16-bit dtype (fp16 runs keep
-    fp16, everything else bf16). Rank 0 only; the caller synchronises the ranks."""
+    fp16, everything else bf16). Collective: rank 0 writes, and a failure there is a failure
+    on every rank. Returns the export summary on rank 0, None elsewhere."""
     dtype = "fp16" if precision == "fp16" else "bf16"
-    summary = export_checkpoint(ckpt, Path(out_dir) / "model.safetensors", dtype)
-    log(f"export: {summary['safetensors']} ({dtype}, {summary['bytes'] / 2**20:.1f} MiB) + {summary['config']}")
-    return summary
+
+    def export() -> dict | None:
+        if d.rank_now() != 0:
+            return None
+        summary = export_checkpoint(ckpt, Path(out_dir) / "model.safetensors", dtype)
+        log(f"export: {summary['safetensors']} ({dtype}, {summary['bytes'] / 2**20:.1f} MiB) + {summary['config']}")
+        return summary
+
+    return d.on_every_rank(export)
 
 
 # --------------------------------------------------------------------------- CLI
@@ -154,6 +189,6 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"tenfold export: step {summary['step']} of {summary['source']} -> {summary['safetensors']} "
         f"({summary['num_params'] / 1e6:.2f}M params, {summary['dtype']}, {summary['bytes'] / 2**20:.1f} MiB); "
-        f"config {summary['config']}"
+        f"config {summary['config']}" + (f"; tokenizer {summary['tokenizer']}" if summary.get("tokenizer") else "")
     )
     return 0

@@ -112,11 +112,11 @@ class Trainer:
         self._build_model()
         seed_tensor_parallel_ranks(cfg.train.seed, self.dist)
         self._build_optimizer()
-        from tenfold.data import GlobalBatchLoader
+        from tenfold.data import make_loader  # in memory, or streamed (data.streaming)
 
         r = self.run
-        self.loader = GlobalBatchLoader(
-            self.data.train, r.global_batch, r.micro_batch, r.grad_accum,
+        self.loader = make_loader(
+            self.data, r.global_batch, r.micro_batch, r.grad_accum,
             dp_rank=self.dist.dp_rank, dp_size=self.dist.dp_size, seed=cfg.train.seed,
         )
         self.out_dir = Path(cfg.log.out)
@@ -126,7 +126,8 @@ class Trainer:
         from tenfold.data import build_data
 
         if self.user_dataset is None:
-            bundle = build_data(self.cfg.data, self.run.seq_len, self.cfg.train.seed, model_vocab_size=self.run.model.vocab_size)
+            bundle = build_data(self.cfg.data, self.run.seq_len, self.cfg.train.seed, model_vocab_size=self.run.model.vocab_size,
+                                hf_pretrained=self.cfg.model.hf_pretrained)
         elif hasattr(self.user_dataset, "train") and hasattr(self.user_dataset, "val"):
             bundle = self.user_dataset
         else:
@@ -149,6 +150,8 @@ class Trainer:
         self.adapter = adapt(model, self.run.seq_len, self.cfg.model.blocks, self.loss_fn)
         check_techniques(self.adapter, self.cfg)
         check_tensor_parallel(model, self.adapter, self.run, self.tp_plan)
+        if hasattr(self.data, "fit_to_model"):  # packed examples: position_ids where the model masks by them
+            self.data.fit_to_model(model, self.adapter.kind, self.dist.device)
         self.model = parallelize(model, self.run, self.dist, blocks=self.adapter.blocks,
                                  param_dtype=self.precision.compute_dtype, kind=self.adapter.kind,
                                  tp_plan=self.tp_plan)
@@ -289,7 +292,7 @@ class Trainer:
             while self.state.step < self.cfg.train.steps:
                 last = self._step_and_log(wall_start, last)
                 # every N steps, at the last step, and once on SIGTERM/SIGINT (then stop)
-                if self.checkpoints.after_step(self.state.step, self, last=self._is_last_step()):
+                if self.checkpoints.after_step(self.state.step, last=self._is_last_step()):
                     break
         finally:
             self._close_outputs()
@@ -345,6 +348,7 @@ class Trainer:
         main = self.dist.is_main
         if main:
             self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.tokenizer_dir = self._save_tokenizer(self.out_dir / "tokenizer") if main else None  # OUT/tokenizer
         self.console = _console(main)
         self.facts = self._facts()
         if self.console is not None:
@@ -353,8 +357,8 @@ class Trainer:
             self.console.print(f"data: {self.data.describe()}")
         self.run_memory = RunMemory(self)
         self.run_memory.announce(self.console)
-        self.checkpoints = CheckpointManager.from_config(self.cfg, log=self._say)
-        self.checkpoints.resume(self)
+        self.checkpoints = CheckpointManager.from_config(self.cfg, self._checkpoint_states(), self.dist, self._say)
+        self.checkpoints.resume()
         self.checkpoints.install_signal_handlers()
         self.writer = MetricsWriter(self.out_dir, main, self.cfg.log.tensorboard)
         self.progress = make_progress(main and self.cfg.log.progress)
@@ -402,6 +406,7 @@ class Trainer:
             summary["pipeline"] = self.model.report(self.dist)
         summary["memory"].update(self.run_memory.summary())
         summary.update(self._exports())
+        summary["tokenizer"] = self._tokenizer_summary(self.tokenizer_dir, summary.get("hf_export"))
         if self.dist.is_main:
             run_summary.write_json_atomic(self.out_dir / "summary.json", summary)
             self.console.print(run_summary.summary_table(summary, self.out_dir))
@@ -412,7 +417,10 @@ class Trainer:
         and, for a Hugging Face model, its save_pretrained folder. Every rank takes part."""
         out: dict = {}
         if self.cfg.checkpoint.export_16bit and self._is_last_step():
-            exported = self.checkpoints.export_16bit(self, self.out_dir)
+            from tenfold.engine.export import export_after_training
+
+            final = self.checkpoints.save_final(self.state.step)  # the trainer exports, not the manager
+            exported = export_after_training(self.out_dir, final, self.dtype_name, log=self._say)
             out["export"] = exported["safetensors"] if exported else str(self.out_dir / "model.safetensors")
         if self.adapter.kind == "hf":
             from tenfold.models.hf import save_hf_pretrained
@@ -420,6 +428,23 @@ class Trainer:
             save_hf_pretrained(self.model, self.out_dir / "hf", self.dist.is_main)
             out["hf_export"] = str(self.out_dir / "hf")
         return out
+
+    def _checkpoint_states(self) -> dict:
+        """What a checkpoint holds, by name (engine/checkpoint: Stateful objects)."""
+        from tenfold.engine.checkpoint import training_states
+
+        return training_states(self.model, self.optimizer, scheduler=self.scheduler, scaler=self.scaler,
+                               loader=self.loader, counters=self.state)
+
+    def _save_tokenizer(self, folder: Path) -> Path | None:  # the tokenizer that made the ids
+        return self.data.save_tokenizer(folder) if hasattr(self.data, "save_tokenizer") else None
+
+    def _tokenizer_summary(self, saved: Path | None, hf_dir: str | None) -> dict | None:
+        """summary.json's record of the tokenizer; a copy goes beside the HF weights."""
+        if saved is not None and hf_dir:
+            self.data.save_tokenizer(hf_dir)
+        record = self.data.tokenizer_record() if hasattr(self.data, "tokenizer_record") else None
+        return {**record, "saved": str(saved) if saved else None} if record else None
 
     def _say(self, message: str) -> None:  # one line, main rank only
         if self.console is not None:

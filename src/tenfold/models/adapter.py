@@ -64,8 +64,9 @@ class ModelAdapter:
             out = self.user_loss_fn(model, batch)
             loss_sum = out[0] if isinstance(out, (tuple, list)) else out
             return replicated_value(loss_sum).float()
-        if self.kind == "hf":
-            out = model(input_ids=batch["input_ids"], use_cache=False)
+        if self.kind == "hf":  # position_ids: packed fine-tuning rows (tenfold.data.examples)
+            extra = {"position_ids": batch["position_ids"]} if "position_ids" in batch else {}
+            out = model(input_ids=batch["input_ids"], use_cache=False, **extra)
         else:
             out = model(batch["input_ids"])
         return token_loss_sum(logits_of(out), batch["labels"])

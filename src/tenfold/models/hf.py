@@ -77,20 +77,26 @@ def safetensors_files(directory: Path) -> list[Path]:
     return sorted(directory.glob("*.safetensors"))
 
 
+def check_pretrained_folder(hf_pretrained: str | Path) -> Path:
+    """A `--hf-pretrained` folder has a config.json and safetensors weights, else a UserError."""
+    directory = Path(hf_pretrained)
+    config_json_path(directory, "model.hf_pretrained (--hf-pretrained)")
+    if not safetensors_files(directory):
+        raise UserError(
+            f"model.hf_pretrained (--hf-pretrained) {hf_pretrained}: no *.safetensors weights in "
+            "the folder (only safetensors are loaded); to start from random weights use "
+            f"--hf-config {directory / 'config.json'}"
+        )
+    return directory
+
+
 def build_hf_model(hf_config: str | None = None, hf_pretrained: str | None = None):
     """`AutoModelForCausalLM` from a local config (random init, seeded by the caller's torch
     RNG) or from a local folder with safetensors weights. fp32 parameters in both cases."""
     import torch
 
     if hf_pretrained:
-        directory = Path(hf_pretrained)
-        config_json_path(directory, "model.hf_pretrained (--hf-pretrained)")
-        if not safetensors_files(directory):
-            raise UserError(
-                f"model.hf_pretrained (--hf-pretrained) {hf_pretrained}: no *.safetensors weights in "
-                "the folder (only safetensors are loaded); to start from random weights use "
-                f"--hf-config {directory / 'config.json'}"
-            )
+        directory = check_pretrained_folder(hf_pretrained)
     tf = _transformers()
     if hf_pretrained:
         config = load_hf_config(directory, "model.hf_pretrained (--hf-pretrained)")

@@ -10,11 +10,10 @@ from dataclasses import asdict, dataclass, field, replace
 
 from tenfold.errors import UserError
 from tenfold.models.presets import ModelConfig
-from tenfold.plan import comm, memory
-from tenfold.plan import time as tm
-from tenfold.plan.flops import model_flops_per_token, recompute_flops_per_token, recomputed_layers
+from tenfold.plan import memory
 from tenfold.plan.hardware import Hardware, get_hardware, with_gpus_per_node
 from tenfold.plan.shape import ModelShape, largest_unit_params, layers_on_stage, shape_of, stage_params
+from tenfold.plan.step_time import TimeBreakdown, compute_share, step_time
 from tenfold.plan.strategy import Resolved, Strategy, resolve
 
 __all__ = ["Plan", "MemoryBreakdown", "TimeBreakdown", "Strategy", "predict", "predict_memory", "largest_micro_batch"]
@@ -55,22 +54,6 @@ class MemoryBreakdown:
     @property
     def peak_bytes(self) -> float:
         return self.allocated_bytes
-
-
-@dataclass
-class TimeBreakdown:
-    compute_s: float  # forward + backward of all micro-batches on the slowest stage, no bubble
-    recompute_s: float
-    tp_comm_s: float
-    pp_comm_s: float
-    host_transfer_s: float  # offload traffic that compute does not hide
-    bubble_s: float
-    dp_comm_s: float  # total DP/ZeRO collective time
-    dp_comm_exposed_s: float
-    optimizer_s: float
-    step_s: float
-    bubble_fraction: float
-    source: str  # "model" or "achieved_tflops"
 
 
 @dataclass
@@ -120,9 +103,6 @@ def _no_trace(key, value, formula, source):
     return value
 
 
-OVERLAP_CONTENTION = 0.15  # assumption: overlapped comm slows the concurrent GEMMs by 15% of its time
-
-
 class _Trace:
     def __init__(self) -> None:
         self.items: list[Explained] = []
@@ -169,9 +149,9 @@ def _predict(model, hardware, gpus, strategy, gpus_per_node=None, trace: bool = 
     notes: list[str] = []
     if mem is None or trace:
         mem = _memory(shape, hw, r, tr, notes)
-    t, flops_model, flops_hw = _time(shape, hw, r, tr, notes)
+    t, flops_model, flops_hw = step_time(shape, hw, r, tr)
     tokens_step = r.global_batch * r.seq_len
-    peak = hw.peak(s.precision) * _compute_share(hw, gpus)
+    peak = hw.peak(s.precision) * compute_share(hw, gpus)
     tps = tokens_step / t.step_s
     tflops = flops_model / t.step_s / gpus
     hw_tflops = flops_hw / t.step_s / gpus
@@ -230,11 +210,6 @@ def _tp_bytes_per_step(shape: ModelShape, r: Resolved) -> float:
     return out
 
 
-def _compute_share(hw: Hardware, gpus: int) -> float:
-    """Ranks on one CPU share its cores (the measured peak is for the whole machine)."""
-    return 1.0 / min(gpus, hw.gpus_per_node) if hw.shared_compute else 1.0
-
-
 # --------------------------------------------------------------------------- memory
 def _memory(shape: ModelShape, hw: Hardware, r: Resolved, tr: _Trace, notes: list[str]) -> MemoryBreakdown:
     s = r.s
@@ -246,9 +221,11 @@ def _memory(shape: ModelShape, hw: Hardware, r: Resolved, tr: _Trace, notes: lis
             best = m
     assert best is not None
     b = memory.bytes_per_param(s)
-    tr("params_bytes", best.params_bytes, f"{b.params:g} B/param x stage params{' / N_d' if s.zero >= 3 else ''}",
-       "ZeRO §5 (Rajbhandari et al. 2020); Megatron first-stage layout")
-    tr("grads_bytes", best.grads_bytes, f"{b.grads:g} B/param x stage params{' / N_d' if s.zero >= 2 else ''}", "ZeRO §5")
+    pipelined = " (unsharded: pipelining reduces once per step)" if s.pp > 1 and s.zero >= 2 else ""
+    tr("params_bytes", best.params_bytes, f"{b.params:g} B/param x stage params"
+       f"{' / N_d' if s.zero >= 3 and s.pp == 1 else ''}", "ZeRO §5 (Rajbhandari et al. 2020); Megatron first-stage layout")
+    tr("grads_bytes", best.grads_bytes, f"{b.grads:g} B/param x stage params{' / N_d' if s.zero >= 2 and s.pp == 1 else ''}"
+       f"{pipelined}", "ZeRO §5; torch.distributed.pipelining + FSDP2")
     tr("master_weights_bytes", best.master_weights_bytes, f"{b.master:g} B/param (fp32 copy){' / N_d' if s.zero >= 1 else ''}",
        "ZeRO §3.1: K = 12 = fp32 params + momentum + variance")
     tr("optimizer_moments_bytes", best.optimizer_moments_bytes, f"{b.optimizer:g} B/param (Adam m, v){' / N_d' if s.zero >= 1 else ''}", "ZeRO §3.1")
@@ -328,164 +305,6 @@ def _stage_memory(shape: ModelShape, hw: Hardware, r: Resolved, stage: int) -> M
     )
 
 
-# --------------------------------------------------------------------------- time
-def _time(shape: ModelShape, hw: Hardware, r: Resolved, tr: _Trace, notes: list[str]) -> tuple[TimeBreakdown, float, float]:
-    s, cfg = r.s, shape.cfg
-    tokens_step = r.global_batch * r.seq_len
-    if cfg is not None:
-        model_flops = model_flops_per_token(cfg, r.seq_len) * tokens_step
-        rc_flops = recompute_flops_per_token(cfg, r.seq_len, r.policy) * tokens_step
-    else:
-        model_flops = 6.0 * shape.params * tokens_step
-        rc_flops = (2.0 * shape.params * tokens_step) if r.policy.kind == "full" else 0.0
-    tr("model_flops_per_step", model_flops, "(6N + 12 L s d) x tokens (N = matmul params incl. output layer)",
-       "Kaplan et al. 2020; PaLM App. B; nanoGPT estimate_mfu")
-    tr("recompute_flops_per_step", rc_flops, "full: +1 forward per layer; selective: +4 s h per layer; every:N / segments:K: their share",
-       "Narayanan Eq. (3) (96 vs 72); Korthikanti Eq. (8)")
-    hw_flops = model_flops + rc_flops
-    if s.achieved_tflops is not None:
-        if s.achieved_tflops <= 0:
-            raise UserError(f"--achieved-tflops must be positive, got {s.achieved_tflops}")
-        step = hw_flops / (r.gpus * s.achieved_tflops * 1e12)
-        tr("step_time_s", step, "(model + recompute FLOPs) / (gpus x X)", "Narayanan et al. 2021 Eq. (4): 8TP/(nX)")
-        return TimeBreakdown(step, 0, 0, 0, 0, 0, 0, 0, 0, step, 0, "achieved_tflops"), model_flops, hw_flops
-    peak = hw.peak(s.precision) * _compute_share(hw, r.gpus)
-    gpn = hw.gpus_per_node
-    dp_group = comm.group_layout(r.dp, s.tp, gpn)
-    m = r.grad_accum
-    mb = _microbatch(shape, hw, r, peak)
-    fwd, bwd, rc, tpc, ppc, host = mb.fwd, mb.bwd, mb.rc, mb.tpc, mb.ppc, mb.host
-    t_mb = fwd + bwd + rc + tpc + host
-    t_mb_total = t_mb + ppc
-    bubble = (s.pp - 1) / r.v * t_mb_total * _bubble_factor(s.pp_schedule) if s.pp > 1 else 0.0
-    pipeline = m * t_mb_total + bubble
-    tr("bubble_fraction", bubble / (m * t_mb_total), "(p - 1) / (v m), x 1/3 for zero-bubble",
-       "Narayanan et al. 2021 §2.2 (GPipe, 1F1B, interleaved); Qi et al. 2023 (zero bubble, ZB-H1)")
-    # ---- data parallel / ZeRO
-    n_params = max(stage_params(shape, s.pp, st, s.tp) for st in {0, s.pp - 1})
-    bpp = memory.bytes_per_param(s)
-    g_bytes = bpp.grads * n_params
-    p_bytes = (2.0 if s.precision != "fp32" else 4.0) * n_params
-    dp_total, dp_exposed = _dp_comm(s, hw, dp_group, r.dp, m, g_bytes, p_bytes, fwd, bwd, shape, tr)
-    offload = s.offload != "none"
-    opt = tm.optimizer_step_time(n_params / (r.dp if s.zero >= 1 else 1), hw, offload, min(r.gpus, gpn))
-    step = pipeline + dp_exposed + opt
-    tr("compute_s", m * (fwd + bwd), "m x sum over GEMMs max(FLOPs/(peak x e_max x tile x wave), bytes/HBM) "
-       "+ attention + elementwise bytes/HBM; backward = 2 x forward",
-       f"roofline (Williams et al. 2009); e_max = {hw.gemm_efficiency:.3f} fitted on Narayanan Table 1")
-    tr("recompute_s", m * rc, f"forward of the recomputed part ({r.policy.text})", "torch.utils.checkpoint semantics")
-    tr("tp_comm_s", m * tpc, "4 all-reduces of b s h per layer (+2 per recomputed layer), not overlapped",
-       "Narayanan §3.2: 8 b s h (t-1)/t elements per layer")
-    tr("pp_comm_s", m * ppc, "2 v sends of b s h / t per micro-batch", "Narayanan §4.1 (scatter/gather)")
-    tr("bubble_s", bubble, "(p - 1)/v x t_microbatch", "Narayanan Eq. (1)")
-    tr("optimizer_s", opt, "~30 bytes/param of the rank's shard / HBM (host when offloaded)", "memory-bound Adam")
-    tr("step_time_s", step, "m x t_mb + bubble + exposed DP/ZeRO comm + optimizer step", "tenfold time model (docs/planner.md)")
-    tr("host_transfer_s", m * host, "PCIe bytes (offloaded activations / params) / host link - compute", "tenfold time model")
-    t = TimeBreakdown(
-        compute_s=m * (fwd + bwd), recompute_s=m * rc, tp_comm_s=m * tpc, pp_comm_s=m * ppc, host_transfer_s=m * host,
-        bubble_s=bubble,
-        dp_comm_s=dp_total, dp_comm_exposed_s=dp_exposed, optimizer_s=opt, step_s=step,
-        bubble_fraction=bubble / (m * t_mb_total), source="model",
-    )
-    return t, model_flops, hw_flops
-
-
-@dataclass
-class _MicroBatch:
-    """One micro-batch on the slowest pipeline stage (seconds)."""
-
-    fwd: float
-    bwd: float
-    rc: float  # recompute
-    tpc: float  # exposed TP all-reduces
-    ppc: float  # pipeline sends
-    host: float  # exposed offload traffic
-
-
-def _microbatch(shape: ModelShape, hw: Hardware, r: Resolved, peak: float) -> _MicroBatch:
-    s, cfg = r.s, shape.cfg
-    if cfg is None:  # --params only: 6N FLOPs per token at the large-GEMM efficiency, no shapes
-        flops_mb = 6.0 * shape.params * r.micro_batch * r.seq_len / (s.tp * s.pp)
-        fwd = flops_mb / 3 / (peak * hw.gemm_efficiency)
-        return _MicroBatch(fwd, 2 * fwd, fwd if r.policy.kind == "full" else 0.0, 0.0, 0.0, 0.0)
-    elem = 2.0 if s.precision != "fp32" else 4.0
-    act_bytes = r.micro_batch * r.seq_len * cfg.d_model * elem
-    tp_ar = comm.all_reduce_time(act_bytes, hw, comm.group_layout(s.tp, 1, hw.gpus_per_node))
-    lt = tm.layer_times(cfg, s, hw, peak, r.seq_len, r.micro_batch, s.tp, tp_ar)
-    rc_layers = recomputed_layers(r.policy, cfg.n_layers)
-    rc_tp = r.policy.kind in ("full", "every", "segments")  # a recomputed layer repeats its forward all-reduces
-    per_stage = []
-    for stage in sorted({0, s.pp - 1}):
-        layers = layers_on_stage(cfg.n_layers, s.pp, stage)
-        fwd, bwd = layers * lt.fwd, layers * lt.bwd
-        if stage == s.pp - 1:
-            hf, hb = tm.head_time(cfg, s, hw, peak, r.seq_len, r.micro_batch, s.tp)
-            fwd, bwd = fwd + hf, bwd + hb
-        rc = layers * tm.recompute_time_per_layer(lt, r.policy, cfg.n_layers, rc_layers)
-        tpc = layers * 2 * lt.tp_comm_fwd + (rc_layers / cfg.n_layers * layers * lt.tp_comm_fwd if rc_tp else 0.0)
-        per_stage.append((fwd + bwd + rc + tpc, fwd, bwd, rc, tpc))
-    _, fwd, bwd, rc, tpc = max(per_stage)
-    pp_crosses = s.tp * r.dp >= hw.gpus_per_node and s.pp > 1
-    ppc = 2 * r.v * comm.p2p_time(act_bytes / s.tp, hw, pp_crosses) if s.pp > 1 else 0.0
-    host = _host_transfer_exposed(shape, hw, r, fwd, bwd)
-    return _MicroBatch(fwd, bwd, rc, tpc, ppc, host)
-
-
-def _host_transfer_exposed(shape: ModelShape, hw: Hardware, r: Resolved, fwd: float, bwd: float) -> float:
-    """PCIe traffic per micro-batch that compute does not hide. `--ac offload`
-    (save_on_cpu): every saved activation goes to the host in forward and back in backward.
-    `--offload optimizer+params` (ZeRO-Infinity): the rank's 16-bit parameter shard comes up
-    from the host for forward and again for backward. Both overlap with compute."""
-    s, cfg = r.s, shape.cfg
-    moved = 0.0
-    if r.policy.kind == "offload":
-        layers = layers_on_stage(cfg.n_layers, s.pp, 0)
-        moved += 2 * layers * memory.activation_bytes_per_layer(cfg, s, r.seq_len, r.micro_batch, s.tp)
-    if s.offload == "optimizer+params":
-        moved += 2 * 2.0 * stage_params(shape, s.pp, 0, s.tp) / r.dp
-    return max(0.0, moved / hw.host_link_bw - (fwd + bwd))
-
-
-def _dp_comm(s: Strategy, hw: Hardware, g: comm.Group, dp: int, m: int, g_bytes: float, p_bytes: float,
-             fwd: float, bwd: float, shape: ModelShape, tr: _Trace) -> tuple[float, float]:
-    """Per-step DP/ZeRO collective time and the part not hidden behind compute (ZeRO §7:
-    DP all-reduce 2Ψ; P_os+g 2Ψ; P_os+g+p 3Ψ per pass)."""
-    if dp == 1:
-        return 0.0, 0.0
-    overlap = bwd if s.overlap_comm else 0.0
-    if s.zero == 0:
-        total = comm.all_reduce_time(g_bytes, hw, g)
-        exposed = max(0.0, total - overlap)
-        formula = "all-reduce 2Ψ: 2(n-1)/n x S/B, overlapped with the last backward"
-    elif s.zero == 1:
-        rs = comm.reduce_scatter_time(g_bytes, hw, g)
-        ag = comm.all_gather_time(p_bytes, hw, g)
-        total = rs + ag
-        exposed = max(0.0, rs - overlap) + ag
-        formula = "reduce-scatter Ψ (overlapped) + all-gather Ψ of updated params (exposed)"
-    elif s.zero == 2:
-        rs = comm.reduce_scatter_time(g_bytes, hw, g)
-        ag = comm.all_gather_time(p_bytes, hw, g)
-        total = m * rs + ag
-        exposed = m * max(0.0, rs - overlap) + ag
-        formula = "reduce-scatter Ψ per micro-batch (overlapped with its backward) + all-gather Ψ after the step"
-    else:
-        ag = comm.all_gather_time(p_bytes, hw, g)
-        rs = comm.reduce_scatter_time(g_bytes, hw, g)
-        total = m * (2 * ag + rs)
-        unit = largest_unit_params(shape, s.tp) / max(1.0, shape.params / s.tp) if shape.known else 0.0
-        first_unit = ag * unit
-        hide_f = fwd if s.overlap_comm else 0.0
-        exposed = m * (max(0.0, ag - hide_f) + max(0.0, ag + rs - overlap) + first_unit)
-        formula = "per micro-batch: all-gather Ψ (fwd) + all-gather Ψ (bwd) + reduce-scatter Ψ = 3Ψ, prefetched under compute"
-    # Overlapped collectives still cost: NCCL kernels occupy SMs and HBM bandwidth while the
-    # GEMMs run, so hidden communication slows compute by a fraction of its own time.
-    exposed += OVERLAP_CONTENTION * max(0.0, total - exposed)
-    tr("dp_comm_s", total, formula, "ZeRO §7; nccl-tests PERFORMANCE.md ring formulas")
-    tr("dp_comm_exposed_s", exposed, "comm time not hidden behind backward/forward compute", "tenfold time model")
-    return total, exposed
-
-
 def largest_micro_batch(model, hardware, gpus: int, strategy: Strategy | None = None,
                         memory_budget_bytes: float | None = None, limit: int = 4096,
                         gpus_per_node: int | None = None) -> int:
@@ -513,11 +332,3 @@ def largest_micro_batch(model, hardware, gpus: int, strategy: Strategy | None = 
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if ok(mid) else (lo, mid)
     return lo
-
-
-def _bubble_factor(schedule: str) -> float:
-    """Zero-bubble schedules split each backward into input- and weight-gradient halves and fill
-    the warm-up/cool-down idle time with weight-gradient work: with forward, input-gradient and
-    weight-gradient passes of equal length, the idle time is (p-1) of them instead of 3(p-1)
-    (Qi et al. 2023, "Zero Bubble Pipeline Parallelism", ZB-H1, section 3)."""
-    return 1.0 / 3.0 if schedule == "zero-bubble" else 1.0

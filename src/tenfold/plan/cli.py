@@ -67,14 +67,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--pp-schedule", choices=PIPELINE_SCHEDULES, default=DEFAULT_PIPELINE_SCHEDULE)
     s.add_argument("--virtual-stages", type=_count, help="stages per device for interleaved schedules (default 2)")
     s.add_argument("--flash-attention", action=argparse.BooleanOptionalAction, default=True)
-    s.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None,
-                   help="Korthikanti et al. 2022 sequence parallelism (default: on when --tp > 1, as tenfold train)")
+    s.add_argument("--sequence-parallel", action="store_true",
+                   help="Korthikanti et al. 2022 sequence parallelism (tenfold train turns it on with --tp > 1; "
+                        "off here by default, as in Narayanan et al. 2021's runs)")
     s.add_argument("--dropout", action="store_true", help="the model uses dropout (GPT-2/3 style)")
     s.add_argument("--master-weights", action=argparse.BooleanOptionalAction, default=True,
                    help="16-bit params + fp32 master copy (ZeRO/DeepSpeed); --no-master-weights: fp32 params + autocast")
     s.add_argument("--grads-fp32", action="store_true", help="fp32 gradients (Megatron main grads)")
     s.add_argument("--overlap-comm", action=argparse.BooleanOptionalAction, default=True)
-    s.add_argument("--activation-style", choices=("megatron", "tenfold"), default="megatron")
+    s.add_argument("--activation-style", choices=("tenfold", "megatron"), default="tenfold",
+                   help="tenfold: eager PyTorch + autocast, fp32 loss tensors (default); megatron: fused kernels "
+                        "(Korthikanti et al. 2022)")
     s.add_argument("--tokens", type=_number, help="training tokens, for days and GPU-hours")
     s.add_argument("--achieved-tflops", type=_number, help="per-GPU hardware TFLOP/s (Narayanan's X) instead of the time model")
     o = p.add_argument_group("output")
@@ -138,8 +141,7 @@ def _strategy(args):
         global_batch=args.global_batch, seq_len=args.seq_len, ac=args.ac, zero=args.zero, offload=args.offload,
         tp=args.tp, pp=args.pp, pp_schedule=args.pp_schedule,
         virtual_stages=args.virtual_stages,
-        flash_attention=args.flash_attention, tokens=args.tokens,
-        sequence_parallel=args.tp > 1 if args.sequence_parallel is None else args.sequence_parallel,
+        flash_attention=args.flash_attention, sequence_parallel=args.sequence_parallel, tokens=args.tokens,
         achieved_tflops=args.achieved_tflops, master_weights=args.master_weights, grads_fp32=args.grads_fp32,
         overlap_comm=args.overlap_comm, dropout=args.dropout, activation_style=args.activation_style,
     )

@@ -1,11 +1,21 @@
-"""Collective times: ring bandwidth terms (nccl-tests PERFORMANCE.md) plus a latency term.
+"""Collective times as NCCL models them: a bandwidth term and a per-step latency term.
 
-All-reduce of S bytes over n ranks: t = 2 (n-1)/n x S / B + latency; reduce-scatter and
-all-gather: (n-1)/n x S / B + latency. B is the bus bandwidth one rank sees: NVLink inside a
-node; across nodes NCCL runs one ring per NIC, so a group that has g members on each node
-moves g NICs' worth (DGX A100, whole node in the group: 8 x 25 GB/s = 200 GB/s; one member per
-node, e.g. the DP group under TP=8: 25 GB/s). Latency: NCCL switches to trees at scale, so we
-charge 2 log2(n) steps (all-reduce) or log2(n) (reduce-scatter/all-gather) of the link latency.
+Ring (nccl-tests `doc/PERFORMANCE.md`; NCCL `src/graph/tuning.cc`, `ncclTopoTuneModel`):
+all-gather and reduce-scatter of an S-byte buffer over n ranks move (n-1)/n x S per rank in
+n - 1 steps; all-reduce is both, 2 (n-1)/n x S in 2 (n-1) steps. Each step costs one link's
+latency: NCCL charges its Simple protocol 3.4 us per NVLink hop and 9.6 us per network hop,
+plus 8.4 us once per collective, and a ring crosses the network nodes - 1 times per pass. So
+at 1536 ranks on 192 nodes one all-gather pays about 6.4 ms before a byte of bandwidth, and
+latency, not bandwidth, is what a per-layer ZeRO-3 gather loses at scale. All-reduce may
+instead run NCCL's double binary tree: the same 2 S/B of bandwidth, 2 (per_node - 1) intra
+hops + 2 log2(nodes) network hops; NCCL picks the faster, and so do we.
+
+Bandwidth B, per rank, is the slowest link the group spans. Inside a node that is NVLink.
+Across nodes NCCL runs one ring per channel and each channel leaves the node through its own
+NIC (`busBw = nChannels x per-channel inter-node speed` in tuning.cc), so a group with g
+members on each node moves g NICs' worth, capped by NVLink: a whole DGX A100 node in the group
+gets 8 x 25 = 200 GB/s, one member per node (the data-parallel group under TP = 8) one NIC,
+25 GB/s. `Hardware.bus_efficiency` (0.8) is the share of that link rate NCCL reaches.
 """
 
 from __future__ import annotations
@@ -27,6 +37,10 @@ class Group:
     def crosses_nodes(self) -> bool:
         return self.size > self.per_node
 
+    @property
+    def nodes(self) -> int:
+        return math.ceil(self.size / max(1, self.per_node))
+
 
 def group_layout(size: int, stride: int, gpus_per_node: int) -> Group:
     """Ranks laid out Megatron-style (TP fastest, then DP, then PP): a group of `size` ranks
@@ -36,6 +50,7 @@ def group_layout(size: int, stride: int, gpus_per_node: int) -> Group:
 
 
 def bus_bandwidth(hw: Hardware, g: Group) -> float:
+    """Per-rank bytes/s of a ring over `g`: NVLink inside a node, g NICs (<= NVLink) across."""
     if g.crosses_nodes:
         bw = min(hw.intra_node_bw, g.per_node * hw.nic_bw)
     else:
@@ -43,24 +58,37 @@ def bus_bandwidth(hw: Hardware, g: Group) -> float:
     return bw * hw.bus_efficiency
 
 
-def _latency(hw: Hardware, g: Group, steps: float) -> float:
-    lat = hw.inter_latency_s if g.crosses_nodes else hw.intra_latency_s
-    return steps * lat
+def ring_latency(hw: Hardware, g: Group, passes: int) -> float:
+    """NCCL's ring latency: one base latency, then `passes` x (n - 1) steps, of which
+    `passes` x (nodes - 1) cross the network (tuning.cc: nsteps, nInterSteps)."""
+    steps = passes * (g.size - 1)
+    inter = passes * (g.nodes - 1)
+    return hw.collective_latency_s + (steps - inter) * hw.intra_latency_s + inter * hw.inter_latency_s
+
+
+def tree_latency(hw: Hardware, g: Group) -> float:
+    """NCCL's tree all-reduce latency: up and down a chain inside the node and a binary tree
+    across nodes (tuning.cc: 2 x ((per_node - 1) intra + log2(nodes) inter))."""
+    hops_inter = math.ceil(math.log2(g.nodes)) if g.nodes > 1 else 0
+    return hw.collective_latency_s + 2 * ((g.per_node - 1) * hw.intra_latency_s + hops_inter * hw.inter_latency_s)
 
 
 def all_reduce_time(nbytes: float, hw: Hardware, g: Group) -> float:
+    """The faster of a ring, 2 (n-1)/n S/B + 2 (n-1) steps, and a tree, 2 S/B + 2 log2 depth."""
     if g.size <= 1 or nbytes <= 0:
         return 0.0
-    n = g.size
-    return 2 * (n - 1) / n * nbytes / bus_bandwidth(hw, g) + _latency(hw, g, 2 * math.ceil(math.log2(n)))
+    n, bw = g.size, bus_bandwidth(hw, g)
+    ring = 2 * (n - 1) / n * nbytes / bw + ring_latency(hw, g, 2)
+    tree = 2 * nbytes / bw + tree_latency(hw, g)
+    return min(ring, tree)
 
 
 def reduce_scatter_time(nbytes: float, hw: Hardware, g: Group) -> float:
-    """`nbytes` = the full (unsharded) buffer size."""
+    """`nbytes` = the full (unsharded) buffer: (n-1)/n S/B + (n-1) steps (ring only in NCCL)."""
     if g.size <= 1 or nbytes <= 0:
         return 0.0
     n = g.size
-    return (n - 1) / n * nbytes / bus_bandwidth(hw, g) + _latency(hw, g, math.ceil(math.log2(n)))
+    return (n - 1) / n * nbytes / bus_bandwidth(hw, g) + ring_latency(hw, g, 1)
 
 
 all_gather_time = reduce_scatter_time  # same volume and steps (nccl-tests: (n-1)/n)

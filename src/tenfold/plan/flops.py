@@ -81,6 +81,16 @@ def recomputed_layers(policy: RecomputePolicy, n_layers: int) -> float:
     return float(len(policy.recomputed_blocks(n_layers)))
 
 
+def regathered_layers(policy: RecomputePolicy, n_layers: int) -> float:
+    """Blocks that ZeRO-3 gathers a third time per micro-batch: a segment of several blocks
+    (`segments:K`) is recomputed in backward before its inner blocks' own backward starts, so
+    every block of a checkpointed segment but its last runs FSDP2's forward hooks again; a
+    block checkpointed alone recomputes inside its backward gather."""
+    if policy.kind != "segments":
+        return 0.0
+    return float(sum(len(group) - 1 for group in policy.checkpointed_blocks(n_layers)))
+
+
 def recompute_flops_per_token(cfg: ModelConfig, seq_len: int, policy: RecomputePolicy) -> float:
     """Extra forward FLOPs per token. Full: one more forward of each block (Narayanan Eq. 3's
     96 = 72 + 24). Selective (attention): QK^T and PV again, 4 s h per layer (Korthikanti Eq. 8:

@@ -10,6 +10,15 @@ Conventions (stated once, used everywhere):
   bandwidth (one 200 Gb/s HDR NIC per GPU on a DGX A100 = 25 GB/s).
 - Collectives reach `bus_efficiency` (0.8, an assumption) of those link rates: NVIDIA's
   nccl-tests report ~230 GB/s all-reduce bus bandwidth on an 8xA100 NVLink3 node (~0.77).
+  Latencies are NCCL's own tuning model (`src/graph/tuning.cc`, Simple protocol, ring): 8.4 us
+  per collective, 3.4 us per NVLink hop, 9.6 us per network hop.
+- `matmul_fraction` is the Maximum Achievable Matmul FLOPS (MAMF: the best of a brute-force
+  search over GEMM shapes, bf16, mean of 100 runs) over the datasheet peak, as measured in Stas
+  Bekman's "Machine Learning Engineering" (github.com/stas00/ml-engineering,
+  compute/accelerator/README.md, "Maximum Achievable Matmul FLOPS comparison table"): A100 SXM
+  271.2 of 312 TFLOP/s, H100 SXM 794.5 of 989 (H200 the same), B200 1745 of 2250, MI300X 668.4
+  of 1300. Datasheet peaks are clock x units; no GEMM reaches them, and the newer the chip the
+  further below it stays. Where no measurement is published the A100 SXM's share is assumed.
 """
 
 from __future__ import annotations
@@ -28,11 +37,14 @@ GiB = 2**30
 GB = 1e9
 TFLOPS = 1e12
 
-# One GEMM-efficiency ceiling for all GPUs: the fraction of datasheet peak that a large,
-# well-shaped transformer GEMM reaches. Calibrated ONLY on Narayanan et al. 2021 Table 1
-# (see tenfold/plan/calibration.py and docs/planner.md); the shape, roofline and
-# communication effects are modelled, not fitted.
-GPU_GEMM_EFFICIENCY = 0.665
+# One GEMM-efficiency ceiling for all GPUs, as a share of the chip's Maximum Achievable Matmul
+# FLOPS (MAMF, below): what a large, well-shaped transformer GEMM in a training step reaches of
+# the best isolated matmul. Calibrated ONLY on Narayanan et al. 2021 Table 1 (A100; see
+# tenfold/plan/calibration.py and docs/planner.md); the shape, roofline and communication
+# effects are modelled, not fitted. A GPU's ceiling of its datasheet peak is this times its
+# `matmul_fraction` (A100 SXM: 0.767 x 0.869 = 0.667).
+GEMM_SHARE_OF_MAMF = 0.767
+A100_MAMF_FRACTION = 271.2 / 312  # the default where no MAMF is published
 
 
 @dataclass(frozen=True, eq=False)  # hashed by identity: the planner caches per-hardware results
@@ -44,11 +56,13 @@ class Hardware:
     intra_node_bw: float  # bytes/s, per GPU, one direction
     nic_bw: float  # bytes/s, per GPU, one direction
     gpus_per_node: int = 8
-    intra_latency_s: float = 5e-6  # per collective step (NCCL ~ a few us on NVLink)
-    inter_latency_s: float = 10e-6  # per collective step across IB/RoCE
+    intra_latency_s: float = 3.4e-6  # per ring step over NVLink (NCCL tuning.cc, Simple protocol)
+    inter_latency_s: float = 9.6e-6  # per ring step across the network (idem)
+    collective_latency_s: float = 8.4e-6  # once per collective (NCCL's base latency, ring/Simple)
     host_link_bw: float = 25 * GB  # PCIe to host memory, per GPU (offload traffic)
     bus_efficiency: float = 0.8
-    gemm_efficiency: float = GPU_GEMM_EFFICIENCY
+    gemm_efficiency: float = GEMM_SHARE_OF_MAMF * A100_MAMF_FRACTION  # of the datasheet peak
+    matmul_fraction: float = A100_MAMF_FRACTION  # MAMF / datasheet peak (sources["matmul"])
     runtime_overhead_bytes: float = 1.0 * GiB  # CUDA context + NCCL/cuBLAS workspaces (estimate)
     host_memory_bytes: float = 2.0 * 2**40  # per node, for offload (DGX A100/H100: 2 TB; an assumption elsewhere)
     shared_compute: bool = False  # True for `cpu`: ranks on one machine share its cores
@@ -71,14 +85,24 @@ class Hardware:
 _NV = "NVIDIA datasheet"
 
 
-def _gpu(name, fp32, bf16, fp16, mem_gib, hbm_gbs, intra_gbs, nic_gbs, sources, **kw) -> Hardware:
+_MAMF = "Bekman, ml-engineering, MAMF table (bf16 matmul, brute-force shape search)"
+_NO_MAMF = "no MAMF measurement published; the A100 SXM's 271.2/312 = 0.869 assumed"
+
+
+def _gpu(name, fp32, bf16, fp16, mem_gib, hbm_gbs, intra_gbs, nic_gbs, sources, matmul_fraction=None, **kw) -> Hardware:
+    fraction = A100_MAMF_FRACTION if matmul_fraction is None else matmul_fraction
+    sources = {**sources, "matmul": sources.get("matmul", _NO_MAMF)}
     return Hardware(
         name=name,
         peak_flops={"fp32": fp32 * TFLOPS, "bf16": bf16 * TFLOPS if bf16 else None, "fp16": fp16 * TFLOPS},
         memory_bytes=mem_gib * GiB, hbm_bw=hbm_gbs * GB, intra_node_bw=intra_gbs * GB,
-        nic_bw=nic_gbs * GB, sources=sources, **kw,
+        nic_bw=nic_gbs * GB, sources=sources, matmul_fraction=fraction,
+        gemm_efficiency=GEMM_SHARE_OF_MAMF * fraction, **kw,
     )
 
+
+_PCIE4 = "PCIe Gen4 x16 to the host: 32 GB/s each way raw, ~25 GB/s achievable"
+_PCIE5 = "PCIe Gen5 x16 to the host: 64 GB/s each way raw, ~50 GB/s achievable"
 
 CATALOG: dict[str, Hardware] = {
     "v100": _gpu("v100", 15.7, None, 125, 32, 900, 150, 12.5, {
@@ -86,60 +110,86 @@ CATALOG: dict[str, Hardware] = {
         "memory": f"{_NV}: 32 GB HBM2, 900 GB/s",
         "intra": "NVLink2: 300 GB/s bidirectional per GPU = 150 GB/s each way",
         "nic": "DGX-1: 4x 100 Gb/s EDR for 8 GPUs = 12.5 GB/s per GPU (one 100Gb NIC per 2 GPUs, rounded up)",
-    }, sm_count=80),
+        "sms": "NVIDIA Volta whitepaper: 80 SMs (Tesla V100)",
+        "host": "PCIe Gen3 x16 to the host: 16 GB/s each way raw, ~12 GB/s achievable",
+    }, sm_count=80, host_link_bw=12 * GB),
     "a100-40gb": _gpu("a100-40gb", 19.5, 312, 312, 40, 1555, 300, 25, {
         "peak": f"{_NV} A100 SXM: 19.5 TFLOPS FP32, 312 TFLOPS bf16/fp16 dense (Narayanan 2021: 312)",
         "memory": f"{_NV}: 40 GB HBM2, 1555 GB/s (llm-analysis gpu_configs agree)",
         "intra": "NVLink3: 600 GB/s bidirectional = 300 GB/s each way (llm-analysis: 300)",
         "nic": "DGX A100: 8x 200 Gb/s HDR, one per GPU = 25 GB/s",
-    }, sm_count=108),
+        "sms": "NVIDIA Ampere GA100 whitepaper: 108 SMs (A100)",
+        "host": _PCIE4,
+        "matmul": f"{_MAMF}: A100 SXM 271.2 of 312 TFLOP/s = 0.869",
+    }, sm_count=108, matmul_fraction=271.2 / 312),
     "a100-80gb": _gpu("a100-80gb", 19.5, 312, 312, 80, 2039, 300, 25, {
         "peak": f"{_NV} A100 SXM: 19.5 TFLOPS FP32, 312 TFLOPS bf16/fp16 dense",
         "memory": f"{_NV} A100 80GB SXM: 80 GB HBM2e, 2039 GB/s",
         "intra": "NVLink3: 600 GB/s bidirectional = 300 GB/s each way",
         "nic": "DGX A100: 8x 200 Gb/s HDR, one per GPU = 25 GB/s",
-    }, sm_count=108),
+        "sms": "NVIDIA Ampere GA100 whitepaper: 108 SMs (A100)",
+        "host": _PCIE4,
+        "matmul": f"{_MAMF}: A100 SXM 271.2 of 312 TFLOP/s = 0.869",
+    }, sm_count=108, matmul_fraction=271.2 / 312),
     "h100-sxm": _gpu("h100-sxm", 67, 989, 989, 80, 3350, 450, 50, {
         "peak": f"{_NV} H100 SXM5: 67 TFLOPS FP32, 989 TFLOPS bf16/fp16 dense (torchtitan get_peak_flops: 989e12)",
         "memory": f"{_NV}: 80 GB HBM3, 3.35 TB/s",
         "intra": "NVLink4: 900 GB/s bidirectional = 450 GB/s each way",
         "nic": "DGX H100: 8x 400 Gb/s NDR ConnectX-7, one per GPU = 50 GB/s",
-    }, sm_count=132),
+        "sms": "NVIDIA Hopper whitepaper: 132 SMs (H100 SXM5)",
+        "host": _PCIE5,
+        "matmul": f"{_MAMF}: H100 SXM 794.5 of 989 TFLOP/s = 0.803",
+    }, sm_count=132, host_link_bw=50 * GB, matmul_fraction=794.5 / 989),
     "h100-pcie": _gpu("h100-pcie", 51, 756, 756, 80, 2000, 64, 25, {
         "peak": f"{_NV} H100 PCIe: 51 TFLOPS FP32, 756 TFLOPS bf16/fp16 dense (torchtitan: 756e12)",
         "memory": f"{_NV}: 80 GB HBM2e, 2.0 TB/s",
         "intra": "PCIe Gen5 x16: 64 GB/s each way (no NVLink bridge assumed)",
         "nic": "assumed one 200 Gb/s NIC per GPU = 25 GB/s",
+        "sms": "NVIDIA Hopper whitepaper: 114 SMs (H100 PCIe)",
+        "host": _PCIE5,
     }, host_link_bw=50 * GB, sm_count=114),
     "h200": _gpu("h200", 67, 989, 989, 141e9 / GiB, 4800, 450, 50, {
         "peak": f"{_NV} H200 SXM: same compute as H100 SXM, 989 TFLOPS bf16 dense (torchtitan: 989e12)",
         "memory": "141 GB HBM3e (MLCommons v4.1 system JSON); 4.8 TB/s [secondary: TensorRT-LLM #1570]",
         "intra": "NVLink4: 900 GB/s bidirectional = 450 GB/s each way",
         "nic": "8x 400 Gb/s NDR, one per GPU = 50 GB/s",
-    }, sm_count=132),
+        "sms": "same GH100 die as H100 SXM5: 132 SMs",
+        "host": _PCIE5,
+        "matmul": f"{_MAMF}: H100 SXM 794.5 of 989 TFLOP/s, 'H200 is the same' = 0.803",
+    }, sm_count=132, host_link_bw=50 * GB, matmul_fraction=794.5 / 989),
     "b200": _gpu("b200", 75, 2250, 2250, 180e9 / GiB, 8000, 900, 50, {
         "peak": f"{_NV} HGX B200: 2.25 PFLOPS bf16 dense per GPU (torchtitan: 2.25e15); FP32 600 TFLOPS / 8 GPUs",
         "memory": f"{_NV} HGX B200: 1.44 TB for 8 GPUs = 180 GB each, 8 TB/s",
         "intra": "NVLink5: 1.8 TB/s bidirectional = 900 GB/s each way",
         "nic": "8x 400 Gb/s ConnectX-7, one per GPU = 50 GB/s",
-    }, host_link_bw=50 * GB, sm_count=148),
+        "sms": "148 SMs (B200; as reported by CUDA device queries)",
+        "host": _PCIE5,
+        "matmul": f"{_MAMF}: B200 SXM 1745.0 of 2250 TFLOP/s = 0.776",
+    }, host_link_bw=50 * GB, sm_count=148, matmul_fraction=1745.0 / 2250),
     "mi300x": _gpu("mi300x", 163.4, 1307.4, 1307.4, 192e9 / GiB, 5300, 448, 50, {
         "peak": "AMD Instinct MI300X datasheet: 1307.4 TFLOPS bf16/fp16 dense, 163.4 TFLOPS FP32 matrix (torchtitan: 1300e12)",
         "memory": "AMD datasheet: 192 GB HBM3, 5.3 TB/s",
         "intra": "Infinity Fabric: 7 links x 64 GB/s = 448 GB/s each way",
         "nic": "assumed one 400 Gb/s NIC per GPU = 50 GB/s",
-    }, host_link_bw=50 * GB, sm_count=304),
+        "sms": "AMD CDNA3 whitepaper: 304 compute units",
+        "host": _PCIE5,
+        "matmul": f"{_MAMF}: MI300X 668.4 of 1300 TFLOP/s = 0.514 (ROCm 6.3, TunableOp on)",
+    }, host_link_bw=50 * GB, sm_count=304, matmul_fraction=668.4 / 1300),
     "l40s": _gpu("l40s", 91.6, 362, 362, 48e9 / GiB, 864, 32, 25, {
         "peak": f"{_NV} L40S: 91.6 TFLOPS FP32, 362 TFLOPS bf16/fp16 dense (733 with sparsity)",
         "memory": f"{_NV}: 48 GB GDDR6, 864 GB/s",
         "intra": "PCIe Gen4 x16: 32 GB/s each way (no NVLink)",
         "nic": "assumed one 200 Gb/s NIC per GPU = 25 GB/s",
+        "sms": "NVIDIA Ada whitepaper: 142 SMs (L40S)",
+        "host": _PCIE4,
     }, sm_count=142),
     "rtx4090": _gpu("rtx4090", 82.6, 165.2, 165.2, 24e9 / GiB, 1008, 32, 12.5, {
         "peak": f"{_NV} Ada whitepaper, RTX 4090: 82.6 TFLOPS FP32, 165.2 TFLOPS bf16/fp16 with fp32 accumulate (dense)",
         "memory": "24 GB GDDR6X, 1008 GB/s",
         "intra": "PCIe Gen4 x16: 32 GB/s each way, no peer-to-peer (assumed through host)",
         "nic": "assumed 100 Gb/s Ethernet = 12.5 GB/s",
+        "sms": "NVIDIA Ada whitepaper: 128 SMs (RTX 4090)",
+        "host": _PCIE4,
     }, sm_count=128),
 }
 ALIASES = {"a100": "a100-80gb", "h100": "h100-sxm", "a100-80": "a100-80gb", "a100-40": "a100-40gb", "4090": "rtx4090"}
@@ -216,22 +266,25 @@ def cpu_hardware() -> Hardware:
     return Hardware(
         name="cpu", peak_flops=dict(peak), memory_bytes=_ram_bytes(), hbm_bw=CPU_MEMORY_BW,
         intra_node_bw=CPU_LOOPBACK_BW, nic_bw=CPU_LOOPBACK_BW, gpus_per_node=os.cpu_count() or 1,
-        intra_latency_s=CPU_LOOPBACK_LATENCY_S, inter_latency_s=CPU_LOOPBACK_LATENCY_S,
+        intra_latency_s=CPU_LOOPBACK_LATENCY_S, inter_latency_s=CPU_LOOPBACK_LATENCY_S, collective_latency_s=0.0,
         host_link_bw=CPU_MEMORY_BW, bus_efficiency=1.0,
-        gemm_efficiency=1.0,  # the peak is itself a measured large GEMM
+        gemm_efficiency=1.0, matmul_fraction=1.0,  # the peak is itself a measured large GEMM
         runtime_overhead_bytes=0.0, shared_compute=True, host_memory_bytes=_ram_bytes(),
         sources={
             "peak": f"measured by `python -m tenfold.engine.peak` on {cpu_model_name()} (cached in {_cpu_peak_cache_path()})",
             "memory": "MemTotal from /proc/meminfo",
             "intra": "rough constant: gloo over loopback ~2 GB/s, 50 us per message",
             "nic": "rough constant: gloo over loopback ~2 GB/s",
+            "matmul": "the measured peak is itself the best GEMM: 1.0",
         },
     )
 
 
 def load_hardware_toml(path: str | os.PathLike) -> Hardware:
     """User-defined hardware. Keys: name, memory_gb, hbm_gbs, intra_node_gbs, nic_gbs,
-    [peak_tflops] fp32/bf16/fp16, optional gpus_per_node, latencies, efficiencies, sources."""
+    [peak_tflops] fp32/bf16/fp16, optional gpus_per_node, latencies, efficiencies, sources.
+    `matmul_fraction` (measured best matmul / peak) sets the GEMM ceiling as the catalog does;
+    `gemm_efficiency` sets it directly."""
     try:
         import tomllib
     except ImportError:  # Python 3.10: the tomli backport has the same API
@@ -256,8 +309,10 @@ def load_hardware_toml(path: str | os.PathLike) -> Hardware:
     for key in ("memory_gb", "hbm_gbs", "intra_node_gbs", "nic_gbs"):
         if not isinstance(data[key], (int, float)) or data[key] <= 0:
             raise UserError(f"--hardware-file {path}: {key} must be a positive number, got {data[key]!r}")
-    extra = {k: data[k] for k in ("gpus_per_node", "intra_latency_s", "inter_latency_s", "bus_efficiency",
-                                   "gemm_efficiency") if k in data}
+    extra = {k: data[k] for k in ("gpus_per_node", "intra_latency_s", "inter_latency_s", "collective_latency_s",
+                                   "bus_efficiency", "gemm_efficiency", "matmul_fraction") if k in data}
+    if "matmul_fraction" in extra and "gemm_efficiency" not in extra:
+        extra["gemm_efficiency"] = GEMM_SHARE_OF_MAMF * float(extra["matmul_fraction"])
     return Hardware(
         name=str(data["name"]),
         peak_flops={d: (float(peaks[d]) * TFLOPS if peaks.get(d) else None) for d in ("fp32", "bf16", "fp16")},

@@ -59,7 +59,9 @@ def seed_rungs(gpus_node: int = 8, gpus_final: int = 64, pp: int = 8, tokens: fl
     96 is checkpoint_sequential with L/12 segments (8 for GPT-3), its 'every 24' L/24 (4)."""
     seg_a = max(2, min(n_layers, round(n_layers / 12)))
     seg_b = max(2, min(n_layers, round(n_layers / 24)))
-    base = Strategy(precision="fp32", micro_batch=1, grad_accum=1, seq_len=seq_len, tokens=tokens, flash_attention=True)
+    # The seed trains GPT-3 with DeepSpeed (Megatron-style fused kernels, 16-bit activations).
+    base = Strategy(precision="fp32", micro_batch=1, grad_accum=1, seq_len=seq_len, tokens=tokens, flash_attention=True,
+                    activation_style="megatron")
     mp = replace(base, precision=half)
     acc = replace(mp, grad_accum=8)
     ckpt = replace(acc, ac=f"segments:{seg_a}")
@@ -144,9 +146,14 @@ def _notes(i: int, rung: Rung, prev: Rung | None) -> list[str]:
         out.append(f"memory {_gib(m.total_bytes)} per GPU on the {m.stage} stage ({'fits' if p.fits else 'does not fit'})")
     elif i == 6:
         seed_states = 5.5 + 5.5 + 22
+        held = ""
+        if p.strategy["pp"] > 1 and p.strategy["zero"] >= 2:
+            held = ("; and under pipelining each rank keeps its stage's unreduced gradients and unsharded 16-bit "
+                    "parameters from micro-batch to micro-batch (torch.distributed.pipelining reduces once per step), "
+                    "so ZeRO-3 shards only the optimizer states")
         out.append(f"memory: model states {m.model_states_bytes / 1e9:.1f} GB vs the seed's {seed_states:.0f} GB: "
-                   f"16 B/param x 175B / 64 = 43.75 GB (+ the first stage's embedding); the seed's 1400 GB of optimizer "
-                   f"states omit the fp32 master weights (2100 GB / 64 = 33 GB, not 22)")
+                   f"ZeRO's 16 B/param x 175B / 64 = 43.75 GB (+ the first stage's embedding); the seed's 1400 GB of "
+                   f"optimizer states omit the fp32 master weights (2100 GB / 64 = 33 GB, not 22){held}")
         out.append(f"activations {m.activations_bytes / 1e9:.1f} GB vs ~30 GB; total {m.total_bytes / 1e9:.1f} GB vs ~63 GB "
                    f"({'fits' if p.fits else 'does not fit'})")
         out.append(f"time: {p.train_days:,.0f} days for 300B tokens at {p.mfu:.0%} MFU; the seed's ~3 days assumes 50% of "

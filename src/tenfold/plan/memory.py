@@ -68,13 +68,17 @@ class ModelStates:
 def model_states(n_params: float, s: Strategy, dp: int) -> ModelStates:
     """ZeRO §5 / Table 1 for one rank holding `n_params` (already divided by tp and pp):
     stage 0: (2+2+K)Ψ; stage 1 (P_os): 2Ψ + 2Ψ + KΨ/N_d; stage 2 (P_os+g): 2Ψ + (2+K)Ψ/N_d;
-    stage 3 (P_os+g+p): (2+2+K)Ψ/N_d. Offload (ZeRO-Offload, DeepSpeed estimators §1.2):
-    optimizer states and gradients live on the CPU; `optimizer+params` moves parameters too."""
+    stage 3 (P_os+g+p): (2+2+K)Ψ/N_d. Offload (ZeRO-Offload, Ren et al. 2021; DeepSpeed's
+    estimate_zero2/3_model_states_mem_needs): optimizer states live on the CPU, gradients as
+    below; `optimizer+params` moves parameters too."""
     b = bytes_per_param(s)
     z = s.zero
     opt_div = dp if z >= 1 else 1
-    grad_div = dp if z >= 2 else 1
-    param_div = dp if z >= 3 else 1
+    # Under pipeline parallelism torch.distributed.pipelining turns FSDP2's gradient sync and
+    # resharding after backward off until the last micro-batch: every rank holds its stage's
+    # unreduced gradients and, after a backward, its unsharded parameters (stage 2's memory).
+    grad_div = dp if z >= 2 and s.pp == 1 else 1
+    param_div = dp if z >= 3 and s.pp == 1 else 1
     st = ModelStates(
         params_bytes=b.params * n_params / param_div,
         grads_bytes=b.grads * n_params / grad_div,
@@ -84,10 +88,15 @@ def model_states(n_params: float, s: Strategy, dp: int) -> ModelStates:
         cpu_bytes=0.0,
     )
     if s.offload in ("optimizer", "optimizer+params"):
-        # DeepSpeed estimate_zero2/3 (cpu_offload=True): GPU keeps only 16-bit params; the
-        # fp32 master, moments and gradients are on the host, partitioned over dp.
-        st.cpu_bytes = st.optimizer_bytes + b.grads * n_params / dp
-        st.master_weights_bytes = st.optimizer_moments_bytes = st.grad_copy_bytes = st.grads_bytes = 0.0
+        # ZeRO-Offload (Ren et al. 2021 §4; DeepSpeed estimate_zero2/3 with cpu_offload): the
+        # fp32 master, moments and an fp32 gradient accumulator live on the host, partitioned
+        # over dp (16 B/param / N_d, the estimators' CPU figure). ZeRO-2/3 send each
+        # micro-batch's reduced gradient partition down as it is produced, so the GPU keeps
+        # only buckets; ZeRO-1 reduces once per step, so until then every rank holds its full
+        # 16-bit gradients on the GPU (or would ship them unreduced every micro-batch).
+        st.cpu_bytes = st.optimizer_bytes + 4.0 * n_params / dp
+        st.master_weights_bytes = st.optimizer_moments_bytes = st.grad_copy_bytes = 0.0
+        st.grads_bytes = b.grads * n_params if z == 1 else 0.0
     if s.offload == "optimizer+params":
         st.cpu_bytes += st.params_bytes
         st.params_bytes = 0.0

@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from tenfold.plan.api import Plan
-from tenfold.plan.hardware import Hardware
+from tenfold.plan.hardware import GEMM_SHARE_OF_MAMF, Hardware
 
 GiB = 2**30
 
@@ -121,7 +121,14 @@ def print_explain(p: Plan, hw: Hardware, c: Console) -> None:
     h.add_row("memory", f"{hw.memory_bytes / GiB:,.1f} GiB, HBM {hw.hbm_bw / 1e9:,.0f} GB/s", hw.sources.get("memory", ""))
     h.add_row("intra-node", f"{hw.intra_node_bw / 1e9:,.0f} GB/s per GPU", hw.sources.get("intra", ""))
     h.add_row("inter-node", f"{hw.nic_bw / 1e9:,.1f} GB/s per GPU", hw.sources.get("nic", ""))
-    h.add_row("GEMM efficiency ceiling", f"{hw.gemm_efficiency:.3f}", "calibrated on Narayanan et al. 2021 Table 1 only")
+    h.add_row("best matmul / peak", f"{hw.matmul_fraction:.3f}", hw.sources.get("matmul", ""))
+    share = hw.gemm_efficiency / hw.matmul_fraction
+    why = ("calibrated on Narayanan et al. 2021 Table 1 only" if abs(share - GEMM_SHARE_OF_MAMF) < 1e-9
+           else "as given (hardware file, or a measured peak)")
+    h.add_row("GEMM efficiency ceiling", f"{hw.gemm_efficiency:.3f} of peak", f"{share:.3f} x best matmul, {why}")
+    h.add_row("host link", f"{hw.host_link_bw / 1e9:,.0f} GB/s per GPU", hw.sources.get("host", ""))
+    if hw.sm_count:
+        h.add_row("SMs", f"{hw.sm_count}", hw.sources.get("sms", ""))
     c.print(h)
 
 

@@ -1,10 +1,11 @@
-"""`--search`: every valid strategy (TP x PP x schedule x ZeRO x micro-batch x recompute x
-offload) for a model, fleet and global batch; the top k that fit, by predicted throughput.
+"""`--search`: every valid strategy (TP x PP x schedule x ZeRO x micro-batch x recompute) for
+a model, fleet and global batch; the top k that fit, by predicted throughput.
 
 GPipe is never better than 1F1B (same bubble, more activations in flight) and is left out.
-Offloading the optimizer only adds host time to an otherwise identical layout, so when a layout
-fits without offload its offloaded twin is skipped as dominated (counted, not evaluated).
-Valid means: tp divides the heads and stays inside a node (TP over the network is never
+Optimizer offload is left out by default (tenfold's engine has none); with `offloads=("none",
+"optimizer")` it is priced by its host-link traffic, and when a layout fits without offload its
+offloaded twin is skipped as dominated (counted, not evaluated).
+Valid means: tp divides the query and key/value heads and stays inside a node (TP over the network is never
 worth it: 4 all-reduces per layer per micro-batch); tp x pp divides the GPUs; the micro-batch
 and data-parallel size divide the global batch; interleaving needs layers divisible by p x v
 and micro-batches divisible by p. Memory is checked first (cheap); time only for what fits.
@@ -19,10 +20,12 @@ from tenfold.errors import UserError
 from tenfold.plan.api import Plan, _fits as fits, _predict, predict, predict_memory
 from tenfold.plan.hardware import Hardware, get_hardware, with_gpus_per_node
 from tenfold.plan.shape import ModelShape, shape_of
-from tenfold.plan.strategy import Strategy
+from tenfold.plan.strategy import Strategy, tp_choices
 
 AC_CHOICES = ("none", "selective", "full")
-OFFLOAD_CHOICES = ("none", "optimizer")
+# tenfold's engine has no optimizer offload, so the default search leaves it out; pass
+# offloads=("none", "optimizer") to price it (host-link traffic per micro-batch, step_time.py).
+OFFLOAD_CHOICES = ("none",)
 
 
 @dataclass
@@ -48,7 +51,7 @@ def default_global_batch(seq_len: int, dp_max: int) -> int:
 
 
 def search(model, hardware: "str | Hardware", gpus: int, base: Strategy, top_k: int = 5,
-           gpus_per_node: int | None = None) -> SearchResult:
+           gpus_per_node: int | None = None, offloads: tuple[str, ...] = OFFLOAD_CHOICES) -> SearchResult:
     shape: ModelShape = shape_of(model)
     if not shape.known:
         raise UserError("--search needs a model shape (--model, dimensions or --hf-config), not only --params")
@@ -56,7 +59,7 @@ def search(model, hardware: "str | Hardware", gpus: int, base: Strategy, top_k: 
     cfg = shape.cfg
     seq = base.seq_len or cfg.max_seq_len
     glob = base.global_batch or default_global_batch(seq, gpus)
-    tps = [t for t in _powers_of_two_upto(min(hw.gpus_per_node, gpus)) if cfg.n_heads % t == 0]
+    tps = [t for t in _powers_of_two_upto(min(hw.gpus_per_node, gpus)) if t in tp_choices(cfg.n_heads, cfg.kv_heads)]
     pps = [p for p in range(1, cfg.n_layers + 1) if gpus % p == 0 and cfg.n_layers % p == 0]
     mbs = [b for b in _powers_of_two_upto(min(glob, 16))]
     plans: list[Plan] = []
@@ -77,7 +80,7 @@ def search(model, hardware: "str | Hardware", gpus: int, base: Strategy, top_k: 
                             continue  # nothing to partition
                         for ac in AC_CHOICES:
                             fits_on_gpu = False
-                            for off in OFFLOAD_CHOICES:
+                            for off in offloads:
                                 if off != "none" and (zero == 0 or fits_on_gpu):
                                     # Offload only adds host time to an identical layout: when the
                                     # layout fits without it, the offloaded twin is dominated.

@@ -57,9 +57,7 @@ def stage_params(shape: ModelShape, pp: int, stage: int, tp: int) -> float:
     cfg = shape.cfg
     layers = layers_on_stage(cfg.n_layers, pp, stage)
     norm = cfg.d_model * (2 if cfg.norm == "layernorm" else 1)
-    block = _block_params(cfg)
-    per_block = (block - 2 * norm) / tp + 2 * norm
-    n = layers * per_block
+    n = layers * layer_params(shape, tp)
     if stage == 0:
         n += embedding_param_count(cfg) / tp
     if stage == pp - 1:
@@ -68,6 +66,15 @@ def stage_params(shape: ModelShape, pp: int, stage: int, tp: int) -> float:
             head = cfg.vocab_size * cfg.d_model
         n += head / tp + norm
     return n
+
+
+def layer_params(shape: ModelShape, tp: int) -> float:
+    """One transformer block's parameters on one TP rank: matmul weights / t, norms whole."""
+    if not shape.known:
+        return 0.0
+    cfg = shape.cfg
+    norm = cfg.d_model * (2 if cfg.norm == "layernorm" else 1)
+    return (_block_params(cfg) - 2 * norm) / tp + 2 * norm
 
 
 def layers_on_stage(n_layers: int, pp: int, stage: int) -> int:

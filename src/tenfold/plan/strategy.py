@@ -45,7 +45,10 @@ class Strategy:
     fp32_grad_copy: bool = False  # Megatron fp16: an fp32 copy of the grads for the optimizer
     overlap_comm: bool = True  # DP gradient reduction overlapped with backward
     dropout: bool = False  # the model applies dropout (GPT-2/3, Megatron); tenfold's model has none
-    activation_style: str = "megatron"  # "megatron": fused kernels, 16-bit residual; "tenfold": eager PyTorch + autocast
+    # "tenfold" (default): eager PyTorch + autocast as tenfold and plain PyTorch train, incl. the
+    # fp32 log-probabilities and their gradient (8 b s V bytes); "megatron": Megatron's fused
+    # kernels, 16-bit residual, one fp32 logits copy (Korthikanti et al. 2022).
+    activation_style: str = "tenfold"
 
     @property
     def policy(self) -> RecomputePolicy:

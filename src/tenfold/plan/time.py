@@ -5,7 +5,8 @@ The physics, in order:
 1. GEMM time = max(FLOPs / (peak x e_max x tile utilisation), bytes / HBM bandwidth): the
    roofline (Williams et al. 2009) with tile and wave quantisation (128x128 output tiles spread
    over the SMs: a GEMM with 1.1 waves of tiles runs as 2). e_max is the one calibrated number
-   (hardware.GPU_GEMM_EFFICIENCY, Narayanan Table 1 only).
+   (hardware.GEMM_SHARE_OF_MAMF, Narayanan Table 1 only), scaled per GPU by its measured
+   best matmul over its datasheet peak (hardware: matmul_fraction).
 2. Backward = 2 x forward matmuls (grad wrt inputs and wrt weights); recompute adds forwards.
 3. Norms, activations, residual adds, RoPE, softmax: memory-bound, bytes / (0.8 x HBM).
 4. Flash attention skips the masked half of a causal s x s (executed work), its backward
@@ -14,9 +15,8 @@ The physics, in order:
    on the critical path (not overlapped, as in Megatron 2021/2022).
 6. Pipeline: (m + (p-1)/v) x t_microbatch (Narayanan Eq. 1; interleaving divides the bubble by v
    and multiplies p2p traffic by v).
-7. DP / ZeRO: gradient reduction overlaps the last micro-batch's backward when overlap_comm;
-   parameter all-gathers (ZeRO-1/2 after the step) are exposed; ZeRO-3's per-micro-batch
-   gathers overlap that micro-batch's compute (prefetch), the first unit's gather is exposed.
+7. DP / ZeRO: per layer, overlapped only with the compute that runs at the same time
+   (dp_time.py); assembled with the rest in step_time.py.
 8. Optimizer step: memory-bound over the rank's shard (~30 bytes/param read+written).
 """
 
@@ -129,12 +129,14 @@ def head_time(cfg: ModelConfig, s: Strategy, hw: Hardware, peak: float, seq_len:
     return t + ce, 2 * t + ce
 
 
-def optimizer_step_time(params_on_rank: float, hw: Hardware, offload: bool, gpus_on_node: int) -> float:
+def optimizer_step_time(params_on_rank: float, hw: Hardware, offload: bool, gpus_on_node: int,
+                        pcie_bytes_per_param: float = 4.0) -> float:
     """Adam over the rank's shard: read param, grad, master, m, v; write master, m, v, param:
     ~30 bytes/param, memory-bound. Offloaded: on the host, whose memory bandwidth (taken as
-    8 x one GPU's host link) is shared by the node's ranks, plus the PCIe round trip of
-    16-bit grads and params."""
+    8 x one GPU's host link) is shared by the node's ranks, plus what crosses the host link at
+    the step: the updated 16-bit params up, and at ZeRO-1 the reduced 16-bit gradients down
+    (ZeRO-2/3 send theirs every micro-batch, step_time.host_transfer_exposed)."""
     if offload:
         host_bw = 8 * hw.host_link_bw / max(1, gpus_on_node)
-        return params_on_rank * (30.0 / host_bw + 4.0 / hw.host_link_bw)
+        return params_on_rank * (30.0 / host_bw + pcie_bytes_per_param / hw.host_link_bw)
     return params_on_rank * 30.0 / (hw.hbm_bw * MEMORY_EFFICIENCY)

@@ -1,0 +1,157 @@
+"""`tenfold data prepare IN --out FILE.bin [--tokenizer ...]`: tokenize once, train many times.
+
+Writes the ids of every document of IN, exactly as a run tokenizes them on the fly, into
+FILE.bin (uint16 when the vocabulary fits, else uint32; nanoGPT's flat layout, memory-mapped by
+`tenfold train --data FILE.bin`) and FILE.json beside it: the dtype, the counts, and the
+tokenizer, which a later run loads (or checks its own `--tokenizer` against). Documents are
+read and encoded one at a time, so IN may be larger than memory. Both files are written under
+temporary names and renamed at the end: an interrupted run leaves nothing half-written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+
+from tenfold.errors import UserError
+
+SIDECAR_FORMAT = "tenfold-tokens"
+FLUSH_IDS = 1 << 20  # ids buffered in memory before a write
+
+
+def sidecar_path(bin_path: str | Path) -> Path:
+    return Path(bin_path).with_suffix(".json")
+
+
+def read_sidecar(bin_path: str | Path) -> dict:
+    """FILE.json of a prepared FILE.bin ({} when there is none, or it is something else)."""
+    path = sidecar_path(bin_path)
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) and data.get("format") == SIDECAR_FORMAT else {}
+
+
+def prepare(source_path: str, out: str | Path, tokenizer: str | None = None, data_format: str = "auto",
+            jsonl_field: str = "text", split: str = "train", progress: bool = True) -> dict:
+    """Tokenize `source_path` into `out` (see the module docstring); returns FILE.json's content."""
+    from tenfold.config import DataSection
+    from tenfold.data.build import open_source
+    from tenfold.data.records import FINETUNE_FORMATS
+    from tenfold.data.tokenizer import resolve_tokenizer
+
+    out = Path(out)
+    if out.suffix != ".bin":
+        raise UserError(f"data prepare --out {out}: the output must be a .bin file")
+    cfg = DataSection(path=source_path, format=data_format, tokenizer=tokenizer, jsonl_field=jsonl_field,
+                      split=split, streaming=True)
+    tok = resolve_tokenizer(cfg)
+    if tok is None:
+        raise UserError("data prepare needs a fixed tokenizer: byte, or --tokenizer PATH (bpe is trained per run)")
+    source, fmt = open_source(cfg)
+    if fmt == "bin":
+        raise UserError(f"data prepare: {source_path} is already token ids (.bin)")
+    if fmt in FINETUNE_FORMATS:
+        raise UserError(f"data prepare writes plain token streams; {fmt} records keep their loss masks, so "
+                        "train on them directly (tenfold train --data ...)")
+    dtype = np.uint16 if tok.vocab_size <= 1 << 16 else np.uint32
+    counts = _write_ids(source, tok, cfg.jsonl_field, out, dtype, progress)
+    info = {"format": SIDECAR_FORMAT, "dtype": np.dtype(dtype).name, "source": source.name,
+            "data_format": fmt, **counts, "tokenizer": tok.describe()}
+    tmp = sidecar_path(out).with_name(f".{sidecar_path(out).name}.tmp")
+    tmp.write_text(json.dumps(info, indent=1) + "\n")
+    os.replace(out.with_name(f".{out.name}.tmp"), out)
+    os.replace(tmp, sidecar_path(out))
+    return {**info, "out": str(out)}
+
+
+def _write_ids(source, tok, jsonl_field: str, out: Path, dtype, show: bool) -> dict:
+    """Every document's ids, appended to OUT's temporary file; {"documents", "tokens"}."""
+    from tenfold.data.records import record_text
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp")
+    buf: list[int] = []
+    docs = tokens = 0
+    first = None
+    bar = _progress(show, _total(source))
+    try:
+        with open(tmp, "wb") as fh, bar:
+            task = bar.add_task("tokenize", total=_total(source), ids="0 ids")
+            for i, record in source.records():
+                first = i if first is None else first
+                buf += tok.document_ids(record_text(record, jsonl_field, f"{source.name} record {i}"), int(i != first))
+                docs += 1
+                if len(buf) >= FLUSH_IDS:
+                    tokens += _flush(buf, fh, dtype)
+                bar.update(task, advance=1, ids=f"{tokens + len(buf):,} ids")
+            tokens += _flush(buf, fh, dtype)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    if tokens == 0:
+        tmp.unlink(missing_ok=True)
+        raise UserError(f"data prepare: {source.name} holds no text")
+    return {"documents": docs, "tokens": tokens}
+
+
+def _flush(buf: list[int], fh, dtype) -> int:
+    n = len(buf)
+    np.asarray(buf, dtype=dtype).tofile(fh)
+    buf.clear()
+    return n
+
+
+def _total(source) -> int | None:
+    """Records to read, when cheap to know: files of text, lines of JSONL, rows of a dataset."""
+    if source.kind == "text":
+        return len(source.files)
+    if source.kind == "jsonl":
+        return sum(sum(1 for line in open(f, "rb") if line.strip()) for f in source.files)
+    try:
+        return len(source.dataset)
+    except TypeError:  # a streamed dataset has no length
+        return None
+
+
+def _progress(show: bool, total: int | None):
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    columns = [TextColumn("[bold]data prepare[/]"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[ids]}")]
+    if total:
+        columns.append(TimeRemainingColumn())
+    return Progress(*columns, disable=not show, transient=False)
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("data", help="prepare data: tokenize once into a memory-mapped .bin",
+                              description="Data tools. `tenfold data prepare IN --out FILE.bin` tokenizes once.")
+    sub = p.add_subparsers(dest="data_command", metavar="{prepare}")
+    q = sub.add_parser("prepare", help="tokenize IN into FILE.bin (+ FILE.json) for repeated runs",
+                       description=__doc__.splitlines()[0])
+    q.add_argument("input", metavar="IN", help="a text / JSONL file or folder, parquet / arrow / JSON files, "
+                   "a datasets save_to_disk folder, or hf:NAME[:CONFIG] from the local cache")
+    q.add_argument("--out", required=True, metavar="FILE.bin", help="the token file; FILE.json is written beside it")
+    q.add_argument("--tokenizer", help="byte (default) or a tokenizer.json / Hugging Face tokenizer folder")
+    q.add_argument("--data-format", default="auto", choices=["auto", "text", "jsonl"], help="record shape (default: detected)")
+    q.add_argument("--jsonl-field", default="text", help="the field holding the text (default 'text')")
+    q.add_argument("--split", default="train", help="the split of a Hugging Face dataset (default train)")
+    q.add_argument("--no-progress", action="store_true", help="no progress bar")
+    q.set_defaults(func=run)
+    p.set_defaults(func=lambda args: p.error("choose a data command: prepare"))
+
+
+def run(args: argparse.Namespace) -> int:
+    info = prepare(args.input, args.out, args.tokenizer, args.data_format, args.jsonl_field, args.split,
+                   progress=not args.no_progress)
+    print(f"tenfold data prepare: {info['documents']:,} documents -> {info['tokens']:,} ids ({info['dtype']}) "
+          f"in {info['out']}; tokenizer {info['tokenizer']['name']}; wrote {sidecar_path(info['out'])}")
+    return 0

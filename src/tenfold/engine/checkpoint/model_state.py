@@ -1,0 +1,72 @@
+"""Model and optimizer as `Stateful` objects for `torch.distributed.checkpoint` (torchtitan's
+`ModelWrapper` / `OptimizersContainer` pattern): `dcp.save`/`dcp.load` call `state_dict()`
+and, after loading in place, `load_state_dict()`.
+
+`get_model_state_dict` / `get_optimizer_state_dict` give the same FQN keys for a plain model,
+DDP, FSDP2 (`fully_shard`), recompute-wrapped blocks and a pipeline stage, so a checkpoint
+written on one layout loads on another: DCP reshards.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+# Optimizer state keyed per parameter FQN ("state.layers.0.attn.wq.weight.exp_avg",
+# "param_groups.layers.0.attn.wq.weight.lr"), as torchtitan does: pipeline ranks hold different
+# parameters, and a nested `param_groups` list would collide across them in DCP (one rank's
+# list wins); flattened keys are disjoint per stage and reshard across pp/dp/ZeRO changes.
+STATE_DICT_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def local_optimizers(optimizer) -> list:
+    """The optimizer(s) whose state this rank holds. ZeRO-1's ZeroRedundancyOptimizer keeps
+    this rank's partition in `.optim` (whole parameters); saving that one per rank gives
+    disjoint FQN keys, so DCP reshards ZeRO-1 like any other layout. (The wrapper's lr comes
+    back through the LR schedule's load_state_dict.)"""
+    if optimizer is None:
+        return []
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    return [optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer]
+
+
+class ModelState:
+    """The model's parameters and buffers (this rank's shards) under their FQNs."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+
+    def state_dict(self) -> dict:
+        return get_model_state_dict(self.model, options=STATE_DICT_OPTIONS)
+
+    def load_state_dict(self, state: dict) -> None:
+        set_model_state_dict(self.model, state, options=STATE_DICT_OPTIONS)
+
+    def non_finite_parameter(self) -> str | None:
+        """The name of the first parameter of this rank holding NaN/inf (local shards)."""
+        with torch.no_grad():
+            for name, p in self.model.named_parameters():
+                local = p.to_local() if hasattr(p, "to_local") else p
+                if local.numel() and not bool(torch.isfinite(local).all()):
+                    return name
+        return None
+
+
+class OptimizerState:
+    """The optimizer's state (AdamW moments, step counts, param_groups), flattened per FQN."""
+
+    def __init__(self, model: torch.nn.Module, optimizer):
+        self.model, self.optimizers = model, local_optimizers(optimizer)
+
+    def state_dict(self) -> dict:
+        return get_optimizer_state_dict(self.model, self.optimizers, options=STATE_DICT_OPTIONS)
+
+    def load_state_dict(self, state: dict) -> None:
+        set_optimizer_state_dict(self.model, self.optimizers, state, options=STATE_DICT_OPTIONS)

@@ -1,0 +1,132 @@
+"""Data-parallel and ZeRO communication per optimizer step, layer by layer, and the part of it
+that compute does not hide.
+
+What each stage moves (ZeRO §7 volumes; the engines tenfold runs, techniques/zero.py):
+
+  stage 0  DDP: one all-reduce of the gradients per step, bucketed during the last
+           micro-batch's backward (the others run under no_sync).
+  stage 1  DDP + ZeroRedundancyOptimizer: the same once-per-step reduce, then every rank
+           sends its updated shard to the others (an all-gather of the 16-bit parameters),
+           after the step, with nothing to overlap it.
+  stage 2  FSDP2, reshard_after_forward=False: per micro-batch, each layer's parameters are
+           all-gathered before its forward and its gradients reduce-scattered after its
+           backward (FSDP2 reshards after backward, so the next micro-batch gathers again).
+  stage 3  FSDP2, reshard_after_forward=True: per micro-batch, each layer is all-gathered for
+           its forward, all-gathered again for its backward, and reduce-scattered.
+           A layer recomputed inside a checkpointed segment of several blocks
+           (`segments:K`) runs its forward hooks again in backward before its own backward
+           hook fired, so it is gathered a third time; a block checkpointed on its own
+           (`full`, `every:N`) recomputes inside its backward gather.
+  pp > 1   torch.distributed.pipelining runs every micro-batch's backward with FSDP2's
+           gradient sync and resharding after backward off and reduces once, at the end
+           (PipelineStage.backward_maybe_with_nosync, perform_reduce_grad): one gather and one
+           reduce-scatter per step; stage 3 still reshards after each forward, so each
+           backward gathers again. (memory.model_states holds the unreduced gradients.)
+
+Overlap only with the compute that is really concurrent (FSDP2 prefetches one layer ahead):
+in forward, layer l+1's all-gather runs while layer l computes; in backward, layer l-1's
+all-gather and layer l+1's reduce-scatter share the network while layer l computes. So per
+layer max(compute, communication), and the first gather and last reduce-scatter of a pass are
+exposed, as are the embedding/output unit's (FSDP2's root). DDP's all-reduce overlaps only
+the last micro-batch's backward, and its last bucket waits for the backward to end.
+Hidden communication is not free: NCCL kernels take SMs and HBM bandwidth from the GEMMs,
+charged as OVERLAP_CONTENTION of the hidden time (an assumption).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tenfold.plan import comm
+from tenfold.plan.hardware import Hardware
+
+OVERLAP_CONTENTION = 0.15  # assumption: overlapped comm slows the concurrent GEMMs by 15% of its time
+DDP_BUCKET_BYTES = 25 * 2**20  # torch DDP bucket_cap_mb default
+
+
+@dataclass(frozen=True)
+class StageWork:
+    """One micro-batch on the slowest pipeline stage, as DP/ZeRO sees it."""
+
+    layers: int
+    layer_fwd_s: float  # one layer's forward window (compute + its TP all-reduces)
+    layer_bwd_s: float  # one layer's backward window (backward + recompute + TP)
+    bwd_s: float  # the whole micro-batch's backward on the stage (DDP's overlap window)
+    layer_param_bytes: float  # one layer's parameters as all-gathered (16-bit, or fp32)
+    layer_grad_bytes: float  # one layer's gradients as reduced
+    root_param_bytes: float  # embedding / final norm / output layer on this stage
+    root_grad_bytes: float
+    regathered_layers: float  # layers gathered a third time for recompute, per micro-batch
+    micro_batches: int
+    pp: int
+
+
+@dataclass(frozen=True)
+class DpComm:
+    total_s: float  # every DP/ZeRO collective of one step
+    exposed_s: float  # what the step waits for (incl. contention of the hidden part)
+    formula: str
+
+
+def layer_pipelined_exposed(layers: int, compute: float, first: float, per_layer: float, last: float = 0.0) -> float:
+    """Communication a layer-by-layer pass waits for: the first transfer before any compute,
+    then each layer's compute hides the next layer's `per_layer` transfer, then `last`."""
+    if layers <= 0:
+        return first + last
+    return first + (layers - 1) * max(0.0, per_layer - compute) + last
+
+
+def dp_step_comm(stage: int, w: StageWork, hw: Hardware, g: comm.Group, overlap: bool) -> DpComm:
+    """Per-step DP/ZeRO communication of one rank and the part of it not hidden by compute."""
+    if g.size <= 1:
+        return DpComm(0.0, 0.0, "one data-parallel rank: nothing to reduce")
+    if stage <= 1:
+        total, exposed, formula = _ddp(stage, w, hw, g, overlap)
+    else:
+        total, exposed, formula = _fsdp(stage, w, hw, g, overlap)
+    exposed += OVERLAP_CONTENTION * max(0.0, total - exposed)
+    return DpComm(total, exposed, formula)
+
+
+def _ddp(stage: int, w: StageWork, hw: Hardware, g: comm.Group, overlap: bool) -> tuple[float, float, str]:
+    grads = w.layers * w.layer_grad_bytes + w.root_grad_bytes
+    ar = comm.all_reduce_time(grads, hw, g)
+    last_bucket = comm.all_reduce_time(min(grads, DDP_BUCKET_BYTES), hw, g)
+    exposed = max(last_bucket, ar - w.bwd_s) if overlap else ar
+    formula = "all-reduce of the gradients once per step, overlapped with the last micro-batch's backward"
+    if stage == 1:
+        ag = comm.all_gather_time(w.layers * w.layer_param_bytes + w.root_param_bytes, hw, g)
+        return ar + ag, exposed + ag, formula + " + all-gather of the updated 16-bit parameters (exposed)"
+    return ar, exposed, formula
+
+
+def _fsdp(stage: int, w: StageWork, hw: Hardware, g: comm.Group, overlap: bool) -> tuple[float, float, str]:
+    ag = comm.all_gather_time(w.layer_param_bytes, hw, g)
+    rs = comm.reduce_scatter_time(w.layer_grad_bytes, hw, g)
+    ag_root = comm.all_gather_time(w.root_param_bytes, hw, g)
+    rs_root = comm.reduce_scatter_time(w.root_grad_bytes, hw, g)
+    L, m = w.layers, w.micro_batches
+    pipelined = w.pp > 1  # gather once (first forward) and reduce once per step
+    # Gathers per layer per micro-batch in forward and in backward; reduce-scatters per micro-batch.
+    fwd_ag = 0.0 if pipelined else 1.0
+    bwd_ag = (1.0 + (w.regathered_layers / L if L else 0.0)) if stage == 3 else 0.0
+    rs_mb = 0.0 if pipelined else 1.0
+    per_mb = L * (fwd_ag + bwd_ag) * ag + fwd_ag * ag_root + (ag_root if stage == 3 else 0.0) + rs_mb * (L * rs + rs_root)
+    per_step = (L * ag + ag_root + L * rs + rs_root) if pipelined else 0.0
+    total = m * per_mb + per_step
+    what = f"FSDP2 stage {stage}: " + ("all-gather fwd" if not pipelined else "all-gather once per step")
+    what += (" + all-gather bwd" if stage == 3 else "") + " per layer per micro-batch"
+    what += ", reduce-scatter once per step (pipelining)" if pipelined else " + reduce-scatter per layer per micro-batch"
+    if not overlap:
+        return total, total, what + ", not overlapped"
+    bwd_root = ag_root if stage == 3 else 0.0
+    fwd_exposed = layer_pipelined_exposed(L, w.layer_fwd_s, fwd_ag * (ag_root + ag), fwd_ag * ag)
+    bwd_exposed = layer_pipelined_exposed(L, w.layer_bwd_s, bwd_root + bwd_ag * ag, bwd_ag * ag + rs_mb * rs,
+                                          rs_mb * (rs + rs_root))
+    step_exposed = 0.0
+    if pipelined:  # the one gather hides under the first forward, the one reduce under the last backward
+        step_exposed = layer_pipelined_exposed(L, w.layer_fwd_s, ag_root + ag, ag) + (
+            layer_pipelined_exposed(L, w.layer_bwd_s, 0.0, bwd_ag * ag + rs, rs + rs_root)
+            - layer_pipelined_exposed(L, w.layer_bwd_s, 0.0, bwd_ag * ag))
+    exposed = m * (fwd_exposed + bwd_exposed) + step_exposed
+    return total, min(total, exposed), what + ", each hidden under one layer's compute"

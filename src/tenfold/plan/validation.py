@@ -1,0 +1,201 @@
+"""Published training runs the planner is held against, each with its source and the planner's
+error. Nothing here is fitted: the one calibrated constant comes from Narayanan et al. 2021
+Table 1 (calibration.py); every case below only tests the model.
+
+`python -m tenfold.plan.validation` prints the table that docs/planner.md shows;
+tests/test_plan_validation.py asserts every case within its tolerance.
+
+Each case runs the published configuration through `predict` with the setup its source
+states; what a source leaves open is written in the case's `assumed`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from tenfold.models.presets import ModelConfig
+from tenfold.plan.hardware import CATALOG, GB, Hardware
+from tenfold.plan.strategy import Strategy
+
+MOSAIC = "MosaicML llm-foundry, scripts/train/benchmarking/README.md (MPT throughput tables, 2023)"
+TITAN = "torchtitan, benchmarks/llama3_h100_202412_torchtitan.md (Dec 2024)"
+LLAMA3 = "Llama Team, 'The Llama 3 Herd of Models' (2024), Table 4"
+
+
+@dataclass(frozen=True)
+class PublishedRun:
+    name: str
+    source: str
+    model: ModelConfig
+    hardware: Hardware
+    gpus: int
+    strategy: Strategy
+    metric: str  # "tokens_per_s_per_gpu" | "tflops_per_gpu" | "reserved_gib"
+    published: float
+    tolerance: float | None  # |predicted / published - 1| allowed; None: shown for contrast only
+    group: str  # "zero3-scaling" | "llama-h100" | "memory"
+    assumed: str = ""
+    known_miss: str = ""  # why the planner misses this case (the test expects the miss)
+
+
+@dataclass(frozen=True)
+class Checked:
+    case: PublishedRun
+    predicted: float
+
+    @property
+    def error(self) -> float:
+        return self.predicted / self.case.published - 1
+
+
+def mpt(n_layers: int, d_model: int, n_heads: int) -> ModelConfig:
+    """MPT (llm-foundry yamls): GPT blocks without biases, LayerNorm, GeLU 4d, tied embeddings,
+    vocab 50368, ALiBi (no position parameters; modelled as RoPE, which has none either)."""
+    return ModelConfig(n_layers=n_layers, d_model=d_model, n_heads=n_heads, vocab_size=50368, max_seq_len=2048,
+                       mlp="gelu", norm="layernorm", pos="rope", bias=False, tie_embeddings=True)
+
+
+def llama3(n_layers: int, d_model: int, n_heads: int, d_ff: int, max_seq_len: int = 8192) -> ModelConfig:
+    """Llama 3 (Table 3 of the paper): RMSNorm, RoPE, SwiGLU, 8 KV heads, vocab 128256, untied."""
+    return ModelConfig(n_layers=n_layers, d_model=d_model, n_heads=n_heads, n_kv_heads=8, d_ff=d_ff,
+                       vocab_size=128256, max_seq_len=max_seq_len)
+
+
+MPT = {"7b": mpt(32, 4096, 32), "13b": mpt(40, 5120, 40), "30b": mpt(48, 7168, 64), "70b": mpt(80, 8192, 64)}
+LLAMA3_8B = llama3(32, 4096, 32, 14336, max_seq_len=131072)
+# 405B has 126 layers; the paper balances 16 pipeline stages by giving the first and last one
+# layer fewer (the embedding and output layer take their place), i.e. 128 layer slots. The
+# planner's interleaved schedule needs layers divisible by p x v, so the run is modelled with
+# 128 layers and compared in TFLOP/s per GPU (the 2 extra layers add 1.6% of the FLOPs and
+# nothing to the per-layer efficiency).
+LLAMA3_405B = llama3(128, 16384, 128, 53248)
+
+# Grand Teton H100 as torchtitan describes it: 96 GB HBM2e at 2.4 TB/s, 400 Gb/s per GPU, 500 W
+# (its peak is "between SXM and NVL"; the SXM 989 TFLOP/s is kept, as torchtitan's MFU does).
+GRAND_TETON = replace(CATALOG["h100-sxm"], name="h100 96GB HBM2e 500W", memory_bytes=96 * 2**30,
+                      hbm_bw=2400 * GB, sources={**CATALOG["h100-sxm"].sources, "memory": TITAN})
+
+# MosaicML: FSDP FULL_SHARD over all GPUs (no model parallelism), FlashAttention, bf16. Their
+# "PURE" rows keep everything in bf16 (16-bit params and activations: ZeRO's bookkeeping,
+# megatron style); "amp_bf16" rows run fp32 parameters under torch.autocast, as tenfold does.
+_PURE = Strategy(precision="bf16", zero=3, ac="full", activation_style="megatron", dropout=False)
+_AMP = replace(_PURE, master_weights=False, activation_style="tenfold")
+_TITAN = Strategy(precision="bf16", zero=3, ac="selective", seq_len=8192, master_weights=False,
+                  activation_style="tenfold")
+
+
+_MPT70_40GB_MISS = (
+    "the same model, cluster and software at 128 GPUs (micro-batch 4) is predicted within 3%; between the two "
+    "published rows a rank's step grows by 6.9 s for 2 more sequences, which need 7.1 s even at the datasheet "
+    "peak (with their recompute), so the 64-GPU step holds seconds of something the 128-GPU step does not"
+)
+
+
+def _mosaic(size: str, gpu: str, gpus: int, mb: int, accum: int, tps: float, ac: str = "full",
+            known_miss: str = "") -> PublishedRun:
+    pure = gpu.startswith("a100") and (size == "70b" or gpu == "a100-40gb")  # the tables' "MP Mode" column
+    s = replace(_PURE if pure else _AMP, micro_batch=mb, grad_accum=accum, seq_len=2048, ac=ac)
+    return PublishedRun(
+        f"MPT-{size} {gpu} x{gpus} mb {mb} x{accum}", MOSAIC, MPT[size], CATALOG[gpu], gpus, s,
+        "tokens_per_s_per_gpu", tps, 0.25, "zero3-scaling",
+        assumed=("bf16 PURE: 16-bit params and activations" if pure else "amp_bf16: fp32 params under autocast")
+        + "; 16-bit all-gathers; "
+        + ("1600 Gb/s RoCE per node as stated" if gpu.startswith("a100") else "8 x 400 Gb/s per node (not stated)"),
+        known_miss=known_miss,
+    )
+
+
+def _titan(gpus: int, tps: float) -> PublishedRun:
+    s = replace(_TITAN, micro_batch=2, grad_accum=1)
+    return PublishedRun(
+        f"Llama 3.1 8B FSDP x{gpus} (torchtitan)", f"{TITAN}, Tables 1 and 3", LLAMA3_8B, GRAND_TETON, gpus, s,
+        "tokens_per_s_per_gpu", tps, 0.25, "llama-h100",
+        assumed="seq 8192 (torchtitan's llama3_8b.toml); op-level selective AC modelled as attention recompute; "
+                "eager PyTorch kernels (no torch.compile)",
+    )
+
+
+def _llama405(gpus: int, dp: int, tflops: float) -> PublishedRun:
+    s = Strategy(precision="bf16", zero=2, tp=8, sequence_parallel=True, pp=16, pp_schedule="interleaved",
+                 virtual_stages=4, micro_batch=1, global_batch=2048, seq_len=8192, grads_fp32=True,
+                 activation_style="megatron")
+    return PublishedRun(
+        f"Llama 3 405B x{gpus} (TP 8, PP 16, DP {dp})", LLAMA3, LLAMA3_405B, CATALOG["h100-sxm"], gpus, s,
+        "tflops_per_gpu", tflops, 0.25, "llama-h100",
+        assumed="interleaved schedule with v = 4 (the paper gives no v: v = 2 predicts 353 / 293, v = 8 "
+                "400 / 372); 128 layer slots (see LLAMA3_405B); "
+                "FSDP without resharding after forward = ZeRO-2, fp32 gradient reduction as stated",
+    )
+
+
+def _titan_memory(gpus: int, seq: int, mb: int, ac: str, gib: float, style: str = "tenfold") -> PublishedRun:
+    s = replace(_TITAN, micro_batch=mb, grad_accum=1, seq_len=seq, ac=ac, activation_style=style)
+    return PublishedRun(
+        f"Llama 3.1 8B FSDP x{gpus}, seq {seq}, {ac} AC ({style} style)", TITAN, LLAMA3_8B, GRAND_TETON, gpus, s,
+        "reserved_gib", gib, 0.10 if style == "tenfold" else None, "memory",
+        assumed="reserved = total - CUDA context (torchtitan logs the allocator's peak reserved memory)",
+    )
+
+
+CASES: list[PublishedRun] = [
+    # ZeRO-3 / FSDP, data parallel only, at growing GPU counts (T/s/GPU column).
+    _mosaic("7b", "a100-40gb", 16, 16, 1, 3645), _mosaic("7b", "a100-40gb", 32, 18, 1, 3725),
+    _mosaic("7b", "a100-40gb", 64, 18, 1, 3665), _mosaic("7b", "a100-40gb", 128, 18, 1, 3623),
+    _mosaic("13b", "a100-40gb", 16, 10, 1, 1993), _mosaic("13b", "a100-40gb", 32, 14, 1, 1998),
+    _mosaic("13b", "a100-40gb", 64, 16, 1, 1976), _mosaic("13b", "a100-40gb", 128, 16, 1, 1972),
+    _mosaic("30b", "a100-40gb", 32, 4, 1, 857), _mosaic("30b", "a100-40gb", 128, 6, 1, 865),
+    _mosaic("70b", "a100-40gb", 64, 2, 1, 276, known_miss=_MPT70_40GB_MISS), _mosaic("70b", "a100-40gb", 128, 4, 1, 376),
+    _mosaic("70b", "a100-80gb", 32, 2, 16, 373), _mosaic("70b", "a100-80gb", 64, 8, 4, 410),
+    _mosaic("13b", "h100-sxm", 8, 2, 1, 4792, ac="none"), _mosaic("13b", "h100-sxm", 16, 2, 1, 4767, ac="none"),
+    _mosaic("13b", "h100-sxm", 32, 2, 1, 4811, ac="none"), _mosaic("13b", "h100-sxm", 64, 2, 1, 4800, ac="none"),
+    _mosaic("30b", "h100-sxm", 8, 3, 21, 2002), _mosaic("30b", "h100-sxm", 16, 10, 3, 2263),
+    _mosaic("30b", "h100-sxm", 32, 14, 3, 2308),
+    _mosaic("70b", "h100-sxm", 32, 2, 16, 882), _mosaic("70b", "h100-sxm", 64, 8, 4, 1039),
+    # Llama-style training on H100s.
+    _titan(8, 5762), _titan(128, 5605),
+    _llama405(8192, 64, 430), _llama405(16384, 128, 400),
+    # Memory: a PyTorch FSDP run at 32k tokens, where the fp32 loss tensors matter.
+    _titan_memory(8, 32768, 1, "full", 83.9), _titan_memory(8, 32768, 1, "full", 83.9, style="megatron"),
+]
+
+
+def predicted_value(case: PublishedRun) -> float:
+    from tenfold.plan.api import predict
+
+    plan = predict(case.model, case.hardware, case.gpus, case.strategy)
+    if case.metric == "tokens_per_s_per_gpu":
+        return plan.tokens_per_s / case.gpus
+    if case.metric == "tflops_per_gpu":
+        return plan.tflops_per_gpu
+    if case.metric == "reserved_gib":
+        return (plan.memory.total_bytes - plan.memory.runtime_overhead_bytes) / 2**30
+    raise ValueError(case.metric)
+
+
+def check_all(cases: list[PublishedRun] | None = None) -> list[Checked]:
+    return [Checked(c, predicted_value(c)) for c in (CASES if cases is None else cases)]
+
+
+def markdown_table(rows: list[Checked]) -> str:
+    unit = {"tokens_per_s_per_gpu": "tokens/s/GPU", "tflops_per_gpu": "TFLOP/s/GPU", "reserved_gib": "GiB"}
+    lines = ["| Case | Metric | Published | Predicted | Error | Tolerance |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        c = r.case
+        tol = "contrast" if c.tolerance is None else f"±{c.tolerance:.0%}" + (" (known miss)" if c.known_miss else "")
+        lines.append(f"| {c.name} | {unit[c.metric]} | {c.published:g} | {r.predicted:.4g} | {r.error:+.1%} | {tol} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    rows = check_all()
+    print(markdown_table(rows))
+    asserted = [r for r in rows if r.case.tolerance is not None and not r.case.known_miss]
+    worst = max(asserted, key=lambda r: abs(r.error) / r.case.tolerance)
+    print(f"\nworst relative to its tolerance: {worst.case.name} ({worst.error:+.1%})")
+    for r in rows:
+        if r.case.known_miss:
+            print(f"known miss: {r.case.name} ({r.error:+.1%}): {r.case.known_miss}")
+
+
+if __name__ == "__main__":
+    main()

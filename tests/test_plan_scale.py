@@ -1,0 +1,204 @@
+"""The planner's time and memory model at scale, one term at a time, with hand-computed numbers:
+NCCL-style ring and tree collectives, per-layer ZeRO collectives that overlap only concurrent
+compute, offload priced by its host-link traffic, TP that must split the KV heads, the default
+(PyTorch) activation accounting, and the GEMM ceiling as a share of the best measured matmul."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from tenfold.models.presets import PRESETS
+from tenfold.plan import comm, dp_time, memory
+from tenfold.plan.api import predict, predict_memory
+from tenfold.plan.flops import regathered_layers
+from tenfold.plan.hardware import CATALOG, GEMM_SHARE_OF_MAMF
+from tenfold.plan.search import search
+from tenfold.plan.strategy import Strategy, tp_choices
+from tenfold.terms import parse_recompute
+
+A100 = CATALOG["a100-80gb"]  # NVLink 300 GB/s, NIC 25 GB/s, bus efficiency 0.8
+US = 1e-6
+# Bandwidth only: no latency, full link rate (a 8-rank NVLink ring moves 7/8 S at 300 GB/s).
+IDEAL = replace(A100, bus_efficiency=1.0, intra_latency_s=0.0, inter_latency_s=0.0, collective_latency_s=0.0)
+
+
+# --------------------------------------------------------------------------- collectives
+def test_ring_latency_counts_every_step_and_its_network_hops():
+    # NCCL tuning.cc, ring/Simple: 8.4 us + 3.4 us per NVLink step + 9.6 us per network step.
+    assert comm.ring_latency(A100, comm.Group(8, 8), 1) == pytest.approx((8.4 + 7 * 3.4) * US)
+    assert comm.ring_latency(A100, comm.Group(16, 8), 1) == pytest.approx((8.4 + 14 * 3.4 + 1 * 9.6) * US)
+    # 1536 ranks on 192 nodes: 1535 steps, 191 of them across the network: 6.4 ms per gather.
+    assert comm.ring_latency(A100, comm.Group(1536, 8), 1) == pytest.approx((8.4 + 1344 * 3.4 + 191 * 9.6) * US)
+    assert comm.ring_latency(A100, comm.Group(1536, 8), 2) == pytest.approx((8.4 + 2 * 1344 * 3.4 + 2 * 191 * 9.6) * US)
+
+
+@pytest.mark.parametrize("group,bw", [
+    (comm.Group(8, 8), 300e9 * 0.8),  # inside a node: NVLink
+    (comm.Group(64, 8), 8 * 25e9 * 0.8),  # 8 members per node: 8 NICs (200 < 300 GB/s)
+    (comm.Group(64, 2), 2 * 25e9 * 0.8),  # 2 per node (TP 4): 2 NICs
+    (comm.Group(64, 1), 25e9 * 0.8),  # one per node (TP 8): the slowest link is one NIC
+])
+def test_gather_runs_at_the_slowest_link_the_group_spans(group, bw):
+    S = 1e9
+    expected = (group.size - 1) / group.size * S / bw + comm.ring_latency(A100, group, 1)
+    assert comm.all_gather_time(S, A100, group) == pytest.approx(expected)
+    assert comm.reduce_scatter_time(S, A100, group) == pytest.approx(expected)
+
+
+def test_all_reduce_takes_the_faster_of_ring_and_tree():
+    g = comm.Group(1536, 8)
+    # 1 KB: latency-bound; the tree's 2 x (7 NVLink + log2(192) = 8 network hops) beats 2 x 1535 ring steps.
+    tree = (8.4 + 2 * (7 * 3.4 + 8 * 9.6)) * US + 2 * 1e3 / (200e9 * 0.8)
+    assert comm.all_reduce_time(1e3, A100, g) == pytest.approx(tree)
+    # 10 GB on two nodes: bandwidth-bound; the ring moves 2 x 15/16 S, the tree 2 S.
+    g2 = comm.Group(16, 8)
+    ring = 2 * 15 / 16 * 1e10 / (200e9 * 0.8) + comm.ring_latency(A100, g2, 2)
+    assert comm.all_reduce_time(1e10, A100, g2) == pytest.approx(ring)
+
+
+# --------------------------------------------------------------------------- ZeRO, layer by layer
+def test_layer_pipelined_exposure():
+    # 4 layers of 0.5 ms compute, 1 ms transfers: the first is exposed, then 3 x 0.5 ms, then the tail.
+    assert dp_time.layer_pipelined_exposed(4, 0.5e-3, 1e-3, 1e-3, 0.25e-3) == pytest.approx(2.75e-3)
+    assert dp_time.layer_pipelined_exposed(4, 3e-3, 1e-3, 1e-3, 0.25e-3) == pytest.approx(1.25e-3)
+
+
+def _work(**kw) -> dp_time.StageWork:
+    # One layer's 16-bit params and grads take exactly 1 ms to gather / reduce-scatter over 8
+    # NVLink ranks at 300 GB/s (7/8 of the buffer crosses each link).
+    one_ms = 300e9 * 1e-3 * 8 / 7
+    base = dict(layers=4, layer_fwd_s=0.5e-3, layer_bwd_s=3e-3, bwd_s=12e-3, layer_param_bytes=one_ms,
+                layer_grad_bytes=one_ms, root_param_bytes=0.0, root_grad_bytes=0.0, regathered_layers=0.0,
+                micro_batches=2, pp=1)
+    base.update(kw)
+    return dp_time.StageWork(**base)
+
+
+def test_zero3_gathers_twice_and_reduces_per_layer_per_micro_batch():
+    d = dp_time.dp_step_comm(3, _work(), IDEAL, comm.Group(8, 8), overlap=True)
+    assert d.total_s == pytest.approx(2 * 4 * 3e-3)  # m x L x (ag fwd + ag bwd + rs)
+    # per micro-batch: forward 1 + 3 x (1 - 0.5); backward 1 (first gather) + 0 + 1 (last reduce-scatter)
+    exposed = 2 * (2.5e-3 + 2e-3)
+    assert d.exposed_s == pytest.approx(exposed + dp_time.OVERLAP_CONTENTION * (24e-3 - exposed))
+    off = dp_time.dp_step_comm(3, _work(), IDEAL, comm.Group(8, 8), overlap=False)
+    assert off.exposed_s == pytest.approx(off.total_s)
+
+
+def test_zero3_regathers_layers_recomputed_in_a_segment():
+    plain = dp_time.dp_step_comm(3, _work(), IDEAL, comm.Group(8, 8), overlap=True)
+    seg = dp_time.dp_step_comm(3, _work(regathered_layers=2), IDEAL, comm.Group(8, 8), overlap=True)
+    assert seg.total_s - plain.total_s == pytest.approx(2 * 2 * 1e-3)  # 2 micro-batches x 2 extra gathers
+    assert regathered_layers(parse_recompute("segments:4"), 16) == 9  # 3 checkpointed segments of 4: all but their last
+    assert regathered_layers(parse_recompute("full"), 16) == 0  # a block checkpointed alone recomputes inside its gather
+    assert regathered_layers(parse_recompute("every:2"), 16) == 0
+
+
+def test_zero2_gathers_once_and_reduces_per_layer_per_micro_batch():
+    d = dp_time.dp_step_comm(2, _work(), IDEAL, comm.Group(8, 8), overlap=True)
+    assert d.total_s == pytest.approx(2 * 4 * 2e-3)
+    exposed = 2 * (2.5e-3 + 1e-3)  # forward as stage 3; backward only the last reduce-scatter
+    assert d.exposed_s == pytest.approx(exposed + dp_time.OVERLAP_CONTENTION * (16e-3 - exposed))
+
+
+def test_pipelining_reduces_once_per_step_and_holds_unreduced_gradients():
+    d = dp_time.dp_step_comm(3, _work(pp=2, micro_batches=4), IDEAL, comm.Group(8, 8), overlap=False)
+    # stage 3: a gather for each backward, plus one gather (first forward) and one reduce-scatter per step
+    assert d.total_s == pytest.approx(4 * 4 * 1e-3 + 4 * 1e-3 + 4 * 1e-3)
+    d2 = dp_time.dp_step_comm(2, _work(pp=2, micro_batches=4), IDEAL, comm.Group(8, 8), overlap=False)
+    assert d2.total_s == pytest.approx(4 * 1e-3 + 4 * 1e-3)  # one gather, one reduce-scatter per step
+    # ...so until that reduce every rank holds its stage's full gradients (and, after a backward, parameters).
+    pipe = memory.model_states(1e9, Strategy(zero=3, pp=2), 8)
+    assert pipe.grads_bytes == 2e9 and pipe.params_bytes == 2e9 and pipe.optimizer_bytes == 12e9 / 8
+    flat = memory.model_states(1e9, Strategy(zero=3), 8)
+    assert flat.grads_bytes == flat.params_bytes == 2e9 / 8
+
+
+def test_ddp_reduces_once_per_step_under_the_last_backward_only():
+    g = comm.Group(8, 8)
+    w = _work(layers=4, bwd_s=2e-3)
+    ar = comm.all_reduce_time(4 * w.layer_grad_bytes, IDEAL, g)  # 4 layers: 2 x 7/8 x S / B = 8 ms
+    assert ar == pytest.approx(8e-3)
+    d0 = dp_time.dp_step_comm(0, w, IDEAL, g, overlap=True)
+    assert d0.total_s == pytest.approx(ar)
+    assert d0.exposed_s == pytest.approx(6e-3 + dp_time.OVERLAP_CONTENTION * 2e-3)  # only 2 ms of backward to hide it
+    assert dp_time.dp_step_comm(0, replace(w, micro_batches=16), IDEAL, g, True).total_s == pytest.approx(ar)
+    d1 = dp_time.dp_step_comm(1, w, IDEAL, g, overlap=True)
+    ag = 4e-3  # ZeroRedundancyOptimizer: the updated 16-bit params, once, after the step, exposed
+    assert d1.total_s == pytest.approx(ar + ag)
+    assert d1.exposed_s == pytest.approx(6e-3 + ag + dp_time.OVERLAP_CONTENTION * 2e-3)
+
+
+def test_zero3_per_gpu_throughput_falls_at_fixed_global_batch():
+    """GPT-3 175B, ZeRO-3 only, global batch 1536, one micro-batch per rank: each added GPU
+    shrinks a rank's compute, while its gathers of the whole model do not shrink and pay one
+    more ring step each."""
+    def run(gpus, gpus_per_node=None):
+        s = Strategy(precision="bf16", zero=3, ac="full", global_batch=1536, micro_batch=1536 // gpus, seq_len=2048)
+        return predict("gpt3-175b", "a100-80gb", gpus, s, gpus_per_node=gpus_per_node)
+
+    plans = [run(n) for n in (192, 384, 768, 1536)]
+    tflops = [p.tflops_per_gpu for p in plans]
+    assert tflops == sorted(tflops, reverse=True) and tflops[-1] < 0.95 * tflops[0]
+    shares = [p.time.dp_comm_exposed_s / p.time.step_s for p in plans]
+    assert shares == sorted(shares)
+    # With one GPU per node every gather crosses one NIC: the 1536-GPU run loses most of its throughput.
+    thin = [run(n, gpus_per_node=1) for n in (192, 1536)]
+    assert thin[1].tflops_per_gpu < 0.5 * thin[0].tflops_per_gpu
+
+
+# --------------------------------------------------------------------------- offload, TP, memory, peaks
+def test_offload_zero1_keeps_the_16_bit_gradients_on_the_gpu():
+    # 128 accumulated micro-batches at ZeRO-1: each rank holds its stage's full 16-bit gradients.
+    s = Strategy(precision="bf16", tp=2, pp=4, zero=1, offload="optimizer", micro_batch=1, global_batch=1024)
+    m = predict_memory("llama-70b", "h100-sxm", 64, s)
+    assert m.grads_bytes == pytest.approx(17.4e9, rel=0.01)
+    assert m.optimizer_bytes == 0 and m.cpu_bytes == pytest.approx(16 * 17.4e9 / 2 / 8, rel=0.01)
+    z2 = predict_memory("llama-70b", "h100-sxm", 64, replace(s, zero=2))
+    assert z2.grads_bytes == 0  # ZeRO-2 ships each micro-batch's partition to the host
+
+
+def test_offload_zero2_ships_gradients_every_micro_batch():
+    slow = replace(CATALOG["a100-80gb"], host_link_bw=1e9)  # 1 GB/s host link makes the traffic visible
+    s = Strategy(precision="bf16", zero=2, offload="optimizer", micro_batch=1, grad_accum=4, seq_len=2048)
+    p = predict("gpt3-1.3b", slow, 8, s)
+    bwd = (p.time.compute_s / 4) * 2 / 3  # backward = 2/3 of forward + backward
+    grads = 2.0 * p.params / 8  # the rank's 16-bit partition per micro-batch
+    assert p.time.host_transfer_s == pytest.approx(4 * (grads / 1e9 - bwd), rel=0.02)
+    assert predict("gpt3-1.3b", slow, 8, replace(s, zero=1)).time.host_transfer_s == 0
+
+
+def test_default_search_leaves_offload_out_and_prices_it_on_request():
+    base = Strategy(precision="bf16", global_batch=64, seq_len=2048)
+    assert all(p.strategy["offload"] == "none" for p in search("gpt3-13b", "a100-40gb", 8, base, top_k=20).best)
+    res = search("gpt3-13b", "a100-40gb", 8, base, top_k=200, offloads=("none", "optimizer"))
+    assert any(p.strategy["offload"] == "optimizer" for p in res.best)
+
+
+def test_tp_must_split_query_and_kv_heads():
+    assert tp_choices(64, 8) == [1, 2, 4, 8]
+    assert tp_choices(96) == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 96]
+    # 16 GPUs per node would allow TP 16, but 8 KV heads cannot be split 16 ways.
+    result = search("llama-70b", "h100-sxm", 64, Strategy(global_batch=64, seq_len=4096), top_k=200, gpus_per_node=16)
+    assert result.best and all(p.strategy["tp"] <= 8 for p in result.best)
+
+
+def test_default_activation_accounting_holds_the_fp32_loss_tensors():
+    cfg = PRESETS["llama-7b"]
+    b, s, V = 1, 4096, cfg.vocab_size
+    default = memory.final_layer_activation_bytes(cfg, Strategy(), s, b, 1)
+    megatron = memory.final_layer_activation_bytes(cfg, Strategy(activation_style="megatron"), s, b, 1)
+    assert Strategy().activation_style == "tenfold"
+    # + the final RMSNorm: its fp32 input and fp32 x*rsqrt, and its 16-bit output for the head
+    assert default - 8 * b * s * V == pytest.approx((4 + 4 + 2) * b * s * cfg.d_model)
+    assert megatron - 4 * b * s * V == pytest.approx(2 * 2 * b * s * cfg.d_model)
+
+
+def test_gemm_ceiling_is_a_share_of_the_measured_best_matmul():
+    assert CATALOG["a100-80gb"].gemm_efficiency == pytest.approx(GEMM_SHARE_OF_MAMF * 271.2 / 312)
+    assert CATALOG["h100-sxm"].gemm_efficiency == pytest.approx(GEMM_SHARE_OF_MAMF * 794.5 / 989)
+    assert CATALOG["b200"].gemm_efficiency == pytest.approx(GEMM_SHARE_OF_MAMF * 1745.0 / 2250)
+    for name, hw in CATALOG.items():
+        for key in ("peak", "memory", "intra", "nic", "sms", "host", "matmul"):
+            assert hw.sources.get(key), (name, key)
