@@ -24,13 +24,13 @@ import argparse
 import json
 import os
 import platform
-import socket
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
+from two_ranks import join_as_rank, run_on_two_ranks
 
 WARMUP = 2
 
@@ -75,14 +75,9 @@ def run_one(args, tp: int, data: np.ndarray) -> dict:
 
 
 def worker(rank: int, port: int, args, result_file: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2")
-    torch.set_num_threads(1)
-    import torch.distributed as dist
-
     from tenfold.models.presets import get_preset
 
-    dist.init_process_group("gloo")
+    join_as_rank(rank, port, threads=1)
     rows_needed = (args.steps + 2) * args.global_batch + 64
     data = np.random.default_rng(0).integers(0, get_preset(args.model).vocab_size,
                                              size=(rows_needed, args.seq_len + 1), dtype=np.int64)
@@ -127,15 +122,7 @@ def main() -> None:
     args = p.parse_args()
     if args.global_batch % 2 or args.steps <= WARMUP:
         p.error(f"--global-batch must be even (dp=2 halves it) and --steps > {WARMUP}")
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory() as tmp:
-        result = Path(tmp, "rows.json")
-        mp.spawn(worker, args=(port, args, str(result)), nprocs=2, join=True)
-        rows = json.loads(result.read_text())
+    rows = run_on_two_ranks(worker, args)
     report(args, rows)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
