@@ -24,6 +24,18 @@ sys.path.insert(0, os.path.dirname(__file__))
 from test_zero_worker import config, run_steps, token_array  # noqa: E402
 
 LLAMA = os.path.join(os.path.dirname(__file__), "data", "llama-tiny", "config.json")
+
+
+def tied_llama() -> str:
+    """llama-tiny with tied input and output embeddings (as Qwen2's small models ship)."""
+    with open(LLAMA) as f:
+        config = {**json.load(f), "tie_word_embeddings": True}
+    path = os.path.join(tempfile.gettempdir(), f"llama-tiny-tied-{os.getpid()}.json")
+    with open(path, "w") as f:
+        json.dump(config, f)
+    return path
+
+
 # Every architectural branch of tenfold's GPT that TP touches: GPT-3 style blocks (LayerNorm
 # with biases, GELU, learned positions, tied embeddings) besides the default Llama style.
 GPT3_STYLE = {"norm": "layernorm", "mlp": "gelu", "pos": "learned", "bias": True, "tie_embeddings": True}
@@ -32,6 +44,8 @@ GPT3_STYLE = {"norm": "layernorm", "mlp": "gelu", "pos": "learned", "bias": True
 def tp_config(dtype: str = "fp32", micro: int = 2, accum: int = 2, zero: int = 0, sp: bool | None = None,
               model: dict | None = None, tp: int = 2, **sections) -> dict:
     cfg = config(zero, dtype, micro, accum, OUT, tp_degree=tp, sequence_parallel=sp)
+    cfg["data"]["val_fraction"] = 0.125  # 8 of the 64 rows: the validation loss goes through TP too
+    cfg["train"]["eval_batches"] = 8  # every validation row, whatever the micro-batch
     if model and "hf_config" in model:
         cfg["model"] = dict(model)  # the config.json is the whole shape
     else:
@@ -128,10 +142,17 @@ def fp16_overflow() -> list[dict]:
     return rows
 
 
+def run_case(cfg: dict, measure_at: int | None = None) -> dict:
+    """3 steps (losses, gradient norms, model-state bytes, memory of step `measure_at`), then
+    the validation loss."""
+    t, result = run_steps(cfg, measure_at=measure_at, steps=3)
+    return {**result, "val_loss": t.evaluate()}
+
+
 def mode_tp2() -> dict:
     out: dict = {}
     for name, cfg in TP2_CASES.items():
-        out[name] = run_steps(cfg, measure_at=1 if name == "gqa-sp" else None, steps=3)[1]
+        out[name] = run_case(cfg, measure_at=1 if name == "gqa-sp" else None)
     for name, cfg in COMM_CASES.items():
         out[f"comm-{name}"] = comm_bytes(cfg)
     out["user"] = run_user(tp_config(), user_plan())
@@ -141,7 +162,7 @@ def mode_tp2() -> dict:
 
 
 def mode_tp2dp2() -> dict:
-    return {name: run_steps(cfg, measure_at=1 if name.startswith("zero") else None, steps=3)[1]
+    return {name: run_case(cfg, measure_at=1 if name.startswith("zero") else None)
             for name, cfg in TP2DP2_CASES.items()}
 
 
@@ -154,6 +175,7 @@ TP2_CASES = {
     "gpt3-style": tp_config(model=GPT3_STYLE),
     "recompute": tp_config(recompute={"policy": "full"}),
     "hf-llama": tp_config(model={"hf_config": LLAMA}),
+    "hf-llama-tied": tp_config(model={"hf_config": tied_llama()}),
 }
 COMM_CASES = {
     "gqa-sp": tp_config(model=GQA),

@@ -42,6 +42,10 @@ import contextlib
 from typing import Any, ContextManager
 
 import torch.nn as nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel, loss_parallel, parallelize_module,
+)
 
 from tenfold.errors import UserError
 
@@ -54,19 +58,9 @@ HF_BLOCK_NAMES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "s
 # --------------------------------------------------------------------------- plans
 
 
-def _styles():
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel,
-    )
-
-    return Replicate, Shard, ColwiseParallel, RowwiseParallel, SequenceParallel, PrepareModuleInput
-
-
 def _vocab_output(sequence_parallel: bool):
     """Output projection: columns (= vocabulary) split, logits left sharded for loss_parallel."""
-    Replicate, Shard, Colwise, *_ = _styles()
-    return Colwise(input_layouts=Shard(1) if sequence_parallel else Replicate(),
+    return ColwiseParallel(input_layouts=Shard(1) if sequence_parallel else Replicate(),
                    output_layouts=Shard(-1), use_local_output=False)
 
 
@@ -75,13 +69,12 @@ def _block_plan(prefix: str, names: dict[str, str], sequence_parallel: bool, swi
     """One transformer block: `names` maps the roles (norm1, attn, q, k, v, o, norm2, mlp, up,
     gate, down) to the block's own submodule names. `attn_input_by_keyword`: the keyword the
     block passes its attention input by (Hugging Face: hidden_states), None: by position."""
-    Replicate, Shard, Colwise, Rowwise, SequenceParallel, Prepare = _styles()
     seq = Shard(1) if sequence_parallel else Replicate()
     p = lambda role: f"{prefix}.{names[role]}"  # noqa: E731
     plan: dict[str, Any] = {
-        p("q"): Colwise(), p("k"): Colwise(), p("v"): Colwise(),
-        p("o"): Rowwise(output_layouts=seq),
-        p("up"): Colwise(), p("down"): Rowwise(output_layouts=seq),
+        p("q"): ColwiseParallel(), p("k"): ColwiseParallel(), p("v"): ColwiseParallel(),
+        p("o"): RowwiseParallel(output_layouts=seq),
+        p("up"): ColwiseParallel(), p("down"): RowwiseParallel(output_layouts=seq),
         # Attention and MLP take their input as ONE replicated DTensor (all-gathered from the
         # sequence shards under SP): q/k/v (up/gate) then share it, and backward reduces their
         # summed input gradient once, not once per projection.
@@ -92,23 +85,21 @@ def _block_plan(prefix: str, names: dict[str, str], sequence_parallel: bool, swi
         p("norm2"): SequenceParallel() if sequence_parallel else None,
     }
     if swiglu:
-        plan[p("gate")] = Colwise()
+        plan[p("gate")] = ColwiseParallel()
     return plan
 
 
 def _replicated_input(layout, keyword: str | None = None, n_args: int = 1):
     """The module's first input (or its `keyword` input) made a replicated DTensor; any other
     positional inputs (tenfold's RoPE tables) are left alone."""
-    Replicate, _, _, _, _, Prepare = _styles()
     if keyword is not None:
-        return Prepare(input_kwarg_layouts={keyword: layout}, desired_input_kwarg_layouts={keyword: Replicate()})
+        return PrepareModuleInput(input_kwarg_layouts={keyword: layout}, desired_input_kwarg_layouts={keyword: Replicate()})
     rest = (None,) * (n_args - 1)
-    return Prepare(input_layouts=(layout, *rest), desired_input_layouts=(Replicate(), *rest))
+    return PrepareModuleInput(input_layouts=(layout, *rest), desired_input_layouts=(Replicate(), *rest))
 
 
 def gpt_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, Any]:
     """tenfold's GPT (tenfold.models.gpt): torchtitan's Llama 3 plan under tenfold's names."""
-    Replicate, Shard, _, Rowwise, SequenceParallel, _ = _styles()
     seq = Shard(1) if sequence_parallel else Replicate()
     names = {"norm1": "norm1", "attn": "attn", "q": "attn.wq", "k": "attn.wk", "v": "attn.wv", "o": "attn.wo",
              "norm2": "norm2", "mlp": "mlp", "up": "mlp.w1", "gate": "mlp.w3", "down": "mlp.w2"}
@@ -116,9 +107,9 @@ def gpt_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, Any]:
     plan: dict[str, Any] = {}
     # A pipeline stage (tenfold.techniques.pipeline.GPTStage) holds only some of these.
     if getattr(model, "tok_emb", None) is not None:
-        plan["tok_emb"] = Rowwise(input_layouts=Replicate(), output_layouts=seq)
+        plan["tok_emb"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
     if getattr(model, "pos_emb", None) is not None:  # GPT.embed looks positions up as (1, s)
-        plan["pos_emb"] = Rowwise(input_layouts=Replicate(), output_layouts=seq)
+        plan["pos_emb"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
     for key in model.layers:
         plan.update(_block_plan(f"layers.{key}", names, sequence_parallel, swiglu))
     if getattr(model, "norm", None) is not None:
@@ -131,19 +122,18 @@ def gpt_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, Any]:
 def hf_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, Any]:
     """Hugging Face Llama-family causal LMs, by their module names (the names of transformers'
     own `base_model_tp_plan` for these models)."""
-    Replicate, Shard, _, Rowwise, SequenceParallel, Prepare = _styles()
     base, layers = _hf_parts(model)
     names = {"norm1": "input_layernorm", "attn": "self_attn", "q": "self_attn.q_proj", "k": "self_attn.k_proj",
              "v": "self_attn.v_proj", "o": "self_attn.o_proj", "norm2": "post_attention_layernorm", "mlp": "mlp",
              "up": "mlp.up_proj", "gate": "mlp.gate_proj", "down": "mlp.down_proj"}
     # position ids and the causal mask come from the embedding output's length: keep it whole
-    plan: dict[str, Any] = {f"{base}.embed_tokens": Rowwise(input_layouts=Replicate(), output_layouts=Replicate())}
+    plan: dict[str, Any] = {f"{base}.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())}
     for i in range(len(layers)):
         plan.update(_block_plan(f"{base}.layers.{i}", names, sequence_parallel, swiglu=True,
                                 attn_input_by_keyword="hidden_states"))
     if sequence_parallel:
         # the first block cuts its replicated input by sequence position (a local slice)
-        plan[f"{base}.layers.0"] = Prepare(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
+        plan[f"{base}.layers.0"] = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
                                            use_local_output=True)
         plan[f"{base}.norm"] = SequenceParallel(use_local_output=True)  # lm_head slices its input
     else:
@@ -218,8 +208,6 @@ def check_plan(model: nn.Module, plan: dict[str, Any], tp: int) -> None:
         if module is None:
             raise _unmapped(model, fqn)
         _check_divisible(model, fqn, module, style, tp)
-    from torch.distributed.tensor.parallel import PrepareModuleInput
-
     covered = tuple(f"{fqn}." for fqn, style in plan.items() if not isinstance(style, PrepareModuleInput))
     for name, _ in model.named_parameters():
         if not name.startswith(covered):
@@ -227,8 +215,6 @@ def check_plan(model: nn.Module, plan: dict[str, Any], tp: int) -> None:
 
 
 def _check_divisible(model: nn.Module, fqn: str, module: nn.Module, style: Any, tp: int) -> None:
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
     if isinstance(module, nn.Linear) and isinstance(style, (ColwiseParallel, RowwiseParallel)):
         size, what = ((module.out_features, "output features") if isinstance(style, ColwiseParallel)
                       else (module.in_features, "input features"))
@@ -242,34 +228,40 @@ def _check_divisible(model: nn.Module, fqn: str, module: nn.Module, style: Any, 
 def apply_tensor_parallel(model: nn.Module, tp_mesh: Any, plan: dict[str, Any]) -> nn.Module:
     """Split `model` in place over `tp_mesh` (a 1-D DeviceMesh). Entries whose style is None
     are modules the plan keeps replicated."""
-    from torch.distributed.tensor.parallel import parallelize_module
-
-    tied = _tied_output(model)
-    styles = {fqn: style for fqn, style in plan.items() if style is not None}
-    parallelize_module(model, tp_mesh, styles)
-    if tied is not None:
-        # Embedding rows and output columns are both dim 0 of the shared (V, d) weight, so the
-        # two styles split it the same way; parallelize_module made two copies: share one.
-        embedding, output = tied
-        output.weight = embedding.weight
+    shared = _shared_parameters(model)
+    parallelize_module(model, tp_mesh, {fqn: style for fqn, style in plan.items() if style is not None})
+    _retie(model, shared)
     return model
 
 
-def _tied_output(model: nn.Module) -> tuple[nn.Module, nn.Module] | None:
-    emb, out = getattr(model, "tok_emb", None), getattr(model, "output", None)
-    if emb is not None and out is not None and getattr(out, "weight", None) is getattr(emb, "weight", 0):
-        return emb, out
-    return None
+def _shared_parameters(model: nn.Module) -> list[list[tuple[str, str]]]:
+    """Groups of (module FQN, parameter name) holding one Parameter: tied embeddings."""
+    owners: dict[int, list[tuple[str, str]]] = {}
+    for fqn, module in model.named_modules(remove_duplicate=False):
+        for name, p in module.named_parameters(recurse=False):
+            owners.setdefault(id(p), []).append((fqn, name))
+    return [group for group in owners.values() if len(group) > 1]
+
+
+def _retie(model: nn.Module, shared: list[list[tuple[str, str]]]) -> None:
+    """parallelize_module gives each module its own DTensor copy of a shared weight; share one
+    again. Tied embeddings split alike: the embedding's rows and the output's columns are both
+    dim 0 of the (V, d) matrix. A weight the styles split differently cannot stay tied."""
+    modules = dict(model.named_modules(remove_duplicate=False))
+    for group in shared:
+        params = [getattr(modules[fqn], name) for fqn, name in group]
+        layouts = {(str(getattr(p, "device_mesh", None)), tuple(getattr(p, "placements", ()))) for p in params}
+        if len(layouts) > 1:
+            where = ", ".join(f"{fqn}.{name}" for fqn, name in group)
+            raise UserError(f"{TP_FLAG}: the tied weights {where} would be split differently; untie them or use --tp 1")
+        for fqn, name in group[1:]:
+            setattr(modules[fqn], name, params[0])
 
 
 def loss_context(tp: int) -> ContextManager:
     """`loss_parallel()` when the logits are split over the vocabulary (forward AND backward
     must run inside it); a no-op without tensor parallelism."""
-    if tp <= 1:
-        return contextlib.nullcontext()
-    from torch.distributed.tensor.parallel import loss_parallel
-
-    return loss_parallel()
+    return loss_parallel() if tp > 1 else contextlib.nullcontext()
 
 
 def settle_gradients(params: list[nn.Parameter]) -> None:
