@@ -47,7 +47,7 @@ def one_thread():
     """Tiny shapes: one intra-op thread is faster than two, and immune to a busy 2-core
     machine (OpenMP spin-waits made small steps ~20x slower there). Restored afterwards.
     Modules opt in with `pytestmark = pytest.mark.usefixtures("one_thread")`."""
-    import torch
+    torch = pytest.importorskip("torch", reason="training needs torch (make test-py310 runs without it)")
 
     before = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -24,6 +24,7 @@ from tenfold.models.gpt import GPT
 from tenfold.models.presets import get_preset, param_count
 from tenfold.techniques import pipeline as pp
 from tenfold.techniques import pipeline_runner
+from tenfold.techniques.pipeline_layout import validate_pipeline
 from tenfold.terms import IGNORE_INDEX
 
 # A narrow `tiny` (same 4 layers, byte vocabulary) so the multi-process runs take seconds.
@@ -101,7 +102,7 @@ def test_predicted_bubble():
 def _check(**overrides):
     kw = dict(n_layers=4, world_size=2, pp_size=2, schedule="1f1b", virtual_stages=1, n_microbatches=4)
     kw.update(overrides)
-    pp.validate_pipeline(**kw)
+    validate_pipeline(**kw)
 
 
 @pytest.mark.parametrize(

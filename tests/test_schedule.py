@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -108,10 +109,13 @@ def test_warmup_cosine_log_default():
     ],
 )
 def test_bad_schedule_params_are_user_errors_naming_them(schedule, params, match):
-    cfg = build_config({"train": {"schedule": schedule, "schedule_params": params}})
+    # refused by the config itself, before anything is built, and by build_scheduler
+    with pytest.raises(UserError, match=match):
+        build_config({"train": {"schedule": schedule, "schedule_params": params}})
+    train = SimpleNamespace(**{**build_config({}).train.model_dump(), "schedule": schedule, "schedule_params": params})
     opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
     with pytest.raises(UserError, match=match):
-        build_scheduler(opt, cfg.train, total_steps=10)
+        build_scheduler(opt, train, total_steps=10)
 
 
 def test_state_dict_is_json_safe_and_resumes_the_curve():

@@ -27,6 +27,7 @@ EXAMPLES = """examples:
   tenfold train                                   # tiny on the stdlib corpus, bf16, a few minutes on a CPU
   tenfold train --model small --steps 500 --micro-batch 4 --grad-accum 8
   tenfold train --precision fp16 --deepspeed ds_config.json
+  tenfold train --deepspeed ds_config.json --dry-run  # check the config, print the run; build nothing
   tenfold train --nproc 2 --zero 3 --ac full      # two local ranks, ZeRO-3, full recompute
   tenfold train --nproc 4 --tp 2 --zero 3         # tensor parallel pairs, ZeRO-3 across them
   tenfold train --hf-pretrained MODEL_DIR --data train.jsonl   # fine-tune with the model's own tokenizer
@@ -35,11 +36,14 @@ EXAMPLES = """examples:
 """
 
 
+DEBUG_HELP = "on an error, show Python's traceback instead of the one-line message"
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse with the project's contract for bad flags: one line, exit status 2."""
 
     def error(self, message: str):  # type: ignore[override]
-        sys.stderr.write(f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        sys.stderr.write(f"{self.prog}: error: {escaped(message)} (see {self.prog} --help)\n")
         raise SystemExit(2)
 
 
@@ -50,7 +54,7 @@ def _add_train_parser(subparsers) -> None:
     )
     g = p.add_argument_group("run")
     g.add_argument("--config", metavar="FILE.toml", help="TOML config (sections model, data, train, precision, recompute, parallel, checkpoint, log)")
-    g.add_argument("--deepspeed", metavar="DS.json", help="a DeepSpeed JSON config; unsupported keys are named in one warning")
+    g.add_argument("--deepspeed", metavar="DS.json", help="a DeepSpeed config, read as DeepSpeed reads it (comments and trailing commas allowed); unsupported keys are named in one warning")
     g.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override any config key (repeatable), e.g. --set train.weight_decay=0.05")
     g.add_argument("--out", help="output directory (metrics.jsonl, summary.json, tensorboard/, checkpoints/); default runs/tenfold")
     g.add_argument("--no-progress", action="store_true", help="no live progress bar")
@@ -89,7 +93,11 @@ def _add_train_parser(subparsers) -> None:
     c.add_argument("--checkpoint-every", type=int, help="save every N steps (0: never)")
     c.add_argument("--keep-last", type=int, help="keep only the newest K checkpoints")
     c.add_argument("--resume", help="auto (newest complete checkpoint in --out) or a checkpoint path")
-    p.add_argument("--memory-report", action="store_true", help="print the per-module memory of one step and exit")
+    once = p.add_mutually_exclusive_group()
+    once.add_argument("--dry-run", action="store_true", help="check the config and print the run it resolves to "
+                      "(batch, precision, model, processes, predicted memory per rank); build, read and write nothing")
+    once.add_argument("--memory-report", action="store_true", help="print the per-module memory of one step and exit")
+    p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=DEBUG_HELP)
     p.set_defaults(func=run_train)
 
 
@@ -123,12 +131,15 @@ def config_from_args(args: argparse.Namespace):
     if args.config:
         layers.append(load_toml(args.config))
     if args.deepspeed:
-        from tenfold.deepspeed_json import load_deepspeed_json
+        from tenfold.deepspeed_json import load_deepspeed_json, unsupported_warning
 
-        ds_layer, unsupported = load_deepspeed_json(args.deepspeed)
-        if unsupported:
-            print(f"tenfold: warning: DeepSpeed keys not supported by tenfold (ignored): {', '.join(unsupported)}", file=sys.stderr)
-        layers.append(ds_layer)
+        ds = load_deepspeed_json(args.deepspeed)
+        for notice in ds.notices:
+            say("note", notice)
+        warning = unsupported_warning(args.deepspeed, ds.unsupported)
+        if warning:
+            say("warning", warning)
+        layers.append(ds.layer)
     flags: dict = {}
     for name, (section, key) in _TRAIN_FLAGS.items():
         value = getattr(args, name, None)
@@ -143,6 +154,10 @@ def config_from_args(args: argparse.Namespace):
 
 def run_train(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
+    if args.dry_run:
+        from tenfold.engine.run_shape import dry_run
+
+        return dry_run(cfg)
     from tenfold.engine.distributed import launched_by_torchrun
 
     if cfg.parallel.nproc > 1 and not launched_by_torchrun():
@@ -165,6 +180,7 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EXAMPLES,
     )
     parser.add_argument("--version", action="version", version=f"tenfold {__version__}")
+    parser.add_argument("--debug", action="store_true", help=DEBUG_HELP)
     sub = parser.add_subparsers(dest="command", metavar="{" + ",".join(SUBCOMMANDS) + "}", parser_class=_Parser)
     wanted = next((a for a in argv if not a.startswith("-")), None)
     for name, (module, help_text) in SUBCOMMANDS.items():
@@ -191,6 +207,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     args, extra = parser.parse_known_args(argv)
+    if "--debug" in extra:  # accepted after any subcommand, not only where it is declared
+        extra.remove("--debug")
+        args.debug = True
     if extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.argv = argv  # the launcher re-runs this very command under torchrun
@@ -199,15 +218,41 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return int(args.func(args) or 0)
-    except UserError as e:
-        print(f"tenfold: error: {e}", file=sys.stderr)
-        return 2
-    except RunError as e:
-        print(f"tenfold: run stopped: {e}", file=sys.stderr)
-        return 1
+    except Exception as e:  # noqa: BLE001 - reported as one line below
+        if args.debug:
+            raise
+        return _one_line(e)
     except KeyboardInterrupt:
         print("tenfold: interrupted", file=sys.stderr)
         return 130
+
+
+def escaped(text: str) -> str:
+    """`text` with its control characters shown escaped (a key or path typed with a newline
+    in it stays on one line)."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+def say(kind: str, message: object) -> None:
+    """One line on stderr: `tenfold: <kind>: <message>`."""
+    print(f"tenfold: {kind}: {escaped(str(message))}", file=sys.stderr)
+
+
+def _one_line(e: BaseException) -> int:
+    """Every failure ends as one line on stderr and an exit status: 2 for the user's input,
+    1 for a run that failed; --debug shows the traceback instead."""
+    if isinstance(e, UserError):
+        say("error", e)
+        return 2
+    if isinstance(e, RunError):
+        say("run stopped", e)
+        return 1
+    if isinstance(e, OSError) and e.filename is not None:  # a file system failure names its path
+        say("error", f"{e.strerror or e}: {e.filename}")
+        return 1
+    text = " ".join(str(e).split())[:300] or "(no message)"
+    say("error", f"unexpected {type(e).__name__}: {text} (rerun with --debug for the traceback)")
+    return 1
 
 
 if __name__ == "__main__":

@@ -7,19 +7,49 @@ field and what is allowed (exit 2 in the CLI), before anything is started or wri
 
 from __future__ import annotations
 
-import tomllib
+import types
+import typing
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from tenfold.errors import UserError
+from tenfold.lr_schedule import validate_schedule_params
 from tenfold.models.presets import ModelConfig, get_preset
 from tenfold.terms import parse_recompute
 
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: the tomli backport, same API (a dependency there)
+    import tomli as tomllib  # type: ignore[no-redef]
+
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # allow_inf_nan=False: `lr = inf` would start a run that dies (or trains on) later
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _typed_strictly(cls, value: Any, info: ValidationInfo) -> Any:
+        """pydantic's lax mode reads `zero_stage = true` as 1 and `tensorboard = 1` as true:
+        here a boolean is not a number, a number is not a boolean, and no name or path is ""."""
+        kinds = _scalar_kinds(cls.model_fields[info.field_name].annotation)
+        if isinstance(value, bool) and kinds & {int, float} and bool not in kinds:
+            raise ValueError("expected a number, not true/false")
+        if isinstance(value, list) and list[int] in kinds and any(isinstance(x, bool) for x in value):
+            raise ValueError("expected integers, not true/false")
+        if bool in kinds and value is not None and not isinstance(value, bool):
+            raise ValueError("expected true or false")
+        if isinstance(value, str) and str in kinds and not value.strip():
+            raise ValueError("must not be empty")
+        return value
+
+
+def _scalar_kinds(annotation: Any) -> set:
+    """{int}, {float, NoneType}, {bool}, ... for a field's annotation (unions unpacked)."""
+    args = typing.get_args(annotation)
+    return set(args) if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union else {annotation}
 
 
 class ModelSection(_Section):
@@ -55,7 +85,11 @@ class ModelSection(_Section):
                 )
 
             path = Path(self.hf_pretrained or self.hf_config)
-            return model_from_hf_config(str(path / "config.json" if path.is_dir() else path))
+            try:
+                folder = path.is_dir()
+            except (OSError, ValueError) as e:  # a name too long, a NUL byte
+                raise UserError(f"model.hf_config/hf_pretrained {str(path)[:80]!r}: {getattr(e, 'strerror', None) or e}") from None
+            return model_from_hf_config(str(path / "config.json" if folder else path))
         overrides = self.model_dump(exclude={"name", "hf_config", "hf_pretrained", "blocks"})
         return get_preset(self.name).with_overrides(**overrides)
 
@@ -98,6 +132,11 @@ class TrainSection(_Section):
     eval_every: int = Field(50, ge=0)  # 0: only at the end
     eval_batches: int = Field(4, gt=0)
     on_nan: Literal["stop", "skip"] = "stop"
+
+    @model_validator(mode="after")
+    def _schedule_params_fit_the_schedule(self) -> "TrainSection":
+        validate_schedule_params(self.schedule, self.schedule_params, self.steps)  # UserError naming them
+        return self
 
 
 class PrecisionSection(_Section):
@@ -196,9 +235,7 @@ def _format_validation_error(err: ValidationError) -> str:
         section = first["loc"][0] if len(first["loc"]) > 1 else None
         allowed = _allowed_keys(section)
         return f"unknown config key {loc!r}; allowed: {', '.join(allowed)}"
-    if first["type"] == "literal_error":
-        return f"invalid value {first.get('input')!r} for {loc}: {msg}"
-    return f"invalid value {first.get('input')!r} for {loc}: {msg}"
+    return f"invalid value {first.get('input')!r} for {loc}: {msg.removeprefix('Value error, ')}"
 
 
 def _allowed_keys(section: str | int | None) -> list[str]:
@@ -234,13 +271,13 @@ def parse_set_item(item: str) -> dict:
 
 
 def load_toml(path: str | Path) -> dict:
-    p = Path(path)
-    if not p.is_file():
-        raise UserError(f"config file not found: {p}")
+    from tenfold.textfiles import read_text
+
+    text = read_text(path, "config file")
     try:
-        return tomllib.loads(p.read_text())
+        return tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
-        raise UserError(f"malformed TOML in {p}: {e}") from None
+        raise UserError(f"malformed TOML in {path}: {e}") from None
 
 
 def build_config(*layers: dict) -> TenfoldConfig:

@@ -1,77 +1,299 @@
-"""DeepSpeed's JSON config -> one `build_config` layer (DESIGN: "the seed's words are the
-vocabulary"). Keys, defaults and meanings follow DeepSpeed's code (engine.md §2).
+"""DeepSpeed's JSON config -> one `build_config` layer.
 
-`load_deepspeed_json(path)` returns `(layer, unsupported)`: `layer` is a dict in tenfold's
-sections (model/data/train/precision/recompute/parallel/checkpoint/log) and `unsupported`
-names every key tenfold does not honour (`"fp16.auto_cast=true"`, `"wandb"`, ...); the CLI
-prints them in ONE warning, never silently. A key whose value only restates what tenfold
-does anyway (e.g. `bf16.check_grad_overflow: true`, `zero_optimization.reduce_scatter:
-true`) is accepted quietly. `"auto"` values (Hugging Face's convention) and `null` mean "not given".
+tenfold speaks DeepSpeed's vocabulary: a DeepSpeed config is read as it is. `KEYS` below is
+the whole translation, one row per DeepSpeed key: the tenfold key it sets and the converter
+that checks its value with DeepSpeed's meaning, or, for a key tenfold has no knob for, the
+value at which it only restates what tenfold does anyway and is accepted quietly
+(`bf16.check_grad_overflow: true`). Keys outside the table, and no-knob keys at any other
+value, are collected as `unsupported`; the CLI names them all in one warning, never
+silently. `"auto"` (Hugging Face's placeholder) and `null` mean "not given".
 
-Mapping decisions (documented in docs/precision.md):
-* precision: `fp16.enabled` -> fp16, `bf16.enabled` (alias `bfloat16`) -> bf16, and a
-  DeepSpeed config that enables neither means fp32, as it does in DeepSpeed.
-* optimizer: `Adam`/`AdamW` (any case) -> AdamW; DeepSpeed's Adam is decoupled by default
-  (`adam_w_mode: true`). Missing params take DeepSpeed's constructor defaults (lr 1e-3,
-  betas (0.9, 0.999), eps 1e-8, weight_decay 0), not tenfold's.
+Where one DeepSpeed section means something only as a whole, a finishing function reads
+its rows together (`SECTIONS`):
+* precision: `fp16.enabled` -> fp16, `bf16.enabled` (alias `bfloat16`) -> bf16; a config
+  that enables neither trains in fp32, as DeepSpeed does.
+* optimizer: `Adam`/`AdamW` (any case) -> AdamW. DeepSpeed builds the optimizer from its
+  `params` alone (`DeepSpeedEngine._configure_basic_optimizer`), so what they omit takes the
+  constructor's defaults: FusedAdam's lr 1e-3, betas (0.9, 0.999), eps 1e-8, weight_decay 0;
+  with `torch_adam: true`, torch.optim.AdamW's weight_decay 0.01 (torch.optim.Adam's 0 when
+  `adam_w_mode` is false). `Adam` decays decoupled unless `adam_w_mode: false`; that L2 form
+  is not available in tenfold and is reported when it would decay anything.
 * scheduler: `type`/`params` -> train.schedule/schedule_params, validated here; a given
   `warmup_max_lr` also becomes train.lr (the peak lr shown in metrics) when the optimizer
   gives none; WarmupDecayLR's DeepSpeed default `warmup_max_lr = 0.001` is made explicit.
 * activation_checkpointing: DeepSpeed only configures the checkpoint function the model
   calls. `cpu_checkpointing: true` -> recompute.policy "offload"; `number_checkpoints: K`
-  -> "segments:K" (K checkpointed segments; DeepSpeed uses K to size its contiguous
-  buffers, one per checkpoint). Neither given: the recompute policy is left as it is.
+  -> "segments:K" (K checkpointed segments; DeepSpeed sizes its contiguous buffers by K).
 * `pipeline.activation_checkpoint_interval: N > 0` -> recompute.policy "every:N".
+Reading the file (comments, trailing commas, Python's True/False/None) is
+`tenfold.deepspeed_text`.
 """
 
 from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 from tenfold.errors import UserError
+from tenfold.lr_schedule import DEEPSPEED, validate_schedule_params
+
+_NO_KNOB = object()  # Key.quiet_at for keys that do have a tenfold knob
+
 
 class _Reader:
-    """Walks one JSON object, converting values and recording unsupported keys."""
+    """The file being translated, and the keys found unsupported so far."""
 
-    def __init__(self, path: Path, unsupported: list[str]):
+    def __init__(self, path: Path):
         self.path = path
-        self.unsupported = unsupported
+        self.unsupported: list[str] = []
 
     def bad(self, key: str, value: Any, allowed: str) -> UserError:
         return UserError(f"invalid value {value!r} for DeepSpeed key {key!r} in {self.path}: {allowed}")
-
-    def as_bool(self, key: str, v: Any) -> bool:
-        if not isinstance(v, bool):
-            raise self.bad(key, v, "expected true or false")
-        return v
-
-    def as_number(self, key: str, v: Any, minimum: float | None = None) -> float:
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-            raise self.bad(key, v, "expected a finite number")
-        if minimum is not None and v < minimum:
-            raise self.bad(key, v, f"expected a number >= {minimum:g}")
-        return v
-
-    def as_int(self, key: str, v: Any, minimum: int | None = None) -> int:
-        # DeepSpeed configs often write integers as 1e4 / 5e8 (JSON floats)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not float(v).is_integer():
-            raise self.bad(key, v, "expected an integer")
-        if minimum is not None and v < minimum:
-            raise self.bad(key, v, f"expected an integer >= {minimum}")
-        return int(v)
 
     def section(self, key: str, v: Any) -> dict:
         if not isinstance(v, dict):
             raise self.bad(key, v, "expected a JSON object")
         return v
 
-    def keep_if(self, key: str, v: Any, accepted: Any) -> None:
-        """A key tenfold has no knob for: fine when it says what tenfold does anyway."""
-        if v != accepted:
-            self.unsupported.append(f"{key}={json.dumps(v)}")
+
+Convert = Callable[[_Reader, str, Any], Any]
+
+
+@dataclass(frozen=True)
+class Key:
+    """One DeepSpeed key. `target`: the tenfold `section.key` its converted value sets (None:
+    its section's finishing function reads it). `quiet_at`: for a key with no tenfold knob,
+    the value that restates tenfold's behaviour; any other value is reported unsupported."""
+
+    target: str | None = None
+    convert: Convert | None = None
+    quiet_at: Any = _NO_KNOB
+
+
+# --------------------------------------------------------------------------- converters
+
+
+def flag(r: _Reader, key: str, v: Any) -> bool:
+    if not isinstance(v, bool):
+        raise r.bad(key, v, "expected true or false")
+    return v
+
+
+def number(minimum: float | None = None, *, positive: bool = False) -> Convert:
+    def convert(r: _Reader, key: str, v: Any) -> float:
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise r.bad(key, v, "expected a finite number")
+        if positive and v <= 0:
+            raise r.bad(key, v, "expected a number > 0")
+        if minimum is not None and v < minimum:
+            raise r.bad(key, v, f"expected a number >= {minimum:g}")
+        return float(v)
+
+    return convert
+
+
+def integer(minimum: int | None = None, maximum: int | None = None) -> Convert:
+    def convert(r: _Reader, key: str, v: Any) -> int:
+        # DeepSpeed configs often write integers as 1e4 / 5e8 (JSON floats)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not float(v).is_integer():
+            raise r.bad(key, v, "expected an integer")
+        if maximum is not None and not (minimum or 0) <= v <= maximum:
+            choices = [str(i) for i in range(minimum or 0, maximum + 1)]
+            raise r.bad(key, v, f"expected {', '.join(choices[:-1])} or {choices[-1]}")
+        if minimum is not None and v < minimum:
+            raise r.bad(key, v, f"expected an integer >= {minimum}")
+        return int(v)
+
+    return convert
+
+
+def _offload_device(r: _Reader, key: str, v: Any) -> None:
+    """ZeRO-Offload: tenfold keeps optimizer states and parameters on the accelerator."""
+    device = r.section(key, v).get("device", "none")
+    if device not in (None, "none"):
+        r.unsupported.append(f"{key}.device={json.dumps(device)}")
+
+
+def _optimizer_type(r: _Reader, key: str, v: Any) -> str:
+    if not isinstance(v, str) or v.lower() not in ("adam", "adamw"):
+        raise r.bad(key, v, "tenfold trains with AdamW; allowed: Adam, AdamW")
+    return v.lower()
+
+
+def _betas(r: _Reader, key: str, v: Any) -> list[float]:
+    if not (isinstance(v, list) and len(v) == 2):
+        raise r.bad(key, v, "expected [beta1, beta2]")
+    return [number(0)(r, key, b) for b in v]
+
+
+def _refused(allowed: str) -> Convert:
+    def convert(r: _Reader, key: str, v: Any) -> None:
+        raise r.bad(key, v, allowed)
+
+    return convert
+
+
+def _scheduler_type(r: _Reader, key: str, v: Any) -> str:
+    if v not in DEEPSPEED:
+        raise r.bad(key, v, f"allowed: {', '.join(DEEPSPEED)}")
+    return v
+
+
+def _interval(r: _Reader, key: str, v: Any) -> str | None:
+    n = integer(0)(r, key, v)
+    return f"every:{n}" if n > 0 else None
+
+
+def _the_object(r: _Reader, key: str, v: Any) -> dict:
+    return r.section(key, v)
+
+
+# --------------------------------------------------------------------------- the table
+
+KEYS: dict[str, Key] = {
+    # batch triplet, clipping, logging
+    "train_batch_size": Key("train.global_batch", integer(1)),
+    "train_micro_batch_size_per_gpu": Key("train.micro_batch", integer(1)),
+    "gradient_accumulation_steps": Key("train.grad_accum", integer(1)),
+    "gradient_clipping": Key("train.grad_clip", number(0)),
+    "steps_per_print": Key("log.log_every", integer(1)),
+    "wall_clock_breakdown": Key(quiet_at=False),
+    "prescale_gradients": Key(quiet_at=False),
+    "gradient_predivide_factor": Key(quiet_at=1.0),
+    "zero_allow_untested_optimizer": Key(quiet_at=False),
+    "memory_breakdown": Key(quiet_at=False),
+    "dump_state": Key(quiet_at=False),
+    "sparse_gradients": Key(quiet_at=False),
+    "disable_allgather": Key(quiet_at=False),
+    # fp16 and its dynamic loss scaler (same names in [precision])
+    "fp16.enabled": Key(None, flag),
+    "fp16.loss_scale": Key("precision.loss_scale", number(0)),
+    "fp16.initial_scale_power": Key("precision.initial_scale_power", integer(0)),
+    "fp16.loss_scale_window": Key("precision.loss_scale_window", integer(1)),
+    "fp16.hysteresis": Key("precision.hysteresis", integer(1)),
+    "fp16.consecutive_hysteresis": Key("precision.consecutive_hysteresis", flag),
+    "fp16.min_loss_scale": Key("precision.min_loss_scale", number(positive=True)),
+    "fp16.auto_cast": Key(quiet_at=False),
+    "fp16.fp16_master_weights_and_grads": Key(quiet_at=False),
+    # bf16 (alias bfloat16): tenfold never applies a non-finite step (train.on_nan) and keeps
+    # fp32 master weights and optimizer states
+    "bf16.enabled": Key(None, flag),
+    "bf16.check_grad_overflow": Key(quiet_at=True),
+    "bf16.immediate_grad_update": Key(quiet_at=False),
+    "bf16.bf16_master_weights_and_grads": Key(quiet_at=False),
+    "bf16.bf16_optimizer_states": Key(quiet_at=False),
+    # ZeRO
+    "zero_optimization.stage": Key("parallel.zero_stage", integer(0, 3)),
+    "zero_optimization.stage3_param_persistence_threshold": Key("parallel.param_persistence_threshold", integer(0)),
+    "zero_optimization.reduce_bucket_size": Key("parallel.reduce_bucket_size", integer(1)),
+    "zero_optimization.overlap_comm": Key("parallel.overlap_comm", flag),
+    "zero_optimization.contiguous_gradients": Key("parallel.contiguous_gradients", flag),
+    "zero_optimization.stage3_gather_16bit_weights_on_model_save": Key("checkpoint.export_16bit", flag),
+    "zero_optimization.stage3_gather_fp16_weights_on_model_save": Key("checkpoint.export_16bit", flag),
+    "zero_optimization.offload_optimizer": Key(None, _offload_device),
+    "zero_optimization.offload_param": Key(None, _offload_device),
+    "zero_optimization.reduce_scatter": Key(quiet_at=True),
+    "zero_optimization.allgather_partitions": Key(quiet_at=True),
+    "zero_optimization.load_from_fp32_weights": Key(quiet_at=True),
+    "zero_optimization.ignore_unused_parameters": Key(quiet_at=True),
+    "zero_optimization.round_robin_gradients": Key(quiet_at=False),
+    "zero_optimization.cpu_offload": Key(quiet_at=False),
+    "zero_optimization.cpu_offload_param": Key(quiet_at=False),
+    "zero_optimization.elastic_checkpoint": Key(quiet_at=False),
+    # optimizer: values checked here, defaults and decay form in _finish_optimizer
+    "optimizer.type": Key(None, _optimizer_type),
+    "optimizer.params.lr": Key("train.lr", number(0)),
+    "optimizer.params.eps": Key("train.eps", number(0)),
+    "optimizer.params.weight_decay": Key("train.weight_decay", number(0)),
+    "optimizer.params.betas": Key(None, _betas),
+    "optimizer.params.torch_adam": Key(None, flag),
+    "optimizer.params.adam_w_mode": Key(None, flag),
+    "optimizer.params.max_grad_norm": Key(None, _refused("use gradient_clipping instead")),  # DeepSpeed raises too
+    "optimizer.params.bias_correction": Key(quiet_at=True),
+    "optimizer.params.fp32_optimizer_states": Key(quiet_at=True),
+    "optimizer.params.amsgrad": Key(quiet_at=False),
+    # scheduler: validated in _finish_scheduler
+    "scheduler.type": Key(None, _scheduler_type),
+    "scheduler.params": Key(None, _the_object),
+    # activation checkpointing: combined in _finish_activation_checkpointing
+    "activation_checkpointing.cpu_checkpointing": Key(None, flag),
+    "activation_checkpointing.number_checkpoints": Key(None, integer(1)),
+    "activation_checkpointing.partition_activations": Key(quiet_at=False),
+    "activation_checkpointing.contiguous_memory_optimization": Key(quiet_at=False),
+    "activation_checkpointing.synchronize_checkpoint_boundary": Key(quiet_at=False),
+    "activation_checkpointing.profile": Key(quiet_at=False),
+    "pipeline.activation_checkpoint_interval": Key("recompute.policy", _interval),
+    "tensorboard.enabled": Key("log.tensorboard", flag),
+}
+ALIASES = {"bfloat16": "bf16"}  # DeepSpeed accepts both spellings of the bf16 section
+
+
+# --------------------------------------------------------------------------- sections
+
+
+def _finish_optimizer(r: _Reader, seen: dict, layer: dict) -> None:
+    if "optimizer.type" not in seen:
+        raise r.bad("optimizer.type", None, "tenfold trains with AdamW; allowed: Adam, AdamW")
+    torch_adam = seen.get("optimizer.params.torch_adam", False)
+    # "Optimizer name of Adam forces AdamW logic unless adam_w_mode is explicitly set"
+    # (DeepSpeed's engine); adam_w_mode defaults to true
+    decoupled = seen["optimizer.type"] == "adamw" or seen.get("optimizer.params.adam_w_mode", True)
+    train = layer.setdefault("train", {})
+    # torch.optim.AdamW defaults weight_decay to 0.01, torch.optim.Adam and FusedAdam to 0
+    defaults = {"lr": 1e-3, "eps": 1e-8, "weight_decay": 0.01 if torch_adam and decoupled else 0.0}
+    for k, v in defaults.items():
+        train.setdefault(k, v)
+    train["beta1"], train["beta2"] = seen.get("optimizer.params.betas", [0.9, 0.999])
+    if not decoupled and train["weight_decay"] > 0:
+        r.unsupported.append("optimizer.params.adam_w_mode=false (tenfold decays decoupled, as AdamW)")
+
+
+def _finish_scheduler(r: _Reader, seen: dict, layer: dict) -> None:
+    kind = seen.get("scheduler.type")
+    if kind is None:
+        kind = _scheduler_type(r, "scheduler.type", None)
+    params = {k: v for k, v in seen.get("scheduler.params", {}).items() if not _is_auto(v)}
+    if kind == "WarmupDecayLR" and "warmup_max_lr" not in params:
+        params["warmup_max_lr"] = 0.001  # DeepSpeed's default for WarmupDecayLR, made explicit
+    validate_schedule_params(kind, params, total_steps=1)  # same messages as build_scheduler
+    _put(layer, "train.schedule", kind)
+    _put(layer, "train.schedule_params", params)
+    if params.get("warmup_max_lr") is not None and "lr" not in layer.get("train", {}):
+        _put(layer, "train.lr", float(params["warmup_max_lr"]))
+
+
+def _finish_activation_checkpointing(r: _Reader, seen: dict, layer: dict) -> None:
+    number = seen.get("activation_checkpointing.number_checkpoints")
+    if seen.get("activation_checkpointing.cpu_checkpointing", False):
+        _put(layer, "recompute.policy", "offload")
+        if number is not None:
+            r.unsupported.append(f"activation_checkpointing.number_checkpoints={number} (with cpu_checkpointing)")
+    elif number is not None:
+        _put(layer, "recompute.policy", f"segments:{number}")
+
+
+def _finish_precision(r: _Reader, seen: dict, layer: dict) -> None:
+    fp16, bf16 = seen.get("fp16.enabled", False), seen.get("bf16.enabled", False)
+    if fp16 and bf16:
+        raise UserError(f"{r.path}: fp16 and bf16 cannot both be enabled (DeepSpeed rejects this too)")
+    # DeepSpeed trains in fp32 unless fp16 or bf16 is enabled
+    _put(layer, "precision.dtype", "fp16" if fp16 else "bf16" if bf16 else "fp32")
+
+
+# Sections (objects) of a DeepSpeed config and what finishes each once its keys are read.
+# The scheduler and the precision are finished after the whole file (`translate`): the
+# scheduler may take the optimizer's lr, and fp16/bf16 are two sections.
+SECTIONS: dict[str, Callable[[_Reader, dict, dict], None] | None] = {
+    "fp16": None, "bf16": None, "zero_optimization": None, "optimizer": _finish_optimizer,
+    "optimizer.params": None, "scheduler": None,
+    "activation_checkpointing": _finish_activation_checkpointing, "pipeline": None, "tensorboard": None,
+}
+
+
+# --------------------------------------------------------------------------- the walk
 
 
 def _put(layer: dict, dotted: str, value: Any) -> None:
@@ -84,264 +306,66 @@ def _is_auto(v: Any) -> bool:
     return v is None or (isinstance(v, str) and v.lower() == "auto")
 
 
-# --------------------------------------------------------------------------- sections
+def _canonical(dotted: str) -> str:
+    head, _, rest = dotted.partition(".")
+    return ALIASES.get(head, head) + (f".{rest}" if rest else "")
 
 
-def _read_fp16(r: _Reader, sec: dict, layer: dict) -> bool:
-    enabled = False
-    for k, v in sec.items():
-        key = f"fp16.{k}"
+def _apply(r: _Reader, name: str, key: Key, v: Any, seen: dict, layer: dict) -> None:
+    """One DeepSpeed value, `name` as the user spelled it: reported, recorded and/or set."""
+    if key.quiet_at is not _NO_KNOB:
+        if v != key.quiet_at:
+            r.unsupported.append(f"{name}={json.dumps(v)}")
+        return
+    value = key.convert(r, name, v) if key.convert else v
+    seen[_canonical(name)] = value
+    if key.target is not None and value is not None:
+        _put(layer, key.target, value)
+
+
+def _walk(r: _Reader, obj: dict, prefix: str, seen: dict, layer: dict) -> None:
+    for k, v in obj.items():
+        name = f"{prefix}{k}"
+        canonical = _canonical(name)
         if _is_auto(v):
             continue
-        if k == "enabled":
-            enabled = r.as_bool(key, v)
-        elif k == "loss_scale":
-            _put(layer, "precision.loss_scale", float(r.as_number(key, v, 0)))
-        elif k == "initial_scale_power":
-            _put(layer, "precision.initial_scale_power", r.as_int(key, v, 0))
-        elif k == "loss_scale_window":
-            _put(layer, "precision.loss_scale_window", r.as_int(key, v, 1))
-        elif k == "hysteresis":
-            _put(layer, "precision.hysteresis", r.as_int(key, v, 1))
-        elif k == "consecutive_hysteresis":
-            _put(layer, "precision.consecutive_hysteresis", r.as_bool(key, v))
-        elif k == "min_loss_scale":
-            min_scale = float(r.as_number(key, v))
-            if min_scale <= 0:
-                raise r.bad(key, v, "expected a number > 0")
-            _put(layer, "precision.min_loss_scale", min_scale)
-        elif k in ("auto_cast", "fp16_master_weights_and_grads"):
-            r.keep_if(key, v, False)
+        if canonical in SECTIONS:
+            _walk(r, r.section(name, v), name + ".", seen, layer)
+            seen[canonical] = True
+            finish = SECTIONS[canonical]
+            if finish is not None:
+                finish(r, seen, layer)
+        elif canonical in KEYS:
+            _apply(r, name, KEYS[canonical], v, seen, layer)
         else:
-            r.unsupported.append(key)
-    return enabled
+            r.unsupported.append(name)
 
 
-def _read_bf16(r: _Reader, name: str, sec: dict) -> bool:
-    enabled = False
-    for k, v in sec.items():
-        key = f"{name}.{k}"
-        if _is_auto(v):
-            continue
-        if k == "enabled":
-            enabled = r.as_bool(key, v)
-        elif k == "check_grad_overflow":
-            r.keep_if(key, v, True)  # tenfold never applies a non-finite step (train.on_nan: stop|skip)
-        elif k in ("immediate_grad_update", "bf16_master_weights_and_grads", "bf16_optimizer_states"):
-            r.keep_if(key, v, False)  # tenfold keeps fp32 master weights and optimizer states
-        else:
-            r.unsupported.append(key)
-    return enabled
-
-
-_ZERO_KEEP = {  # zero_optimization keys with no PyTorch knob, accepted at these values
-    "reduce_scatter": True, "allgather_partitions": True, "load_from_fp32_weights": True,
-    "ignore_unused_parameters": True, "round_robin_gradients": False, "cpu_offload": False,
-    "cpu_offload_param": False, "elastic_checkpoint": False,
-}
-
-
-def _read_zero(r: _Reader, sec: dict, layer: dict) -> None:
-    for k, v in sec.items():
-        key = f"zero_optimization.{k}"
-        if _is_auto(v):
-            continue
-        if k == "stage":
-            stage = r.as_int(key, v, 0)
-            if stage > 3:
-                raise r.bad(key, v, "expected 0, 1, 2 or 3")
-            _put(layer, "parallel.zero_stage", stage)
-        elif k == "stage3_param_persistence_threshold":
-            _put(layer, "parallel.param_persistence_threshold", r.as_int(key, v, 0))
-        elif k == "reduce_bucket_size":
-            _put(layer, "parallel.reduce_bucket_size", r.as_int(key, v, 1))
-        elif k in ("overlap_comm", "contiguous_gradients"):
-            _put(layer, f"parallel.{k}", r.as_bool(key, v))
-        elif k in ("stage3_gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save"):
-            _put(layer, "checkpoint.export_16bit", r.as_bool(key, v))
-        elif k in ("offload_optimizer", "offload_param"):
-            device = r.section(key, v).get("device", "none") if v is not None else "none"
-            if device != "none":
-                r.unsupported.append(f"{key}.device={json.dumps(device)}")
-        elif k in _ZERO_KEEP:
-            r.keep_if(key, v, _ZERO_KEEP[k])
-        else:
-            r.unsupported.append(key)
-
-
-def _read_optimizer(r: _Reader, sec: dict, layer: dict) -> None:
-    kind = sec.get("type")
-    if not isinstance(kind, str) or kind.lower() not in ("adam", "adamw"):
-        raise r.bad("optimizer.type", kind, "tenfold trains with AdamW; allowed: Adam, AdamW")
-    for k in sec:
-        if k not in ("type", "params"):
-            r.unsupported.append(f"optimizer.{k}")
-    params = r.section("optimizer.params", sec.get("params", {}))
-    if "max_grad_norm" in params:  # DeepSpeed raises here too
-        raise r.bad("optimizer.params.max_grad_norm", params["max_grad_norm"], "use gradient_clipping instead")
-    # DeepSpeed builds the optimizer from these params alone, so its constructor defaults
-    # apply (engine.py `_configure_basic_optimizer`): FusedAdam lr 1e-3, betas (0.9, 0.999),
-    # eps 1e-8, weight_decay 0; with torch_adam torch.optim.AdamW, whose weight_decay is 0.01.
-    torch_adam = params.get("torch_adam", False) is True
-    values = {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01 if torch_adam else 0.0}
-    # "Adam" is decoupled (AdamW) unless adam_w_mode is false; "AdamW" always is
-    decoupled = kind.lower() == "adamw" or params.get("adam_w_mode", True) is not False
-    for k, v in params.items():
-        key = f"optimizer.params.{k}"
-        if _is_auto(v):
-            continue
-        if k in ("lr", "eps", "weight_decay"):
-            values[k] = float(r.as_number(key, v, 0))
-        elif k == "betas":
-            if not (isinstance(v, list) and len(v) == 2):
-                raise r.bad(key, v, "expected [beta1, beta2]")
-            values[k] = [float(r.as_number(key, b, 0)) for b in v]
-        elif k in ("torch_adam", "adam_w_mode"):
-            r.as_bool(key, v)  # implementation choice / handled by `decoupled`
-        elif k in ("bias_correction", "fp32_optimizer_states"):
-            r.keep_if(key, v, True)
-        elif k == "amsgrad":
-            r.keep_if(key, v, False)
-        else:
-            r.unsupported.append(key)
-    if not decoupled and values["weight_decay"] > 0:
-        r.unsupported.append("optimizer.params.adam_w_mode=false (tenfold decays decoupled, as AdamW)")
-    for k in ("lr", "eps", "weight_decay"):
-        _put(layer, f"train.{k}", values[k])
-    _put(layer, "train.beta1", values["betas"][0])
-    _put(layer, "train.beta2", values["betas"][1])
-
-
-def _read_scheduler(r: _Reader, sec: dict, layer: dict) -> None:
-    from tenfold.engine.schedule import DEEPSPEED, validate_schedule_params
-
-    kind = sec.get("type")
-    if kind not in DEEPSPEED:
-        raise r.bad("scheduler.type", kind, f"allowed: {', '.join(DEEPSPEED)}")
-    for k in sec:
-        if k not in ("type", "params"):
-            r.unsupported.append(f"scheduler.{k}")
-    params = {k: v for k, v in r.section("scheduler.params", sec.get("params", {})).items() if not _is_auto(v)}
-    if kind == "WarmupDecayLR" and "warmup_max_lr" not in params:
-        params["warmup_max_lr"] = 0.001  # DeepSpeed's default for WarmupDecayLR, made explicit
-    validate_schedule_params(kind, params, total_steps=1)  # same messages as build_scheduler
-    _put(layer, "train.schedule", kind)
-    _put(layer, "train.schedule_params", params)
-    if params.get("warmup_max_lr") is not None and "lr" not in layer.get("train", {}):
-        _put(layer, "train.lr", float(params["warmup_max_lr"]))
-
-
-def _read_activation_checkpointing(r: _Reader, sec: dict, layer: dict) -> None:
-    offload, number = False, None
-    for k, v in sec.items():
-        key = f"activation_checkpointing.{k}"
-        if _is_auto(v):
-            continue
-        if k == "cpu_checkpointing":
-            offload = r.as_bool(key, v)
-        elif k == "number_checkpoints":
-            number = None if v is None else r.as_int(key, v, 1)
-        elif k in ("partition_activations", "contiguous_memory_optimization",
-                   "synchronize_checkpoint_boundary", "profile"):
-            r.keep_if(key, v, False)
-        else:
-            r.unsupported.append(key)
-    if offload:
-        _put(layer, "recompute.policy", "offload")
-        if number is not None:
-            r.unsupported.append(f"activation_checkpointing.number_checkpoints={number} (with cpu_checkpointing)")
-    elif number is not None:
-        _put(layer, "recompute.policy", f"segments:{number}")
-
-
-def _read_pipeline(r: _Reader, sec: dict, layer: dict) -> None:
-    for k, v in sec.items():
-        key = f"pipeline.{k}"
-        if k == "activation_checkpoint_interval":
-            n = r.as_int(key, v, 0)
-            if n > 0:
-                _put(layer, "recompute.policy", f"every:{n}")
-        else:
-            r.unsupported.append(key)
-
-
-def _read_tensorboard(r: _Reader, sec: dict, layer: dict) -> None:
-    for k, v in sec.items():
-        if k == "enabled":
-            _put(layer, "log.tensorboard", r.as_bool(f"tensorboard.{k}", v))
-        else:
-            r.unsupported.append(f"tensorboard.{k}")
-
-
-# --------------------------------------------------------------------------- top level
-
-_TOP_SCALARS: dict[str, tuple[str, Callable[[_Reader, str, Any], Any]]] = {
-    "train_batch_size": ("train.global_batch", lambda r, k, v: r.as_int(k, v, 1)),
-    "train_micro_batch_size_per_gpu": ("train.micro_batch", lambda r, k, v: r.as_int(k, v, 1)),
-    "gradient_accumulation_steps": ("train.grad_accum", lambda r, k, v: r.as_int(k, v, 1)),
-    "gradient_clipping": ("train.grad_clip", lambda r, k, v: float(r.as_number(k, v, 0))),
-    "steps_per_print": ("log.log_every", lambda r, k, v: r.as_int(k, v, 1)),
-}
-_TOP_KEEP = {  # top-level keys accepted at these values (what tenfold does anyway)
-    "wall_clock_breakdown": False, "prescale_gradients": False, "gradient_predivide_factor": 1.0,
-    "zero_allow_untested_optimizer": False, "memory_breakdown": False, "dump_state": False,
-    "sparse_gradients": False, "disable_allgather": False,
-}
-
-
-def _read_top(r: _Reader, cfg: dict, layer: dict) -> None:
-    fp16 = bf16 = False
-    for k, v in cfg.items():
-        if _is_auto(v):
-            continue
-        if k in _TOP_SCALARS:
-            target, convert = _TOP_SCALARS[k]
-            _put(layer, target, convert(r, k, v))
-        elif k == "fp16":
-            fp16 = _read_fp16(r, r.section(k, v), layer)
-        elif k in ("bf16", "bfloat16"):
-            bf16 = _read_bf16(r, k, r.section(k, v))
-        elif k == "zero_optimization":
-            _read_zero(r, r.section(k, v), layer)
-        elif k == "optimizer":
-            _read_optimizer(r, r.section(k, v), layer)
-        elif k == "scheduler":
-            continue  # after the optimizer: it may need the optimizer's lr
-        elif k == "activation_checkpointing":
-            _read_activation_checkpointing(r, r.section(k, v), layer)
-        elif k == "pipeline":
-            _read_pipeline(r, r.section(k, v), layer)
-        elif k == "tensorboard":
-            _read_tensorboard(r, r.section(k, v), layer)
-        elif k in _TOP_KEEP:
-            r.keep_if(k, v, _TOP_KEEP[k])
-        else:
-            r.unsupported.append(k)
-    if "scheduler" in cfg and not _is_auto(cfg["scheduler"]):
-        _read_scheduler(r, r.section("scheduler", cfg["scheduler"]), layer)
-    if fp16 and bf16:
-        raise UserError(f"{r.path}: fp16 and bf16 cannot both be enabled (DeepSpeed rejects this too)")
-    # DeepSpeed trains in fp32 unless fp16 or bf16 is enabled
-    _put(layer, "precision.dtype", "fp16" if fp16 else "bf16" if bf16 else "fp32")
-
-
-def load_deepspeed_json(path: str | Path) -> tuple[dict, list[str]]:
-    """Read a DeepSpeed JSON config: (config layer for `build_config`, unsupported keys)."""
-    p = Path(path)
-    if not p.is_file():
-        raise UserError(f"DeepSpeed config file not found: {p}")
-    try:
-        cfg = json.loads(p.read_text())
-    except json.JSONDecodeError as e:
-        raise UserError(f"malformed JSON in {p}: line {e.lineno} column {e.colno}: {e.msg}") from None
-    except UnicodeDecodeError as e:
-        raise UserError(f"DeepSpeed config {p} is not UTF-8 text: {e}") from None
-    if not isinstance(cfg, dict):
-        raise UserError(f"DeepSpeed config {p} must be a JSON object {{...}}, got a {type(cfg).__name__}")
-    unsupported: list[str] = []
+def translate(config: dict, path: str | Path = "<config>") -> tuple[dict, list[str]]:
+    """A parsed DeepSpeed config -> (config layer for `build_config`, unsupported keys)."""
+    r = _Reader(Path(path))
+    seen: dict[str, Any] = {}
     layer: dict = {}
-    _read_top(_Reader(p, unsupported), cfg, layer)
-    return layer, unsupported
+    _walk(r, config, "", seen, layer)
+    if "scheduler" in seen:
+        _finish_scheduler(r, seen, layer)
+    _finish_precision(r, seen, layer)
+    return layer, r.unsupported
+
+
+class DeepSpeedConfig(NamedTuple):
+    layer: dict  # tenfold's sections, for `build_config`
+    unsupported: list[str]  # keys tenfold does not honour, as the user wrote them
+    notices: list[str]  # what was read leniently (Python's True/False/None), one line each
+
+
+def load_deepspeed_json(path: str | Path) -> DeepSpeedConfig:
+    """Read a DeepSpeed config file as DeepSpeed does (`tenfold.deepspeed_text`), and translate it."""
+    from tenfold.deepspeed_text import read_deepspeed_text
+
+    config, notices = read_deepspeed_text(Path(path))
+    layer, unsupported = translate(config, path)
+    return DeepSpeedConfig(layer, unsupported, notices)
 
 
 def unsupported_warning(path: str | Path, unsupported: list[str]) -> str | None:

@@ -67,6 +67,7 @@ def resolve_run(cfg: TenfoldConfig, world_size: int, own_model: bool = False) ->
     model = cfg.model.build()
     if tp > 1 and not own_model:
         check_tp_heads(tp, model.n_heads, model.kv_heads, flag="parallel.tp_degree (--tp)")
+        check_tp_hf_family(cfg.model.hf_pretrained or cfg.model.hf_config)
     if world_size % (pp * tp):
         raise UserError(
             f"parallel.pp_degree (--pp) {pp} x parallel.tp_degree (--tp) {tp} = {pp * tp} must divide "
@@ -103,3 +104,27 @@ def check_sequence_split(seq_len: int, tp: int, sequence_parallel: bool) -> int:
             f"({seq_len}, --seq-len) must be a multiple of parallel.tp_degree (--tp) {tp}; or pass --no-sequence-parallel"
         )
     return seq_len
+
+
+# Hugging Face model types whose module names the built-in tensor-parallel plan knows
+# (tenfold.techniques.tensor_parallel.hf_plan: q/k/v/o_proj, gate/up/down_proj, embed_tokens, lm_head).
+HF_TP_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+def check_tp_hf_family(hf_path: str | None) -> None:
+    """A Hugging Face model under --tp must be of a family with a built-in plan: refused here,
+    in one line, before any process starts (the Python API takes a plan for any other)."""
+    if not hf_path:
+        return
+    from pathlib import Path
+
+    from tenfold.models.hf_config import hf_model_type
+
+    path = Path(hf_path)
+    model_type = hf_model_type(str(path / "config.json" if path.is_dir() else path))
+    if model_type not in HF_TP_MODEL_TYPES:
+        raise UserError(
+            f"parallel.tp_degree (--tp): Hugging Face model_type {model_type!r} has no tensor-parallel plan; built "
+            f"in: {', '.join(HF_TP_MODEL_TYPES)} (and tenfold's own models); use --tp 1, or train it through the "
+            "Python API with Trainer(tp_plan={FQN: ParallelStyle})"
+        )

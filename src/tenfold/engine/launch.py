@@ -52,8 +52,8 @@ def _threads_per_rank(nproc: int) -> int:
 
 def preflight(cfg: Any, nproc: int) -> None:
     """What can be checked before any process starts (UserError -> exit 2): the run resolved
-    on `nproc` processes (batch triplet, pp x tp dividing the world, tp dividing the heads),
-    the pipeline's rules and a Hugging Face model's tensor-parallel family."""
+    on `nproc` processes (batch triplet, pp x tp dividing the world, tp dividing the heads, a
+    Hugging Face model's tensor-parallel family) and the pipeline's rules."""
     from tenfold.errors import UserError
     from tenfold.run import resolve_run
 
@@ -61,13 +61,9 @@ def preflight(cfg: Any, nproc: int) -> None:
         raise UserError(f"parallel.pp_degree ({cfg.parallel.pp_degree}) must divide --nproc ({nproc})")
     run = resolve_run(cfg, nproc)
     if run.pp > 1:  # micro-batches >= stages, stages <= layers, --pp-split, tied embeddings
-        from tenfold.techniques.pipeline import validate_run
+        from tenfold.techniques.pipeline_layout import validate_run
 
         validate_run(run)
-    if run.tp > 1:  # a Hugging Face family without a tensor-parallel plan, said once
-        from tenfold.techniques.tensor_parallel import check_hf_family
-
-        check_hf_family(cfg.model.hf_pretrained or cfg.model.hf_config)
 
 
 def run_under_torchrun(argv: list[str], nproc: int, cfg: Any = None) -> int:

@@ -32,6 +32,7 @@ import torch
 import torch.nn as nn
 
 from tenfold.engine.metrics import peak_memory_bytes
+from tenfold.engine.run_shape import fmt_bytes, memory_by_category  # torch-free: the dry run's too
 
 MEMORY_KEYS = (
     "params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes",
@@ -328,15 +329,6 @@ def _natural_key(s: str) -> list:
     return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", s)]
 
 
-def fmt_bytes(n: float | None) -> str:
-    if n is None:
-        return "-"
-    for unit, div in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= div:
-            return f"{n / div:.2f} {unit}"
-    return f"{int(n)} B"
-
-
 def rows_table(rows: list[dict]):
     from rich.table import Table
 
@@ -415,24 +407,13 @@ def predicted_memory(run, device: torch.device | None = None, dtype: str | None 
     lacks it); default the configured one. `plan`: an already computed `Plan`. `model`: what the
     planner is given instead of the run's shape (e.g. a parameter count for a user's own module:
     then only model states are predicted, activations are 0).
-    activations_bytes includes the autocast 16-bit weight copies (the tracker sees them as
-    activations: they are created in forward and saved for backward); peak_bytes is the
-    planner's allocated total (its `Plan.memory.peak_bytes`: model states + activations +
-    communication buffers, no allocator reserve or CUDA context, which no tensor tracker sees).
+    The categories are `memory_by_category`'s.
     """
     if plan is None:
         from tenfold.plan.for_run import predict_run
 
         plan = predict_run(run, planner_hardware_name(device or torch.device("cpu")), dtype, model)
-    m = plan.memory
-    act = (m.activations_bytes or 0.0) + (m.autocast_weight_copies_bytes or 0.0)
-    out = {
-        "params_bytes": m.params_bytes, "grads_bytes": m.grads_bytes, "optimizer_bytes": m.optimizer_bytes,
-        "activations_bytes": act, "buffers_bytes": 0, "other_bytes": m.comm_buffers_bytes,
-        "peak_bytes": m.peak_bytes,
-    }
-    out["total_bytes"] = _model_states_plus_activations(out)
-    return {k: int(round(v)) for k, v in out.items()}
+    return memory_by_category(plan.memory)
 
 
 # --------------------------------------------------------------------------- one run

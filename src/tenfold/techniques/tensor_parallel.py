@@ -142,28 +142,6 @@ def hf_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, Any]:
     return plan
 
 
-HF_MODEL_TYPES = ("llama", "mistral", "qwen2")  # config.json model_type with these module names
-
-
-def check_hf_family(config_path: str | None) -> None:
-    """Before any rank starts: a Hugging Face config.json whose model_type has no built-in
-    plan is refused in one line (the ranks would each refuse it after building the model)."""
-    if not config_path:
-        return
-    from pathlib import Path
-
-    from tenfold.models.hf import read_config_dict
-
-    path = Path(config_path)
-    model_type = read_config_dict(path / "config.json" if path.is_dir() else path).get("model_type")
-    if model_type not in HF_MODEL_TYPES:
-        raise UserError(
-            f"{TP_FLAG}: Hugging Face model_type {model_type!r} has no tensor-parallel plan; built in: "
-            f"{', '.join(HF_MODEL_TYPES)} (and tenfold's own models); use --tp 1, or train it through "
-            "the Python API with Trainer(tp_plan={FQN: ParallelStyle})"
-        )
-
-
 def _hf_parts(model: nn.Module) -> tuple[str, nn.ModuleList]:
     """(FQN of the base model, its decoder layers): `model.layers` under `base_model_prefix`."""
     base = getattr(model, "base_model_prefix", "model") or "model"

@@ -1,0 +1,166 @@
+"""Strict config values, `tenfold train --dry-run`, and the one-line contract for every
+failure: exit 2 for the user's input, 1 for a run that failed, a traceback only with --debug.
+Torch-free: these run under any supported Python without torch."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tenfold.cli import main
+
+
+def _run(tmp_path: Path, capsys, *flags: str) -> tuple[int, str, str]:
+    code = main(["train", "--dry-run", "--out", str(tmp_path / "never"), *flags])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err.strip()
+
+
+def _file(tmp_path: Path, name: str, content: str | bytes) -> str:
+    p = tmp_path / name
+    p.write_bytes(content if isinstance(content, bytes) else content.encode())
+    return str(p)
+
+
+STRICT = [
+    # no infinities or NaN in any float, from flags, --set, TOML or DeepSpeed JSON
+    (["--lr", "inf"], ["train.lr", "finite"]),
+    (["--lr", "nan"], ["train.lr"]),
+    (["--set", "train.eps=inf"], ["train.eps", "finite"]),
+    (["--set", "train.lr=-inf"], ["train.lr"]),
+    (["--set", "precision.loss_scale=nan"], ["precision.loss_scale", "finite"]),
+    (["--set", "parallel.timeout_s=inf"], ["parallel.timeout_s", "finite"]),
+    (["--set", "train.schedule=WarmupLR", "--set", "train.schedule_params={warmup_max_lr=inf}"], ["warmup_max_lr=inf"]),
+    # a boolean is not a number, a number is not a boolean
+    (["--set", "parallel.zero_stage=true"], ["parallel.zero_stage", "not true/false"]),
+    (["--set", "train.lr=true"], ["train.lr", "not true/false"]),
+    (["--set", "log.tensorboard=1"], ["log.tensorboard", "true or false"]),
+    (["--set", "model.bias=0"], ["model.bias", "true or false"]),
+    (["--set", "parallel.pp_split=[true, 1]"], ["parallel.pp_split", "not true/false"]),
+    # no empty names or paths
+    (["--out", ""], ["log.out", "must not be empty"]),
+    (["--data", ""], ["data.path", "must not be empty"]),
+    (["--set", "recompute.policy=' '"], ["recompute.policy", "must not be empty"]),
+    # paths the file system itself refuses
+    (["--set", "model.hf_config=" + "x" * 300], ["model.hf_config", "File name too long"]),
+    (["--config", "x" * 300], ["cannot read config file", "File name too long"]),
+    (["--config", "run\n.toml"], ["config file not found: run\\n.toml"]),  # shown escaped, on one line
+]
+
+
+@pytest.mark.parametrize("flags, needles", STRICT)
+def test_loose_values_exit_2_with_one_line(tmp_path, capsys, flags, needles):
+    code, out, err = _run(tmp_path, capsys, *flags)
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert all(n in err for n in needles), err
+    assert not (tmp_path / "never").exists()
+
+
+@pytest.mark.parametrize(
+    "toml, needles",
+    [
+        ("[train]\nlr = inf\n", ["train.lr", "finite"]),
+        ("[train]\neps = nan\n", ["train.eps", "finite"]),
+        ("[parallel]\nzero_stage = true\n", ["parallel.zero_stage", "not true/false"]),
+        ("[data]\npath = ''\n", ["data.path", "must not be empty"]),
+    ],
+)
+def test_loose_values_in_a_toml_config(tmp_path, capsys, toml, needles):
+    code, _, err = _run(tmp_path, capsys, "--config", _file(tmp_path, "run.toml", toml))
+    assert code == 2 and len(err.splitlines()) == 1 and all(n in err for n in needles), err
+
+
+@pytest.mark.parametrize(
+    "flag, name, content, needle",
+    [
+        ("--config", "run.toml", b"\x89PNG\r\n\x1a\n\x00\xff binary", "is not UTF-8 text (byte 0x89 on line 1)"),
+        ("--config", "run.toml", "[train\nsteps = 3", "malformed TOML"),
+        ("--deepspeed", "ds.json", b"\x00\x01\xfe", "is not UTF-8 text"),
+        ("--deepspeed", "ds.json", '{\n"gradient_clipping": Infinity\n}', "'gradient_clipping' in"),
+        ("--deepspeed", "ds.json", '{"gradient_clipping": Infinity}', "line 1: 'Infinity}' is read as text"),
+    ],
+)
+def test_bad_config_files_are_one_line(tmp_path, capsys, flag, name, content, needle):
+    path = _file(tmp_path, name, content)
+    code, _, err = _run(tmp_path, capsys, flag, path)
+    assert code == 2 and len(err.splitlines()) == 1 and needle in err and path in err, err
+
+
+def test_a_directory_or_device_as_config_is_one_line(tmp_path, capsys):
+    for flag in ("--config", "--deepspeed"):
+        code, _, err = _run(tmp_path, capsys, flag, str(tmp_path))
+        assert code == 2 and err.endswith("is a directory; expected a text file"), err
+        code, _, err = _run(tmp_path, capsys, flag, os.devnull)
+        assert code == 2 and "is not a regular file" in err, err
+
+
+def test_dry_run_prints_the_resolved_run_and_writes_nothing(tmp_path, capsys):
+    code, out, err = _run(tmp_path, capsys, "--nproc", "4", "--pp", "2", "--global-batch", "32",
+                          "--micro-batch", "8", "--zero", "1", "--ac", "every:2", "--precision", "fp16")
+    assert code == 0, err
+    assert "32 = 8 x 2 x dp 2 sequences of 256 tokens (8,192 tokens per step)" in out
+    assert "4 = pp 2 x dp 2 x tp 1; ZeRO 1; recompute every:2" in out and "precision  fp16" in out
+    assert "memory     per rank, predicted (planner): params " in out
+    assert not (tmp_path / "never").exists()
+
+
+def test_dry_run_checks_what_the_run_would_refuse(tmp_path, capsys):
+    for flags, needle in (
+        (["--micro-batch", "2", "--grad-accum", "4", "--global-batch", "16"], "16 must equal"),
+        (["--ac", "every:x"], "every:x"),
+        (["--nproc", "3", "--pp", "2"], "must divide"),
+        (["--seq-len", "4096"], "max_seq_len"),
+        (["--set", "train.schedule=WarmupLR", "--set", "train.schedule_params={warmup_steps=3}"], "warmup_steps"),
+    ):
+        code, out, err = _run(tmp_path, capsys, *flags)
+        assert code == 2 and len(err.splitlines()) == 1 and needle in err and out == "", (flags, err)
+
+
+def test_dry_run_needs_no_torch_and_no_time(tmp_path):
+    """A dry run imports neither torch nor the data (a subprocess: this one may hold torch)."""
+    script = (
+        "import sys, time; t = time.perf_counter(); from tenfold.cli import main; "
+        f"rc = main(['train', '--dry-run', '--model', 'gpt3-125m', '--out', {str(tmp_path / 'x')!r}]); "
+        "assert rc == 0 and 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)[:5]; "
+        "print(f'{time.perf_counter() - t:.2f}')"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert float(proc.stdout.splitlines()[-1]) < 5.0  # ~0.3 s when the machine is quiet
+
+
+def test_anything_that_escapes_validation_is_one_line_and_debug_shows_it(tmp_path, capsys, monkeypatch):
+    import tenfold.engine.run_shape as run_shape
+
+    def boom(cfg):
+        raise ValueError("a bug\nwith two lines")
+
+    monkeypatch.setattr(run_shape, "dry_run", boom)
+    code, _, err = _run(tmp_path, capsys)
+    assert code == 1 and err == "tenfold: error: unexpected ValueError: a bug with two lines (rerun with --debug for the traceback)"
+    for argv in (["train", "--dry-run", "--debug"], ["--debug", "train", "--dry-run"]):
+        with pytest.raises(ValueError, match="a bug"):
+            main(argv)
+
+    def unwritable(cfg):
+        raise PermissionError(13, "Permission denied", "/srv/runs/x/metrics.jsonl")
+
+    monkeypatch.setattr(run_shape, "dry_run", unwritable)
+    code, _, err = _run(tmp_path, capsys)
+    assert (code, err) == (1, "tenfold: error: Permission denied: /srv/runs/x/metrics.jsonl")
+
+
+def test_debug_is_accepted_after_any_subcommand(capsys):
+    assert main(["plan", "--model", "tiny", "--gpu", "cpu", "--json", "--debug"]) == 0
+    assert '"fits"' in capsys.readouterr().out
+
+
+def test_keys_with_control_characters_stay_on_one_line(tmp_path, capsys):
+    path = _file(tmp_path, "ds.json", '{"wand\\nb": 1, "fp16": {"enabled": True}}')
+    code, _, err = _run(tmp_path, capsys, "--deepspeed", path)
+    assert code == 0 and len(err.splitlines()) == 2, err  # the notice, then the warning
+    assert err.splitlines()[1].endswith("(ignored): wand\\nb")
