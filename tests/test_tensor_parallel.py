@@ -234,6 +234,10 @@ def test_the_run_and_the_planner_share_the_tp_layout():
     assert two.params_bytes < 0.6 * one.params_bytes
     off = resolve_run(build_config({"parallel": {"tp_degree": 2, "sequence_parallel": False}}), 2)
     assert not off.sequence_parallel
+    # ZeRO-1 under TP runs on FSDP2 (stage 2's engine): predicted as what it holds
+    zero1 = {"parallel": {"tp_degree": 2, "zero_stage": 1}}
+    assert strategy_for_run(resolve_run(build_config(zero1), 4)).zero == 2
+    assert strategy_for_run(resolve_run(build_config(zero1), 2)).zero == 1  # dp 1: nothing wrapped
 
 
 def test_plan_cli_prices_sequence_parallelism_when_asked(capsys):

@@ -16,10 +16,17 @@ def strategy_for_run(run: ResolvedRun, precision: str | None = None) -> Strategy
     device without it); default the configured one."""
     return Strategy(
         precision=precision or run.precision, micro_batch=run.micro_batch, grad_accum=run.grad_accum,
-        global_batch=run.global_batch, seq_len=run.seq_len, ac=str(run.recompute), zero=run.zero_stage,
+        global_batch=run.global_batch, seq_len=run.seq_len, ac=str(run.recompute), zero=engine_zero_stage(run),
         pp=run.pp, pp_schedule=run.pp_schedule, virtual_stages=run.virtual_stages,
         tp=run.tp, sequence_parallel=run.sequence_parallel, master_weights=False, dropout=False, flash_attention=True, activation_style="tenfold",
     )
+
+
+def engine_zero_stage(run: ResolvedRun) -> int:
+    """The ZeRO stage whose memory the engine really holds: under tensor parallelism ZeRO-1 runs
+    on FSDP2 like stage 2 (DDP and ZeroRedundancyOptimizer take no DTensor parameters), so its
+    gradients are 1/N at the optimizer step too (docs/zero.md)."""
+    return 2 if run.zero_stage == 1 and run.tp > 1 and run.dp > 1 else run.zero_stage
 
 
 def predict_run(run: ResolvedRun, hardware: str, precision: str | None = None, model=None) -> Plan:

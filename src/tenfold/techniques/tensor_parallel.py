@@ -50,9 +50,8 @@ from torch.distributed.tensor.parallel import (
 from tenfold.errors import UserError
 
 TP_FLAG = "parallel.tp_degree (--tp)"
-HF_FAMILY = "Llama, Qwen2 or Mistral"
-HF_BLOCK_NAMES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-                  "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "input_layernorm", "post_attention_layernorm")
+KNOWN_MODELS = ("tenfold's GPT and Hugging Face Llama, Qwen2 or Mistral models (q/k/v/o_proj, gate/up/down_proj, "
+                "embed_tokens, lm_head)")
 
 
 # --------------------------------------------------------------------------- plans
@@ -61,7 +60,7 @@ HF_BLOCK_NAMES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "s
 def _vocab_output(sequence_parallel: bool):
     """Output projection: columns (= vocabulary) split, logits left sharded for loss_parallel."""
     return ColwiseParallel(input_layouts=Shard(1) if sequence_parallel else Replicate(),
-                   output_layouts=Shard(-1), use_local_output=False)
+                           output_layouts=Shard(-1), use_local_output=False)
 
 
 def _block_plan(prefix: str, names: dict[str, str], sequence_parallel: bool, swiglu: bool,
@@ -93,7 +92,8 @@ def _replicated_input(layout, keyword: str | None = None, n_args: int = 1):
     """The module's first input (or its `keyword` input) made a replicated DTensor; any other
     positional inputs (tenfold's RoPE tables) are left alone."""
     if keyword is not None:
-        return PrepareModuleInput(input_kwarg_layouts={keyword: layout}, desired_input_kwarg_layouts={keyword: Replicate()})
+        return PrepareModuleInput(input_kwarg_layouts={keyword: layout},
+                                  desired_input_kwarg_layouts={keyword: Replicate()})
     rest = (None,) * (n_args - 1)
     return PrepareModuleInput(input_layouts=(layout, *rest), desired_input_layouts=(Replicate(), *rest))
 
@@ -134,7 +134,7 @@ def hf_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, Any]:
     if sequence_parallel:
         # the first block cuts its replicated input by sequence position (a local slice)
         plan[f"{base}.layers.0"] = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
-                                           use_local_output=True)
+                                                      use_local_output=True)
         plan[f"{base}.norm"] = SequenceParallel(use_local_output=True)  # lm_head slices its input
     else:
         plan[f"{base}.norm"] = None
@@ -155,8 +155,7 @@ def _hf_parts(model: nn.Module) -> tuple[str, nn.ModuleList]:
 def _unmapped(model: nn.Module, module: str, why: str = "not found") -> UserError:
     return UserError(
         f"{TP_FLAG}: cannot split {type(model).__name__}: module {module} {why}. Tensor parallelism knows "
-        f"tenfold's GPT and Hugging Face {HF_FAMILY} models ({', '.join(n.split('.')[-1] for n in HF_BLOCK_NAMES[:7])}, "
-        "embed_tokens, lm_head); for another model pass Trainer(tp_plan={FQN: ParallelStyle}) or use --tp 1"
+        f"{KNOWN_MODELS}; for another model pass Trainer(tp_plan={{FQN: ParallelStyle}}) or use --tp 1"
     )
 
 
