@@ -37,7 +37,7 @@ test-py310: $(VENV310)/.installed
 $(VENV310)/.installed: pyproject.toml
 	$(PY310) -m venv $(VENV310)
 	$(VENV310)/bin/python -m pip install -q --no-deps -e .
-	$(VENV310)/bin/python -m pip install -q "pydantic>=2.5" "rich>=13" "hjson>=3.0" "tomli>=1.1" "pytest>=7" "hypothesis>=6.100"
+	$(VENV310)/bin/python -m pip install -q "pydantic>=2.5" "rich>=13" "hjson>=3.0" "tomli>=1.1" "tomli-w>=1.0" "pytest>=7" "hypothesis>=6.100"
 	touch $@
 
 clean:

@@ -184,7 +184,7 @@ BAD = [
     (["train", "--sequence-parallel"], "needs parallel.tp_degree (--tp) > 1"),
     (["train", "--nproc", "2", "--tp", "2", "--seq-len", "33"], "must be a multiple of parallel.tp_degree"),
     (["train", "--nproc", "2", "--tp", "2", "--hf-config", GPT2], "model_type 'gpt2' has no tensor-parallel plan"),
-    (["plan", "--model", "tiny", "--gpus", "3", "--tp", "3"], "--tp 3 must divide the 4 query heads"),
+    (["plan", "--model", "tiny", "--gpus", "3", "--tp", "3"], "parallel.tp_degree (--tp) 3 must divide the 4 query heads"),
     (["plan", "--hf-config", LLAMA, "--gpus", "4", "--tp", "4"], "and the 2 key/value heads"),
 ]
 
@@ -225,7 +225,7 @@ def test_the_run_and_the_planner_share_the_tp_layout():
     the run carries both, so the memory printed at the start of a run is split by tp."""
     from tenfold.plan.for_run import predict_run, strategy_for_run
 
-    run = resolve_run(build_config({"parallel": {"tp_degree": 2, "pp_degree": 2}}), 8)
+    run = resolve_run(build_config({"parallel": {"tp_degree": 2, "pp_degree": 2}, "train": {"grad_accum": 2}}), 8)
     assert (run.dp, run.tp, run.sequence_parallel) == (2, 2, True)
     s = strategy_for_run(run)
     assert (s.tp, s.sequence_parallel) == (2, True)
@@ -240,17 +240,17 @@ def test_the_run_and_the_planner_share_the_tp_layout():
     assert strategy_for_run(resolve_run(build_config(zero1), 2)).zero == 1  # dp 1: nothing wrapped
 
 
-def test_plan_cli_prices_sequence_parallelism_when_asked(capsys):
-    """`tenfold plan --tp 2` keeps Narayanan et al. 2021's layout (no SP) unless
-    --sequence-parallel is given; `tenfold train --tp 2` runs with SP and predicts with it."""
+def test_plan_prices_sequence_parallelism_as_train_runs_it(capsys):
+    """`tenfold plan --tp 2` reads train's flags: sequence parallelism on unless
+    --no-sequence-parallel, as `tenfold train --tp 2` runs it."""
     argv = ["plan", "--model", "tiny", "--gpus", "2", "--tp", "2", "--gpu", "cpu", "--json"]
     assert main(argv) == 0
-    off = json.loads(capsys.readouterr().out)
-    assert main([*argv, "--sequence-parallel"]) == 0
     on = json.loads(capsys.readouterr().out)
-    assert (off["strategy"]["sequence_parallel"], on["strategy"]["sequence_parallel"]) == (False, True)
+    assert main([*argv, "--no-sequence-parallel"]) == 0
+    off = json.loads(capsys.readouterr().out)
+    assert (on["strategy"]["sequence_parallel"], off["strategy"]["sequence_parallel"]) == (True, False)
     assert on["memory"]["activations_bytes"] < off["memory"]["activations_bytes"]
-    assert on["tp_bytes_per_step"] > 0
+    assert on["tp_bytes_per_step"] > 0 and not on["unsupported"]
 
 
 def test_planner_traffic_per_layer_is_narayanans():

@@ -52,6 +52,18 @@ def _add_train_parser(subparsers) -> None:
         "train", help=SUBCOMMANDS["train"][1], description=__doc__.splitlines()[0],
         formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EXAMPLES,
     )
+    add_run_arguments(p)
+    once = p.add_mutually_exclusive_group()
+    once.add_argument("--dry-run", action="store_true", help="check the config and print the run it resolves to "
+                      "(batch, precision, model, processes, predicted memory per rank); build, read and write nothing")
+    once.add_argument("--memory-report", action="store_true", help="print the per-module memory of one step and exit")
+    p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=DEBUG_HELP)
+    p.set_defaults(func=run_train)
+
+
+def add_run_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags that make a run's config (`config_from_args`): `tenfold train` takes them, and
+    `tenfold plan` takes the very same ones to predict that run."""
     g = p.add_argument_group("run")
     g.add_argument("--config", metavar="FILE.toml", help="TOML config (sections model, data, train, precision, recompute, parallel, checkpoint, log)")
     g.add_argument("--deepspeed", metavar="DS.json", help="a DeepSpeed config, read as DeepSpeed reads it (comments and trailing commas allowed); unsupported keys are named in one warning")
@@ -93,12 +105,6 @@ def _add_train_parser(subparsers) -> None:
     c.add_argument("--checkpoint-every", type=int, help="save every N steps (0: never)")
     c.add_argument("--keep-last", type=int, help="keep only the newest K checkpoints")
     c.add_argument("--resume", help="auto (newest complete checkpoint in --out) or a checkpoint path")
-    once = p.add_mutually_exclusive_group()
-    once.add_argument("--dry-run", action="store_true", help="check the config and print the run it resolves to "
-                      "(batch, precision, model, processes, predicted memory per rank); build, read and write nothing")
-    once.add_argument("--memory-report", action="store_true", help="print the per-module memory of one step and exit")
-    p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=DEBUG_HELP)
-    p.set_defaults(func=run_train)
 
 
 # flag -> (section, key)
@@ -150,6 +156,32 @@ def config_from_args(args: argparse.Namespace):
     layers.append(flags)
     layers.extend(parse_set_item(item) for item in args.set)
     return build_config(*layers)
+
+
+def train_argv(cfg, always: dict[str, tuple[str, ...]] | None = None) -> list[str]:
+    """The flags that make `config_from_args` build exactly `cfg` (`tenfold plan` prints them as
+    a launch line): every value that differs from the default, and those of `always` (section ->
+    keys), as its flag where there is one, else `--set section.key=value`. `parallel.nproc` is the
+    launcher's (--nproc / torchrun)."""
+    from tenfold.config import TenfoldConfig, toml_literal
+
+    flag_of = {key: name for name, key in _TRAIN_FLAGS.items()}
+    default = TenfoldConfig().model_dump(mode="json")
+    out: list[str] = []
+    for section, values in cfg.model_dump(mode="json").items():
+        for key, value in values.items():
+            shown = key in (always or {}).get(section, ()) and value is not None
+            if (value == default[section][key] and not shown) or (section, key) == ("parallel", "nproc"):
+                continue
+            flag = flag_of.get((section, key))
+            if (section, key) == ("log", "progress"):
+                out.append("--no-progress")
+            elif flag is not None and not isinstance(value, (bool, dict, type(None))):
+                text = ",".join(map(str, value)) if isinstance(value, list) else str(value)
+                out += [f"--{flag.replace('_', '-')}", text]
+            else:
+                out += ["--set", f"{section}.{key}={toml_literal(value)}"]
+    return out
 
 
 def run_train(args: argparse.Namespace) -> int:

@@ -292,3 +292,33 @@ def build_config(*layers: dict) -> TenfoldConfig:
         raise UserError(_format_validation_error(e)) from None
     cfg.seq_len()  # context check
     return cfg
+
+
+# --------------------------------------------------------------------------- writing
+
+
+def toml_literal(value: Any) -> str:
+    """`value` as a TOML value (`--set section.key=<this>` reads it back): 3, 0.0003, "text",
+    [1, 3], true, {"key" = 1}."""
+    import json
+
+    import tomli_w
+
+    if isinstance(value, dict):  # inline table (tomli_w writes dicts as [sections])
+        return "{" + ", ".join(f"{json.dumps(str(k))} = {toml_literal(v)}" for k, v in value.items()) + "}"
+    return tomli_w.dumps({"v": value}).split("=", 1)[1].strip()
+
+
+def config_toml(cfg: TenfoldConfig, always: dict[str, tuple[str, ...]] | None = None) -> str:
+    """`cfg` as a TOML file that `load_toml` + `build_config` read back to the same config: the
+    values that differ from the defaults, and the keys of `always` (section -> keys) even at
+    their default, so that a reader sees them."""
+    import tomli_w
+
+    data = cfg.model_dump(mode="json", exclude_defaults=True)
+    full = cfg.model_dump(mode="json")
+    for section, keys in (always or {}).items():
+        for key in keys:
+            if full[section][key] is not None:
+                data.setdefault(section, {})[key] = full[section][key]
+    return tomli_w.dumps({s: data[s] for s in TenfoldConfig.model_fields if s in data})

@@ -3,6 +3,9 @@ part of tenfold reads (batch triplet, sequence length, model shape, mesh sizes, 
 policy, pipeline schedule). The trainer, the launcher and the planner's view of a training
 run all start from `resolve_run`, so none of them derives these values a second time.
 
+Every run is checked against the engine's capability table (tenfold.capabilities) as it is
+resolved, so `tenfold train` and `tenfold plan` refuse the same runs with the same message.
+
 No torch here: `tenfold plan` resolves the same run without it.
 """
 
@@ -10,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from tenfold import capabilities
 from tenfold.config import TenfoldConfig
 from tenfold.errors import UserError
 from tenfold.models.presets import ModelConfig
@@ -51,15 +55,43 @@ class ResolvedRun:
     def tokens_per_step(self) -> int:
         return self.global_batch * self.seq_len
 
+    @property
+    def model_kind(self) -> str:
+        return model_kind(self.config)
+
+    @property
+    def layout(self) -> capabilities.Layout:
+        """The run as the capability table judges it."""
+        split = self.config.parallel.pp_split
+        return capabilities.Layout(
+            model=self.model, world_size=self.world_size, pp=self.pp, zero=self.zero_stage, recompute=self.recompute,
+            precision=self.precision, micro_batches=self.grad_accum, schedule=self.pp_schedule,
+            virtual_stages=self.virtual_stages, model_kind=self.model_kind, pp_split=tuple(split) if split else None,
+            tp=self.tp, hf_model_type=hf_model_type(self.config) if self.tp > 1 else "",
+        )
+
+    def batch_summary(self) -> dict:
+        """The batch as a run reports it (summary.json's `batch`, `tenfold plan --json`'s `run.batch`)."""
+        return {"micro_batch": self.micro_batch, "grad_accum": self.grad_accum, "global_batch": self.global_batch,
+                "seq_len": self.seq_len}
+
     def with_seq_len(self, seq_len: int) -> "ResolvedRun":
         """The same run on sequences of another length (a user's own packed dataset)."""
         return replace(self, seq_len=check_sequence_split(seq_len, self.tp, self.sequence_parallel))
 
 
-def resolve_run(cfg: TenfoldConfig, world_size: int, own_model: bool = False) -> ResolvedRun:
-    """Check what depends on the number of processes and derive every shared value.
-    `own_model`: the model is the user's own module (Python API), so the configured shape says
-    nothing about its heads; its tensor-parallel plan is checked when it is applied."""
+def model_kind(cfg: TenfoldConfig) -> str:
+    """The configured model's kind (tenfold.capabilities.MODEL_KINDS): tenfold's GPT, or a
+    Hugging Face model."""
+    return "hf" if cfg.model.hf_config or cfg.model.hf_pretrained else "tenfold"
+
+
+def resolve_run(cfg: TenfoldConfig, world_size: int, check: bool = True, own_model: bool = False) -> ResolvedRun:
+    """Check what depends on the number of processes, derive every shared value, and refuse
+    (UserError) a run the engine cannot do. `check=False`: do not refuse it (`tenfold plan`
+    prices such a run and says why train would refuse it). `own_model`: the model is the
+    user's own module (Python API), so the configured shape says nothing about its heads; its
+    tensor-parallel plan is checked when it is applied."""
     if isinstance(world_size, bool) or world_size < 1:
         raise UserError(f"the number of processes must be a positive integer, got {world_size!r}")
     par = cfg.parallel
@@ -67,7 +99,6 @@ def resolve_run(cfg: TenfoldConfig, world_size: int, own_model: bool = False) ->
     model = cfg.model.build()
     if tp > 1 and not own_model:
         check_tp_heads(tp, model.n_heads, model.kv_heads, flag="parallel.tp_degree (--tp)")
-        check_tp_hf_family(cfg.model.hf_pretrained or cfg.model.hf_config)
     if world_size % (pp * tp):
         raise UserError(
             f"parallel.pp_degree (--pp) {pp} x parallel.tp_degree (--tp) {tp} = {pp * tp} must divide "
@@ -76,7 +107,7 @@ def resolve_run(cfg: TenfoldConfig, world_size: int, own_model: bool = False) ->
     dp = world_size // (pp * tp)
     sequence_parallel = sequence_parallel_for(tp, par.sequence_parallel)
     seq_len = check_sequence_split(cfg.seq_len(), tp, sequence_parallel)
-    return ResolvedRun(
+    run = ResolvedRun(
         config=cfg, world_size=world_size, pp=pp, dp=dp,
         batch=resolve_batch(cfg.train.micro_batch, cfg.train.grad_accum, cfg.train.global_batch, dp),
         seq_len=seq_len, precision=cfg.precision.dtype, model=model,
@@ -85,6 +116,9 @@ def resolve_run(cfg: TenfoldConfig, world_size: int, own_model: bool = False) ->
         virtual_stages=virtual_stages_for(par.pp_schedule, par.virtual_stages) if pp > 1 else 1,
         tp=tp, sequence_parallel=sequence_parallel,
     )
+    if check:
+        capabilities.check(run.layout)
+    return run
 
 
 def sequence_parallel_for(tp: int, requested: bool | None) -> bool:
@@ -106,25 +140,14 @@ def check_sequence_split(seq_len: int, tp: int, sequence_parallel: bool) -> int:
     return seq_len
 
 
-# Hugging Face model types whose module names the built-in tensor-parallel plan knows
-# (tenfold.techniques.tensor_parallel.hf_plan: q/k/v/o_proj, gate/up/down_proj, embed_tokens, lm_head).
-HF_TP_MODEL_TYPES = ("llama", "mistral", "qwen2")
-
-
-def check_tp_hf_family(hf_path: str | None) -> None:
-    """A Hugging Face model under --tp must be of a family with a built-in plan: refused here,
-    in one line, before any process starts (the Python API takes a plan for any other)."""
-    if not hf_path:
-        return
+def hf_model_type(cfg: TenfoldConfig) -> str:
+    """A Hugging Face model's config.json `model_type` ("" for tenfold's own models)."""
+    path = cfg.model.hf_pretrained or cfg.model.hf_config
+    if not path:
+        return ""
     from pathlib import Path
 
-    from tenfold.models.hf_config import hf_model_type
+    from tenfold.models.hf_config import hf_model_type as read_model_type
 
-    path = Path(hf_path)
-    model_type = hf_model_type(str(path / "config.json" if path.is_dir() else path))
-    if model_type not in HF_TP_MODEL_TYPES:
-        raise UserError(
-            f"parallel.tp_degree (--tp): Hugging Face model_type {model_type!r} has no tensor-parallel plan; built "
-            f"in: {', '.join(HF_TP_MODEL_TYPES)} (and tenfold's own models); use --tp 1, or train it through the "
-            "Python API with Trainer(tp_plan={FQN: ParallelStyle})"
-        )
+    p = Path(path)
+    return read_model_type(str(p / "config.json" if p.is_dir() else p))

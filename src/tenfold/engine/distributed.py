@@ -154,14 +154,18 @@ def tighten_timeouts_after_first_step(optimizer: torch.optim.Optimizer, timeout_
     if not info.initialized:
         return
     started = time.perf_counter()
-    handle = None
+    done = False
 
     def after_first_step(*_):
-        elapsed = time.perf_counter() - started
-        tighten_timeouts(info, tightened_timeout_s(elapsed, timeout_s))
-        handle.remove()
+        # Stays registered (a no-op from now on): removing a hook while the optimizer iterates
+        # its post-hooks raises "OrderedDict mutated during iteration" when another post-hook
+        # follows it (the memory measurement's, on a one-step run).
+        nonlocal done
+        if not done:
+            done = True
+            tighten_timeouts(info, tightened_timeout_s(time.perf_counter() - started, timeout_s))
 
-    handle = optimizer.register_step_post_hook(after_first_step)
+    optimizer.register_step_post_hook(after_first_step)
 
 
 def print0(*args: Any, **kwargs: Any) -> None:

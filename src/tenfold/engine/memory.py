@@ -32,7 +32,8 @@ import torch
 import torch.nn as nn
 
 from tenfold.engine.metrics import peak_memory_bytes
-from tenfold.engine.run_shape import fmt_bytes, memory_by_category  # torch-free: the dry run's too
+# torch-free: `tenfold plan` reports the same prediction in the same words
+from tenfold.plan.for_run import fmt_bytes, memory_by_category, memory_line
 
 MEMORY_KEYS = (
     "params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes",
@@ -406,8 +407,8 @@ def predicted_memory(run, device: torch.device | None = None, dtype: str | None 
     `dtype`: the precision the engine actually runs (bf16 falls back to fp32 where the device
     lacks it); default the configured one. `plan`: an already computed `Plan`. `model`: what the
     planner is given instead of the run's shape (e.g. a parameter count for a user's own module:
-    then only model states are predicted, activations are 0).
-    The categories are `memory_by_category`'s.
+    then only model states are predicted, activations are 0). The categories are
+    `tenfold.plan.for_run.memory_by_category`'s, which `tenfold plan` reports too.
     """
     if plan is None:
         from tenfold.plan.for_run import predict_run
@@ -452,13 +453,7 @@ class RunMemory:
         if self.predicted is None:
             console.print(f"memory per rank: {self.note}")
             return
-        p = self.predicted
-        console.print(
-            "memory per rank, predicted (planner): "
-            + " | ".join(f"{k.removesuffix('_bytes')} {fmt_bytes(p[k])}" for k in (
-                "params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes", "total_bytes"))
-            + f" | peak {fmt_bytes(p['peak_bytes'])}; measured at step {self.measure_at}"
-        )
+        console.print(f"{memory_line(self.predicted)}; measured at step {self.measure_at}")
 
     def step(self, step_number: int, run_step: Callable[[], Any]) -> Any:
         """Run `run_step()` (one optimizer step); measured when it is the representative step."""

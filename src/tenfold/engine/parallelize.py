@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from tenfold.capabilities import ENGINE
 from tenfold.config import TenfoldConfig
 from tenfold.engine.distributed import DistInfo
 from tenfold.errors import UserError
@@ -86,7 +87,7 @@ def check_techniques(adapter: ModelAdapter, cfg: TenfoldConfig) -> None:
         # its only unit still shards gradients and optimizer states, so it is allowed.)
         # Checked on one process too: the error is about the model, not the launch.
         adapter.require_blocks("parallel.zero_stage 3 (--zero 3, FSDP2 one unit per block)")
-    if cfg.parallel.pp_degree > 1 and adapter.kind != "tenfold":
+    if cfg.parallel.pp_degree > 1 and adapter.kind not in ENGINE.pipeline_models:
         raise UserError(
             f"parallel.pp_degree {cfg.parallel.pp_degree} (--pp): the pipeline split cuts "
             f"tenfold's GPT by parameter name (tok_emb, layers.N, norm, output); a {adapter.kind} "

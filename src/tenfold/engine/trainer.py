@@ -375,8 +375,7 @@ class Trainer:
             blocks=f"{len(self.adapter.blocks)} x {self.adapter.block_class}", params=self.param_count,
             flops_per_token=self.flops_per_token, device=str(self.dist.device), world_size=self.dist.world_size,
             dtype=self.dtype_name, peak_flops_per_device=self.peak_flops_per_device(),
-            batch={"micro_batch": r.micro_batch, "grad_accum": r.grad_accum, "global_batch": r.global_batch,
-                   "seq_len": r.seq_len},
+            batch=r.batch_summary(),
         )
 
     def _progress_start(self) -> None:

@@ -85,6 +85,8 @@ class Plan:
     gpu_hours: float | None
     max_micro_batch: int | None = None  # largest micro-batch that fits, the rest unchanged (set by the CLI; see largest_micro_batch)
     tp_bytes_per_step: float = 0.0  # tensor-parallel traffic per rank per step (tenfold.plan.tp_traffic), busiest stage
+    # Why `tenfold train` cannot run this strategy (tenfold.capabilities; set by the CLI and --search)
+    unsupported: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     explain: list[Explained] = field(default_factory=list)
 

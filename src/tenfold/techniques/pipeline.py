@@ -32,11 +32,11 @@ from typing import Sequence
 import torch
 import torch.nn as nn
 
+# The pipeline's rules are in the engine's capability table (torch-free: the planner applies
+# them too); tenfold.run.resolve_run checks every run against them before anything is built.
+from tenfold.capabilities import check_manual_split, num_stages
 from tenfold.errors import UserError
-from tenfold.techniques.pipeline_layout import (  # torch-free: `tenfold train --dry-run` checks with it too
-    check_manual_split, layer_counts, local_stage_ids, num_stages, split_fqns, validate_run,
-)
-
+from tenfold.techniques.pipeline_layout import layer_counts, local_stage_ids, split_fqns  # torch-free
 
 
 class GPTStage(nn.Module):
@@ -199,9 +199,9 @@ def describe_split(split: PipelineSplit, model_cfg) -> list[str]:
 
 
 def split_for_rank(model: nn.Module, run, dist_info, compute_dtype: torch.dtype | None) -> PipelineSplit:
-    """Step 1 of `engine.parallelize` under PP: validate, split, print the split once.
-    `compute_dtype`: the autocast dtype (None for fp32)."""
-    validate_run(run)
+    """Step 1 of `engine.parallelize` under PP: split, print the split once. The run's pipeline
+    rules were checked when it was resolved (tenfold.run.resolve_run). `compute_dtype`: the
+    autocast dtype (None for fp32)."""
     split = split_model(model, dist_info.pp_rank, dist_info.pp_size, run.pp_schedule,
                         run.virtual_stages, run.config.parallel.pp_split)
     split.dtypes = boundary_dtypes(model, split.counts, compute_dtype or torch.float32)
