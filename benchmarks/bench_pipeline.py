@@ -44,6 +44,7 @@ def trainer_config(args, pp: int, grad_accum: int, out: str) -> dict:
                   "eval_every": 0, "eval_batches": 1, "warmup_steps": 2, "seed": 7},
         "parallel": {"pp_degree": pp, "pp_schedule": args.schedule, "nproc": 2},
         "log": {"out": out, "progress": False, "tensorboard": False},
+        "checkpoint": {"final": False},
     }
 
 

@@ -89,6 +89,7 @@ def tenfold_stepper(args, data):
         "precision": {"dtype": "fp32"},
         "parallel": {"zero_stage": args.stage},
         "log": {"out": args.tmp, "progress": False, "tensorboard": False},
+        "checkpoint": {"final": False},
     }
     t = Trainer(cfg, dataset=data)
     t.setup()

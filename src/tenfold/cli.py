@@ -69,7 +69,9 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--deepspeed", metavar="DS.json", help="a DeepSpeed config, read as DeepSpeed reads it (comments and trailing commas allowed); unsupported keys are named in one warning")
     g.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override any config key (repeatable), e.g. --set train.weight_decay=0.05")
     g.add_argument("--out", help="output directory (metrics.jsonl, summary.json, tensorboard/, checkpoints/); default runs/tenfold")
-    g.add_argument("--no-progress", action="store_true", help="no live progress bar")
+    g.add_argument("--no-progress", action="store_true", help="no live progress bar: plain per-step lines, as when stdout is not a terminal")
+    g.add_argument("--log-every", type=int, metavar="N", help="metrics rows and plain lines every N steps (default 1); on a terminal, N > 1 also keeps a line every N steps above the bar")
+    g.add_argument("--wandb", action="store_true", help="also log to Weights & Biases (needs tenfold[wandb]; WANDB_MODE=offline works without a network)")
     m = p.add_argument_group("model and data")
     m.add_argument("--model", help="preset: tiny, small, gpt3-125m ... gpt3-175b, llama-7b/13b/70b (default tiny)")
     m.add_argument("--seq-len", type=int, help="tokens per sequence (default: the model's context)")
@@ -105,6 +107,7 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument("--checkpoint-every", type=int, help="save every N steps (0: never)")
     c.add_argument("--keep-last", type=int, help="keep only the newest K checkpoints")
     c.add_argument("--resume", help="auto (newest complete checkpoint in --out) or a checkpoint path")
+    c.add_argument("--no-final-checkpoint", action="store_true", help="do not save a checkpoint at the last step (saved by default)")
 
 
 # flag -> (section, key)
@@ -120,7 +123,12 @@ _TRAIN_FLAGS = {
     "tp": ("parallel", "tp_degree"), "sequence_parallel": ("parallel", "sequence_parallel"),
     "virtual_stages": ("parallel", "virtual_stages"), "pp_split": ("parallel", "pp_split"),
     "checkpoint_every": ("checkpoint", "every"),
-    "keep_last": ("checkpoint", "keep_last"), "resume": ("checkpoint", "resume"),
+    "keep_last": ("checkpoint", "keep_last"), "resume": ("checkpoint", "resume"), "log_every": ("log", "log_every"),
+}
+# store_true flags -> (section, key, value when given)
+_SWITCHES = {
+    "no_progress": ("log", "progress", False), "wandb": ("log", "wandb", True),
+    "no_final_checkpoint": ("checkpoint", "final", False),
 }
 
 
@@ -151,8 +159,9 @@ def config_from_args(args: argparse.Namespace):
         value = getattr(args, name, None)
         if value is not None:
             flags.setdefault(section, {})[key] = value
-    if args.no_progress:
-        flags.setdefault("log", {})["progress"] = False
+    for name, (section, key, value) in _SWITCHES.items():
+        if getattr(args, name, False):
+            flags.setdefault(section, {})[key] = value
     layers.append(flags)
     layers.extend(parse_set_item(item) for item in args.set)
     return build_config(*layers)

@@ -180,15 +180,19 @@ class CheckpointSection(_Section):
     every: int = Field(0, ge=0)  # 0 = no periodic checkpoints
     keep_last: int | None = Field(None, gt=0)
     resume: str | None = None  # "auto" or a checkpoint path
+    final: bool = True  # a checkpoint at the last step (resume and `tenfold export` start from it)
     export_16bit: bool = False  # stage3_gather_16bit_weights_on_model_save
     async_save: bool = False  # dcp.async_save: write in a background thread, finalise at a later step
 
 
 class LogSection(_Section):
     out: str = "runs/tenfold"
-    log_every: int = Field(1, gt=0)
+    log_every: int = Field(1, gt=0)  # metrics rows and plain console lines every N steps
     tensorboard: bool = True
-    progress: bool = True
+    progress: bool = True  # the live bar on a terminal (plain lines otherwise)
+    wandb: bool = False  # Weights & Biases (the wandb package: tenfold[wandb])
+    wandb_project: str = "tenfold"
+    wandb_name: str | None = None  # None: the output folder's name
 
 
 class TenfoldConfig(_Section):
