@@ -29,6 +29,7 @@ EXAMPLES = """examples:
   tenfold train --precision fp16 --deepspeed ds_config.json
   tenfold train --deepspeed ds_config.json --dry-run  # check the config, print the run; build nothing
   tenfold train --nproc 2 --zero 3 --ac full      # two local ranks, ZeRO-3, full recompute
+  tenfold train --nproc 4 --tp 2 --zero 3         # tensor parallel pairs, ZeRO-3 across them
   tenfold train --hf-pretrained MODEL_DIR --data train.jsonl   # fine-tune with the model's own tokenizer
   tenfold data prepare corpus/ --out corpus.bin --tokenizer MODEL_DIR
   tenfold plan --model gpt3-175b --gpu a100-80gb --gpus 64 --zero 3 --ac full
@@ -102,6 +103,9 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    "the median step (and parallel.watchdog_min_s, 30 s) stops the job, naming the rank that stalled "
                    "(default 10; 0: off)")
     x.add_argument("--pp", type=int, help="pipeline stages")
+    x.add_argument("--tp", type=int, help="tensor-parallel ranks: each layer's matrices split over N ranks (must divide the heads)")
+    x.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None,
+                   help="split norms and the residual stream by sequence over the tp ranks (default: on when --tp > 1)")
     x.add_argument("--pp-schedule", help="gpipe | 1f1b | interleaved | zero-bubble")
     x.add_argument("--virtual-stages", type=int, help="stages per rank for interleaved schedules")
     x.add_argument("--pp-split", type=_int_list, metavar="N,N,...", help="transformer blocks per pipeline stage, e.g. 1,3 (default: even, embedding and head weighted as one block each)")
@@ -122,6 +126,7 @@ _TRAIN_FLAGS = {
     "eval_every": ("train", "eval_every"), "on_nan": ("train", "on_nan"), "precision": ("precision", "dtype"),
     "ac": ("recompute", "policy"), "zero": ("parallel", "zero_stage"), "nproc": ("parallel", "nproc"),
     "pp": ("parallel", "pp_degree"), "pp_schedule": ("parallel", "pp_schedule"),
+    "tp": ("parallel", "tp_degree"), "sequence_parallel": ("parallel", "sequence_parallel"),
     "virtual_stages": ("parallel", "virtual_stages"), "pp_split": ("parallel", "pp_split"),
     "checkpoint_every": ("checkpoint", "every"),
     "keep_last": ("checkpoint", "keep_last"), "resume": ("checkpoint", "resume"), "log_every": ("log", "log_every"),

@@ -73,9 +73,9 @@ def _threads_per_rank(nproc: int) -> int:
 
 def preflight(cfg: Any, nproc: int) -> None:
     """What can be checked before any process starts (UserError -> exit 2): the run resolved
-    on `nproc` processes (batch triplet, pp dividing the world, and what the engine can run:
-    the capability table and the pipeline's rules, tenfold.capabilities). Torch-free and
-    touching no file: `--dry-run` runs it too."""
+    on `nproc` processes (batch triplet, pp x tp dividing the world, tp dividing the heads, and
+    what the engine can run: the capability table and the pipeline's rules, tenfold.capabilities).
+    Torch-free and touching no file: `--dry-run` runs it too."""
     from tenfold.errors import UserError
     from tenfold.run import resolve_run
 

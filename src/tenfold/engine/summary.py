@@ -26,11 +26,12 @@ class RunFacts:
     mfu_note: str | None = None  # why no MFU is reported (a dtype without fast kernels here)
 
 
-def header_line(facts: RunFacts, steps: int, dp: int, device_type: str) -> str:
+def header_line(facts: RunFacts, steps: int, dp: int, device_type: str, tp: int = 1) -> str:
     b = facts.batch
+    split = f" | tp {tp}" if tp > 1 else ""
     return (
         f"[bold]tenfold train[/] {facts.model_label} ({facts.params / 1e6:.2f}M params) | {facts.dtype} | "
-        f"batch {b['global_batch']} = {b['micro_batch']} x {b['grad_accum']} x dp {dp} "
+        f"batch {b['global_batch']} = {b['micro_batch']} x {b['grad_accum']} x dp {dp}{split} "
         f"| seq {b['seq_len']} | {steps} steps | {facts.world_size} process(es) on {device_type}"
     )
 

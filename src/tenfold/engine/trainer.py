@@ -65,6 +65,20 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+TP_SEED_OFFSET = 2718  # Megatron-LM's model-parallel seed offset (megatron/core/tensor_parallel/random.py)
+
+
+def seed_tensor_parallel_ranks(seed: int, dist: DistInfo) -> None:
+    """After the model is built (the same weights on every rank): give each tp rank its own
+    torch random stream, so that dropout inside a tensor-parallel region (attention
+    probabilities of this rank's heads) draws masks independent of the other ranks' heads, as
+    Megatron-LM's model-parallel RNG does. Outside those regions, under sequence parallelism,
+    activations are DTensors and torch's DTensor random ops draw each shard's part of one
+    global mask. Data order does not use torch's stream (tenfold.data keeps its own)."""
+    if dist.tp_size > 1:
+        torch.manual_seed(seed + TP_SEED_OFFSET + dist.tp_rank)
+
+
 class Trainer:
     """Train tenfold's GPT (or a user's `nn.Module`) with the configured techniques.
 
@@ -75,6 +89,10 @@ class Trainer:
     `dataset`: a DataBundle, or an int array (N, seq_len + 1) of packed token sequences.
     `loss_fn(model, batch) -> (sum of token losses, number of targets)` replaces the default
     next-token cross-entropy; `batch` is a dict with input_ids and labels.
+    `tp_plan`: under `parallel.tp_degree > 1`, how to split a user's own `model`
+    ({module FQN or pattern: torch.distributed.tensor.parallel.ParallelStyle}, the argument of
+    `parallelize_module`; docs/tensor_parallel.md). tenfold's GPT and Hugging Face Llama-family
+    models have a built-in plan.
     """
 
     def __init__(
@@ -83,11 +101,13 @@ class Trainer:
         model: nn.Module | None = None,
         dataset: Any = None,
         loss_fn: Callable | None = None,
+        tp_plan: dict | None = None,
     ):
         if config is None or isinstance(config, dict):
             config = build_config(config or {})
         self.cfg: TenfoldConfig = config
         self.user_model, self.user_dataset, self.loss_fn = model, dataset, loss_fn
+        self.tp_plan = tp_plan
         self.state = TrainState()
         self.console = None
         self.watchdog = None  # engine/watchdog.StepWatchdog while a multi-process fit() runs
@@ -98,17 +118,18 @@ class Trainer:
     def setup(self) -> None:
         """Validate everything and build model, data, optimizer. Writes nothing to disk."""
         cfg = self.cfg
-        self.run: ResolvedRun = resolve_run(cfg, world_size_from_env())
+        self.run: ResolvedRun = resolve_run(cfg, world_size_from_env(), own_model=self.user_model is not None)
         from tenfold.engine.wandb_log import check_available
 
         check_available(cfg.log.wandb)
-        self.dist: DistInfo = init_distributed(self.run.pp, cfg.parallel.timeout_s)
+        self.dist: DistInfo = init_distributed(self.run.pp, cfg.parallel.timeout_s, self.run.tp)
         self.precision: Precision = build_precision(cfg.precision, self.dist.device)
         self.data = self._build_data()
         if self.user_dataset is not None:  # a user's packed rows set the sequence length
             self.run = self.run.with_seq_len(int(np.asarray(self.data.train[:1]).shape[1]) - 1)
         seed_everything(cfg.train.seed)
         self._build_model()
+        seed_tensor_parallel_ranks(cfg.train.seed, self.dist)
         self._build_optimizer()
         from tenfold.data import make_loader  # in memory, or streamed (data.streaming)
 
@@ -141,16 +162,18 @@ class Trainer:
     def _build_model(self) -> None:
         """The model on this rank's device, its adapter (blocks, FLOPs, loss), then every
         technique applied in the one composition point."""
-        from tenfold.engine.parallelize import check_techniques, parallelize
+        from tenfold.engine.parallelize import check_techniques, check_tensor_parallel, parallelize
         from tenfold.models.adapter import adapt
 
         model = self._new_model().to(self.dist.device)
         self.adapter = adapt(model, self.run.seq_len, self.cfg.model.blocks, self.loss_fn)
         check_techniques(self.adapter, self.cfg)
+        check_tensor_parallel(model, self.adapter, self.run, self.tp_plan)
         if hasattr(self.data, "fit_to_model"):  # packed examples: position_ids where the model masks by them
             self.data.fit_to_model(model, self.adapter.kind, self.dist.device)
         self.model = parallelize(model, self.run, self.dist, blocks=self.adapter.blocks,
-                                 param_dtype=self.precision.compute_dtype)
+                                 param_dtype=self.precision.compute_dtype, kind=self.adapter.kind,
+                                 tp_plan=self.tp_plan)
 
     def _new_model(self) -> nn.Module:
         if self.user_model is not None:
@@ -221,7 +244,7 @@ class Trainer:
         loss_sum = torch.zeros((), dtype=torch.float64, device=dev)
         for i, mb in enumerate(micro_batches):
             batch = {k: v.to(dev, non_blocking=True) for k, v in mb.items()}
-            with zero.grad_sync(self.model, enabled=i == len(micro_batches) - 1):
+            with zero.grad_sync(self.model, enabled=i == len(micro_batches) - 1), self._loss_context():
                 with self.precision.autocast():
                     mb_loss_sum = self.forward_loss(batch)
                 loss = acc.scaled_for_backward(mb_loss_sum, global_tokens, self.dist.dp_size)
@@ -232,12 +255,22 @@ class Trainer:
     def apply_gradients(self, loss: float, global_tokens: int) -> StepResult:
         """The step tail every run takes (techniques.precision.finish_step)."""
         params = [p for p in self.model.parameters() if p.requires_grad]
+        if self.dist.tp_size > 1:
+            from tenfold.techniques.tensor_parallel import settle_gradients
+
+            settle_gradients(params)
         train = self.cfg.train
         result = finish_step(self.optimizer, self.scheduler, self.precision, params, loss, global_tokens,
                              self._clip, train.grad_clip, on_nan=train.on_nan, step=self.state.step + 1)
         if result.message and self.dist.is_main:
             log.warning(result.message)
         return result
+
+    def _loss_context(self):
+        """loss_parallel under tensor parallelism: the logits stay split over the vocabulary."""
+        from tenfold.techniques.tensor_parallel import loss_context
+
+        return loss_context(self.dist.tp_size)
 
     def _clip(self, max_norm: float) -> float:
         """Clip to the global gradient norm over every shard and every pipeline stage."""
@@ -263,7 +296,7 @@ class Trainer:
                 return self.model.eval_loss_sum(batches) / max(count, 1)
             total = 0.0
             for batch in batches:
-                with self.precision.autocast():
+                with self.precision.autocast(), self._loss_context():
                     total += float(self.forward_loss({k: v.to(self.dist.device) for k, v in batch.items()}))
             return total / max(count, 1)
         finally:
@@ -373,7 +406,7 @@ class Trainer:
         self.facts = self._facts()
         if self.console is not None:
             self.console.print(run_summary.header_line(self.facts, self.cfg.train.steps, self.dist.dp_size,
-                                                       self.dist.device.type))
+                                                       self.dist.device.type, self.dist.tp_size))
             self.console.print(f"data: {self.data.describe()}")
         self.run_memory = RunMemory(self)
         self.run_memory.announce(self.console)
