@@ -13,7 +13,7 @@ PY310 ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.10*/bin/python) python
 VENV310 ?= .venv310
 TESTS_WITHOUT_TORCH := tests/test_cli_config.py tests/test_fuzz_cli.py tests/test_deepspeed_json.py tests/test_plan_validation.py
 
-.PHONY: install demo test test-py310 bench clean
+.PHONY: install demo test test-fast test-py310 bench clean
 
 install: $(VENV)/.installed
 
@@ -33,10 +33,14 @@ demo: install
 	@echo "  tenfold train --steps 300 --resume auto                            # continue from the final checkpoint"
 	@echo "  tenfold export runs/tenfold --dtype bf16 --out model.safetensors   # the weights as one 16-bit file"
 	@echo "  tenfold plan --model tiny --gpu cpu --micro-batch 8 --seq-len 256  # the planner's forecast of this run"
-	@echo "More in README.md; examples/ has a TOML config, the seed's DeepSpeed JSON and a SLURM script."
+	@echo "More in README.md; examples/ has a TOML config, the recipe's DeepSpeed JSON and a SLURM script."
 
 test: install
 	$(PY) -m pytest -q
+
+# Unit tests only: no test that starts several processes, no multi-minute test (a few minutes).
+test-fast: install
+	$(PY) -m pytest -q -m "not multiprocess and not slow"
 
 test-py310: $(VENV310)/.installed
 	$(VENV310)/bin/python -m compileall -q src tests

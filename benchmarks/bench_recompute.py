@@ -29,7 +29,7 @@ from tenfold.models.presets import get_preset
 from tenfold.techniques.recompute import apply_recompute
 
 POLICIES = ["none", "selective:attention", "selective:mlp", "every:2", "segments:4", "segments:8", "full"]
-# What each policy is compared with (sources in docs/recompute.md). The seed's "one checkpoint
+# What each policy is compared with (sources in docs/recompute.md). The recipe's "one checkpoint
 # every 12 (24) layers" of a 96-layer model keeps 96/12 = 8 (96/24 = 4) segment boundaries:
 # on `small` (8 layers) the same cut is segments:8 (segments:4).
 CLAIMS = {

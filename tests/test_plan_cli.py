@@ -58,11 +58,11 @@ def test_done_when_ladder_prints_seed_path_with_notes(capsys):
     rungs = d["rungs"]
     assert len(rungs) == 7
     assert [r["seed"]["days"] for r in rungs] == [30, 15, 10, 13, 2.2, 1.8, 3]
-    # The seed's §5 (ZeRO-3 with 8 pipeline stages on 64 GPUs) does not fit: pipelining keeps each
+    # The recipe's §5 (ZeRO-3 with 8 pipeline stages on 64 GPUs) does not fit: pipelining keeps each
     # stage's gradients unreduced and its parameters unsharded between micro-batches.
     assert rungs[0]["fits"] is False and rungs[-1]["fits"] is False
     assert "reduces once per step" in " ".join(rungs[-1]["notes"])
-    # fp16 keeps 16 B/param of model states: the seed's 25% saving does not happen.
+    # fp16 keeps 16 B/param of model states: the recipe's 25% saving does not happen.
     assert rungs[1]["model_states_bytes"] == pytest.approx(rungs[0]["model_states_bytes"])
     assert all(r["notes"] for r in rungs)
 

@@ -111,6 +111,7 @@ def test_plan_and_a_real_run_agree_one_process(tmp_path, capsys, one_thread):
     assert line in printed and line in started
 
 
+@pytest.mark.multiprocess
 @pytest.mark.slow
 def test_done_when_search_emit_then_train(tmp_path, capsys):
     """`tenfold plan --search --emit run.toml` on this machine, then `tenfold train --config
@@ -134,6 +135,7 @@ def test_done_when_search_emit_then_train(tmp_path, capsys):
     assert s["config"]["parallel"]["zero_stage"] == best["strategy"]["zero"]
 
 
+@pytest.mark.multiprocess
 @pytest.mark.slow
 def test_plan_and_a_real_pipeline_run_agree(tmp_path, capsys):
     flags = [*SMALL_FLAGS, *SMALL_DATA, "--precision", "fp32", "--nproc", "2", "--pp", "2", "--grad-accum", "2",

@@ -77,6 +77,7 @@ def _saved_at_the_last_step(out: Path) -> int:
 linux_only = pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="finds the rank processes through /proc (Linux)")
 
 
+@pytest.mark.multiprocess
 @pytest.mark.slow
 def test_sigterm_to_the_launcher_saves_and_every_process_exits_0(tmp_path):
     out = tmp_path / "run"
@@ -94,6 +95,7 @@ def test_sigterm_to_the_launcher_saves_and_every_process_exits_0(tmp_path):
     _saved_at_the_last_step(out)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.slow
 @linux_only
 def test_sigterm_to_one_rank_saves_and_every_process_exits_0(tmp_path):
@@ -111,6 +113,7 @@ def test_sigterm_to_one_rank_saves_and_every_process_exits_0(tmp_path):
     assert f"checkpoint: preempted; saved step {step}, exiting" in stdout
 
 
+@pytest.mark.multiprocess
 @pytest.mark.slow
 @linux_only
 def test_a_stopped_rank_stops_the_job_through_the_watchdog(tmp_path):

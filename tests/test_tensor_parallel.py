@@ -2,7 +2,7 @@
 the one-process loss curve, the per-step collective bytes equal the planner's, the matrices'
 model states are divided by tp, and bad layouts exit 2 in one line.
 
-The ranks run tests/test_tensor_parallel_worker.py under `python -m torch.distributed.run`
+The ranks run tests/workers/tp_worker.py under `python -m torch.distributed.run`
 (2 ranks: tp 2; 4 ranks: tp 2 x dp 2 at every ZeRO stage, tp 2 x pp 2); the one-process
 references run in this pytest process on the same global batch. The CLI tests go through
 `tenfold train` itself (launcher, checkpoints, resume on another layout, export).
@@ -26,8 +26,8 @@ import torch
 
 from conftest import SMALL_FLAGS, read_metrics
 from test_zero import FP32_RTOL, rel_err, torchrun
-import test_tensor_parallel_worker as worker
-from test_zero_worker import MODEL, run_steps, token_array
+from workers import tp_worker as worker
+from workers.zero_worker import MODEL, run_steps, token_array
 
 from tenfold.cli import main
 from tenfold.config import build_config
@@ -44,13 +44,13 @@ TP_BF16_RTOL = 5e-3
 
 @pytest.fixture(scope="module")
 def tp2(tmp_path_factory):
-    return torchrun("tp2", tmp_path_factory.mktemp("tp2"), nproc=2, worker="test_tensor_parallel_worker.py")
+    return torchrun("tp2", tmp_path_factory.mktemp("tp2"), nproc=2, worker="tp_worker.py")
 
 
 @pytest.fixture(scope="module")
 def tp2dp2(tmp_path_factory):
     return torchrun("tp2dp2", tmp_path_factory.mktemp("tp2dp2"), nproc=4, timeout=400,
-                    worker="test_tensor_parallel_worker.py")
+                    worker="tp_worker.py")
 
 
 _REFERENCES: dict = {}
@@ -284,6 +284,7 @@ def _losses(tmp_path: Path, name: str) -> list[float]:
     return [m["loss"] for m in read_metrics(tmp_path / name)]
 
 
+@pytest.mark.multiprocess
 @pytest.mark.slow
 def test_cli_tp2_matches_resumes_on_one_process_and_exports(tmp_path):
     """`tenfold train --nproc 2 --tp 2` = one process; its step-2 checkpoint resumes on one
@@ -312,6 +313,7 @@ def test_cli_tp2_matches_resumes_on_one_process_and_exports(tmp_path):
         torch.testing.assert_close(split[key], full[key], rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.slow
 def test_cli_tp2_dp2_checkpoint_resumes_on_dp2(tmp_path):
     """A tp 2 x dp 2 ZeRO-3 checkpoint resumes on 2 ranks without TP (dp 2, ZeRO-1): DCP

@@ -1,7 +1,7 @@
 """ZeRO stages 0-3 (techniques/zero.py) on gloo: equivalence with one process, per-rank
 model-state memory 1/N, the global fp16 overflow vote.
 
-The ranks run tests/test_zero_worker.py under `python -m torch.distributed.run` (the lead's
+The ranks run tests/workers/zero_worker.py under `python -m torch.distributed.run` (the
 Trainer, the data engineer's GlobalBatchLoader, the memory engineer's measure_step_memory);
 the single-process reference runs in this pytest process with the SAME global batch
 (micro 2 x accum 2 on one rank == micro 1 x accum 2 x dp 2).
@@ -26,16 +26,16 @@ import torch
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
-import test_zero_worker as worker  # noqa: E402
+from workers import zero_worker as worker  # noqa: E402
 
 FP32_RTOL, BF16_RTOL = 1e-5, 2e-3
 
 
-def torchrun(mode: str, tmp_path: Path, nproc: int = 2, timeout: int = 240, worker: str = "test_zero_worker.py") -> dict:
+def torchrun(mode: str, tmp_path: Path, nproc: int = 2, timeout: int = 240, worker: str = "zero_worker.py") -> dict:
     out = tmp_path / f"{mode}-{nproc}.json"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           str(HERE / worker), mode, str(out)]
+           str(HERE / "workers" / worker), mode, str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return json.loads(out.read_text())
@@ -155,6 +155,7 @@ def test_measured_memory_per_rank_shows_the_sharding(two_ranks):
             assert m[s]["params_bytes"] == pytest.approx(params0 / 2, rel=0.02)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.slow
 def test_four_ranks_hold_a_quarter(tmp_path):
     four = torchrun("memory", tmp_path, nproc=4, timeout=400)

@@ -1,4 +1,4 @@
-"""`tenfold train | plan | ladder | export`: parse, call, print. Thin on purpose.
+"""`tenfold train | plan | ladder | export | data | tune`: the command line.
 
 Only the requested subcommand's module is imported, so `tenfold plan` never imports torch.
 Bad input of any kind (flag, config, data file, checkpoint) -> one line on stderr, exit 2.
@@ -18,7 +18,7 @@ from tenfold.errors import RunError, UserError
 SUBCOMMANDS: dict[str, tuple[str | None, str]] = {
     "train": (None, "train a model with the configured techniques (defaults: tiny, stdlib corpus, bf16)"),
     "plan": ("tenfold.plan.cli", "predict memory and time per GPU for a model, fleet and strategy; search strategies"),
-    "ladder": ("tenfold.ladder", "measure the seed's optimization path step by step on this machine"),
+    "ladder": ("tenfold.ladder", "measure the recipe's optimization path step by step on this machine"),
     "export": ("tenfold.engine.export", "write a checkpoint's weights as one safetensors file (+ model config)"),
     "data": ("tenfold.data.prepare", "prepare data: tokenize once into a memory-mapped .bin"),
 }

@@ -141,7 +141,7 @@ class TrainSection(_Section):
 
 class PrecisionSection(_Section):
     dtype: Literal["fp32", "bf16", "fp16"] = "bf16"
-    # fp16 dynamic loss scaling, DeepSpeed's keys and defaults (engine.md §2.3).
+    # fp16 dynamic loss scaling, DeepSpeed's keys and defaults (deepspeed/runtime/config.py).
     loss_scale: float = Field(0.0, ge=0.0)  # 0 = dynamic, > 0 = static scale
     initial_scale_power: int = Field(16, ge=0, le=63)
     loss_scale_window: int = Field(1000, gt=0)

@@ -1,5 +1,5 @@
 """`tenfold export`: one consolidated safetensors file (+ the model config as JSON) from a
-sharded DCP checkpoint: the seed's `stage3_gather_16bit_weights_on_model_save`, done offline.
+sharded DCP checkpoint: the recipe's `stage3_gather_16bit_weights_on_model_save`, done offline.
 
 Consolidation runs on ONE process and needs no model object: the checkpoint's own `.metadata`
 (read with the allow-list unpickler) gives every weight's full shape and dtype, empty tensors of

@@ -1,4 +1,4 @@
-"""The ladder's outputs: a rich table (the seed's ladder with measured multipliers),
+"""The ladder's outputs: a rich table (the recipe's ladder with measured multipliers),
 OUT/ladder.json, OUT/ladder.md and OUT/ladder.png (measured bars beside predicted markers)."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ MEMORY_PARTS = (  # measured categories, stacked in the chart (engine/memory.py'
 def add_multipliers(results: list[RungResult]) -> None:
     """Speed-up and time multiplier of each measured rung against the previous measured rung
     and the baseline (the first measured rung). Every rung trains the same tokens, so the
-    time multiplier is the inverse of the throughput ratio (the seed's "time / 2")."""
+    time multiplier is the inverse of the throughput ratio (the recipe's "time / 2")."""
     measured = [r for r in results if r.status == "measured" and r.tokens_per_s]
     if not measured:
         return
@@ -35,7 +35,7 @@ def add_multipliers(results: list[RungResult]) -> None:
 
 
 def fmt_multiplier(m: float | None) -> str:
-    """A time multiplier as the seed writes it: "/ 2.0" for faster, "x 1.30" for slower."""
+    """A time multiplier as the recipe writes it: "/ 2.0" for faster, "x 1.30" for slower."""
     if m is None:
         return "-"
     return f"/ {1 / m:.2f}" if m < 1 else f"x {m:.2f}"

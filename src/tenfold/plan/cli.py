@@ -1,6 +1,6 @@
 """`tenfold plan`: per-GPU memory, step time, MFU and days for the run `tenfold train` would do
 with the same flags; `--search` for the fastest strategy train can run; `--ladder` for the
-seed's path.
+the recipe's path.
 
 `tenfold plan` reads exactly what `tenfold train` reads (every train flag, `--config`,
 `--deepspeed`, `--set`, resolved by the same code), plus the fleet (`--gpu`, `--gpus` =
@@ -81,7 +81,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="--search: also rank strategies tenfold train cannot run (offload, tied embeddings pipelined, ...), marked")
     o.add_argument("--emit", metavar="FILE.toml", help="write the plan (with --search: the fastest runnable one) as a "
                    "config that `tenfold train --config FILE` runs unchanged")
-    o.add_argument("--ladder", action="store_true", help="the seed's optimization path, rung by rung")
+    o.add_argument("--ladder", action="store_true", help="the recipe's optimization path, rung by rung")
 
 
 def _add_what_ifs(p: argparse.ArgumentParser) -> None:

@@ -207,7 +207,7 @@ def print_ladder(rungs, console: Console | None = None) -> None:
     seed = rungs[0].seed is not None
     first = rungs[0].plan
     c.print(f"[bold]Optimization ladder[/]: {first.model} on {first.hardware}, {first.tokens:.3g} tokens, seq {first.seq_len}"
-            + (" (beside the seed's own claims)" if seed else ""))
+            + (" (beside the recipe's own claims)" if seed else ""))
     t = Table(box=box.SIMPLE_HEAVY)
     cols = ["#", "rung", "GPUs", "GiB/GPU", "fits", "days", "time x"]
     if seed:

@@ -1,18 +1,18 @@
-"""ZeRO stages 0-3 (Rajbhandari et al. 2020; seed §4) on PyTorch's own sharding engines.
+"""ZeRO stages 0-3 (Rajbhandari et al. 2020; recipe §4) on PyTorch's own sharding engines.
 
     stage 0  DDP                                 every rank holds everything; grads all-reduced
     stage 1  DDP + ZeroRedundancyOptimizer       optimizer states 1/N; grads and params full
     stage 2  FSDP2 fully_shard(reshard_after_forward=False)   optimizer states + grads 1/N
     stage 3  FSDP2 fully_shard(reshard_after_forward=True)    + params 1/N between uses
 
-Why these engines (engine.md §6.3, DESIGN.md "existing engines"):
+Why these engines (PyTorch's own, as torchtitan uses them):
   * Stage 1 is DDP + `ZeroRedundancyOptimizer`, not FSDP2 with resharding switched off: at the
     optimizer step ZeRO-1 holds FULL gradients and 1/N of the optimizer states. FSDP2 always
     reduce-scatters at the last micro-batch, which leaves 1/N gradients at the step (that is
     ZeRO-2's memory), so FSDP2 cannot show ZeRO-1.
   * Stage 2/3 are FSDP2, one unit per transformer block plus the root (torchtitan's
     `apply_fsdp`), applied AFTER recompute wrapping so each unit is a (recomputed) block and the
-    re-gather for recompute happens inside the block (engine.md §5.2).
+    re-gather for recompute happens inside the block (torchtitan's `apply_ac` before `apply_fsdp`).
   * FSDP2 reshards after backward in both stages, so at the optimizer step the parameters are
     1/N at stage 2 as well; the stages differ between forward and backward (stage 2 keeps the
     gathered block, stage 3 frees it and re-gathers it in backward). docs/zero.md has the table.
@@ -250,7 +250,7 @@ def grad_sync(model: nn.Module, enabled: bool):
     locally and are all-reduced once, on the last micro-batch. Stages 2/3 (FSDP2):
     reduce-scatter on EVERY micro-step and accumulate the 1/N shards; this keeps only 1/N of
     the gradients alive between micro-steps (the reason for ZeRO-2), as torchtitan and
-    DeepSpeed ZeRO-2/3 do (engine.md §1b)."""
+    DeepSpeed ZeRO-2/3 do (Rajbhandari et al. 2020, section 5.2)."""
     stage = zero_stage_of(model)
     if enabled or stage is None or stage >= 2:
         return contextlib.nullcontext()

@@ -1,9 +1,9 @@
 """Rank-side half of the ZeRO tests: run by `python -m torch.distributed.run` from
 tests/test_zero.py and tests/test_distributed.py, never by pytest itself (no test functions).
 
-    python -m torch.distributed.run --standalone --nproc-per-node N tests/test_zero_worker.py MODE OUT.json
+    python -m torch.distributed.run --standalone --nproc-per-node N tests/workers/zero_worker.py MODE OUT.json
 
-Every rank builds the lead's `Trainer` on the same random token array and runs steps; rank 0
+Every rank builds the `Trainer` on the same random token array and runs steps; rank 0
 writes one JSON file with what every rank saw (losses, memory per rank, skip flags).
 """
 

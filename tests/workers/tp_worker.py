@@ -1,11 +1,11 @@
 """Rank-side half of the tensor-parallel tests: run by `python -m torch.distributed.run` from
 tests/test_tensor_parallel.py, never by pytest itself (no test functions).
 
-    python -m torch.distributed.run --standalone --nproc-per-node N tests/test_tensor_parallel_worker.py MODE OUT.json
+    python -m torch.distributed.run --standalone --nproc-per-node N tests/workers/tp_worker.py MODE OUT.json
 
 MODE tp2 (2 ranks, tp 2, dp 1): many cases, one launch (process start dominates on CPU).
 MODE tp2dp2 (4 ranks): tp 2 x dp 2 at every ZeRO stage, and tp 2 x pp 2.
-Every case runs the lead's Trainer on the same learnable token rows as tests/test_zero.py;
+Every case runs the Trainer on the same learnable token rows as tests/test_zero.py;
 rank 0 writes one JSON file with what every rank saw.
 """
 
@@ -21,9 +21,9 @@ import torch
 import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(__file__))
-from test_zero_worker import config, run_steps, token_array  # noqa: E402
+from zero_worker import config, run_steps, token_array  # noqa: E402
 
-LLAMA = os.path.join(os.path.dirname(__file__), "data", "llama-tiny", "config.json")
+LLAMA = os.path.join(os.path.dirname(__file__), "..", "data", "llama-tiny", "config.json")
 
 
 def tied_llama() -> str:
