@@ -98,6 +98,26 @@ def test_unmapped_deepspeed_knobs_are_named_in_one_warning():
 
 
 @pytest.mark.slow
+def test_collectives_per_step(two_ranks):
+    """The communication of one steady-state step (micro 1 x accum 2 per rank, 2 blocks +
+    the root = 3 FSDP2 units). ZeRO-1: one broadcast of updated parameters per rank (flat
+    buckets), not one per parameter tensor. ZeRO-2: each unit all-gathered once per step
+    although two micro-steps run (the gathered parameters are kept between them), and
+    reduce-scattered on every micro-step. ZeRO-3: gathered for each forward and again for each
+    backward of every micro-step (persistence threshold 0: every unit is freed after use).
+    Mutations: ZeroRedundancyOptimizer without parameters_as_bucket_view broadcasts once per
+    parameter tensor; without `_keep_gathered` ZeRO-2 all-gathers 6 times."""
+    units, micro = 3, 2
+    for rank in ("0", "1"):
+        c = {s: two_ranks[rank][f"{s}-fp32"]["collectives"] for s in range(4)}
+        assert c[1]["broadcast"] == 2, c[1]
+        assert c[2]["all_gather_single"] == units, c[2]
+        assert c[2]["reduce_scatter_single"] == units * micro, c[2]
+        assert c[3]["all_gather_single"] == 2 * units * micro, c[3]
+        assert c[3]["reduce_scatter_single"] == units * micro, c[3]
+
+
+@pytest.mark.slow
 def test_every_rank_trains_rank0s_initial_weights(two_ranks):
     for stage in ("0", "2", "3"):
         r0, r1 = two_ranks["0"]["init_sync"][stage], two_ranks["1"]["init_sync"][stage]

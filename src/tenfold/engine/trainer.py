@@ -85,6 +85,10 @@ class Trainer:
         self.run: ResolvedRun = resolve_run(cfg, world_size_from_env())
         self.dist: DistInfo = init_distributed(self.run.pp, cfg.parallel.timeout_s)
         self.precision: Precision = build_precision(cfg.precision, self.dist.device)
+        if self.dist.device.type == "cpu":  # before the model and data take their memory
+            from tenfold.engine.host_malloc import tune_malloc
+
+            tune_malloc()
         self.data = self._build_data()
         if self.user_dataset is not None:  # a user's packed rows set the sequence length
             self.run = self.run.with_seq_len(int(np.asarray(self.data.train[:1]).shape[1]) - 1)

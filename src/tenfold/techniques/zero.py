@@ -172,11 +172,12 @@ def build_optimizer_for(model: nn.Module, train_cfg: Any, parallel_cfg: Any, dis
     one dp rank, the same optimizer inside `ZeroRedundancyOptimizer`, which gives each rank
     the states of ~1/N of the parameters (whole tensors, largest first, greedy) and broadcasts
     the updated parameters after each step."""
-    from tenfold.techniques.optimizer import build_optimizer
+    from tenfold.techniques.optimizer import allocate_states, build_optimizer
 
     optimizer = build_optimizer(unwrap(model), train_cfg, dist.device)
     if int(parallel_cfg.zero_stage) == 1 and dist.dp_size > 1:
         optimizer = _zero_redundancy(optimizer, dist)
+    allocate_states(local_optimizer(optimizer))  # this rank's states only, no collective
     return optimizer
 
 
@@ -188,8 +189,13 @@ def _zero_redundancy(optimizer: torch.optim.Optimizer, dist: Any) -> torch.optim
     accepted = set(inspect.signature(type(optimizer).__init__).parameters) - {"self", "params"}
     defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
     groups = [{k: v for k, v in g.items() if k == "params" or k in accepted} for g in optimizer.param_groups]
+    # parameters_as_bucket_view: each rank's parameters live in one flat bucket, so the
+    # broadcast of the updated parameters after the step is one collective per rank instead of
+    # one per parameter tensor (torch's ZeroRedundancyOptimizer docs; DeepSpeed ZeRO-1 also
+    # all-gathers flat partitions). On gloo every collective is a round trip between ranks.
     return ZeroRedundancyOptimizer(
-        groups, optimizer_class=type(optimizer), process_group=dp_group(dist), **defaults
+        groups, optimizer_class=type(optimizer), process_group=dp_group(dist),
+        parameters_as_bucket_view=True, **defaults,
     )
 
 
@@ -209,17 +215,35 @@ def zero_stage_of(model: nn.Module) -> int | None:
 
 
 def grad_sync(model: nn.Module, enabled: bool):
-    """Context for one micro-step's forward + backward.
+    """Context for one micro-step's forward + backward; `enabled`: the last micro-step.
 
     Stages 0/1 (DDP): `no_sync()` on non-boundary micro-steps, so gradients accumulate
     locally and are all-reduced once, on the last micro-batch. Stages 2/3 (FSDP2):
     reduce-scatter on EVERY micro-step and accumulate the 1/N shards; this keeps only 1/N of
     the gradients alive between micro-steps (the reason for ZeRO-2), as torchtitan and
-    DeepSpeed ZeRO-2/3 do (engine.md §1b)."""
+    DeepSpeed ZeRO-2/3 do. Stage 2 also keeps its gathered parameters from one micro-step to
+    the next and reshards them only after the last backward (`_keep_gathered`)."""
     stage = zero_stage_of(model)
+    if stage == 2:
+        return _keep_gathered(model, last=enabled)
     if enabled or stage is None or stage >= 2:
         return contextlib.nullcontext()
     return model.no_sync()
+
+
+@contextlib.contextmanager
+def _keep_gathered(model: nn.Module, last: bool):
+    """ZeRO-2 holds whole 16-bit parameters through the step (DeepSpeed keeps them whole all
+    the time); FSDP2 would reshard after each backward and all-gather again in the next
+    micro-step's forward. FSDP2's `set_reshard_after_backward(False)` on the micro-steps
+    before the last skips those re-gathers (its documented use: gradient accumulation), so
+    a step all-gathers each unit once whatever the accumulation. The optimizer step still
+    sees 1/N parameters: the last micro-step reshards."""
+    model.set_reshard_after_backward(last)
+    try:
+        yield
+    finally:
+        model.set_reshard_after_backward(True)
 
 
 def clip_grad_norm(model: nn.Module, max_norm: float, extra_groups=()) -> float:
