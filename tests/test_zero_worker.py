@@ -105,6 +105,8 @@ def mode_equivalence(out_dir: str) -> dict:
         for stage in (0, 1, 2, 3):
             _, r = run_steps(config(stage, dtype, 1, 2, out_dir), measure_at=1 if dtype == "fp32" else None)
             results[f"{stage}-{dtype}"] = r
+    # ZeRO-2 with one FSDP2 unit per block (a 1-element bucket) instead of CPU's grouped blocks
+    results["2-fp32-per-block"] = run_steps(config(2, "fp32", 1, 2, out_dir, reduce_bucket_size=1), measure_at=None)[1]
     for stage in (2, 3):  # recompute wraps the blocks before FSDP2 shards them (parallelize's order)
         cfg = config(stage, "fp32", 1, 2, out_dir)
         cfg["recompute"] = {"policy": "full"}

@@ -126,14 +126,56 @@ def _wrap_fsdp2(model: nn.Module, parallel_cfg: Any, dist: Any, stage: int, para
     threshold = int(parallel_cfg.param_persistence_threshold)
     if blocks is None:
         blocks = list(model.layers.values()) if hasattr(model, "layers") else []
-    for block in blocks:
-        fully_shard(block, mesh=mesh, mp_policy=mp,
-                    reshard_after_forward=_reshard_after_forward(stage, _numel(block), threshold))
+    for unit in fsdp_units(blocks, stage, unit_bucket(parallel_cfg, dist.device.type)):
+        fully_shard(unit if len(unit) > 1 else unit[0], mesh=mesh, mp_policy=mp,
+                    reshard_after_forward=_reshard_after_forward(stage, sum(map(_numel, unit)), threshold))
     block_params = {id(p) for b in blocks for p in b.parameters()}
     root_numel = sum(p.numel() for p in model.parameters() if id(p) not in block_params)
     fully_shard(model, mesh=mesh, mp_policy=mp,
                 reshard_after_forward=_reshard_after_forward(stage, root_numel, threshold))
     return model
+
+
+CPU_UNIT_BUCKET = 25 * 2**20 // 4  # torch DDP's default bucket (bucket_cap_mb=25) in fp32 gradient elements
+
+
+def unit_bucket(parallel_cfg: Any, device_type: str) -> int | None:
+    """ZeRO-2's FSDP2 unit size in parameters (None: one unit per block).
+
+    DeepSpeed ZeRO-2 reduces gradients in buckets of `reduce_bucket_size` elements; FSDP2
+    reduce-scatters one unit per collective, so the bucket maps to consecutive blocks grouped
+    into one unit. Unset, it depends on whether a collective can overlap compute: on CUDA
+    FSDP2 reduce-scatters each block on its own stream while the blocks below run their
+    backward, so one unit per block (torchtitan's `apply_fsdp`); on CPU (gloo) FSDP2's
+    collectives block the step, and each one is a round trip that waits for the slower rank,
+    so blocks are grouped up to torch DDP's default bucket, 25 MiB of fp32 gradients
+    (DeepSpeed's own default, 5e8 elements, would make one unit of a small model and hold all
+    its unsharded gradients at once: +100 MiB per rank on the 20M-parameter benchmark model,
+    docs/benchmarks.md). Grouping costs ZeRO-2 no parameter memory (it keeps every gathered
+    unit from forward to backward anyway); a group's unsharded gradients wait for its one
+    reduce-scatter, as DeepSpeed's wait in its bucket."""
+    if parallel_cfg.reduce_bucket_size:
+        return int(parallel_cfg.reduce_bucket_size)
+    return None if device_type == "cuda" else CPU_UNIT_BUCKET
+
+
+def fsdp_units(blocks: list[nn.Module], stage: int, bucket: int | None) -> list[list[nn.Module]]:
+    """The FSDP2 units (lists of consecutive blocks) below the root. ZeRO-3 shards block by
+    block (what it frees between uses is one block); ZeRO-2 groups consecutive blocks while
+    their parameters fit `bucket` (at least one block per unit)."""
+    if stage != 2 or bucket is None:
+        return [[b] for b in blocks]
+    units: list[list[nn.Module]] = []
+    size = 0
+    for block in blocks:
+        n = _numel(block)
+        if units and size + n <= bucket:
+            units[-1].append(block)
+            size += n
+        else:
+            units.append([block])
+            size = n
+    return units
 
 
 def _numel(module: nn.Module) -> int:
@@ -151,8 +193,8 @@ def _reshard_after_forward(stage: int, unit_numel: int, persistence_threshold: i
 def _warn_unmapped_knobs(parallel_cfg: Any, stage: int, dist: Any) -> None:
     """Name, in one warning, the DeepSpeed knobs that have no PyTorch counterpart here."""
     unmapped = []
-    if stage >= 2 and parallel_cfg.reduce_bucket_size:
-        unmapped.append("reduce_bucket_size (FSDP2 reduces one unit = one block per collective)")
+    if stage == 3 and parallel_cfg.reduce_bucket_size:
+        unmapped.append("reduce_bucket_size (ZeRO-3 on FSDP2 reduces one unit = one block per collective)")
     if stage >= 2 and not parallel_cfg.contiguous_gradients:
         unmapped.append("contiguous_gradients=false (FSDP2 always reduce-scatters into one flat buffer)")
     if parallel_cfg.overlap_comm is False:
