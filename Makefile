@@ -23,8 +23,17 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	touch $@
 
+# The next commands below are the README's "After the demo" block (tests/test_readme.py checks).
 demo: install
 	$(VENV)/bin/tenfold train
+	@echo ""
+	@echo "Demo done: outputs in runs/tenfold/ (listed above). Next, from this folder:"
+	@echo "  source .venv/bin/activate                                          # tenfold, tensorboard, torchrun on PATH"
+	@echo "  tensorboard --logdir runs/tenfold/tensorboard                      # the curves in a browser"
+	@echo "  tenfold train --steps 300 --resume auto                            # continue from the final checkpoint"
+	@echo "  tenfold export runs/tenfold --dtype bf16 --out model.safetensors   # the weights as one 16-bit file"
+	@echo "  tenfold plan --model tiny --gpu cpu --micro-batch 8 --seq-len 256  # the planner's forecast of this run"
+	@echo "More in README.md; examples/ has a TOML config, the seed's DeepSpeed JSON and a SLURM script."
 
 test: install
 	$(PY) -m pytest -q
@@ -37,7 +46,7 @@ test-py310: $(VENV310)/.installed
 $(VENV310)/.installed: pyproject.toml
 	$(PY310) -m venv $(VENV310)
 	$(VENV310)/bin/python -m pip install -q --no-deps -e .
-	$(VENV310)/bin/python -m pip install -q "pydantic>=2.5" "rich>=13" "hjson>=3.0" "tomli>=1.1" "pytest>=7" "hypothesis>=6.100"
+	$(VENV310)/bin/python -m pip install -q "pydantic>=2.5" "rich>=13" "hjson>=3.0" "tomli>=1.1" "tomli-w>=1.0" "pytest>=7" "hypothesis>=6.100"
 	touch $@
 
 # On a CUDA machine: the ~1B preset on one GPU, then ZeRO-3 (and TP) on all of them, within

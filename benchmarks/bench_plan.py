@@ -23,8 +23,10 @@ COMMANDS = {
     "plan --model gpt3-175b (rich tables)": [sys.executable, "-m", "tenfold.plan.cli", "--model", "gpt3-175b", "--gpus", "1024",
                                              "--tp", "8", "--pp", "16", "--global-batch", "1536", "--ac", "full", "--tokens", "300e9"],
     "plan --ladder": [sys.executable, "-m", "tenfold.plan.cli", "--ladder"],
+    # --include-unsupported: every layout is priced (tenfold train runs none of them for GPT-3 175B here)
     "plan --search gpt3-175b 1024 A100": [sys.executable, "-m", "tenfold.plan.cli", "--search", "--model", "gpt3-175b",
-                                          "--gpu", "a100-80gb", "--gpus", "1024", "--global-batch", "1536"],
+                                          "--gpu", "a100-80gb", "--gpus", "1024", "--global-batch", "1536",
+                                          "--include-unsupported"],
 }
 
 

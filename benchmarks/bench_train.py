@@ -45,6 +45,7 @@ def config(model: str, precision: str, steps: int, micro_batch: int, out: str) -
         "train": {"steps": steps, "micro_batch": micro_batch, "grad_accum": 1, "eval_every": 0, "eval_batches": 1,
                   "warmup_steps": 2},
         "log": {"out": out, "progress": False, "tensorboard": False},
+        "checkpoint": {"final": False},
     }
 
 

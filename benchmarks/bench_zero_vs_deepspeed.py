@@ -89,6 +89,7 @@ def _tenfold_config(args) -> dict:
         "precision": {"dtype": args.precision},
         "parallel": {"zero_stage": args.stage},
         "log": {"out": args.tmp, "progress": False, "tensorboard": False},
+        "checkpoint": {"final": False},
     }
 
 

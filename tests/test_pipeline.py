@@ -18,13 +18,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tenfold.capabilities import validate_pipeline
 from tenfold.engine.distributed import shutdown
 from tenfold.errors import UserError
 from tenfold.models.gpt import GPT
 from tenfold.models.presets import get_preset, param_count
 from tenfold.techniques import pipeline as pp
 from tenfold.techniques import pipeline_runner
-from tenfold.techniques.pipeline_layout import validate_pipeline
 from tenfold.terms import IGNORE_INDEX
 
 # A narrow `tiny` (same 4 layers, byte vocabulary) so the multi-process runs take seconds.

@@ -31,11 +31,11 @@ import test_zero_worker as worker  # noqa: E402
 FP32_RTOL, BF16_RTOL = 1e-5, 2e-3
 
 
-def torchrun(mode: str, tmp_path: Path, nproc: int = 2, timeout: int = 240) -> dict:
+def torchrun(mode: str, tmp_path: Path, nproc: int = 2, timeout: int = 240, worker: str = "test_zero_worker.py") -> dict:
     out = tmp_path / f"{mode}-{nproc}.json"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           str(HERE / "test_zero_worker.py"), mode, str(out)]
+           str(HERE / worker), mode, str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return json.loads(out.read_text())

@@ -29,6 +29,7 @@ EXAMPLES = """examples:
   tenfold train --precision fp16 --deepspeed ds_config.json
   tenfold train --deepspeed ds_config.json --dry-run  # check the config, print the run; build nothing
   tenfold train --nproc 2 --zero 3 --ac full      # two local ranks, ZeRO-3, full recompute
+  tenfold train --nproc 4 --tp 2 --zero 3         # tensor parallel pairs, ZeRO-3 across them
   tenfold train --hf-pretrained MODEL_DIR --data train.jsonl   # fine-tune with the model's own tokenizer
   tenfold data prepare corpus/ --out corpus.bin --tokenizer MODEL_DIR
   tenfold plan --model gpt3-175b --gpu a100-80gb --gpus 64 --zero 3 --ac full
@@ -51,12 +52,26 @@ def _add_train_parser(subparsers) -> None:
         "train", help=SUBCOMMANDS["train"][1], description=__doc__.splitlines()[0],
         formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EXAMPLES,
     )
+    add_run_arguments(p)
+    once = p.add_mutually_exclusive_group()
+    once.add_argument("--dry-run", action="store_true", help="check the config and print the run it resolves to "
+                      "(batch, precision, model, processes, predicted memory per rank); build, read and write nothing")
+    once.add_argument("--memory-report", action="store_true", help="print the per-module memory of one step and exit")
+    p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=DEBUG_HELP)
+    p.set_defaults(func=run_train)
+
+
+def add_run_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags that make a run's config (`config_from_args`): `tenfold train` takes them, and
+    `tenfold plan` takes the very same ones to predict that run."""
     g = p.add_argument_group("run")
     g.add_argument("--config", metavar="FILE.toml", help="TOML config (sections model, data, train, precision, recompute, parallel, checkpoint, log)")
     g.add_argument("--deepspeed", metavar="DS.json", help="a DeepSpeed config, read as DeepSpeed reads it (comments and trailing commas allowed); unsupported keys are named in one warning")
     g.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override any config key (repeatable), e.g. --set train.weight_decay=0.05")
     g.add_argument("--out", help="output directory (metrics.jsonl, summary.json, tensorboard/, checkpoints/); default runs/tenfold")
-    g.add_argument("--no-progress", action="store_true", help="no live progress bar")
+    g.add_argument("--no-progress", action="store_true", help="no live progress bar: plain per-step lines, as when stdout is not a terminal")
+    g.add_argument("--log-every", type=int, metavar="N", help="metrics rows and plain lines every N steps (default 1); on a terminal, N > 1 also keeps a line every N steps above the bar")
+    g.add_argument("--wandb", action="store_true", help="also log to Weights & Biases (needs tenfold[wandb]; WANDB_MODE=offline works without a network)")
     m = p.add_argument_group("model and data")
     m.add_argument("--model", help="preset: tiny, small, gpt3-125m ... gpt3-175b, llama-7b/13b/70b (default tiny)")
     m.add_argument("--seq-len", type=int, help="tokens per sequence (default: the model's context)")
@@ -82,6 +97,9 @@ def _add_train_parser(subparsers) -> None:
     x.add_argument("--zero", type=int, help="ZeRO stage 0-3 across data-parallel ranks")
     x.add_argument("--nproc", type=int, help="start N local ranks (a torchrun shortcut)")
     x.add_argument("--pp", type=int, help="pipeline stages")
+    x.add_argument("--tp", type=int, help="tensor-parallel ranks: each layer's matrices split over N ranks (must divide the heads)")
+    x.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None,
+                   help="split norms and the residual stream by sequence over the tp ranks (default: on when --tp > 1)")
     x.add_argument("--pp-schedule", help="gpipe | 1f1b | interleaved | zero-bubble")
     x.add_argument("--virtual-stages", type=int, help="stages per rank for interleaved schedules")
     x.add_argument("--pp-split", type=_int_list, metavar="N,N,...", help="transformer blocks per pipeline stage, e.g. 1,3 (default: even, embedding and head weighted as one block each)")
@@ -89,12 +107,7 @@ def _add_train_parser(subparsers) -> None:
     c.add_argument("--checkpoint-every", type=int, help="save every N steps (0: never)")
     c.add_argument("--keep-last", type=int, help="keep only the newest K checkpoints")
     c.add_argument("--resume", help="auto (newest complete checkpoint in --out) or a checkpoint path")
-    once = p.add_mutually_exclusive_group()
-    once.add_argument("--dry-run", action="store_true", help="check the config and print the run it resolves to "
-                      "(batch, precision, model, processes, predicted memory per rank); build, read and write nothing")
-    once.add_argument("--memory-report", action="store_true", help="print the per-module memory of one step and exit")
-    p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=DEBUG_HELP)
-    p.set_defaults(func=run_train)
+    c.add_argument("--no-final-checkpoint", action="store_true", help="do not save a checkpoint at the last step (saved by default)")
 
 
 # flag -> (section, key)
@@ -107,9 +120,15 @@ _TRAIN_FLAGS = {
     "eval_every": ("train", "eval_every"), "on_nan": ("train", "on_nan"), "precision": ("precision", "dtype"),
     "ac": ("recompute", "policy"), "zero": ("parallel", "zero_stage"), "nproc": ("parallel", "nproc"),
     "pp": ("parallel", "pp_degree"), "pp_schedule": ("parallel", "pp_schedule"),
+    "tp": ("parallel", "tp_degree"), "sequence_parallel": ("parallel", "sequence_parallel"),
     "virtual_stages": ("parallel", "virtual_stages"), "pp_split": ("parallel", "pp_split"),
     "checkpoint_every": ("checkpoint", "every"),
-    "keep_last": ("checkpoint", "keep_last"), "resume": ("checkpoint", "resume"),
+    "keep_last": ("checkpoint", "keep_last"), "resume": ("checkpoint", "resume"), "log_every": ("log", "log_every"),
+}
+# store_true flags -> (section, key, value when given)
+_SWITCHES = {
+    "no_progress": ("log", "progress", False), "wandb": ("log", "wandb", True),
+    "no_final_checkpoint": ("checkpoint", "final", False),
 }
 
 
@@ -140,11 +159,38 @@ def config_from_args(args: argparse.Namespace):
         value = getattr(args, name, None)
         if value is not None:
             flags.setdefault(section, {})[key] = value
-    if args.no_progress:
-        flags.setdefault("log", {})["progress"] = False
+    for name, (section, key, value) in _SWITCHES.items():
+        if getattr(args, name, False):
+            flags.setdefault(section, {})[key] = value
     layers.append(flags)
     layers.extend(parse_set_item(item) for item in args.set)
     return build_config(*layers)
+
+
+def train_argv(cfg, always: dict[str, tuple[str, ...]] | None = None) -> list[str]:
+    """The flags that make `config_from_args` build exactly `cfg` (`tenfold plan` prints them as
+    a launch line): every value that differs from the default, and those of `always` (section ->
+    keys), as its flag where there is one, else `--set section.key=value`. `parallel.nproc` is the
+    launcher's (--nproc / torchrun)."""
+    from tenfold.config import TenfoldConfig, toml_literal
+
+    flag_of = {key: name for name, key in _TRAIN_FLAGS.items()}
+    default = TenfoldConfig().model_dump(mode="json")
+    out: list[str] = []
+    for section, values in cfg.model_dump(mode="json").items():
+        for key, value in values.items():
+            shown = key in (always or {}).get(section, ()) and value is not None
+            if (value == default[section][key] and not shown) or (section, key) == ("parallel", "nproc"):
+                continue
+            flag = flag_of.get((section, key))
+            if (section, key) == ("log", "progress"):
+                out.append("--no-progress")
+            elif flag is not None and not isinstance(value, (bool, dict, type(None))):
+                text = ",".join(map(str, value)) if isinstance(value, list) else str(value)
+                out += [f"--{flag.replace('_', '-')}", text]
+            else:
+                out += ["--set", f"{section}.{key}={toml_literal(value)}"]
+    return out
 
 
 def run_train(args: argparse.Namespace) -> int:

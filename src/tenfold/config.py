@@ -164,6 +164,8 @@ class ParallelSection(_Section):
     zero_stage: int = Field(0, ge=0, le=3)
     nproc: int = Field(1, gt=0)  # `tenfold train --nproc N` starts N local ranks
     pp_degree: int = Field(1, gt=0)
+    tp_degree: int = Field(1, gt=0)  # tensor parallelism: each layer's matrices split over tp ranks
+    sequence_parallel: bool | None = None  # None: on when tp_degree > 1 (tenfold.run.sequence_parallel_for)
     pp_schedule: Literal["gpipe", "1f1b", "interleaved", "zero-bubble"] = "1f1b"  # tenfold.terms.PIPELINE_SCHEDULES
     virtual_stages: int | None = Field(None, gt=0)  # None: 2 for interleaved schedules, else 1
     pp_split: list[int] | None = None
@@ -178,15 +180,19 @@ class CheckpointSection(_Section):
     every: int = Field(0, ge=0)  # 0 = no periodic checkpoints
     keep_last: int | None = Field(None, gt=0)
     resume: str | None = None  # "auto" or a checkpoint path
+    final: bool = True  # a checkpoint at the last step (resume and `tenfold export` start from it)
     export_16bit: bool = False  # stage3_gather_16bit_weights_on_model_save
     async_save: bool = False  # dcp.async_save: write in a background thread, finalise at a later step
 
 
 class LogSection(_Section):
     out: str = "runs/tenfold"
-    log_every: int = Field(1, gt=0)
+    log_every: int = Field(1, gt=0)  # metrics rows and plain console lines every N steps
     tensorboard: bool = True
-    progress: bool = True
+    progress: bool = True  # the live bar on a terminal (plain lines otherwise)
+    wandb: bool = False  # Weights & Biases (the wandb package: tenfold[wandb])
+    wandb_project: str = "tenfold"
+    wandb_name: str | None = None  # None: the output folder's name
 
 
 class TenfoldConfig(_Section):
@@ -290,3 +296,33 @@ def build_config(*layers: dict) -> TenfoldConfig:
         raise UserError(_format_validation_error(e)) from None
     cfg.seq_len()  # context check
     return cfg
+
+
+# --------------------------------------------------------------------------- writing
+
+
+def toml_literal(value: Any) -> str:
+    """`value` as a TOML value (`--set section.key=<this>` reads it back): 3, 0.0003, "text",
+    [1, 3], true, {"key" = 1}."""
+    import json
+
+    import tomli_w
+
+    if isinstance(value, dict):  # inline table (tomli_w writes dicts as [sections])
+        return "{" + ", ".join(f"{json.dumps(str(k))} = {toml_literal(v)}" for k, v in value.items()) + "}"
+    return tomli_w.dumps({"v": value}).split("=", 1)[1].strip()
+
+
+def config_toml(cfg: TenfoldConfig, always: dict[str, tuple[str, ...]] | None = None) -> str:
+    """`cfg` as a TOML file that `load_toml` + `build_config` read back to the same config: the
+    values that differ from the defaults, and the keys of `always` (section -> keys) even at
+    their default, so that a reader sees them."""
+    import tomli_w
+
+    data = cfg.model_dump(mode="json", exclude_defaults=True)
+    full = cfg.model_dump(mode="json")
+    for section, keys in (always or {}).items():
+        for key in keys:
+            if full[section][key] is not None:
+                data.setdefault(section, {})[key] = full[section][key]
+    return tomli_w.dumps({s: data[s] for s in TenfoldConfig.model_fields if s in data})

@@ -52,17 +52,14 @@ def _threads_per_rank(nproc: int) -> int:
 
 def preflight(cfg: Any, nproc: int) -> None:
     """What can be checked before any process starts (UserError -> exit 2): the run resolved
-    on `nproc` processes (batch triplet, pp dividing the world) and the pipeline's rules."""
+    on `nproc` processes (batch triplet, pp x tp dividing the world, tp dividing the heads, and
+    what the engine can run: the capability table and the pipeline's rules, tenfold.capabilities)."""
     from tenfold.errors import UserError
     from tenfold.run import resolve_run
 
     if nproc % cfg.parallel.pp_degree:
         raise UserError(f"parallel.pp_degree ({cfg.parallel.pp_degree}) must divide --nproc ({nproc})")
-    run = resolve_run(cfg, nproc)
-    if run.pp > 1:  # micro-batches >= stages, stages <= layers, --pp-split, tied embeddings
-        from tenfold.techniques.pipeline_layout import validate_run
-
-        validate_run(run)
+    resolve_run(cfg, nproc)
 
 
 def run_under_torchrun(argv: list[str], nproc: int, cfg: Any = None) -> int:

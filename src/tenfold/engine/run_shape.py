@@ -9,42 +9,16 @@ needs the data, the model's modules or the device is checked when the run starts
 file's contents, a tokenizer's vocabulary against the model's, whether a Hugging Face model's
 blocks allow the techniques, and bf16 support (a device without it trains in fp32).
 
-`memory_by_category` and `fmt_bytes` are also what `engine/memory.py` reports with, so the dry
-run and training show the same prediction the same way.
+The memory line is `tenfold.plan.for_run.memory_line`, the one training prints at its start and
+`tenfold plan` prints for the same run.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any
 
-_MEMORY_ROWS = ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes", "total_bytes")
-
-
-def memory_by_category(m: Any) -> dict[str, int]:
-    """The planner's per-rank `MemoryBreakdown` under the engine's measured keys.
-
-    activations_bytes includes the autocast 16-bit weight copies (a tensor tracker sees them
-    as activations: created in forward, saved for backward); peak_bytes is the planner's
-    allocated total (model states + activations + communication buffers, no allocator
-    reserve or CUDA context, which no tensor tracker sees)."""
-    act = (m.activations_bytes or 0.0) + (m.autocast_weight_copies_bytes or 0.0)
-    out = {
-        "params_bytes": m.params_bytes, "grads_bytes": m.grads_bytes, "optimizer_bytes": m.optimizer_bytes,
-        "activations_bytes": act, "buffers_bytes": 0, "other_bytes": m.comm_buffers_bytes,
-        "peak_bytes": m.peak_bytes,
-    }
-    out["total_bytes"] = out["params_bytes"] + out["grads_bytes"] + out["optimizer_bytes"] + act
-    return {k: int(round(v)) for k, v in out.items()}
-
-
-def fmt_bytes(n: float | None) -> str:
-    if n is None:
-        return "-"
-    for unit, div in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= div:
-            return f"{n / div:.2f} {unit}"
-    return f"{int(n)} B"
+# torch-free, shared with the trainer's start line and `tenfold plan`
+from tenfold.plan.for_run import memory_by_category, memory_line
 
 
 def world_size(cfg) -> int:
@@ -67,11 +41,11 @@ def describe(run, predicted: dict[str, int]) -> list[str]:
         f"  precision  {run.precision}" + (" (fp32 where the device has no bf16)" if run.precision == "bf16" else ""),
         f"  batch      {run.global_batch} = {run.micro_batch} x {run.grad_accum} x dp {run.dp} sequences of "
         f"{run.seq_len} tokens ({run.tokens_per_step:,} tokens per step), {c.train.steps} steps",
-        f"  processes  {run.world_size} = pp {run.pp} x dp {run.dp}; ZeRO {run.zero_stage}; recompute {run.recompute}"
-        + (f"; schedule {run.pp_schedule}, {run.virtual_stages} stage(s) per rank" if run.pp > 1 else ""),
-        "  memory     per rank, predicted (planner): "
-        + " | ".join(f"{k.removesuffix('_bytes')} {fmt_bytes(predicted[k])}" for k in _MEMORY_ROWS)
-        + f" | peak {fmt_bytes(predicted['peak_bytes'])}",
+        f"  processes  {run.world_size} = pp {run.pp} x dp {run.dp} x tp {run.tp}; ZeRO {run.zero_stage}; "
+        f"recompute {run.recompute}"
+        + (f"; schedule {run.pp_schedule}, {run.virtual_stages} stage(s) per rank" if run.pp > 1 else "")
+        + ("; sequence parallel" if run.sequence_parallel else ""),
+        "  memory     " + memory_line(predicted).removeprefix("memory "),
         f"  output     {c.log.out}",
     ]
 

@@ -121,6 +121,7 @@ def base_overrides(setup: LadderSetup, steps: int, micro_batch: int, grad_accum:
         "recompute": {"policy": "none"},
         "parallel": {"zero_stage": 0, "pp_degree": 1},
         "log": {"tensorboard": False, "progress": False},
+        "checkpoint": {"final": False},  # a measurement, not a model to keep
     }
     for section, keys in setup.extra.items():
         o.setdefault(section, {}).update(keys)

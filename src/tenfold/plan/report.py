@@ -9,6 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from tenfold.plan.api import Plan
+from tenfold.plan.for_run import batch_line, memory_line
 from tenfold.plan.hardware import GEMM_SHARE_OF_MAMF, Hardware
 
 GiB = 2**30
@@ -22,6 +23,14 @@ def _secs(x: float) -> str:
     if x >= 1:
         return f"{x:,.2f} s"
     return f"{x * 1e3:,.1f} ms"
+
+
+def _duration(x: float) -> str:
+    if x >= 2 * 86400:
+        return f"{x / 86400:,.1f} days"
+    if x >= 2 * 3600:
+        return f"{x / 3600:,.1f} h"
+    return f"{x / 60:,.1f} min" if x >= 120 else _secs(x)
 
 
 def _layout(p: Plan) -> str:
@@ -132,20 +141,59 @@ def print_explain(p: Plan, hw: Hardware, c: Console) -> None:
     c.print(h)
 
 
-def print_search(result, hw: Hardware, gpus: int, console: Console | None = None) -> None:
+def print_run(run: dict | None, console: Console | None = None) -> None:
+    """The run as `tenfold train` prints it at its start, and how to launch it (or why train cannot)."""
+    if run is None:
+        return
     c = console or Console()
-    c.print(f"evaluated {result.evaluated} strategies on {gpus} x {hw.name}; {result.fitting} fit"
-            + (f"; {result.dominated} offloaded twins of fitting layouts skipped as dominated" if result.dominated else ""))
+    c.print(f"the run: {batch_line(run['batch'], run['dp'])} | {run['steps']} steps "
+            f"(about {_duration(run['steps_time_s'])}) | {run['processes']} process(es)")
+    c.print(memory_line(run["memory_predicted"]), markup=False, highlight=False)
+    if run["other_stack"]:
+        c.print(f"[yellow]priced as another training stack[/] ({', '.join(run['other_stack'])}); tenfold train keeps fp32 "
+                "parameters under autocast, eager PyTorch activations")
+    _print_launch(c, run["unsupported"], run["launch"], run["emitted"])
+
+
+def _print_launch(c: Console, unsupported: list[str], launch: str | None, emitted: str | None) -> None:
+    if unsupported:
+        c.print("[red]tenfold train cannot run this:[/] " + "; ".join(unsupported), highlight=False)
+    if launch:
+        if emitted:
+            c.print(f"wrote {emitted}")
+        where = " (on every node; HEAD = the first node's hostname)" if launch.startswith("torchrun") else ""
+        c.print(f"launch{where}:")
+        c.print(f"  {launch}", markup=False, highlight=False, soft_wrap=True)
+
+
+def print_search(result, hw: Hardware, gpus: int, advice=None, console: Console | None = None) -> None:
+    c = console or Console()
+    c.print(f"evaluated {result.evaluated} strategies on {gpus} x {hw.name}, global batch {result.global_batch}; "
+            f"{result.fitting} fit"
+            + (f"; {result.dominated} offloaded twins of fitting layouts skipped as dominated" if result.dominated else "")
+            + (f"; {result.unsupported} that tenfold train cannot run left out (--include-unsupported shows them)"
+               if result.unsupported else ""))
     if not result.best:
-        c.print("[red]no strategy fits[/]: more GPUs, --offload, or a smaller global batch")
+        c.print("[red]no strategy fits[/]: more GPUs, a smaller global batch, or --include-unsupported for "
+                "strategies tenfold train cannot run (offload, tied embeddings pipelined, ...)")
         return
     t = Table(title="Fastest strategies that fit", box=box.SIMPLE_HEAVY)
-    for col in ("#", "layout", "GiB/GPU", "step", "tokens/s", "MFU", "days"):
-        t.add_column(col, justify="right" if col not in ("layout",) else "left")
+    for col in ("#", "layout", "GiB/GPU", "step", "tokens/s", "MFU", "days", "train"):
+        t.add_column(col, justify="right" if col not in ("layout", "train") else "left")
     for i, p in enumerate(result.best, 1):
         t.add_row(str(i), _layout(p), _gib(p.memory.total_bytes), _secs(p.step_time_s), f"{p.tokens_per_s:,.0f}",
-                  f"{p.mfu:.1%}", "-" if p.train_days is None else f"{p.train_days:,.1f}")
+                  f"{p.mfu:.1%}", "-" if p.train_days is None else f"{p.train_days:,.1f}",
+                  "runs" if not p.unsupported else "[red]cannot[/]")
     c.print(t)
+    for i, p in enumerate(result.best, 1):
+        if p.unsupported:
+            c.print(f"#{i}: tenfold train cannot run it: {'; '.join(p.unsupported)}", highlight=False)
+    if advice is None:
+        c.print("[red]none of these is a strategy tenfold train runs[/]; rerun without --include-unsupported")
+        return
+    if result.best[0].unsupported:
+        c.print(f"the fastest strategy tenfold train runs: #{result.best.index(next(p for p in result.best if not p.unsupported)) + 1}")
+    _print_launch(c, [], advice.launch, advice.emitted)
 
 
 def _days(d: float) -> str:

@@ -2,9 +2,12 @@
 a model, fleet and global batch; the top k that fit, by predicted throughput.
 
 GPipe is never better than 1F1B (same bubble, more activations in flight) and is left out.
-Optimizer offload is left out by default (tenfold's engine has none); with `offloads=("none",
-"optimizer")` it is priced by its host-link traffic, and when a layout fits without offload its
-offloaded twin is skipped as dominated (counted, not evaluated).
+Only strategies `tenfold train` can run are ranked (tenfold.capabilities: no tensor parallelism
+or offload in the engine today, no pipeline for a model with tied embeddings or fewer
+micro-batches than stages, ...); `include_unsupported=True` ranks the others too, marked.
+Optimizer offload is left out by default; with `offloads=("none", "optimizer")` (and
+`include_unsupported`) it is priced by its host-link traffic, and when a layout fits without
+offload its offloaded twin is skipped as dominated (counted, not evaluated).
 Valid means: tp divides the query and key/value heads and stays inside a node (TP over the network is never
 worth it: 4 all-reduces per layer per micro-batch); tp x pp divides the GPUs; the micro-batch
 and data-parallel size divide the global batch; interleaving needs layers divisible by p x v
@@ -13,11 +16,13 @@ and micro-batches divisible by p. Memory is checked first (cheap); time only for
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, replace
 
 from tenfold.errors import UserError
 from tenfold.plan.api import Plan, _fits as fits, _predict, predict, predict_memory
+from tenfold.plan.for_run import strategy_problems
 from tenfold.plan.hardware import Hardware, get_hardware, with_gpus_per_node
 from tenfold.plan.shape import ModelShape, shape_of
 from tenfold.plan.strategy import Strategy, tp_choices
@@ -35,6 +40,8 @@ class SearchResult:
     fitting: int  # of which fit
     candidates: list[tuple[float, float, bool]]  # (total GiB, tokens/s or 0, fits) for --plot
     dominated: int = 0  # offloaded twins of layouts that already fit without offload (skipped)
+    unsupported: int = 0  # strategies `tenfold train` cannot run, left out (tenfold.capabilities)
+    global_batch: int = 0  # sequences per step, the same for every strategy
 
 
 def _powers_of_two_upto(n: int) -> list[int]:
@@ -51,56 +58,71 @@ def default_global_batch(seq_len: int, dp_max: int) -> int:
 
 
 def search(model, hardware: "str | Hardware", gpus: int, base: Strategy, top_k: int = 5,
-           gpus_per_node: int | None = None, offloads: tuple[str, ...] = OFFLOAD_CHOICES) -> SearchResult:
+           gpus_per_node: int | None = None, offloads: tuple[str, ...] = OFFLOAD_CHOICES,
+           include_unsupported: bool = False, model_kind: str = "tenfold", hf_model_type: str = "") -> SearchResult:
+    """The top `top_k` strategies that fit, fastest first. Only strategies `tenfold train` can run
+    (tenfold.capabilities, for a model of `model_kind`) unless `include_unsupported`: then the
+    others are ranked too, each with its reasons in `Plan.unsupported`."""
     shape: ModelShape = shape_of(model)
     if not shape.known:
         raise UserError("--search needs a model shape (--model, dimensions or --hf-config), not only --params")
     hw = with_gpus_per_node(get_hardware(hardware), gpus_per_node)
-    cfg = shape.cfg
-    seq = base.seq_len or cfg.max_seq_len
+    seq = base.seq_len or shape.cfg.max_seq_len
     glob = base.global_batch or default_global_batch(seq, gpus)
+    result = SearchResult([], 0, 0, [], global_batch=glob)
+    plans: list[Plan] = []
+    for layout, m in _layouts(shape, hw, gpus, replace(base, seq_len=seq, global_batch=glob)):
+        fits_on_gpu = False
+        for off in offloads:
+            if off != "none" and (layout.zero == 0 or fits_on_gpu):
+                # Offload only adds host time to an identical layout: when the layout fits
+                # without it, the offloaded twin is dominated.
+                result.dominated += layout.zero > 0
+                continue
+            s = replace(layout, offload=off)
+            problems = strategy_problems(s, shape.cfg, gpus, m, model_kind, hf_model_type)
+            if problems and not include_unsupported:
+                result.unsupported += 1
+                continue
+            p = _evaluate(shape, hw, gpus, s, result)
+            if p is not None:
+                fits_on_gpu = off == "none"
+                p.unsupported = problems
+                plans.append(p)
+    plans.sort(key=lambda p: -p.tokens_per_s)
+    result.fitting = len(plans)
+    result.best = [replace(predict(shape, hw, gpus, Strategy(**p.strategy)), unsupported=p.unsupported)
+                   for p in plans[:top_k]]
+    return result
+
+
+def _evaluate(shape: ModelShape, hw: Hardware, gpus: int, s: Strategy, result: SearchResult) -> Plan | None:
+    """Memory first (cheap); the time model only when it fits. Counted in `result`."""
+    result.evaluated += 1
+    mem = predict_memory(shape, hw, gpus, s)
+    if not fits(mem, hw, gpus):
+        result.candidates.append((mem.total_bytes / 2**30, 0.0, False))
+        return None
+    p = _predict(shape, hw, gpus, s, trace=False, mem=mem)
+    result.candidates.append((p.memory.total_bytes / 2**30, p.tokens_per_s, True))
+    return p
+
+
+def _layouts(shape: ModelShape, hw: Hardware, gpus: int, base: Strategy):
+    """Every valid layout without offload, with its number of micro-batches per step."""
+    cfg, glob = shape.cfg, base.global_batch
     tps = [t for t in _powers_of_two_upto(min(hw.gpus_per_node, gpus)) if t in tp_choices(cfg.n_heads, cfg.kv_heads)]
     pps = [p for p in range(1, cfg.n_layers + 1) if gpus % p == 0 and cfg.n_layers % p == 0]
-    mbs = [b for b in _powers_of_two_upto(min(glob, 16))]
-    plans: list[Plan] = []
-    candidates: list[tuple[float, float, bool]] = []
-    evaluated = dominated = 0
-    for tp in tps:
-        for pp in pps:
-            if gpus % (tp * pp):
-                continue
-            dp = gpus // (tp * pp)
-            for mb in mbs:
-                if glob % (mb * dp):
-                    continue
-                m = glob // (mb * dp)
-                for sched, v in _schedules(pp, m, cfg.n_layers):
-                    for zero in (0, 1, 2, 3):
-                        if zero and dp == 1:
-                            continue  # nothing to partition
-                        for ac in AC_CHOICES:
-                            fits_on_gpu = False
-                            for off in offloads:
-                                if off != "none" and (zero == 0 or fits_on_gpu):
-                                    # Offload only adds host time to an identical layout: when the
-                                    # layout fits without it, the offloaded twin is dominated.
-                                    dominated += off != "none" and zero > 0
-                                    continue
-                                s = replace(base, tp=tp, pp=pp, micro_batch=mb, global_batch=glob, grad_accum=None,
-                                            seq_len=seq, pp_schedule=sched, virtual_stages=v, zero=zero, offload=off,
-                                            ac=ac, sequence_parallel=base.sequence_parallel and tp > 1)
-                                evaluated += 1
-                                mem = predict_memory(shape, hw, gpus, s)
-                                if not fits(mem, hw, gpus):
-                                    candidates.append((mem.total_bytes / 2**30, 0.0, False))
-                                    continue
-                                fits_on_gpu = off == "none"
-                                p = _predict(shape, hw, gpus, s, trace=False, mem=mem)
-                                candidates.append((p.memory.total_bytes / 2**30, p.tokens_per_s, True))
-                                plans.append(p)
-    plans.sort(key=lambda p: -p.tokens_per_s)
-    best = [predict(shape, hw, gpus, Strategy(**p.strategy)) for p in plans[:top_k]]
-    return SearchResult(best, evaluated, len(plans), candidates, dominated)
+    for tp, pp, mb in itertools.product(tps, pps, _powers_of_two_upto(min(glob, 16))):
+        dp = gpus // (tp * pp)
+        if gpus % (tp * pp) or glob % (mb * dp):
+            continue
+        m = glob // (mb * dp)
+        for (sched, v), zero, ac in itertools.product(_schedules(pp, m, cfg.n_layers), (0, 1, 2, 3), AC_CHOICES):
+            if zero and dp == 1:
+                continue  # nothing to partition
+            yield replace(base, tp=tp, pp=pp, micro_batch=mb, grad_accum=None, pp_schedule=sched, virtual_stages=v,
+                          zero=zero, offload="none", ac=ac, sequence_parallel=base.sequence_parallel and tp > 1), m
 
 
 def _schedules(pp: int, m: int, layers: int) -> list[tuple[str, int]]:

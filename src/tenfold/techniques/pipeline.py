@@ -32,11 +32,11 @@ from typing import Sequence
 import torch
 import torch.nn as nn
 
+# The pipeline's rules are in the engine's capability table (torch-free: the planner applies
+# them too); tenfold.run.resolve_run checks every run against them before anything is built.
+from tenfold.capabilities import check_manual_split, num_stages
 from tenfold.errors import UserError
-from tenfold.techniques.pipeline_layout import (  # torch-free: `tenfold train --dry-run` checks with it too
-    check_manual_split, layer_counts, local_stage_ids, num_stages, split_fqns, validate_run,
-)
-
+from tenfold.techniques.pipeline_layout import layer_counts, local_stage_ids, split_fqns  # torch-free
 
 
 class GPTStage(nn.Module):
@@ -111,19 +111,20 @@ def boundary_dtypes(model: nn.Module, counts: Sequence[int], autocast_dtype: tor
 
 
 def stage_io_examples(stage_id: int, n_stages: int, micro_shape: tuple[int, int], d_model: int,
-                      vocab: int, dtypes: Sequence[torch.dtype]) -> tuple[torch.Tensor, torch.Tensor]:
+                      vocab: int, dtypes: Sequence[torch.dtype], seq_split: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """Meta tensors with the shape/dtype of a stage's input and output for one micro-batch:
-    token ids (b, s) into the first stage, the residual stream (b, s, d) between stages,
-    logits (b, s, vocab) out of the last. Static metadata spares `PipelineStage` its
+    token ids (b, s) into the first stage, the residual stream (b, s / seq_split, d) between
+    stages (seq_split = tp under sequence parallelism), logits (b, s, vocab) out of the last. Static metadata spares `PipelineStage` its
     dynamic shape inference, a real forward/backward outside DDP's no_sync that leaves the
     DDP reducer expecting gradients twice in torch 2.13 (an INTERNAL ASSERT at the next step)."""
     b, s = micro_shape
     if stage_id == 0:
         x = torch.empty((b, s), dtype=torch.long, device="meta")
     else:
-        x = torch.empty((b, s, d_model), dtype=dtypes[stage_id - 1], device="meta", requires_grad=True)
-    width = vocab if stage_id == n_stages - 1 else d_model
-    y = torch.empty((b, s, width), dtype=dtypes[stage_id], device="meta", requires_grad=True)
+        x = torch.empty((b, s // seq_split, d_model), dtype=dtypes[stage_id - 1], device="meta", requires_grad=True)
+    last = stage_id == n_stages - 1
+    out_shape = (b, s, vocab) if last else (b, s // seq_split, d_model)
+    y = torch.empty(out_shape, dtype=dtypes[stage_id], device="meta", requires_grad=True)
     return x, y
 
 
@@ -198,9 +199,9 @@ def describe_split(split: PipelineSplit, model_cfg) -> list[str]:
 
 
 def split_for_rank(model: nn.Module, run, dist_info, compute_dtype: torch.dtype | None) -> PipelineSplit:
-    """Step 1 of `engine.parallelize` under PP: validate, split, print the split once.
-    `compute_dtype`: the autocast dtype (None for fp32)."""
-    validate_run(run)
+    """Step 1 of `engine.parallelize` under PP: split, print the split once. The run's pipeline
+    rules were checked when it was resolved (tenfold.run.resolve_run). `compute_dtype`: the
+    autocast dtype (None for fp32)."""
     split = split_model(model, dist_info.pp_rank, dist_info.pp_size, run.pp_schedule,
                         run.virtual_stages, run.config.parallel.pp_split)
     split.dtypes = boundary_dtypes(model, split.counts, compute_dtype or torch.float32)

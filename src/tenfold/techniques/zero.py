@@ -46,6 +46,14 @@ ENGINES = {
     2: "FSDP2 fully_shard(reshard_after_forward=False)",
     3: "FSDP2 fully_shard(reshard_after_forward=True)",
 }
+# Under tensor parallelism the parameters are DTensors, which DDP and ZeroRedundancyOptimizer
+# do not take; the stages run on what PyTorch offers for DTensor parameters (docs/zero.md).
+ENGINES_TP = {
+    0: "replicate (FSDP2's replicated data parallel)",
+    1: "FSDP2 fully_shard(reshard_after_forward=False), gradients reduced once per step",
+    2: ENGINES[2],
+    3: ENGINES[3],
+}
 _STAGE_ATTR = "_tenfold_zero_stage"
 
 
@@ -70,11 +78,15 @@ def apply_zero(
     if dist.dp_size <= 1:
         return model
     _warn_unmapped_knobs(parallel_cfg, stage, dist)
-    if stage <= 1:
+    tensor_parallel = getattr(dist, "tp_size", 1) > 1
+    if stage <= 1 and not tensor_parallel:
         wrapped = _wrap_ddp(model, parallel_cfg, dist)  # DDP broadcasts rank 0's weights itself
     else:
         _broadcast_from_dp_rank0(model, dist)
-        wrapped = _wrap_fsdp2(model, parallel_cfg, dist, stage, param_dtype, blocks)
+        if stage == 0:
+            wrapped = _wrap_replicate(model, dist, param_dtype, blocks)
+        else:  # ZeRO-1 under TP: FSDP2 as stage 2, reducing once per step (grad_sync)
+            wrapped = _wrap_fsdp2(model, parallel_cfg, dist, max(stage, 2), param_dtype, blocks)
     setattr(wrapped, _STAGE_ATTR, stage)
     return wrapped
 
@@ -99,7 +111,9 @@ def _broadcast_from_dp_rank0(model: nn.Module, dist: Any) -> None:
     group = dp_group(dist)
     src = torch_dist.get_global_rank(group, 0) if group is not None else 0
     for t in list(model.parameters()) + list(model.buffers()):
-        torch_dist.broadcast(t.data, src=src, group=group)
+        # a tensor-parallel DTensor: its local part (the dp peers hold the same part)
+        local = t.to_local() if hasattr(t, "to_local") else t.data
+        torch_dist.broadcast(local, src=src, group=group)
 
 
 def _wrap_ddp(model: nn.Module, parallel_cfg: Any, dist: Any) -> nn.Module:
@@ -178,6 +192,24 @@ def fsdp_units(blocks: list[nn.Module], stage: int, bucket: int | None) -> list[
     return units
 
 
+def _wrap_replicate(model: nn.Module, dist: Any, param_dtype, blocks=None) -> nn.Module:
+    """Replicated data parallelism for tensor-parallel (DTensor) parameters, which DDP does
+    not take: PyTorch's `replicate` built on FSDP2's machinery (every dp rank keeps whole
+    parameters and gradients; gradients are all-reduced), one unit per block + the root as
+    for FSDP2, so each block's all-reduce overlaps the backward of the blocks below it."""
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    mesh = dist.mesh["dp"]
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    if blocks is None:
+        blocks = list(model.layers.values()) if hasattr(model, "layers") else []
+    for block in blocks:
+        replicate(block, mesh=mesh, mp_policy=mp)
+    replicate(model, mesh=mesh, mp_policy=mp)
+    return model
+
+
 def _numel(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
@@ -193,15 +225,18 @@ def _reshard_after_forward(stage: int, unit_numel: int, persistence_threshold: i
 def _warn_unmapped_knobs(parallel_cfg: Any, stage: int, dist: Any) -> None:
     """Name, in one warning, the DeepSpeed knobs that have no PyTorch counterpart here."""
     unmapped = []
-    if stage == 3 and parallel_cfg.reduce_bucket_size:
-        unmapped.append("reduce_bucket_size (ZeRO-3 on FSDP2 reduces one unit = one block per collective)")
-    if stage >= 2 and not parallel_cfg.contiguous_gradients:
+    tensor_parallel = getattr(dist, "tp_size", 1) > 1
+    fsdp = stage >= 2 or tensor_parallel  # FSDP2's machinery, also under `replicate`
+    if parallel_cfg.reduce_bucket_size and (stage == 3 or (tensor_parallel and stage == 0)):
+        unmapped.append("reduce_bucket_size (FSDP2 at ZeRO-3 and `replicate` reduce one unit = one block per collective)")
+    if fsdp and not parallel_cfg.contiguous_gradients:
         unmapped.append("contiguous_gradients=false (FSDP2 always reduce-scatters into one flat buffer)")
     if parallel_cfg.overlap_comm is False:
         unmapped.append("overlap_comm=false (DDP and FSDP2 always overlap communication with backward)")
     if unmapped and dist.is_main:
+        engine = (ENGINES_TP if tensor_parallel else ENGINES)[stage]
         warnings.warn(
-            f"ZeRO-{stage} on {ENGINES[stage]}: DeepSpeed settings without a PyTorch knob, "
+            f"ZeRO-{stage} on {engine}: DeepSpeed settings without a PyTorch knob, "
             f"ignored: {'; '.join(unmapped)}", stacklevel=3,
         )
 
@@ -217,7 +252,7 @@ def build_optimizer_for(model: nn.Module, train_cfg: Any, parallel_cfg: Any, dis
     from tenfold.techniques.optimizer import allocate_states, build_optimizer
 
     optimizer = build_optimizer(unwrap(model), train_cfg, dist.device)
-    if int(parallel_cfg.zero_stage) == 1 and dist.dp_size > 1:
+    if int(parallel_cfg.zero_stage) == 1 and dist.dp_size > 1 and getattr(dist, "tp_size", 1) == 1:
         optimizer = _zero_redundancy(optimizer, dist)
     allocate_states(local_optimizer(optimizer))  # this rank's states only, no collective
     return optimizer
@@ -270,6 +305,8 @@ def grad_sync(model: nn.Module, enabled: bool):
         return _keep_gathered(model, last=enabled)
     if enabled or stage is None or stage >= 2:
         return contextlib.nullcontext()
+    if hasattr(model, "set_requires_gradient_sync"):  # replicate / FSDP2 (tensor parallelism)
+        return _fsdp_no_sync(model)
     return model.no_sync()
 
 
@@ -286,6 +323,17 @@ def _keep_gathered(model: nn.Module, last: bool):
         yield
     finally:
         model.set_reshard_after_backward(True)
+
+
+@contextlib.contextmanager
+def _fsdp_no_sync(model: nn.Module):
+    """DDP's no_sync for FSDP2-based wrappers: accumulate whole gradients locally and reduce
+    them on the last micro-batch (DeepSpeed ZeRO-1 also reduces at the accumulation boundary)."""
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
 
 
 def clip_grad_norm(model: nn.Module, max_norm: float, extra_groups=()) -> float:

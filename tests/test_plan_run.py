@@ -1,0 +1,297 @@
+"""One plan, one run: `tenfold plan` reads what `tenfold train` reads and predicts that run; its
+advice runs (the capability table, the launch line, `--emit`)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import typing
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from tenfold import capabilities
+from tenfold.cli import build_parser, config_from_args, main, train_argv
+from tenfold.config import ParallelSection, PrecisionSection, build_config
+from tenfold.engine.memory import predicted_memory
+from tenfold.errors import UserError
+from tenfold.plan import advice
+from tenfold.plan.for_run import memory_line, strategy_for_config
+from tenfold.plan.search import search
+from tenfold.run import resolve_run
+from tenfold.techniques.precision import build_precision
+from tenfold.terms import RecomputePolicy
+
+from conftest import SMALL_FLAGS
+
+DATA = Path(__file__).parent / "data"
+SMALL_DATA = ["--set", "data.max_bytes=300000"]
+
+# `tenfold train` command lines: models, precisions, recompute policies, ZeRO stages, pipeline
+# schedules, accumulation, a TOML config, a DeepSpeed JSON, --set, a Hugging Face config.json.
+TRAIN_FLAGS = [
+    [],
+    ["--model", "small", "--precision", "fp32", "--micro-batch", "4"],
+    ["--precision", "fp16", "--ac", "full", "--micro-batch", "2", "--grad-accum", "4"],
+    ["--ac", "every:2", "--seq-len", "128"],
+    ["--model", "small", "--ac", "segments:2"],
+    ["--ac", "selective"],
+    ["--ac", "selective:mlp", "--precision", "fp32"],
+    ["--ac", "offload", "--micro-batch", "2"],
+    ["--nproc", "2", "--zero", "1"],
+    ["--nproc", "2", "--zero", "2", "--global-batch", "32"],
+    ["--nproc", "4", "--zero", "3", "--ac", "full", "--micro-batch", "2"],
+    ["--nproc", "2", "--pp", "2", "--grad-accum", "4", "--micro-batch", "2"],
+    ["--nproc", "4", "--pp", "2", "--zero", "1", "--grad-accum", "4"],
+    ["--nproc", "2", "--pp", "2", "--pp-schedule", "gpipe", "--grad-accum", "2"],
+    ["--nproc", "2", "--pp", "2", "--pp-schedule", "interleaved", "--grad-accum", "4"],
+    ["--nproc", "4", "--pp", "2", "--pp-schedule", "zero-bubble", "--zero", "2", "--grad-accum", "4"],
+    ["--nproc", "2", "--pp", "2", "--pp-split", "1,3", "--grad-accum", "2"],
+    ["--model", "llama-7b", "--nproc", "8", "--zero", "3", "--ac", "full", "--micro-batch", "1", "--seq-len", "2048"],
+    ["--model", "gpt3-125m", "--nproc", "2", "--zero", "2", "--precision", "fp16", "--micro-batch", "4", "--seq-len", "1024"],
+    ["--set", "model.n_layers=6", "--set", "model.d_model=128", "--ac", "every:3", "--global-batch", "12"],
+    ["--config", "{toml}"],
+    ["--config", "{toml}", "--set", "parallel.zero_stage=1", "--ac", "none"],
+    ["--deepspeed", str(DATA / "ds_seed.json"), "--nproc", "2", "--micro-batch", "2"],
+    ["--hf-config", str(DATA / "llama-tiny" / "config.json"), "--nproc", "2", "--zero", "3", "--seq-len", "64"],
+]
+
+
+@pytest.fixture
+def run_toml(tmp_path) -> str:
+    path = tmp_path / "run.toml"
+    path.write_text('[model]\nname = "small"\n[train]\nmicro_batch = 2\ngrad_accum = 2\n[recompute]\npolicy = "full"\n'
+                    '[parallel]\nzero_stage = 3\nnproc = 2\n[precision]\ndtype = "fp32"\n')
+    return str(path)
+
+
+def plan_json(capsys, *argv) -> dict:
+    assert main(["plan", *argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def train_prediction(argv: list[str]) -> tuple[dict, dict]:
+    """What `tenfold train <argv>` prints at its start, through the code train runs: its parser,
+    `config_from_args`, `resolve_run` on the processes it starts, and the prediction RunMemory
+    makes with the precision the device runs."""
+    args = build_parser(["train", *argv]).parse_args(["train", *argv])
+    cfg = config_from_args(args)
+    run = resolve_run(cfg, cfg.parallel.nproc)
+    cpu = torch.device("cpu")
+    return predicted_memory(run, cpu, build_precision(cfg.precision, cpu).name), run.batch_summary()
+
+
+@pytest.mark.parametrize("flags", TRAIN_FLAGS, ids=lambda f: " ".join(Path(x).name for x in f) or "defaults")
+def test_plan_predicts_the_run_train_announces(capsys, run_toml, flags):
+    flags = [run_toml if f == "{toml}" else f for f in flags]
+    memory, batch = train_prediction(flags)
+    run = plan_json(capsys, *flags)["run"]
+    assert run["memory_predicted"] == memory
+    assert run["batch"] == batch
+    assert run["unsupported"] == [] and run["other_stack"] == []
+
+
+def _summary(out: Path) -> dict:
+    return json.loads((out / "summary.json").read_text())
+
+
+def test_plan_and_a_real_run_agree_one_process(tmp_path, capsys, one_thread):
+    flags = [*SMALL_FLAGS, *SMALL_DATA, "--precision", "bf16", "--ac", "full", "--micro-batch", "2", "--grad-accum", "2"]
+    assert main(["train", *flags, "--steps", "2", "--out", str(tmp_path / "run"), "--eval-every", "0"]) == 0
+    started = " ".join(capsys.readouterr().out.split())
+    s = _summary(tmp_path / "run")
+    run = plan_json(capsys, *flags)["run"]
+    assert run["memory_predicted"] == s["memory"]["predicted"] and run["batch"] == s["batch"]
+    assert main(["plan", *flags]) == 0  # the rich report prints the line train printed at its start
+    printed = " ".join(capsys.readouterr().out.split())
+    line = " ".join(memory_line(s["memory"]["predicted"]).split())
+    assert line in printed and line in started
+
+
+@pytest.mark.slow
+def test_done_when_search_emit_then_train(tmp_path, capsys):
+    """`tenfold plan --search --emit run.toml` on this machine, then `tenfold train --config
+    run.toml --nproc 2 --steps 2` trains; `plan --config run.toml` predicts that very run."""
+    toml = tmp_path / "run.toml"
+    out = tmp_path / "out"
+    flags = [*SMALL_FLAGS, *SMALL_DATA, "--out", str(out)]
+    d = plan_json(capsys, *flags, "--gpu", "cpu", "--gpus", "2", "--search", "--emit", str(toml))
+    assert d["emitted"] == str(toml) and d["launch"] == f"tenfold train --nproc 2 --config {toml}"
+    assert not d["best"][0]["unsupported"]
+    proc = subprocess.run([sys.executable, "-m", "tenfold", "train", "--config", str(toml), "--nproc", "2", "--steps", "2"],
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    s = _summary(out)
+    assert s["final"]["steps"] == 2 and s["hardware"]["world_size"] == 2
+    run = plan_json(capsys, "--config", str(toml))["run"]  # --gpus: the file's nproc
+    assert run["processes"] == 2
+    assert run["memory_predicted"] == s["memory"]["predicted"] and run["batch"] == s["batch"]
+    best = d["best"][0]
+    assert (s["batch"]["micro_batch"], s["batch"]["global_batch"]) == (best["micro_batch"], best["global_batch"])
+    assert s["config"]["parallel"]["zero_stage"] == best["strategy"]["zero"]
+
+
+@pytest.mark.slow
+def test_plan_and_a_real_pipeline_run_agree(tmp_path, capsys):
+    flags = [*SMALL_FLAGS, *SMALL_DATA, "--precision", "fp32", "--nproc", "2", "--pp", "2", "--grad-accum", "2",
+             "--micro-batch", "2", "--ac", "every:1"]
+    out = tmp_path / "pp"
+    proc = subprocess.run([sys.executable, "-m", "tenfold", "train", *flags, "--steps", "1", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    s = _summary(out)
+    run = plan_json(capsys, *flags)["run"]
+    assert run["memory_predicted"] == s["memory"]["predicted"] and run["batch"] == s["batch"]
+
+
+# --------------------------------------------------------------------------- runnable advice
+
+
+def test_nothing_unsupported_is_ranked_by_default(capsys):
+    argv = ["--search", "--model", "llama-7b", "--gpu", "h100-sxm", "--gpus", "16", "--global-batch", "256", "--top", "50"]
+    d = plan_json(capsys, *argv)
+    assert d["best"]  # (tensor parallelism runs now; the default search prices no offload)
+    assert all(p["unsupported"] == [] and p["strategy"]["offload"] == "none" for p in d["best"])
+    base = build_config({"model": {"name": "llama-7b"}})
+    strategy = strategy_for_config(base, 4096)
+    for p in search("llama-7b", "h100-sxm", 16, replace(strategy, global_batch=256), top_k=20).best:
+        cfg, run = advice.config_for_plan(base, p, 8)  # resolved with the engine's own check
+        assert (run.pp, run.tp, run.zero_stage, run.micro_batch) == (
+            p.strategy["pp"], p.strategy["tp"], p.strategy["zero"], p.micro_batch)
+    every = plan_json(capsys, *argv, "--include-unsupported")
+    marked = [p for p in every["best"] if p["unsupported"]]
+    assert marked and all(p["strategy"]["offload"] != "none" for p in marked)
+
+
+def test_tied_embeddings_are_never_pipelined_by_the_advice(capsys):
+    d = plan_json(capsys, "--search", "--model", "gpt3-1.3b", "--gpus", "8", "--global-batch", "64", "--top", "100")
+    assert d["best"] and all(p["strategy"]["pp"] == 1 for p in d["best"])
+    d = plan_json(capsys, "--search", "--model", "gpt3-1.3b", "--gpus", "8", "--global-batch", "64", "--top", "400",
+                  "--include-unsupported")
+    piped = [p for p in d["best"] if p["strategy"]["pp"] > 1]
+    assert piped and all("tie_embeddings=true cannot be pipelined" in " ".join(p["unsupported"]) for p in piped)
+
+
+def test_a_hugging_face_model_is_not_pipelined_nor_attention_recomputed(capsys):
+    argv = ["--search", "--hf-config", str(DATA / "llama-tiny" / "config.json"), "--gpu", "a100-80gb", "--gpus", "4",
+            "--seq-len", "64", "--top", "200"]
+    d = plan_json(capsys, *argv)
+    assert d["best"] and all(p["strategy"]["pp"] == 1 and p["strategy"]["ac"] != "selective:attention" for p in d["best"])
+    assert "--hf-config" in d["launch"]
+
+
+def test_single_plan_prints_its_launch_line_or_why_not(capsys):
+    run = plan_json(capsys, "--model", "llama-7b", "--gpu", "h100-sxm", "--gpus", "16", "--zero", "3", "--ac", "full")["run"]
+    assert run["launch"].startswith("torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d")
+    assert "-m tenfold train --model llama-7b" in run["launch"] and "--zero 3 --pp 1" in run["launch"]
+    run = plan_json(capsys, "--model", "llama-7b", "--gpus", "8", "--zero", "1", "--offload", "optimizer")["run"]
+    assert run["launch"] is None and "offload 'optimizer'" in run["unsupported"][0]
+    run = plan_json(capsys, "--model", "llama-7b", "--gpus", "8", "--master-weights")["run"]
+    assert run["other_stack"] == ["master_weights=True"] and run["launch"]
+
+
+@pytest.mark.parametrize("gpus,per_node,expected", [(1, 8, (1, 1)), (8, 8, (1, 8)), (16, 8, (2, 8)), (12, 8, (2, 6)),
+                                                    (10, 8, (2, 5)), (7, 4, (7, 1))])
+def test_nodes_split_the_gpus_evenly(gpus, per_node, expected):
+    assert advice.nodes_for(gpus, per_node) == expected
+
+
+def test_launch_line_runs_the_config_exactly():
+    cfg = build_config({"model": {"name": "small", "n_layers": 4}, "train": {"lr": 3e-4, "schedule": "WarmupLR", "schedule_params": {"warmup_max_lr": 1e-3}},
+                        "data": {"path": "my corpus/train.jsonl"}, "parallel": {"nproc": 4, "pp_degree": 2, "pp_split": [1, 3]},
+                        "log": {"progress": False, "out": "runs/a b"}})
+    line = advice.launch_line(cfg, 4, 8)
+    assert line.startswith("tenfold train --nproc 4 ")
+    import shlex
+
+    argv = shlex.split(line)[2:]
+    back = config_from_args(build_parser(["train", *argv]).parse_args(["train", *argv]))
+    assert back == cfg
+    assert train_argv(build_config({})) == []
+
+
+# --------------------------------------------------------------------------- --emit
+
+
+def test_emit_writes_a_config_plan_and_train_read_back(tmp_path, capsys):
+    toml = tmp_path / "run.toml"
+    flags = ["--model", "small", "--nproc", "2", "--zero", "3", "--ac", "every:2", "--global-batch", "16", "--lr", "1e-3"]
+    first = plan_json(capsys, *flags, "--emit", str(toml))
+    assert first["run"]["emitted"] == str(toml) and toml.read_text().startswith(advice.EMIT_MARK)
+    again = plan_json(capsys, "--config", str(toml))
+    assert again["run"]["memory_predicted"] == first["run"]["memory_predicted"]
+    assert again["run"]["batch"] == first["run"]["batch"] and again["run"]["processes"] == 2
+    emitted = config_from_args(build_parser(["train"]).parse_args(["train", "--config", str(toml)]))
+    given = config_from_args(build_parser(["train", *flags]).parse_args(["train", *flags]))
+    assert emitted.train.lr == 1e-3 and emitted.parallel.zero_stage == 3 and emitted.recompute.policy == "every:2"
+    assert resolve_run(emitted, 2).batch_summary() == resolve_run(given, 2).batch_summary()
+    assert plan_json(capsys, *flags, "--emit", str(toml))["run"]["emitted"] == str(toml)  # its own file: rewritten
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["--hf-config", str(Path(__file__).parent / "data" / "gpt2-tiny" / "config.json"), "--tp", "2", "--gpus", "2"],
+     "cannot run this plan: parallel.tp_degree (--tp) 2: Hugging Face model_type 'gpt2' has no tensor-parallel plan"),
+    (["--params", "1e9"], "give a model"),
+    (["--master-weights"], "priced as another training stack (master_weights=True)"),
+    (["--search", "--activation-style", "megatron"], "priced as another training stack (activation_style=megatron)"),
+])
+def test_emit_refuses_what_train_cannot_run(tmp_path, capsys, extra, needle):
+    toml = tmp_path / "run.toml"
+    argv = (["--model", "small"] if not {"--params", "--hf-config"} & set(extra) else []) + extra
+    assert main(["plan", *argv, "--emit", str(toml)]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and err.count("\n") == 1 and not toml.exists()
+
+
+def test_emit_never_overwrites_a_file_it_did_not_write(tmp_path, capsys):
+    mine = tmp_path / "run.toml"
+    mine.write_text('[model]\nname = "small"\n')
+    assert main(["plan", "--model", "tiny", "--emit", str(mine)]) == 2
+    assert "was not written by tenfold plan" in capsys.readouterr().err
+    assert mine.read_text() == '[model]\nname = "small"\n'
+    assert main(["plan", "--model", "tiny", "--emit", str(tmp_path / "no" / "run.toml")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == [mine]
+
+
+# --------------------------------------------------------------------------- the capability table
+
+
+def test_the_table_is_what_the_config_accepts():
+    assert set(capabilities.ENGINE.pipeline_schedules) == set(typing.get_args(ParallelSection.model_fields["pp_schedule"].annotation))
+    assert set(capabilities.ENGINE.precisions) == set(typing.get_args(PrecisionSection.model_fields["dtype"].annotation))
+    for stage in capabilities.ENGINE.zero_stages:
+        build_config({"parallel": {"zero_stage": stage}})
+    with pytest.raises(UserError):
+        build_config({"parallel": {"zero_stage": max(capabilities.ENGINE.zero_stages) + 1}})
+    # Tensor parallelism is runnable exactly when tenfold train has a tensor-parallel degree.
+    assert capabilities.ENGINE.tensor_parallel == ("tp_degree" in ParallelSection.model_fields)
+    assert capabilities.ENGINE.offload == ("none",) and not any("offload" in k for k in ParallelSection.model_fields)
+
+
+def test_train_refuses_what_the_table_refuses(tmp_path, capsys):
+    tied = build_config({"model": {"name": "tiny", "tie_embeddings": True}, "parallel": {"pp_degree": 2},
+                         "train": {"grad_accum": 2}})
+    with pytest.raises(UserError, match="tie_embeddings=true cannot be pipelined"):
+        resolve_run(tied, 2)
+    assert resolve_run(tied, 2, check=False).pp == 2  # the planner prices it, marked
+    narrow = replace(capabilities.ENGINE, zero_stages=(0, 1))
+    layout = resolve_run(build_config({"parallel": {"zero_stage": 3}}), 2).layout
+    assert capabilities.problems(layout) == [] and "ZeRO stage 3" in capabilities.problems(layout, narrow)[0]
+    hf = capabilities.Layout(model=resolve_run(build_config({}), 2).model, world_size=2, pp=2, zero=0, micro_batches=2,
+                             recompute=RecomputePolicy("selective", target="attention"), precision="bf16", model_kind="hf")
+    assert len(capabilities.problems(hf)) == 2
+    for argv, needle in ((["--offload", "optimizer"], "unrecognized arguments: --offload"),
+                         (["--set", "parallel.offload=optimizer"], "unknown config key 'parallel.offload'"),
+                         (["--nproc", "2", "--pp", "2", "--grad-accum", "2", "--set", "model.tie_embeddings=true"],
+                          "cannot be pipelined")):
+        try:
+            code = main(["train", "--out", str(tmp_path / "never"), *argv])
+        except SystemExit as e:
+            code = e.code
+        err = capsys.readouterr().err
+        assert code == 2 and needle in err and err.count("\n") == 1, err
+    assert not (tmp_path / "never").exists()
