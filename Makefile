@@ -25,7 +25,7 @@ $(VENV)/.installed: pyproject.toml
 
 # The next commands below are the README's "After the demo" block (tests/test_readme.py checks).
 demo: install
-	$(VENV)/bin/tenfold train
+	$(VENV)/bin/tenfold train --overwrite
 	@echo ""
 	@echo "Demo done: outputs in runs/tenfold/ (listed above). Next, from this folder:"
 	@echo "  source .venv/bin/activate                                          # tenfold, tensorboard, torchrun on PATH"

@@ -151,7 +151,7 @@ def test_rank_argv_replaces_nproc_which_torchrun_rejects():
     assert rank_argv(["train", "--nproc", "2", "--zero", "3"], 2) == ["train", "--zero", "3", "--set", "parallel.nproc=2"]
     assert rank_argv(["train", "--nproc=4"], 4) == ["train", "--set", "parallel.nproc=4"]
     argv = torchrun_argv(["train", "--nproc", "2"], 2)
-    assert argv[:5] == ["--standalone", "--nproc-per-node", "2", "-m", "tenfold"]
+    assert argv[:7] == ["--standalone", "--nproc-per-node", "2", "--signals-to-handle", "SIGHUP,SIGQUIT", "-m", "tenfold"]
     from torch.distributed.run import parse_args
 
     args = parse_args(argv)  # torchrun's own parser accepts it
@@ -159,8 +159,8 @@ def test_rank_argv_replaces_nproc_which_torchrun_rejects():
 
 
 class _Failure:
-    def __init__(self, exitcode, message="", sig=None):
-        self.exitcode, self.message, self._sig = exitcode, message, sig
+    def __init__(self, exitcode, message="", sig=None, timestamp=1_700_000_000):
+        self.exitcode, self.message, self._sig, self.timestamp = exitcode, message, sig, timestamp
 
     def signal_name(self):
         return self._sig

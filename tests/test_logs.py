@@ -20,6 +20,7 @@ from tenfold.config import build_config
 from tenfold.engine.metrics import STEP_TAGS, VAL_LOSS_TAG
 from tenfold.engine.step_log import StepLog, plain_line
 from tenfold.engine.trainer import Trainer
+from tenfold.errors import UserError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -126,9 +127,13 @@ def test_a_resumed_run_repeats_no_step_in_metrics_or_tensorboard(tmp_path):
 
 
 def test_a_fresh_run_in_a_used_folder_keeps_only_its_own_rows(tmp_path):
+    """A fresh run into a folder that holds a run is refused (engine/run_folder.py); replacing
+    it with log.overwrite leaves only the new run's rows."""
     cfg = small_config(tmp_path, train={"steps": 2})
     Trainer(build_config(cfg)).fit()
-    Trainer(build_config(cfg)).fit()
+    with pytest.raises(UserError, match="holds an earlier run"):
+        Trainer(build_config(cfg)).fit()
+    Trainer(build_config({**cfg, "log": {**cfg["log"], "overwrite": True}})).fit()
     assert [r["step"] for r in read_metrics(tmp_path / "run")] == [1, 2]
 
 

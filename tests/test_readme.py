@@ -160,7 +160,7 @@ def _workdir(tmp_path: Path) -> Path:
 
 def test_the_demo_prints_the_readmes_next_commands():
     runs, echoed = makefile_demo()
-    assert runs == ["tenfold train"]
+    assert runs == ["tenfold train --overwrite"]  # make demo twice: the second replaces the first demo run
     assert echoed == after_demo_block(), "make demo's next commands and README's 'After the demo' differ"
 
 

@@ -69,6 +69,9 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--deepspeed", metavar="DS.json", help="a DeepSpeed config, read as DeepSpeed reads it (comments and trailing commas allowed); unsupported keys are named in one warning")
     g.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override any config key (repeatable), e.g. --set train.weight_decay=0.05")
     g.add_argument("--out", help="output directory (metrics.jsonl, summary.json, tensorboard/, checkpoints/); default runs/tenfold")
+    g.add_argument("--overwrite", action="store_true", default=None, help="replace the earlier run in --out "
+                   "(moved aside, deleted once the new run has done its first step); without it a fresh run into "
+                   "a folder that holds one is refused")
     g.add_argument("--no-progress", action="store_true", help="no live progress bar: plain per-step lines, as when stdout is not a terminal")
     g.add_argument("--log-every", type=int, metavar="N", help="metrics rows and plain lines every N steps (default 1); on a terminal, N > 1 also keeps a line every N steps above the bar")
     g.add_argument("--wandb", action="store_true", help="also log to Weights & Biases (needs tenfold[wandb]; WANDB_MODE=offline works without a network)")
@@ -96,6 +99,9 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     x.add_argument("--ac", help="activation recompute: none | full | every:N | segments:K | selective[:attention|:mlp] | offload")
     x.add_argument("--zero", type=int, help="ZeRO stage 0-3 across data-parallel ranks")
     x.add_argument("--nproc", type=int, help="start N local ranks (a torchrun shortcut)")
+    x.add_argument("--watchdog", type=float, metavar="FACTOR", help="multi-process runs: a step that runs past FACTOR x "
+                   "the median step (and parallel.watchdog_min_s, 30 s) stops the job, naming the rank that stalled "
+                   "(default 10; 0: off)")
     x.add_argument("--pp", type=int, help="pipeline stages")
     x.add_argument("--tp", type=int, help="tensor-parallel ranks: each layer's matrices split over N ranks (must divide the heads)")
     x.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None,
@@ -112,7 +118,7 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
 
 # flag -> (section, key)
 _TRAIN_FLAGS = {
-    "out": ("log", "out"), "model": ("model", "name"), "seq_len": ("data", "seq_len"), "data": ("data", "path"),
+    "out": ("log", "out"), "overwrite": ("log", "overwrite"), "watchdog": ("parallel", "watchdog"), "model": ("model", "name"), "seq_len": ("data", "seq_len"), "data": ("data", "path"),
     "data_format": ("data", "format"), "tokenizer": ("data", "tokenizer"), "streaming": ("data", "streaming"),
     "hf_config": ("model", "hf_config"), "hf_pretrained": ("model", "hf_pretrained"), "blocks": ("model", "blocks"),
     "steps": ("train", "steps"), "micro_batch": ("train", "micro_batch"), "grad_accum": ("train", "grad_accum"),

@@ -174,6 +174,10 @@ class ParallelSection(_Section):
     overlap_comm: bool | None = None
     contiguous_gradients: bool = True
     timeout_s: float = Field(600.0, gt=0)
+    # A rank whose step runs past max(watchdog x median step, watchdog_min_s) stops the job
+    # (engine/watchdog.py); 0 turns the watchdog off. Multi-process runs only.
+    watchdog: float = Field(10.0, ge=0)
+    watchdog_min_s: float = Field(30.0, gt=0)
 
 
 class CheckpointSection(_Section):
@@ -187,6 +191,7 @@ class CheckpointSection(_Section):
 
 class LogSection(_Section):
     out: str = "runs/tenfold"
+    overwrite: bool = False  # replace an earlier run in `out` (engine/run_folder.py)
     log_every: int = Field(1, gt=0)  # metrics rows and plain console lines every N steps
     tensorboard: bool = True
     progress: bool = True  # the live bar on a terminal (plain lines otherwise)

@@ -70,6 +70,17 @@ def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
+# `tenfold train --nproc`: the launcher creates this file when it gets SIGTERM/SIGINT; every
+# rank checks for it at each step boundary, as for its own SIGTERM (engine/launch.py).
+STOP_FILE_ENV = "TENFOLD_STOP_FILE"
+
+
+def stop_requested() -> bool:
+    """True once the launcher has asked the ranks to save and stop."""
+    path = os.environ.get(STOP_FILE_ENV)
+    return bool(path) and os.path.exists(path)
+
+
 def world_size_from_env() -> int:
     """Processes in this job: torchrun's WORLD_SIZE, 1 when not launched by torchrun."""
     return int(os.environ["WORLD_SIZE"]) if launched_by_torchrun() else 1

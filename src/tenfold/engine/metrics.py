@@ -5,22 +5,27 @@ logged optimizer step) is an interface others rely on: at least step, loss, lr, 
 tokens_per_s, mfu, loss_scale, skipped, peak_mem_bytes.
 
 A resumed run continues the same files: rows after the checkpoint's step (written by the
-attempt that was interrupted) are dropped from metrics.jsonl, and TensorBoard is told to
-purge its events from that step on (`SummaryWriter(purge_step=...)`), so no step appears
-twice in either.
+attempt that was interrupted, and a last line cut short by a kill) are dropped from
+metrics.jsonl, and TensorBoard is told to purge its events from that step on
+(`SummaryWriter(purge_step=...)`), so no step appears twice in either.
+
+Neither is reached through a symbolic link planted in OUT (`safe_files.Folder`): metrics.jsonl
+is read, cut and opened relative to OUT's descriptor with O_NOFOLLOW, and `tensorboard` must
+be a real folder (created here when missing).
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
 import resource
+import stat
 import sys
 from pathlib import Path
 
 import torch
 
+MAX_METRICS_BYTES = 1 << 34  # read whole to cut on resume; more is not a metrics file
 REQUIRED_KEYS = (
     "step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "loss_scale", "skipped", "peak_mem_bytes",
 )
@@ -57,28 +62,34 @@ def _number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
-def keep_rows_up_to(path: Path, step: int) -> None:
-    """Drop the rows of metrics.jsonl after `step` (atomically; a torn last line goes too)."""
-    if not path.is_file():
-        return
-    kept = []
-    for line in path.read_text().splitlines():
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= step:
-            kept.append(line)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(f"{line}\n" for line in kept))
-    os.replace(tmp, path)
+def keep_rows_up_to(folder, step: int, name: str = "metrics.jsonl") -> int:
+    """Drop the rows of `name` (in a `safe_files.Folder`) after `step`, atomically; a torn last
+    line goes too (a line that is not a row elsewhere is kept; at step 0 everything goes).
+    Returns how many lines went."""
+    if folder.lstat(name) is None:
+        return 0
+    lines = folder.read_bytes(name, MAX_METRICS_BYTES).splitlines(keepends=True)
+    kept = [line for i, line in enumerate(lines) if step > 0 and _keep_row(line, step, last=i == len(lines) - 1)]
+    if len(kept) != len(lines):
+        folder.write_atomic(name, b"".join(kept))
+    return len(lines) - len(kept)
+
+
+def _keep_row(line: bytes, step: int, last: bool) -> bool:
+    try:
+        row = json.loads(line)
+    except ValueError:
+        return not last and line.strip() != b""
+    row_step = row.get("step") if isinstance(row, dict) else None
+    return not isinstance(row_step, int) or row_step <= step
 
 
 class MetricsWriter:
     """Writes metrics.jsonl, TensorBoard scalars and W&B rows; a no-op on non-main ranks.
 
-    `start_step`: the step a resumed run continues from (0 for a fresh run). `wandb`: an
-    object with `log(dict, step)` and `finish()` (engine/wandb_log.py), or None."""
+    `start_step`: the step a resumed run continues from (0 for a fresh run, whose file starts
+    empty). `dropped_rows`: how many rows that cut removed. `wandb`: an object with
+    `log(dict, step)` and `finish()` (engine/wandb_log.py), or None."""
 
     def __init__(self, out_dir: Path, enabled: bool, tensorboard: bool, start_step: int = 0, wandb=None):
         self.enabled = enabled
@@ -86,20 +97,20 @@ class MetricsWriter:
         self._tb = None
         self._wandb = wandb
         self.paths: dict[str, tuple[Path, str]] = {}  # name -> (path, what it holds)
+        self.dropped_rows = 0
         if not enabled:
             return
+        from tenfold.engine.safe_files import Folder
+
         out_dir.mkdir(parents=True, exist_ok=True)
-        jsonl = out_dir / "metrics.jsonl"
-        if start_step > 0:
-            keep_rows_up_to(jsonl, start_step)
-        elif jsonl.exists():
-            jsonl.unlink()  # a fresh run in a used folder: its own rows only
-        self._jsonl = open(jsonl, "a", buffering=1)
-        self.paths["metrics"] = (jsonl, "one JSON row per logged step")
-        if tensorboard:
-            self._tb = _tensorboard_writer(out_dir / "tensorboard", start_step)
-            if self._tb is not None:
-                self.paths["tensorboard"] = (out_dir / "tensorboard", "TensorBoard events")
+        with Folder(out_dir, follow=True) as folder:
+            self.dropped_rows = keep_rows_up_to(folder, start_step)
+            self._jsonl = folder.open_append("metrics.jsonl")
+            self.paths["metrics"] = (out_dir / "metrics.jsonl", "one JSON row per logged step")
+            if tensorboard:
+                self._tb = _tensorboard_writer(folder, start_step)
+                if self._tb is not None:
+                    self.paths["tensorboard"] = (out_dir / "tensorboard", "TensorBoard events")
         if wandb is not None:
             self.paths["wandb"] = (wandb.folder, "Weights & Biases run")
 
@@ -108,6 +119,7 @@ class MetricsWriter:
             return
         clean = {k: _finite_or_none(v) for k, v in record.items()}
         self._jsonl.write(json.dumps(clean) + "\n")
+        self._jsonl.flush()
         scalars = {tag: record[key] for key, tag in STEP_TAGS.items() if _number(record.get(key))}
         step = record["step"]
         if self._tb is not None:
@@ -137,6 +149,12 @@ class MetricsWriter:
         if self._wandb is not None:
             self._wandb.summary({f"final/{k}": v for k, v in numbers.items()})
 
+    def flush(self) -> None:
+        if self._jsonl is not None:
+            self._jsonl.flush()
+        if self._tb is not None:
+            self._tb.flush()
+
     def close(self) -> None:
         """Flush and close every sink (idempotent)."""
         if self._jsonl is not None:
@@ -149,11 +167,19 @@ class MetricsWriter:
         self.enabled = False
 
 
-def _tensorboard_writer(folder: Path, start_step: int):
+def _tensorboard_writer(folder, start_step: int):
+    """A SummaryWriter on OUT/tensorboard, a real folder (created here, never through a link)."""
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:  # tensorboard is a dependency; tolerate a stripped install
         return None
+    from tenfold.engine.safe_files import UnsafeFileError
+
+    st = folder.lstat("tensorboard")
+    if st is None:
+        folder.mkdir("tensorboard")
+    elif not stat.S_ISDIR(st.st_mode):
+        raise UnsafeFileError(f"{folder.path / 'tensorboard'} is not a folder; tenfold does not follow links in a run folder")
     # purge_step: TensorBoard hides events of an earlier run in this folder from this step on
     # (all of them for a fresh run, those after the checkpoint for a resumed one).
-    return SummaryWriter(log_dir=str(folder), purge_step=start_step + 1)
+    return SummaryWriter(log_dir=str(folder.path / "tensorboard"), purge_step=start_step + 1)

@@ -4,7 +4,6 @@ table at the end. Built from plain values, so the training loop only hands over 
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -125,6 +124,9 @@ def outputs_text(paths: list[tuple[str, str]]) -> str:
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, default=str))
-    os.replace(tmp, path)
+    """Through `NAME.tmp` and a rename; a link planted at either name is replaced, never
+    written through (`safe_files.Folder.write_atomic`)."""
+    from tenfold.engine.safe_files import Folder
+
+    with Folder(path.parent, follow=True) as folder:
+        folder.write_atomic(path.name, json.dumps(obj, indent=2, default=str).encode(), scratch=path.name + ".tmp")

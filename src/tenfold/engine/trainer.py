@@ -110,6 +110,7 @@ class Trainer:
         self.tp_plan = tp_plan
         self.state = TrainState()
         self.console = None
+        self.watchdog = None  # engine/watchdog.StepWatchdog while a multi-process fit() runs
         self._setup_done = False
 
     # ------------------------------------------------------------------ setup
@@ -308,24 +309,43 @@ class Trainer:
     # ------------------------------------------------------------------ loop
 
     def fit(self) -> dict:
+        from tenfold.engine.distributed import on_every_rank
+        from tenfold.engine.run_folder import RunFolder
+
+        # --out, --resume and an earlier run in --out, before anything is built or written
+        self.folder = on_every_rank(lambda: RunFolder.check(self.cfg), peer_error=UserError)
         if not self._setup_done:
             self.setup()
-        self._open_outputs()
         wall_start = time.perf_counter()
-        last: dict = {}
         try:
-            try:
-                self.step_log.start()
-                while self.state.step < self.cfg.train.steps:
-                    last = self._step_and_log(wall_start, last)
-                    # every N steps, at the last step, and once on SIGTERM/SIGINT (then stop)
-                    if self.checkpoints.after_step(self.state.step, last=self._is_last_step()):
-                        break
-            finally:
-                self._close_outputs()
+            self._open_outputs()
+            last = self._loop(wall_start)
+        except BaseException:
+            if self.dist.is_main:  # failed before its first step: OUT as it was found
+                self.folder.failed()
+            raise
+        try:
             return self._finish(last, time.perf_counter() - wall_start)
         finally:
-            self.writer.close()  # after _finish's final figures; also when a step fails
+            self.writer.close()  # after _finish's final figures
+
+    def _loop(self, wall_start: float) -> dict:
+        last: dict = {}
+        try:
+            self.step_log.start()
+            while self.state.step < self.cfg.train.steps:
+                last = self._step_and_log(wall_start, last)
+                if self.dist.is_main:  # a run it replaces (--overwrite) is deleted now
+                    self.folder.started()
+                # every N steps, at the last step, and once on SIGTERM/SIGINT (then stop)
+                if self.checkpoints.after_step(self.state.step, last=self._is_last_step()):
+                    break
+        except BaseException:
+            self.writer.close()  # also when a step fails
+            raise
+        finally:
+            self._close_outputs()
+        return last
 
     def _is_last_step(self) -> bool:
         return self.state.step == self.cfg.train.steps
@@ -334,9 +354,13 @@ class Trainer:
         """One optimizer step: run it, update the counters, evaluate when due, write the
         metrics row and the progress bar. Returns the row."""
         micro_batches = self.loader.next_step()
+        if self.watchdog is not None:
+            self.watchdog.step_started(self.state.step + 1)
         t0 = time.perf_counter()
         result = self.run_memory.step(self.state.step + 1, lambda: self.train_step(micro_batches))
         step_time = time.perf_counter() - t0
+        if self.watchdog is not None:
+            self.watchdog.step_finished(step_time)
         s = self.state
         s.step += 1
         s.tokens += self.run.tokens_per_step
@@ -376,10 +400,12 @@ class Trainer:
         from tenfold.engine.checkpoint import CheckpointManager
         from tenfold.engine.memory import RunMemory
 
+        from tenfold.engine.watchdog import start_watchdog
+
         main = self.dist.is_main
         if main:
-            self.out_dir.mkdir(parents=True, exist_ok=True)
-        self.tokenizer_dir = self._save_tokenizer(self.out_dir / "tokenizer") if main else None  # OUT/tokenizer
+            self.folder.open()  # creates OUT; --overwrite moves the earlier run aside
+        self.tokenizer_dir = self._save_tokenizer() if main else None  # OUT/tokenizer
         self.console = _console(main)
         self.facts = self._facts()
         if self.console is not None:
@@ -394,10 +420,31 @@ class Trainer:
         self.checkpoints.install_signal_handlers()
         self.writer = MetricsWriter(self.out_dir, main, self.cfg.log.tensorboard, start_step=self.state.step,
                                     wandb=self._start_wandb() if main else None)
+        if self.writer.dropped_rows:  # resumed: the rows of the steps about to be redone
+            self._say(f"metrics: {self.writer.dropped_rows} row(s) after step {self.state.step} removed from "
+                      "metrics.jsonl (redone from the checkpoint)")
         lc = self.cfg.log
         self.step_log = StepLog(self.console, self.cfg.train.steps, self.state.step, lc.log_every, lc.progress)
         self.step_times: list[StepTime] = []
         self.val_loss = None
+        self.watchdog = start_watchdog(self.cfg, self.dist, self._on_stall)
+
+    def _on_stall(self, message: str) -> None:
+        """The watchdog fired (its thread; this rank's loop is stuck in a collective): keep what
+        can be kept without the peers. Rank 0 flushes the metrics and writes summary.json
+        with the reason and the checkpoint to resume from."""
+        if not self.dist.is_main:
+            return
+        from tenfold.engine.checkpoint import read_latest
+
+        self.writer.flush()
+        s = self.state
+        totals = {"steps": s.step, "tokens": s.tokens, "skipped_steps": s.skipped, "val_loss": self.val_loss,
+                  "loss_scale": self.scaler.scale}
+        summary = run_summary.build_summary(self.facts, s.history, totals, {}, 0.0)
+        latest = read_latest(self.checkpoints.root)
+        summary["stopped"] = {"reason": message, "at_step": s.step + 1, "resume_from": str(latest) if latest else None}
+        run_summary.write_json_atomic(self.out_dir / "summary.json", summary)
 
     def _check_resumed_batch(self, saved: dict | None) -> None:
         """A resume that changes the global batch (another number of ranks with the default
@@ -438,6 +485,8 @@ class Trainer:
         )
 
     def _close_outputs(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.close()
         self.checkpoints.close()  # finish a background save, restore signal handlers
         self.step_log.stop()
 
@@ -498,8 +547,14 @@ class Trainer:
         return training_states(self.model, self.optimizer, scheduler=self.scheduler, scaler=self.scaler,
                                loader=self.loader, counters=self.state)
 
-    def _save_tokenizer(self, folder: Path) -> Path | None:  # the tokenizer that made the ids
-        return self.data.save_tokenizer(folder) if hasattr(self.data, "save_tokenizer") else None
+    def _save_tokenizer(self) -> Path | None:
+        """OUT/tokenizer: the tokenizer that made the ids, written under a fresh scratch name and
+        renamed into place (the tokenizers library follows links; a link there is replaced)."""
+        if not hasattr(self.data, "save_tokenizer"):
+            return None
+        from tenfold.engine.run_folder import replace_folder
+
+        return replace_folder(self.out_dir, "tokenizer", self.data.save_tokenizer)
 
     def _tokenizer_summary(self, saved: Path | None, hf_dir: str | None) -> dict | None:
         """summary.json's record of the tokenizer; a copy goes beside the HF weights."""

@@ -136,8 +136,9 @@ class CheckpointManager:
         self._old_handlers.clear()
 
     def preempted(self) -> bool:
-        """Collective: True on every rank once any rank got SIGTERM/SIGINT."""
-        self._preempt = d.any_rank(self._preempt)
+        """Collective: True on every rank once any rank got SIGTERM/SIGINT, or the `--nproc`
+        launcher got one (its stop file)."""
+        self._preempt = d.any_rank(self._preempt or d.stop_requested())
         return self._preempt
 
     # ----------------------------------------------------------------- save
