@@ -13,7 +13,7 @@ PY310 ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.10*/bin/python) python
 VENV310 ?= .venv310
 TESTS_WITHOUT_TORCH := tests/test_cli_config.py tests/test_fuzz_cli.py tests/test_deepspeed_json.py tests/test_plan_validation.py
 
-.PHONY: install demo test test-fast test-py310 bench clean
+.PHONY: install demo test test-fast test-py310 bench gpu-check clean
 
 install: $(VENV)/.installed
 
@@ -52,6 +52,11 @@ $(VENV310)/.installed: pyproject.toml
 	$(VENV310)/bin/python -m pip install -q --no-deps -e .
 	$(VENV310)/bin/python -m pip install -q "pydantic>=2.5" "rich>=13" "hjson>=3.0" "tomli>=1.1" "tomli-w>=1.0" "pytest>=7" "hypothesis>=6.100"
 	touch $@
+
+# On a CUDA machine: the ~1B preset on one GPU, then ZeRO-3 (and TP) on all of them, within
+# 8 minutes; results in gpu_check.json (benchmarks/gpu_check.py, docs/benchmarks.md)
+gpu-check: install
+	$(PY) benchmarks/gpu_check.py --out gpu_check.json
 
 clean:
 	rm -rf $(VENV) $(VENV310) runs .pytest_cache

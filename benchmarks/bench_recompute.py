@@ -3,7 +3,7 @@
 One run, one model, one batch; every policy is timed in interleaved rounds (so drift on a
 shared machine hits all policies alike) and measured once with the tensor tracker
 (tenfold.engine.memory.measure_step_memory). Printed next to the published claims:
-the seed (+30% time for "one checkpoint every 12 layers", +40% for "every 24") and
+the recipe (+30% time for "one checkpoint every 12 layers", +40% for "every 24") and
 Korthikanti et al. 2022 (full recompute +33-39%, selective +2-7%).
 
     python benchmarks/bench_recompute.py                       # small, fp32, micro-batch 8, seq 512

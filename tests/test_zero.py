@@ -95,6 +95,53 @@ def test_unmapped_deepspeed_knobs_are_named_in_one_warning():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         _warn_unmapped_knobs(_Cfg(reduce_bucket_size=5e8), 1, Dist())  # DDP has bucket_cap_mb: no warning
+        _warn_unmapped_knobs(_Cfg(reduce_bucket_size=5e8), 2, Dist())  # ZeRO-2: FSDP2 units of that size
+
+
+@pytest.mark.slow
+def test_collectives_per_step(two_ranks):
+    """The communication of one steady-state step (micro 1 x accum 2 per rank, 2 blocks +
+    the root). ZeRO-1: one broadcast of updated parameters per rank (flat buckets), not one
+    per parameter tensor. ZeRO-2 on CPU: both blocks in one FSDP2 unit (a 25 MiB bucket of
+    fp32 gradients), so 2 units with the root; each all-gathered once per step although two
+    micro-steps run (the gathered parameters are kept between them), and reduce-scattered on
+    every micro-step. With a 1-element bucket: one unit per block (3 units). ZeRO-3: one unit
+    per block, gathered for each forward and again for each backward of every micro-step
+    (persistence threshold 0: every unit is freed after use).
+    Mutations: ZeroRedundancyOptimizer without parameters_as_bucket_view broadcasts once per
+    parameter tensor; without `_keep_gathered` ZeRO-2 all-gathers twice per unit; without the
+    grouping it has 3 units."""
+    micro = 2
+    for rank in ("0", "1"):
+        c = {s: two_ranks[rank][f"{s}-fp32"]["collectives"] for s in range(4)}
+        assert c[1]["broadcast"] == 2, c[1]
+        assert c[2]["all_gather_single"] == 2, c[2]
+        assert c[2]["reduce_scatter_single"] == 2 * micro, c[2]
+        per_block = two_ranks[rank]["2-fp32-per-block"]["collectives"]
+        assert per_block["all_gather_single"] == 3 and per_block["reduce_scatter_single"] == 3 * micro, per_block
+        assert c[3]["all_gather_single"] == 2 * 3 * micro, c[3]
+        assert c[3]["reduce_scatter_single"] == 3 * micro, c[3]
+
+
+@pytest.mark.slow
+def test_zero2_one_unit_per_block_matches_one_process(two_ranks, reference):
+    for rank in ("0", "1"):
+        assert rel_err(two_ranks[rank]["2-fp32-per-block"]["losses"], reference["fp32"]["losses"]) < FP32_RTOL
+
+
+def test_zero2_groups_consecutive_blocks_up_to_the_bucket():
+    from tenfold.techniques.zero import CPU_UNIT_BUCKET, fsdp_units, unit_bucket
+
+    blocks = [torch.nn.Linear(10, 10) for _ in range(5)]  # 110 parameters each
+    sizes = lambda units: [len(u) for u in units]  # noqa: E731
+    assert sizes(fsdp_units(blocks, 2, 230)) == [2, 2, 1]
+    assert sizes(fsdp_units(blocks, 2, 100)) == [1, 1, 1, 1, 1]  # a block larger than the bucket: alone
+    assert sizes(fsdp_units(blocks, 2, None)) == [1] * 5
+    assert sizes(fsdp_units(blocks, 3, 10**9)) == [1] * 5  # ZeRO-3 frees block by block
+    assert [b for u in fsdp_units(blocks, 2, 230) for b in u] == blocks  # order kept
+    assert unit_bucket(_Cfg(), "cpu") == CPU_UNIT_BUCKET == 6_553_600
+    assert unit_bucket(_Cfg(), "cuda") is None  # per block: reduce-scatters overlap the backward
+    assert unit_bucket(_Cfg(reduce_bucket_size=1000), "cuda") == 1000
 
 
 @pytest.mark.slow

@@ -124,6 +124,10 @@ class Trainer:
         check_available(cfg.log.wandb)
         self.dist: DistInfo = init_distributed(self.run.pp, cfg.parallel.timeout_s, self.run.tp)
         self.precision: Precision = build_precision(cfg.precision, self.dist.device)
+        if self.dist.device.type == "cpu":  # before the model and data take their memory
+            from tenfold.engine.host_malloc import tune_malloc
+
+            tune_malloc()
         self.data = self._build_data()
         if self.user_dataset is not None:  # a user's packed rows set the sequence length
             self.run = self.run.with_seq_len(int(np.asarray(self.data.train[:1]).shape[1]) - 1)

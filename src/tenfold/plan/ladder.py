@@ -151,7 +151,7 @@ def _notes(i: int, rung: Rung, prev: Rung | None) -> list[str]:
             held = ("; and under pipelining each rank keeps its stage's unreduced gradients and unsharded 16-bit "
                     "parameters from micro-batch to micro-batch (torch.distributed.pipelining reduces once per step), "
                     "so ZeRO-3 shards only the optimizer states")
-        out.append(f"memory: model states {m.model_states_bytes / 1e9:.1f} GB vs the seed's {seed_states:.0f} GB: "
+        out.append(f"memory: model states {m.model_states_bytes / 1e9:.1f} GB vs the recipe's {seed_states:.0f} GB: "
                    f"ZeRO's 16 B/param x 175B / 64 = 43.75 GB (+ the first stage's embedding); the recipe's 1400 GB of "
                    f"optimizer states omit the fp32 master weights (2100 GB / 64 = 33 GB, not 22){held}")
         out.append(f"activations {m.activations_bytes / 1e9:.1f} GB vs ~30 GB; total {m.total_bytes / 1e9:.1f} GB vs ~63 GB "

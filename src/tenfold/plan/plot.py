@@ -89,7 +89,7 @@ def plot_ladder(rungs, path: str) -> None:
     names = [str(i) for i in range(len(rungs))]
     a1.bar(names, [r.plan.train_days for r in rungs], label="planner")
     if rungs[0].seed is not None:
-        a1.plot(names, [r.seed.days for r in rungs], "o", color="k", label="seed's claim")
+        a1.plot(names, [r.seed.days for r in rungs], "o", color="k", label="the recipe's claim")
     a1.set_yscale("log")
     a1.set_ylabel("days")
     a1.set_xlabel("rung")

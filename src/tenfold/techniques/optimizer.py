@@ -57,6 +57,42 @@ def build_optimizer(model: nn.Module, train_cfg: Any, device: torch.device) -> t
     return torch.optim.AdamW(param_groups(model, train_cfg.weight_decay), **adamw_kwargs(train_cfg, device))
 
 
+@torch.no_grad()
+def allocate_states(optimizer: torch.optim.Optimizer) -> None:
+    """Create Adam/AdamW's states now instead of inside the first `step()`, exactly as the
+    first step would (zeros, step 0), so that a run fails before its first step if they do not
+    fit, and the first training steps do not also pay for allocating and first touching them.
+    DeepSpeed's ZeRO optimizers do the same at `initialize` (`initialize_optimizer_states`).
+
+    How: one step with zero gradients at learning rate 0 (torch's own
+    `torch.distributed.checkpoint.state_dict._init_optim_state` does this), which leaves every
+    parameter unchanged (decay `p * (1 - 0 * wd)`, update `0 * m / (sqrt(v) + eps)` with m = v
+    = 0), then the step counters back to 0: the states are then those of a fresh optimizer,
+    bit for bit (tests/test_optimizer_states.py). Other optimizer classes are left alone."""
+    if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)) or optimizer.state:
+        return
+    params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+    if any(p.grad is not None for p in params):
+        return  # gradients in flight: leave the lazy initialisation to the real step
+    lrs = [g["lr"] for g in optimizer.param_groups]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    for g in optimizer.param_groups:
+        g["lr"] = torch.zeros_like(g["lr"]) if isinstance(g["lr"], torch.Tensor) else 0.0
+    try:
+        optimizer.step()
+    finally:
+        for g, lr in zip(optimizer.param_groups, lrs):
+            g["lr"] = lr
+        optimizer.zero_grad(set_to_none=True)
+    for state in optimizer.state.values():
+        step = state.get("step")
+        if isinstance(step, torch.Tensor):
+            step.zero_()
+        elif step is not None:
+            state["step"] = 0
+
+
 def clip_grad_norm(
     params: Iterable[nn.Parameter],
     max_norm: float,
