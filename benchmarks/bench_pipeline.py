@@ -25,12 +25,12 @@ import io
 import json
 import os
 import platform
-import socket
 import tempfile
 from pathlib import Path
 
 import numpy as np
 import torch
+from two_ranks import join_as_rank, run_on_two_ranks
 
 WARMUP = 2
 
@@ -44,6 +44,7 @@ def trainer_config(args, pp: int, grad_accum: int, out: str) -> dict:
                   "eval_every": 0, "eval_batches": 1, "warmup_steps": 2, "seed": 7},
         "parallel": {"pp_degree": pp, "pp_schedule": args.schedule, "nproc": 2},
         "log": {"out": out, "progress": False, "tensorboard": False},
+        "checkpoint": {"final": False},
     }
 
 
@@ -84,14 +85,9 @@ def _same_dir_on_all_ranks(path: str) -> str:
 
 
 def worker(rank: int, port: int, args, result_file: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2")
-    torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
-    import torch.distributed as dist
-
     from tenfold.models.presets import get_preset
 
-    dist.init_process_group("gloo")
+    join_as_rank(rank, port, threads=max(1, (os.cpu_count() or 2) // 2))
     data = random_tokens(args, get_preset(args.model).vocab_size)
     rows = []
     for m in args.ms:
@@ -113,15 +109,7 @@ def main() -> None:
     args = p.parse_args()
     if any(m % 2 for m in args.ms):
         p.error("--ms must be even (dp=2 splits the m micro-batches over 2 ranks)")
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory() as tmp:
-        result = Path(tmp, "rows.json")
-        mp.spawn(worker, args=(port, args, str(result)), nprocs=2, join=True)
-        rows = [r for r in json.loads(result.read_text()) if r]
+    rows = [r for r in run_on_two_ranks(worker, args) if r]
     print(f"\n{args.model}, seq {args.seq_len}, micro-batch {args.micro_batch}, {args.steps} steps, "
           f"schedule {args.schedule}; {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
           f"torch {torch.__version__}")

@@ -3,7 +3,7 @@
 One run, one model, one batch; every policy is timed in interleaved rounds (so drift on a
 shared machine hits all policies alike) and measured once with the tensor tracker
 (tenfold.engine.memory.measure_step_memory). Printed next to the published claims:
-the seed (+30% time for "one checkpoint every 12 layers", +40% for "every 24") and
+the recipe (+30% time for "one checkpoint every 12 layers", +40% for "every 24") and
 Korthikanti et al. 2022 (full recompute +33-39%, selective +2-7%).
 
     python benchmarks/bench_recompute.py                       # small, fp32, micro-batch 8, seq 512
@@ -29,7 +29,7 @@ from tenfold.models.presets import get_preset
 from tenfold.techniques.recompute import apply_recompute
 
 POLICIES = ["none", "selective:attention", "selective:mlp", "every:2", "segments:4", "segments:8", "full"]
-# What each policy is compared with (sources in docs/recompute.md). The seed's "one checkpoint
+# What each policy is compared with (sources in docs/recompute.md). The recipe's "one checkpoint
 # every 12 (24) layers" of a 96-layer model keeps 96/12 = 8 (96/24 = 4) segment boundaries:
 # on `small` (8 layers) the same cut is segments:8 (segments:4).
 CLAIMS = {

@@ -1,11 +1,12 @@
 """tenfold train vs a plain hand-written PyTorch loop: same model, data, precision, optimizer.
 
 Measures tokens/s of both in this one run (alternating repeats, so drift on a shared machine
-hits both) and prints the ratio tenfold / plain per precision (target >= 0.97), plus the MFU
+hits both) and prints the ratio tenfold / plain per precision (target >= 0.98), plus the MFU
 that `tiny` and `small` reach here (model FLOPs 6N + 12*L*s*d per token, the CPU's measured
 GEMM peak for the dtype; tenfold/models/presets.py::flops_per_token, engine/peak.py).
 
-    python benchmarks/bench_train.py [--model tiny] [--steps 30] [--repeats 2] [--precisions fp32,bf16]
+    python benchmarks/bench_train.py [--model tiny] [--steps 30] [--repeats 3] [--precisions fp32,bf16]
+    python benchmarks/bench_train.py --model small --micro-batch 8 --seq-len 256 --precisions bf16   # the MFU figure
 
 Throughput is tokens over the wall time of steps warmup+1..N, loop overheads included
 (data loading, logging, metrics for tenfold; data slicing for the plain loop).
@@ -33,13 +34,18 @@ from tenfold.models.presets import flops_per_token, get_preset
 WARMUP = 3
 
 
+SEQ_LEN: int | None = None  # --seq-len (None: the model's context)
+
+
 def config(model: str, precision: str, steps: int, micro_batch: int, out: str) -> dict:
     return {
         "model": {"name": model},
+        "data": {"seq_len": SEQ_LEN},
         "precision": {"dtype": precision},
         "train": {"steps": steps, "micro_batch": micro_batch, "grad_accum": 1, "eval_every": 0, "eval_batches": 1,
                   "warmup_steps": 2},
         "log": {"out": out, "progress": False, "tensorboard": False},
+        "checkpoint": {"final": False},
     }
 
 
@@ -82,25 +88,32 @@ def main() -> None:
     ap.add_argument("--model", default="tiny")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--micro-batch", type=int, default=8)
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--seq-len", type=int, help="tokens per sequence (default: the model's context)")
     ap.add_argument("--precisions", default="fp32,bf16")
     args = ap.parse_args()
+    global SEQ_LEN
+    SEQ_LEN = args.seq_len
     mc = get_preset(args.model)
-    fpt = flops_per_token(mc, mc.max_seq_len)
+    seq = args.seq_len or mc.max_seq_len
+    fpt = flops_per_token(mc, seq)
     print(f"# {platform.node()} | {platform.processor() or platform.machine()} | torch {torch.__version__} | "
           f"threads {torch.get_num_threads()} | {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
-    print(f"# model {args.model}, micro-batch {args.micro_batch} x seq {mc.max_seq_len}, {args.steps} steps "
-          f"(first {WARMUP} excluded), {args.repeats} alternating repeats, best of each")
-    print("| precision | plain tok/s | tenfold tok/s | ratio tenfold/plain | tenfold MFU |")
-    print("|---|---|---|---|---|")
+    print(f"# model {args.model}, micro-batch {args.micro_batch} x seq {seq}, {args.steps} steps "
+          f"(first {WARMUP} excluded), {args.repeats} alternating repeats, best of each; "
+          f"load average {os.getloadavg()[0]:.1f}")
+    print("| precision | plain tok/s | tenfold tok/s | ratio tenfold/plain (target >= 0.98) | per repeat | tenfold MFU |")
+    print("|---|---|---|---|---|---|")
     for precision in args.precisions.split(","):
         plain, ours = [], []
-        for _ in range(args.repeats):
-            plain.append(run_plain(args.model, precision, args.steps, args.micro_batch))
-            ours.append(run_tenfold(args.model, precision, args.steps, args.micro_batch))
+        for i in range(args.repeats):  # plain, tenfold, tenfold, plain, ...: linear drift hits both alike
+            order = (run_plain, run_tenfold) if i % 2 == 0 else (run_tenfold, run_plain)
+            for run in order:
+                (plain if run is run_plain else ours).append(run(args.model, precision, args.steps, args.micro_batch))
         best_plain, best_ours = max(plain), max(ours)
         mfu = fpt * best_ours / cpu_peak_flops(precision)
-        print(f"| {precision} | {best_plain:,.0f} | {best_ours:,.0f} | {best_ours / best_plain:.3f} | {mfu:.1%} |")
+        each = ", ".join(f"{o / p:.3f}" for o, p in zip(ours, plain))
+        print(f"| {precision} | {best_plain:,.0f} | {best_ours:,.0f} | {best_ours / best_plain:.3f} | {each} | {mfu:.1%} |")
 
 
 if __name__ == "__main__":

@@ -1,23 +1,35 @@
-"""tenfold ZeRO (DDP / ZeroRedundancyOptimizer / FSDP2) vs DeepSpeed ZeRO, same model, data
-and settings, 2 ranks under torchrun (gloo on CPU, NCCL on GPU): tokens/s and per-rank peak
-memory for each stage, as ratios tenfold / DeepSpeed measured in one run.
+"""tenfold ZeRO vs DeepSpeed ZeRO on a Hugging Face Llama-style model, side by side: tokens/s
+and peak resident memory per rank at ZeRO 1, 2 and 3 in fp32 and bf16, as ratios measured in
+one run.
 
     pip install -e '.[bench]'            # DeepSpeed (optional; the benchmark says so if absent)
-    python benchmarks/bench_zero_vs_deepspeed.py [--stages 0 1 2 3] [--steps 12]
+    python benchmarks/bench_zero_vs_deepspeed.py                    # the whole 3 x 2 table
+    python benchmarks/bench_zero_vs_deepspeed.py --stages 2 --precisions bf16 --steps 16
 
-Both engines train tenfold's GPT (same init, same seed), AdamW with the same two parameter
-groups (tenfold.techniques.optimizer.param_groups) and hyper-parameters, gradient clipping 1.0, fp32,
-each rank taking its slice of the same global batches. DeepSpeed runs with its own defaults
-for the knobs we do not set (bucket sizes, overlap_comm, persistence threshold), tenfold with
-its own: "the same config" is the DeepSpeed JSON's keys, as a user would pass them.
+The model is `transformers.LlamaForCausalLM` built from the config dict `LLAMA` below (about
+20M parameters; nothing is downloaded), the same random weights for both engines (one seed,
+one builder: tenfold.models.hf.build_hf_model), fed the same micro-batches (tenfold's loader),
+2 ranks under torchrun (gloo on CPU, one thread per rank), micro-batch 2, gradient accumulation
+2, sequence 256, AdamW (same two groups and hyper-parameters), gradient clipping 1.0.
+"The same config" is DeepSpeed's JSON keys as a user would pass them:
+`zero_optimization.stage`, `bf16.enabled`, batch sizes, clipping; each engine keeps its own
+defaults for everything else (bucket sizes, overlap_comm, persistence threshold).
+DeepSpeed's bf16 mode holds the model in bf16 (fp32 master weights in its ZeRO optimizer);
+tenfold's keeps fp32 weights and runs the forward under autocast (FSDP2 gathers bf16 copies).
 
-Throughput: both engines are built in the SAME two processes and their steps alternate
-(tenfold, DeepSpeed, DeepSpeed, tenfold, ...), so a shared machine's drifting load slows both
-alike; steady-state step time = median after `--warmup` steps, the slowest rank's -> tokens/s
-of the whole job. Memory (one engine per launch): peak memory = the process's peak resident set (VmHWM, reset after imports) minus
-its resident set at that moment, i.e. what building the model + engine + training added. On
-CPU the RSS is the only measure that sees both engines' allocations (DeepSpeed's flat buffers
-included); it also counts allocator slack, identically for both.
+Throughput: both engines are built in the SAME two processes and their optimizer steps
+alternate (tenfold, DeepSpeed, DeepSpeed, tenfold, ...), so a shared machine's drifting load
+slows both alike. tokens/s = global tokens per step / the median step time of the steps after
+`--warmup` (the slowest rank's median: the job runs at its pace).
+
+Memory: one engine per launch (the two engines' buffers would mix in one process), DeepSpeed
+and tenfold launches alternating. Peak memory per rank = the process's peak resident set
+(VmHWM, reset once imports and data are in memory) minus its resident set at that moment:
+what building the model + engine + training added, allocator slack included, for both alike.
+The larger of the ranks is reported.
+
+The first-step loss of each engine is printed beside the table: both train the same model on
+the same batch, so they must agree (to bf16 rounding in bf16).
 """
 
 from __future__ import annotations
@@ -32,7 +44,14 @@ import tempfile
 import time
 from pathlib import Path
 
-MODEL = {"n_layers": 4, "d_model": 512, "n_heads": 8, "d_ff": 1408, "max_seq_len": 128}
+LLAMA = {
+    "model_type": "llama", "vocab_size": 8192, "hidden_size": 384, "intermediate_size": 1024,
+    "num_hidden_layers": 8, "num_attention_heads": 6, "num_key_value_heads": 2,
+    "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
+    "hidden_act": "silu",
+}
+SEED = 7
+PRECISIONS = ("fp32", "bf16")
 
 
 # --------------------------------------------------------------------------- rank side
@@ -54,91 +73,97 @@ def _reset_peak_rss() -> int:
     return _rss_bytes("VmRSS")
 
 
-def _tokens(args) -> "np.ndarray":
+def _tokens(args):
     import numpy as np
 
     rows = args.global_batch * (args.steps + args.warmup + 1)
-    starts = np.random.default_rng(0).integers(0, 200, size=(rows, 1))
-    return ((starts + 3 * np.arange(args.seq + 1)) % 256).astype(np.int64)
+    return np.random.default_rng(0).integers(0, LLAMA["vocab_size"], size=(rows, args.seq + 1)).astype(np.int64)
 
 
-def _gpt(args):
-    import torch
-
-    from tenfold.models.gpt import GPT
-    from tenfold.models.presets import get_preset
-
-    torch.manual_seed(7)
-    return GPT(get_preset("tiny").with_overrides(**MODEL))
-
-
-def run_tenfold(args, data) -> list[float]:
-    step = tenfold_stepper(args, data)
-    return [step() for _ in range(args.steps + args.warmup)]
+def _tenfold_config(args) -> dict:
+    return {
+        "model": {"hf_config": args.hf_config},
+        "data": {"val_fraction": 0.0},
+        "train": {"steps": args.steps + args.warmup, "micro_batch": args.micro, "grad_accum": args.accum,
+                  "lr": 1e-3, "warmup_steps": 0, "eval_every": 0, "seed": SEED, "grad_clip": 1.0},
+        "precision": {"dtype": args.precision},
+        "parallel": {"zero_stage": args.stage},
+        "log": {"out": args.tmp, "progress": False, "tensorboard": False},
+        "checkpoint": {"final": False},
+    }
 
 
 def tenfold_stepper(args, data):
-    """A function that runs one tenfold training step and returns its time."""
+    """A function that runs one tenfold optimizer step and returns (seconds, loss)."""
     from tenfold.engine.trainer import Trainer
 
-    cfg = {
-        "model": {"name": "tiny", **MODEL},
-        "data": {"seq_len": args.seq, "val_fraction": 0.0},
-        "train": {"steps": args.steps + args.warmup, "micro_batch": args.micro, "grad_accum": 1,
-                  "lr": 1e-3, "warmup_steps": 0, "eval_every": 0, "seed": 7, "grad_clip": 1.0},
-        "precision": {"dtype": "fp32"},
-        "parallel": {"zero_stage": args.stage},
-        "log": {"out": args.tmp, "progress": False, "tensorboard": False},
-    }
-    t = Trainer(cfg, dataset=data)
+    t = Trainer(_tenfold_config(args), dataset=data)
     t.setup()
 
-    def step() -> float:
+    def step() -> tuple[float, float]:
         mbs = t.loader.next_step()
         t0 = time.perf_counter()
-        t.train_step(mbs)
-        return time.perf_counter() - t0
+        result = t.train_step(mbs)
+        return time.perf_counter() - t0, result.loss
 
     return step
 
 
-def run_deepspeed(args, data) -> list[float]:
-    step = deepspeed_stepper(args, data)
-    return [step() for _ in range(args.steps + args.warmup)]
-
-
 def deepspeed_stepper(args, data):
-    """A function that runs one DeepSpeed training step and returns its time."""
+    """A function that runs one DeepSpeed optimizer step (all micro-batches) and returns
+    (seconds, loss). The micro-batches come from tenfold's loader: the same rows, in the same
+    order, on the same rank as tenfold's run."""
     import deepspeed
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
 
+    from tenfold.data.loader import GlobalBatchLoader
+    from tenfold.models.hf import build_hf_model
     from tenfold.techniques.optimizer import param_groups
 
-    model = _gpt(args)
+    torch.manual_seed(SEED)
+    model = build_hf_model(args.hf_config)
     optimizer = torch.optim.AdamW(param_groups(model, 0.1), lr=1e-3, betas=(0.9, 0.95), eps=1e-8, foreach=True)
     ds_config = {
-        "train_micro_batch_size_per_gpu": args.micro, "gradient_accumulation_steps": 1,
+        "train_micro_batch_size_per_gpu": args.micro, "gradient_accumulation_steps": args.accum,
         "zero_optimization": {"stage": args.stage}, "gradient_clipping": 1.0,
+        "bf16": {"enabled": args.precision == "bf16"},
     }
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
     rank, world = dist.get_rank(), dist.get_world_size()
-    batch = torch.from_numpy(data)
-    counter = iter(range(10**9))
+    loader = GlobalBatchLoader(data, args.global_batch, args.micro, args.accum, rank, world, seed=SEED)
 
-    def step() -> float:
-        i = next(counter)
-        rows = batch[i * args.global_batch:(i + 1) * args.global_batch]
-        mine = rows[rank * args.micro:(rank + 1) * args.micro]
+    def step() -> tuple[float, float]:
+        mbs = loader.next_step()
         t0 = time.perf_counter()
-        logits = engine(mine[:, :-1])
-        loss = F.cross_entropy(logits.float().flatten(0, 1), mine[:, 1:].flatten())
-        engine.backward(loss)
-        engine.step()
-        return time.perf_counter() - t0
+        total = 0.0
+        for mb in mbs:
+            logits = engine(input_ids=mb["input_ids"], use_cache=False).logits
+            loss = F.cross_entropy(logits.float().flatten(0, 1), mb["labels"].flatten())
+            engine.backward(loss)
+            engine.step()
+            total += float(loss)
+        return time.perf_counter() - t0, total / len(mbs)
 
     return step
+
+
+STEPPERS = {"tenfold": tenfold_stepper, "deepspeed": deepspeed_stepper}
+
+
+def _run_interleaved(args, data) -> dict:
+    """Both engines in these processes, steps alternating: throughput only."""
+    steppers = {name: make(args, data) for name, make in STEPPERS.items()}
+    times: dict[str, list[float]] = {name: [] for name in steppers}
+    first_loss: dict[str, float] = {}
+    for i in range(args.steps + args.warmup):
+        for name in (("tenfold", "deepspeed") if i % 2 == 0 else ("deepspeed", "tenfold")):
+            seconds, loss = steppers[name]()
+            times[name].append(seconds)
+            first_loss.setdefault(name, loss)
+    return {**{f"{k}_step_s": statistics.median(v[args.warmup:]) for k, v in times.items()},
+            **{f"{k}_first_loss": v for k, v in first_loss.items()}}
 
 
 def rank_main(args) -> None:
@@ -146,23 +171,18 @@ def rank_main(args) -> None:
 
     import tenfold.engine.trainer  # noqa: F401
 
-    import deepspeed  # noqa: F401,F811  (both modes import it: the same RSS baseline)
+    import deepspeed  # noqa: F401  (every launch imports it: the same RSS baseline)
     import torch.distributed as dist
+    import transformers  # noqa: F401
 
     data = _tokens(args)
     base = _reset_peak_rss()
     if args.engine == "interleaved":
-        # Both engines in the same processes, steps alternating: a machine whose load drifts
-        # (shared CI boxes) slows both alike. Throughput only: the RSS would mix the two.
-        steppers = {"tenfold": tenfold_stepper(args, data), "deepspeed": deepspeed_stepper(args, data)}
-        times: dict[str, list[float]] = {"tenfold": [], "deepspeed": []}
-        for i in range(args.steps + args.warmup):
-            for name in (("tenfold", "deepspeed") if i % 2 == 0 else ("deepspeed", "tenfold")):
-                times[name].append(steppers[name]())
-        result = {f"{k}_step_s": statistics.median(v[args.warmup:]) for k, v in times.items()}
+        result = _run_interleaved(args, data)
     else:
-        times_one = run_tenfold(args, data) if args.engine == "tenfold" else run_deepspeed(args, data)
-        result = {"step_s": statistics.median(times_one[args.warmup:]), "peak_rss_bytes": _rss_bytes("VmHWM") - base}
+        step = STEPPERS[args.engine](args, data)
+        times = [step()[0] for _ in range(args.steps + args.warmup)]
+        result = {"step_s": statistics.median(times[args.warmup:]), "peak_rss_bytes": _rss_bytes("VmHWM") - base}
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, result)
     if dist.get_rank() == 0:
@@ -172,81 +192,118 @@ def rank_main(args) -> None:
 # --------------------------------------------------------------------------- driver
 
 
-def launch(engine: str, stage: int, args, tmp: str) -> dict | None:
-    out = Path(tmp) / f"{engine}-{stage}.json"
+def launch(engine: str, stage: int, precision: str, args, tmp: str) -> dict | None:
+    out = Path(tmp) / f"{engine}-{stage}-{precision}.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc),
-           __file__, "--rank-side", "--engine", engine, "--stage", str(stage), "--json", str(out),
-           "--steps", str(args.steps), "--warmup", str(args.warmup), "--micro", str(args.micro),
-           "--seq", str(args.seq), "--tmp", tmp]
+           __file__, "--rank-side", "--engine", engine, "--stage", str(stage), "--precision", precision,
+           "--json", str(out), "--steps", str(args.steps), "--warmup", str(args.warmup),
+           "--micro", str(args.micro), "--accum", str(args.accum), "--seq", str(args.seq),
+           "--hf-config", args.hf_config, "--tmp", tmp]
     env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // args.nproc)))
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
-        print(f"{engine} stage {stage} failed:\n{proc.stderr[-3000:]}", file=sys.stderr)
+        print(f"{engine} ZeRO-{stage} {precision} failed:\n{proc.stderr[-3000:]}", file=sys.stderr)
         return None
     ranks = json.loads(out.read_text())
     tokens = args.global_batch * args.seq
     if engine == "interleaved":  # the job runs at the slowest rank's pace
-        return {e: tokens / max(r[f"{e}_step_s"] for r in ranks) for e in ("tenfold", "deepspeed")}
+        got = {e: tokens / max(r[f"{e}_step_s"] for r in ranks) for e in STEPPERS}
+        return {**got, **{f"{e}_first_loss": ranks[0][f"{e}_first_loss"] for e in STEPPERS}}
     return {"tokens_per_s": tokens / max(r["step_s"] for r in ranks),
             "peak_bytes_per_rank": max(r["peak_rss_bytes"] for r in ranks)}
 
 
+def measure_cell(stage: int, precision: str, args, tmp: str) -> dict | None:
+    """One table cell: the interleaved throughput launch, then the memory launches
+    (DeepSpeed and tenfold alternating, `--repeats` of each, median)."""
+    speed = launch("interleaved", stage, precision, args, tmp)
+    if speed is None:
+        return None
+    rss: dict[str, list[int]] = {e: [] for e in STEPPERS}
+    alone: dict[str, list[float]] = {e: [] for e in STEPPERS}
+    for i in range(args.repeats):
+        for engine in (("deepspeed", "tenfold") if i % 2 == 0 else ("tenfold", "deepspeed")):
+            got = launch(engine, stage, precision, args, tmp)
+            if got is None:
+                return None
+            rss[engine].append(got["peak_bytes_per_rank"])
+            alone[engine].append(got["tokens_per_s"])
+    return {"stage": stage, "precision": precision, **speed,
+            **{f"{e}_peak_rss_bytes": statistics.median(v) for e, v in rss.items()},
+            **{f"{e}_alone_tokens_per_s": statistics.median(v) for e, v in alone.items()}}
+
+
+def row_text(c: dict) -> str:
+    mib = 2**20
+    t_rss, d_rss = c["tenfold_peak_rss_bytes"], c["deepspeed_peak_rss_bytes"]
+    return (f"| {c['stage']} | {c['precision']} | {c['tenfold']:,.0f} | {c['deepspeed']:,.0f} | "
+            f"**{c['tenfold'] / c['deepspeed']:.2f}x** | {t_rss / mib:,.0f} | {d_rss / mib:,.0f} | "
+            f"**{t_rss / d_rss:.2f}x** | {c['tenfold_alone_tokens_per_s']:,.0f} / {c['deepspeed_alone_tokens_per_s']:,.0f} | "
+            f"{c['tenfold_first_loss']:.4f} / {c['deepspeed_first_loss']:.4f} |")
+
+
 def driver(args) -> None:
     try:
-        import deepspeed  # noqa: F401
+        import deepspeed
     except ImportError:
         sys.exit("DeepSpeed is not installed: pip install -e '.[bench]' (or pip install deepspeed)")
     import torch
 
+    load = os.getloadavg()
     print(f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, torch {torch.__version__}, "
-          f"deepspeed {deepspeed.__version__}, {args.nproc} ranks, {os.cpu_count()} CPU cores, "
-          f"model {MODEL}, seq {args.seq}, micro {args.micro}/rank, fp32, {args.steps} timed steps")
+          f"deepspeed {deepspeed.__version__}, {args.nproc} ranks x {max(1, (os.cpu_count() or 1) // args.nproc)} "
+          f"thread(s), {os.cpu_count()} CPU cores, load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}")
+    print(f"# Hugging Face {LLAMA['model_type']} {json.dumps({k: v for k, v in LLAMA.items() if k != 'model_type'})}")
+    print(f"# micro-batch {args.micro}/rank, accumulation {args.accum}, seq {args.seq}, {args.steps} timed steps "
+          f"after {args.warmup} warm-up, memory launches x{args.repeats} per engine\n")
+    print("| ZeRO | precision | tenfold tok/s | DeepSpeed tok/s | tok/s ratio | tenfold MiB/rank | "
+          "DeepSpeed MiB/rank | memory ratio | tok/s alone (t / DS) | first loss (t / DS) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    cells = []
     with tempfile.TemporaryDirectory() as tmp:
-        if not args.skip_throughput:
-            print("\ntokens/s, both engines in the same 2 processes, steps alternating:\n")
-            print("| stage | tenfold tok/s | DeepSpeed tok/s | tenfold / DeepSpeed |")
-            print("|---|---|---|---|")
-            for stage in args.stages:
-                for _ in range(args.repeats):
-                    got = launch("interleaved", stage, args, tmp)
-                    if got is None:
-                        print(f"| {stage} | failed | failed | - |")
-                        continue
-                    print(f"| {stage} | {got['tenfold']:,.0f} | {got['deepspeed']:,.0f} | "
-                          f"{got['tenfold'] / got['deepspeed']:.2f}x |", flush=True)
-        if not args.skip_memory:
-            print("\nper-rank peak memory (RSS added by model + engine + training), one engine per launch:\n")
-            print("| stage | tenfold MiB/rank | DeepSpeed MiB/rank | tenfold / DeepSpeed | (tok/s alone: tenfold, DeepSpeed) |")
-            print("|---|---|---|---|---|")
-            for stage in args.stages:
-                t, d = launch("tenfold", stage, args, tmp), launch("deepspeed", stage, args, tmp)
-                if t is None or d is None:
-                    print(f"| {stage} | {'failed' if t is None else ''} | {'failed' if d is None else ''} | - | - |")
+        args.hf_config = str(Path(tmp) / "config.json")
+        Path(args.hf_config).write_text(json.dumps(LLAMA))
+        for stage in args.stages:
+            for precision in args.precisions:
+                cell = measure_cell(stage, precision, args, tmp)
+                if cell is None:
+                    print(f"| {stage} | {precision} | failed | | | | | | | |", flush=True)
                     continue
-                print(f"| {stage} | {t['peak_bytes_per_rank'] / 2**20:,.0f} | {d['peak_bytes_per_rank'] / 2**20:,.0f} | "
-                      f"{t['peak_bytes_per_rank'] / d['peak_bytes_per_rank']:.2f}x | "
-                      f"{t['tokens_per_s']:,.0f}, {d['tokens_per_s']:,.0f} |", flush=True)
+                cells.append(cell)
+                print(row_text(cell), flush=True)
+    load = os.getloadavg()
+    print(f"\n# load average at the end {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}")
+    if args.out_json:
+        Path(args.out_json).write_text(json.dumps({"model": LLAMA, "cells": cells}, indent=1))
 
 
-def main() -> None:
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2, 3])
-    p.add_argument("--steps", type=int, default=10, help="timed steps (after --warmup)")
+    p.add_argument("--stages", type=int, nargs="+", default=[1, 2, 3], choices=[0, 1, 2, 3])
+    p.add_argument("--precisions", nargs="+", default=list(PRECISIONS), choices=PRECISIONS)
+    p.add_argument("--steps", type=int, default=10, help="timed optimizer steps (after --warmup)")
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--micro", type=int, default=4, help="sequences per rank per step")
-    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--micro", type=int, default=2, help="sequences per rank per micro-batch")
+    p.add_argument("--accum", type=int, default=2, help="micro-batches per optimizer step")
+    p.add_argument("--seq", type=int, default=256)
     p.add_argument("--nproc", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=1, help="interleaved throughput launches per stage")
-    p.add_argument("--skip-throughput", action="store_true", help="only the per-rank memory launches")
-    p.add_argument("--skip-memory", action="store_true", help="only the interleaved throughput launches")
+    p.add_argument("--repeats", type=int, default=1, help="memory launches per engine and cell")
+    p.add_argument("--out-json", help="also write every cell's figures to this JSON file")
     p.add_argument("--rank-side", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--engine", choices=["tenfold", "deepspeed", "interleaved"], help=argparse.SUPPRESS)
     p.add_argument("--stage", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--precision", choices=PRECISIONS, help=argparse.SUPPRESS)
+    p.add_argument("--hf-config", help=argparse.SUPPRESS)
     p.add_argument("--json", help=argparse.SUPPRESS)
     p.add_argument("--tmp", help=argparse.SUPPRESS)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     world = int(os.environ.get("WORLD_SIZE", args.nproc))
-    args.global_batch = args.micro * world
+    args.global_batch = args.micro * args.accum * world
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     rank_main(args) if args.rank_side else driver(args)
 
 

@@ -53,3 +53,14 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+# Module fixtures that start several processes (torchrun or torch.multiprocessing): every test
+# using one is a multi-process test. The others carry @pytest.mark.multiprocess themselves.
+MULTIPROCESS_FIXTURES = {"two_ranks", "two_rank_results", "tp2", "tp2dp2"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if MULTIPROCESS_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.multiprocess)

@@ -231,6 +231,7 @@ def _run_worker(out: Path) -> None:
     (out / f"facts.{trainer.dist.rank}.json").write_text(json.dumps(facts))
 
 
+@pytest.mark.multiprocess
 @pytest.mark.slow
 def test_user_module_two_ranks_zero2_recompute_matches_one_process(tmp_path):
     from tenfold import Trainer

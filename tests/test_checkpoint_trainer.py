@@ -206,6 +206,7 @@ def test_done_when_two_rank_zero3_checkpoint_resumes_on_one_process(two_rank_run
     assert _rel_close(resumed[3:], reference[3:], 1e-4)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.slow
 @pytest.mark.parametrize("zero", [1, 3])
 def test_two_ranks_zero_resume_equals_uninterrupted(two_rank_runs, zero):

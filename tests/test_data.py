@@ -54,6 +54,7 @@ def test_split_does_not_change_the_global_batch(seqs):
             assert torch.equal(a, b), f"{micro}x{accum}x{dp} differs at step {step}"
 
 
+@pytest.mark.multiprocess
 def test_two_ranks_union_equals_one_rank(seqs):
     one = GlobalBatchLoader(seqs, 2, 1, 2, seed=5)
     r0, r1 = (GlobalBatchLoader(seqs, 2, 1, 1, dp_rank=r, dp_size=2, seed=5) for r in (0, 1))

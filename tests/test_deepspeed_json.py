@@ -1,4 +1,4 @@
-"""DeepSpeed JSON -> tenfold config: the seed's config loads and maps, every unsupported key
+"""DeepSpeed JSON -> tenfold config: the recipe's config loads and maps, every unsupported key
 is reported, malformed input is a UserError naming the file and position."""
 
 from __future__ import annotations
@@ -187,7 +187,7 @@ def test_malformed_config_names_the_line_and_what_to_change(tmp_path, text, matc
 
 
 def test_the_seeds_snippet_with_the_pages_next_word_says_what_to_delete(tmp_path):
-    glued = SEED_AS_PRINTED.read_text().rstrip() + "python\n"  # as the seed prints it: "}python"
+    glued = SEED_AS_PRINTED.read_text().rstrip() + "python\n"  # as the recipe prints it: "}python"
     with pytest.raises(UserError, match=r"line 16 .*delete what follows"):
         load_deepspeed_json(_write(tmp_path, glued))
 
@@ -237,7 +237,7 @@ def test_inconsistent_batch_triplet_fails_with_deepspeeds_rule(tmp_path):
 
 
 def test_the_seeds_config_trains_through_the_trainer_and_overflows_skip_cleanly(tmp_path):
-    """Integration: the seed's JSON (fp16, ZeRO-3, clipping) drives the Trainer on one process.
+    """Integration: the recipe's JSON (fp16, ZeRO-3, clipping) drives the Trainer on one process.
     A start scale of 2**40 overflows fp16 for sure: every step must be skipped, the scale must
     follow DeepSpeed's hysteresis-then-halve rule, and neither weights nor lr may move."""
     torch = pytest.importorskip("torch", reason="the trainer needs torch (make test-py310 runs without it)")
@@ -259,7 +259,7 @@ def test_the_seeds_config_trains_through_the_trainer_and_overflows_skip_cleanly(
     assert all(r["lr"] == lr0 for r in records)  # the schedule never advanced
     for n, p in trainer.model.named_parameters():
         assert torch.equal(p.detach(), before[n]), n
-    # and with the seed's own start scale (2**16) the same run takes its steps
+    # and with the recipe's own start scale (2**16) the same run takes its steps
     ok = build_config(layer, small_config(tmp_path / "ok", precision={"dtype": "fp16"}, train={"steps": 3}))
     losses = Trainer(ok).fit()["losses"]
     assert all(math.isfinite(x) for x in losses)
@@ -337,7 +337,7 @@ def test_the_seeds_snippet_as_printed_trains_from_the_cli(tmp_path, capsys, one_
         f"tenfold: note: {SEED_AS_PRINTED}: read Python's True as JSON's true (lines 6, 7, 10); "
         "JSON writes true, false and null in lower case"
     ]
-    assert "warning: " + str(SEED_AS_PRINTED) not in err  # every key of the seed is supported
+    assert "warning: " + str(SEED_AS_PRINTED) not in err  # every key of the recipe is supported
     summary = json.loads((out / "summary.json").read_text())
     assert summary["config"]["precision"]["dtype"] == "fp16" and summary["config"]["parallel"]["zero_stage"] == 3
     assert [r["step"] for r in read_metrics(out)] == [1, 2]

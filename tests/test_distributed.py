@@ -1,7 +1,7 @@
 """`tenfold train --nproc N` (engine/launch.py) and the failure handling of
 engine/distributed.py: the real CLI under torchrun's agent on gloo.
 
-* the seed's DeepSpeed JSON (ZeRO-3 + fp16 + clipping) runs unchanged on 2 ranks and gives
+* the recipe's DeepSpeed JSON (ZeRO-3 + fp16 + clipping) runs unchanged on 2 ranks and gives
   the one-process loss curve (fp16: rel 5e-3, the loss is computed from fp16 matmuls whose
   rounding differs when each rank sees half the batch);
 * an inconsistent batch triplet exits 2 with DeepSpeed's message, before any rank starts; a
@@ -36,6 +36,7 @@ def tenfold(args: list[str], timeout: int = 240) -> subprocess.CompletedProcess:
     return subprocess.run(TENFOLD + args, capture_output=True, text=True, timeout=timeout, env=env)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.slow
 def test_seed_deepspeed_json_on_two_ranks_matches_one_process(tmp_path):
     common = ["--deepspeed", str(DS_SEED), "--steps", "3", "--grad-accum", "2", *RUN_FLAGS]
@@ -66,6 +67,7 @@ def test_seed_deepspeed_json_on_two_ranks_matches_one_process(tmp_path):
             assert m[key] == pytest.approx(one_measured[key] / 2, rel=0.02), key
 
 
+@pytest.mark.multiprocess
 @pytest.mark.slow
 def test_inconsistent_batch_triplet_exits_2(tmp_path):
     r = tenfold(["--nproc", "2", "--global-batch", "5", "--micro-batch", "1", "--grad-accum", "2",
@@ -75,6 +77,7 @@ def test_inconsistent_batch_triplet_exits_2(tmp_path):
     assert not (tmp_path / "bad").exists()
 
 
+@pytest.mark.multiprocess
 @pytest.mark.slow
 def test_user_error_inside_the_ranks_exits_2_naming_them(tmp_path):
     r = tenfold(["--nproc", "2", "--data", str(tmp_path / "missing.txt"), "--steps", "1",
@@ -102,6 +105,7 @@ def _rank_of(pid: int) -> int | None:
     return None
 
 
+@pytest.mark.multiprocess
 @pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="finds the rank processes through /proc (Linux)")
 def test_killed_rank_stops_the_job_with_a_message(tmp_path):
@@ -130,11 +134,12 @@ def test_killed_rank_stops_the_job_with_a_message(tmp_path):
     assert "rank 1 failed first: killed by SIGKILL" in stderr, stderr[-3000:]
 
 
+@pytest.mark.multiprocess
 @pytest.mark.slow
 def test_tightened_timeout_bounds_a_hung_rank(tmp_path):
     out = tmp_path / "timeout.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(HERE / "test_zero_worker.py"), "timeout", str(out)]
+           str(HERE / "workers" / "zero_worker.py"), "timeout", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     rank0 = json.loads(out.read_text())["0"]
@@ -151,7 +156,7 @@ def test_rank_argv_replaces_nproc_which_torchrun_rejects():
     assert rank_argv(["train", "--nproc", "2", "--zero", "3"], 2) == ["train", "--zero", "3", "--set", "parallel.nproc=2"]
     assert rank_argv(["train", "--nproc=4"], 4) == ["train", "--set", "parallel.nproc=4"]
     argv = torchrun_argv(["train", "--nproc", "2"], 2)
-    assert argv[:5] == ["--standalone", "--nproc-per-node", "2", "-m", "tenfold"]
+    assert argv[:7] == ["--standalone", "--nproc-per-node", "2", "--signals-to-handle", "SIGHUP,SIGQUIT", "-m", "tenfold"]
     from torch.distributed.run import parse_args
 
     args = parse_args(argv)  # torchrun's own parser accepts it
@@ -159,8 +164,8 @@ def test_rank_argv_replaces_nproc_which_torchrun_rejects():
 
 
 class _Failure:
-    def __init__(self, exitcode, message="", sig=None):
-        self.exitcode, self.message, self._sig = exitcode, message, sig
+    def __init__(self, exitcode, message="", sig=None, timestamp=1_700_000_000):
+        self.exitcode, self.message, self._sig, self.timestamp = exitcode, message, sig, timestamp
 
     def signal_name(self):
         return self._sig

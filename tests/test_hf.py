@@ -178,6 +178,7 @@ def test_export_loads_in_transformers_with_the_same_logits_and_resumes_as_pretra
 # --------------------------------------------------------------------------- 2 ranks
 
 
+@pytest.mark.multiprocess
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
 def test_two_ranks_zero3_full_recompute_match_one_process(tmp_path, name):

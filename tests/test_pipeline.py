@@ -2,7 +2,7 @@
 equivalence of torch.distributed.pipelining over gloo with one plain process.
 
 PyTorch's own CI runs its multi-process pipelining schedules only on accelerators
-(engine.md §5.4), so these gloo tests are our guard: every schedule on pp=2 must give the
+so these gloo tests are our guard: every schedule on pp=2 must give the
 single-process loss curve (fp32, rel 1e-5), and pp=2 x dp=2 with FSDP2 on the dp axis too.
 """
 
@@ -300,6 +300,7 @@ PP2_CASES = [
 ]
 
 
+@pytest.mark.multiprocess
 @pytest.mark.slow
 def test_pp2_every_schedule_matches_one_process(reference, tmp_path):
     results = launch(2, PP2_CASES, tmp_path)
@@ -330,6 +331,7 @@ DP_CASES = [  # ZeRO 1 = DDP + ZeroRedundancyOptimizer, 2/3 = FSDP2 (techniques/
 ]
 
 
+@pytest.mark.multiprocess
 @pytest.mark.slow
 def test_pp2_dp2_zero_matches_one_process(reference, tmp_path):
     results = launch(4, DP_CASES, tmp_path)

@@ -1,6 +1,6 @@
 """`tenfold train --pp`: bad pipeline settings exit 2 with one line before any rank starts,
 and `--nproc 2 --pp 2` gives the one-process loss curve through the real CLI, trainer and
-data loader (issue 6's "done when", on a smaller shape)."""
+data loader (on a smaller shape)."""
 
 from __future__ import annotations
 
@@ -57,6 +57,7 @@ def _train(tmp_path, name: str, *flags: str) -> dict:
     return json.loads((out / "summary.json").read_text())
 
 
+@pytest.mark.multiprocess
 @pytest.mark.slow
 def test_cli_pp2_gives_the_one_process_loss_curve(tmp_path):
     one = _train(tmp_path, "one")
@@ -75,6 +76,7 @@ def test_cli_pp2_gives_the_one_process_loss_curve(tmp_path):
     assert "pipeline" not in one
 
 
+@pytest.mark.multiprocess
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["interleaved", "zero-bubble"])
 def test_cli_multi_stage_schedules_run_and_give_the_one_process_curve(tmp_path, schedule):

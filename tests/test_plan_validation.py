@@ -1,6 +1,6 @@
-"""The planner against published numbers (cases V1-V28: ZeRO, Korthikanti, Narayanan, nanoGPT, NCCL).
+"""The planner against published numbers: ZeRO, Korthikanti, Narayanan, nanoGPT, NCCL, GPT-3.
 
-Each test names its case. Tolerances follow the reference's suggestions unless stated."""
+Each test names its source; each tolerance is stated beside its assertion."""
 
 from __future__ import annotations
 

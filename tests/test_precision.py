@@ -343,6 +343,7 @@ def _two_rank_worker(rank: int, store_path: str, results: str) -> None:
         shutdown()  # barrier, then destroy: an early destroy can abort the peer (gloo)
 
 
+@pytest.mark.multiprocess
 def test_overflow_vote_is_global_over_two_gloo_ranks_and_clip_norm_is_global_under_fsdp2():
     with tempfile.TemporaryDirectory() as tmp:
         results = os.path.join(tmp, "out")

@@ -286,6 +286,7 @@ def test_selective_attention_reruns_the_attention_core_in_backward(policy, expec
 # --------------------------------------------------------------------------- with ZeRO-3
 
 
+@pytest.mark.multiprocess
 @pytest.mark.slow
 def test_segments_under_zero3_on_two_ranks_matches_one_process(tmp_path):
     """segments:K makes the first block of a segment run the others (which then pass their

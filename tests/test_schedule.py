@@ -1,5 +1,5 @@
 """LR schedules against hand-computed values: tenfold's warmup+cosine/linear/constant and
-DeepSpeed's WarmupLR / WarmupDecayLR / WarmupCosineLR (formulas in engine.md §2.7 and
+DeepSpeed's WarmupLR / WarmupDecayLR / WarmupCosineLR (formulas in
 `deepspeed/runtime/lr_schedules.py`; DeepSpeed's optimizer step s uses iteration s-1)."""
 
 from __future__ import annotations

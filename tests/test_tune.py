@@ -7,7 +7,6 @@ uses, and a second run on the same folder runs no finished trial again."""
 from __future__ import annotations
 
 import json
-import math
 import os
 import subprocess
 import sys
@@ -197,6 +196,7 @@ def tuned(tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_a_tune_ends_within_its_budget_and_one_run(tuned):
     out, r, wall, doc = tuned
     runs = [run for t in doc["trials"] for run in t["runs"]]
@@ -208,6 +208,7 @@ def test_a_tune_ends_within_its_budget_and_one_run(tuned):
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_a_tune_writes_its_outputs_and_one_line_per_run(tuned):
     out, r, wall, doc = tuned
     for name in ("tune.json", "tune.md", "tune.png", "best.toml", "hardware.toml"):
@@ -227,6 +228,7 @@ def test_a_tune_writes_its_outputs_and_one_line_per_run(tuned):
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_a_candidate_over_the_memory_limit_is_recorded_and_skipped(tuned):
     out, r, wall, doc = tuned
     base = doc["trials"][0]
@@ -237,6 +239,7 @@ def test_a_candidate_over_the_memory_limit_is_recorded_and_skipped(tuned):
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_best_toml_trains_and_the_calibrated_machine_is_what_plan_uses(tuned, tmp_path):
     out, r, wall, doc = tuned
     best = next(t for t in doc["trials"] if t["id"] == doc["best"]["trial"])
@@ -256,6 +259,7 @@ def test_best_toml_trains_and_the_calibrated_machine_is_what_plan_uses(tuned, tm
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_a_second_run_on_the_same_folder_runs_no_finished_trial_again(tuned):
     out, r, wall, doc = tuned
     before = {(t["key"], run["round"]): run for t in doc["trials"] for run in t["runs"]}

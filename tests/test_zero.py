@@ -1,7 +1,7 @@
 """ZeRO stages 0-3 (techniques/zero.py) on gloo: equivalence with one process, per-rank
 model-state memory 1/N, the global fp16 overflow vote.
 
-The ranks run tests/test_zero_worker.py under `python -m torch.distributed.run` (the lead's
+The ranks run tests/workers/zero_worker.py under `python -m torch.distributed.run` (the
 Trainer, the data engineer's GlobalBatchLoader, the memory engineer's measure_step_memory);
 the single-process reference runs in this pytest process with the SAME global batch
 (micro 2 x accum 2 on one rank == micro 1 x accum 2 x dp 2).
@@ -26,16 +26,16 @@ import torch
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
-import test_zero_worker as worker  # noqa: E402
+from workers import zero_worker as worker  # noqa: E402
 
 FP32_RTOL, BF16_RTOL = 1e-5, 2e-3
 
 
-def torchrun(mode: str, tmp_path: Path, nproc: int = 2, timeout: int = 240) -> dict:
+def torchrun(mode: str, tmp_path: Path, nproc: int = 2, timeout: int = 240, worker: str = "zero_worker.py") -> dict:
     out = tmp_path / f"{mode}-{nproc}.json"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           str(HERE / "test_zero_worker.py"), mode, str(out)]
+           str(HERE / "workers" / worker), mode, str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return json.loads(out.read_text())
@@ -95,6 +95,53 @@ def test_unmapped_deepspeed_knobs_are_named_in_one_warning():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         _warn_unmapped_knobs(_Cfg(reduce_bucket_size=5e8), 1, Dist())  # DDP has bucket_cap_mb: no warning
+        _warn_unmapped_knobs(_Cfg(reduce_bucket_size=5e8), 2, Dist())  # ZeRO-2: FSDP2 units of that size
+
+
+@pytest.mark.slow
+def test_collectives_per_step(two_ranks):
+    """The communication of one steady-state step (micro 1 x accum 2 per rank, 2 blocks +
+    the root). ZeRO-1: one broadcast of updated parameters per rank (flat buckets), not one
+    per parameter tensor. ZeRO-2 on CPU: both blocks in one FSDP2 unit (a 25 MiB bucket of
+    fp32 gradients), so 2 units with the root; each all-gathered once per step although two
+    micro-steps run (the gathered parameters are kept between them), and reduce-scattered on
+    every micro-step. With a 1-element bucket: one unit per block (3 units). ZeRO-3: one unit
+    per block, gathered for each forward and again for each backward of every micro-step
+    (persistence threshold 0: every unit is freed after use).
+    Mutations: ZeroRedundancyOptimizer without parameters_as_bucket_view broadcasts once per
+    parameter tensor; without `_keep_gathered` ZeRO-2 all-gathers twice per unit; without the
+    grouping it has 3 units."""
+    micro = 2
+    for rank in ("0", "1"):
+        c = {s: two_ranks[rank][f"{s}-fp32"]["collectives"] for s in range(4)}
+        assert c[1]["broadcast"] == 2, c[1]
+        assert c[2]["all_gather_single"] == 2, c[2]
+        assert c[2]["reduce_scatter_single"] == 2 * micro, c[2]
+        per_block = two_ranks[rank]["2-fp32-per-block"]["collectives"]
+        assert per_block["all_gather_single"] == 3 and per_block["reduce_scatter_single"] == 3 * micro, per_block
+        assert c[3]["all_gather_single"] == 2 * 3 * micro, c[3]
+        assert c[3]["reduce_scatter_single"] == 3 * micro, c[3]
+
+
+@pytest.mark.slow
+def test_zero2_one_unit_per_block_matches_one_process(two_ranks, reference):
+    for rank in ("0", "1"):
+        assert rel_err(two_ranks[rank]["2-fp32-per-block"]["losses"], reference["fp32"]["losses"]) < FP32_RTOL
+
+
+def test_zero2_groups_consecutive_blocks_up_to_the_bucket():
+    from tenfold.techniques.zero import CPU_UNIT_BUCKET, fsdp_units, unit_bucket
+
+    blocks = [torch.nn.Linear(10, 10) for _ in range(5)]  # 110 parameters each
+    sizes = lambda units: [len(u) for u in units]  # noqa: E731
+    assert sizes(fsdp_units(blocks, 2, 230)) == [2, 2, 1]
+    assert sizes(fsdp_units(blocks, 2, 100)) == [1, 1, 1, 1, 1]  # a block larger than the bucket: alone
+    assert sizes(fsdp_units(blocks, 2, None)) == [1] * 5
+    assert sizes(fsdp_units(blocks, 3, 10**9)) == [1] * 5  # ZeRO-3 frees block by block
+    assert [b for u in fsdp_units(blocks, 2, 230) for b in u] == blocks  # order kept
+    assert unit_bucket(_Cfg(), "cpu") == CPU_UNIT_BUCKET == 6_553_600
+    assert unit_bucket(_Cfg(), "cuda") is None  # per block: reduce-scatters overlap the backward
+    assert unit_bucket(_Cfg(reduce_bucket_size=1000), "cuda") == 1000
 
 
 @pytest.mark.slow
@@ -155,6 +202,7 @@ def test_measured_memory_per_rank_shows_the_sharding(two_ranks):
             assert m[s]["params_bytes"] == pytest.approx(params0 / 2, rel=0.02)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.slow
 def test_four_ranks_hold_a_quarter(tmp_path):
     four = torchrun("memory", tmp_path, nproc=4, timeout=400)

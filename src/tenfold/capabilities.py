@@ -33,6 +33,7 @@ class Capabilities:
     recompute: tuple[str, ...]  # RecomputePolicy kinds
     precisions: tuple[str, ...]
     tensor_parallel: bool
+    tensor_parallel_hf_types: tuple[str, ...]  # Hugging Face model_types with a built-in tensor-parallel plan
     offload: tuple[str, ...]  # ZeRO-Offload of optimizer states / parameters to host memory
     pipeline_models: tuple[str, ...]  # model kinds the pipeline split can cut
     attention_core_models: tuple[str, ...]  # model kinds with a module selective:attention can wrap
@@ -43,7 +44,10 @@ ENGINE = Capabilities(
     pipeline_schedules=PIPELINE_SCHEDULES,  # torch.distributed.pipelining (techniques/pipeline.py)
     recompute=("none", "full", "every", "segments", "selective", "offload"),
     precisions=PRECISIONS,
-    tensor_parallel=False,
+    # DTensor plans (techniques/tensor_parallel.py): tenfold's GPT, these Hugging Face families
+    # by their module names (q/k/v/o_proj, gate/up/down_proj, embed_tokens, lm_head)
+    tensor_parallel=True,
+    tensor_parallel_hf_types=("llama", "mistral", "qwen2"),
     offload=("none",),
     # The split cuts tenfold's GPT by parameter name (tok_emb, layers.N, norm, output).
     pipeline_models=("tenfold",),
@@ -69,6 +73,7 @@ class Layout:
     offload: str = "none"
     model_kind: str = "tenfold"
     pp_split: tuple[int, ...] | None = None
+    hf_model_type: str = ""  # a Hugging Face model's config.json model_type
 
 
 def problems(layout: Layout, caps: Capabilities = ENGINE) -> list[str]:
@@ -111,6 +116,12 @@ def _technique_problems(layout: Layout, caps: Capabilities) -> list[str]:
         out.append(f"precision {layout.precision!r}: tenfold train runs {', '.join(caps.precisions)}")
     if layout.tp > 1 and not caps.tensor_parallel:
         out.append(f"tensor parallelism (tp {layout.tp}): tenfold train has no tensor parallelism")
+    elif layout.tp > 1 and layout.model_kind == "hf" and layout.hf_model_type not in caps.tensor_parallel_hf_types:
+        out.append(
+            f"parallel.tp_degree (--tp) {layout.tp}: Hugging Face model_type {layout.hf_model_type!r} has no "
+            f"tensor-parallel plan; built in: {', '.join(caps.tensor_parallel_hf_types)} (and tenfold's own "
+            "models); use --tp 1, or train it through the Python API with Trainer(tp_plan={FQN: ParallelStyle})"
+        )
     if layout.offload not in caps.offload:
         out.append(f"offload {layout.offload!r}: tenfold train keeps optimizer states and parameters on the device")
     return out

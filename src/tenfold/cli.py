@@ -1,4 +1,4 @@
-"""`tenfold train | plan | ladder | tune | export | data`: parse, call, print. Thin on purpose.
+"""`tenfold train | plan | ladder | tune | export | data`: the command line.
 
 Only the requested subcommand's module is imported, so `tenfold plan` never imports torch.
 Bad input of any kind (flag, config, data file, checkpoint) -> one line on stderr, exit 2.
@@ -18,7 +18,7 @@ from tenfold.errors import RunError, UserError
 SUBCOMMANDS: dict[str, tuple[str | None, str]] = {
     "train": (None, "train a model with the configured techniques (defaults: tiny, stdlib corpus, bf16)"),
     "plan": ("tenfold.plan.cli", "predict memory and time per GPU for a model, fleet and strategy; search strategies"),
-    "ladder": ("tenfold.ladder", "measure the seed's optimization path step by step on this machine"),
+    "ladder": ("tenfold.ladder", "measure the recipe's optimization path step by step on this machine"),
     "tune": ("tenfold.tune", "measure the planner's best strategies here, calibrate the planner, keep the fastest"),
     "export": ("tenfold.engine.export", "write a checkpoint's weights as one safetensors file (+ model config)"),
     "data": ("tenfold.data.prepare", "prepare data: tokenize once into a memory-mapped .bin"),
@@ -30,6 +30,7 @@ EXAMPLES = """examples:
   tenfold train --precision fp16 --deepspeed ds_config.json
   tenfold train --deepspeed ds_config.json --dry-run  # check the config, print the run; build nothing
   tenfold train --nproc 2 --zero 3 --ac full      # two local ranks, ZeRO-3, full recompute
+  tenfold train --nproc 4 --tp 2 --zero 3         # tensor parallel pairs, ZeRO-3 across them
   tenfold train --hf-pretrained MODEL_DIR --data train.jsonl   # fine-tune with the model's own tokenizer
   tenfold data prepare corpus/ --out corpus.bin --tokenizer MODEL_DIR
   tenfold plan --model gpt3-175b --gpu a100-80gb --gpus 64 --zero 3 --ac full
@@ -70,7 +71,12 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--deepspeed", metavar="DS.json", help="a DeepSpeed config, read as DeepSpeed reads it (comments and trailing commas allowed); unsupported keys are named in one warning")
     g.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override any config key (repeatable), e.g. --set train.weight_decay=0.05")
     g.add_argument("--out", help="output directory (metrics.jsonl, summary.json, tensorboard/, checkpoints/); default runs/tenfold")
-    g.add_argument("--no-progress", action="store_true", help="no live progress bar")
+    g.add_argument("--overwrite", action="store_true", default=None, help="replace the earlier run in --out "
+                   "(moved aside, deleted once the new run has done its first step); without it a fresh run into "
+                   "a folder that holds one is refused")
+    g.add_argument("--no-progress", action="store_true", help="no live progress bar: plain per-step lines, as when stdout is not a terminal")
+    g.add_argument("--log-every", type=int, metavar="N", help="metrics rows and plain lines every N steps (default 1); on a terminal, N > 1 also keeps a line every N steps above the bar")
+    g.add_argument("--wandb", action="store_true", help="also log to Weights & Biases (needs tenfold[wandb]; WANDB_MODE=offline works without a network)")
     m = p.add_argument_group("model and data")
     m.add_argument("--model", help="preset: tiny, small, gpt3-125m ... gpt3-175b, llama-7b/13b/70b (default tiny)")
     m.add_argument("--seq-len", type=int, help="tokens per sequence (default: the model's context)")
@@ -95,7 +101,13 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     x.add_argument("--ac", help="activation recompute: none | full | every:N | segments:K | selective[:attention|:mlp] | offload")
     x.add_argument("--zero", type=int, help="ZeRO stage 0-3 across data-parallel ranks")
     x.add_argument("--nproc", type=int, help="start N local ranks (a torchrun shortcut)")
+    x.add_argument("--watchdog", type=float, metavar="FACTOR", help="multi-process runs: a step that runs past FACTOR x "
+                   "the median step (and parallel.watchdog_min_s, 30 s) stops the job, naming the rank that stalled "
+                   "(default 10; 0: off)")
     x.add_argument("--pp", type=int, help="pipeline stages")
+    x.add_argument("--tp", type=int, help="tensor-parallel ranks: each layer's matrices split over N ranks (must divide the heads)")
+    x.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None,
+                   help="split norms and the residual stream by sequence over the tp ranks (default: on when --tp > 1)")
     x.add_argument("--pp-schedule", help="gpipe | 1f1b | interleaved | zero-bubble")
     x.add_argument("--virtual-stages", type=int, help="stages per rank for interleaved schedules")
     x.add_argument("--pp-split", type=_int_list, metavar="N,N,...", help="transformer blocks per pipeline stage, e.g. 1,3 (default: even, embedding and head weighted as one block each)")
@@ -103,11 +115,12 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument("--checkpoint-every", type=int, help="save every N steps (0: never)")
     c.add_argument("--keep-last", type=int, help="keep only the newest K checkpoints")
     c.add_argument("--resume", help="auto (newest complete checkpoint in --out) or a checkpoint path")
+    c.add_argument("--no-final-checkpoint", action="store_true", help="do not save a checkpoint at the last step (saved by default)")
 
 
 # flag -> (section, key)
 _TRAIN_FLAGS = {
-    "out": ("log", "out"), "model": ("model", "name"), "seq_len": ("data", "seq_len"), "data": ("data", "path"),
+    "out": ("log", "out"), "overwrite": ("log", "overwrite"), "watchdog": ("parallel", "watchdog"), "model": ("model", "name"), "seq_len": ("data", "seq_len"), "data": ("data", "path"),
     "data_format": ("data", "format"), "tokenizer": ("data", "tokenizer"), "streaming": ("data", "streaming"),
     "hf_config": ("model", "hf_config"), "hf_pretrained": ("model", "hf_pretrained"), "blocks": ("model", "blocks"),
     "steps": ("train", "steps"), "micro_batch": ("train", "micro_batch"), "grad_accum": ("train", "grad_accum"),
@@ -115,9 +128,15 @@ _TRAIN_FLAGS = {
     "eval_every": ("train", "eval_every"), "on_nan": ("train", "on_nan"), "precision": ("precision", "dtype"),
     "ac": ("recompute", "policy"), "zero": ("parallel", "zero_stage"), "nproc": ("parallel", "nproc"),
     "pp": ("parallel", "pp_degree"), "pp_schedule": ("parallel", "pp_schedule"),
+    "tp": ("parallel", "tp_degree"), "sequence_parallel": ("parallel", "sequence_parallel"),
     "virtual_stages": ("parallel", "virtual_stages"), "pp_split": ("parallel", "pp_split"),
     "checkpoint_every": ("checkpoint", "every"),
-    "keep_last": ("checkpoint", "keep_last"), "resume": ("checkpoint", "resume"),
+    "keep_last": ("checkpoint", "keep_last"), "resume": ("checkpoint", "resume"), "log_every": ("log", "log_every"),
+}
+# store_true flags -> (section, key, value when given)
+_SWITCHES = {
+    "no_progress": ("log", "progress", False), "wandb": ("log", "wandb", True),
+    "no_final_checkpoint": ("checkpoint", "final", False),
 }
 
 
@@ -148,8 +167,9 @@ def config_from_args(args: argparse.Namespace):
         value = getattr(args, name, None)
         if value is not None:
             flags.setdefault(section, {})[key] = value
-    if args.no_progress:
-        flags.setdefault("log", {})["progress"] = False
+    for name, (section, key, value) in _SWITCHES.items():
+        if getattr(args, name, False):
+            flags.setdefault(section, {})[key] = value
     layers.append(flags)
     layers.extend(parse_set_item(item) for item in args.set)
     return build_config(*layers)

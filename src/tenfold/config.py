@@ -141,7 +141,7 @@ class TrainSection(_Section):
 
 class PrecisionSection(_Section):
     dtype: Literal["fp32", "bf16", "fp16"] = "bf16"
-    # fp16 dynamic loss scaling, DeepSpeed's keys and defaults (engine.md §2.3).
+    # fp16 dynamic loss scaling, DeepSpeed's keys and defaults (deepspeed/runtime/config.py).
     loss_scale: float = Field(0.0, ge=0.0)  # 0 = dynamic, > 0 = static scale
     initial_scale_power: int = Field(16, ge=0, le=63)
     loss_scale_window: int = Field(1000, gt=0)
@@ -164,6 +164,8 @@ class ParallelSection(_Section):
     zero_stage: int = Field(0, ge=0, le=3)
     nproc: int = Field(1, gt=0)  # `tenfold train --nproc N` starts N local ranks
     pp_degree: int = Field(1, gt=0)
+    tp_degree: int = Field(1, gt=0)  # tensor parallelism: each layer's matrices split over tp ranks
+    sequence_parallel: bool | None = None  # None: on when tp_degree > 1 (tenfold.run.sequence_parallel_for)
     pp_schedule: Literal["gpipe", "1f1b", "interleaved", "zero-bubble"] = "1f1b"  # tenfold.terms.PIPELINE_SCHEDULES
     virtual_stages: int | None = Field(None, gt=0)  # None: 2 for interleaved schedules, else 1
     pp_split: list[int] | None = None
@@ -172,21 +174,30 @@ class ParallelSection(_Section):
     overlap_comm: bool | None = None
     contiguous_gradients: bool = True
     timeout_s: float = Field(600.0, gt=0)
+    # A rank whose step runs past max(watchdog x median step, watchdog_min_s) stops the job
+    # (engine/watchdog.py); 0 turns the watchdog off. Multi-process runs only.
+    watchdog: float = Field(10.0, ge=0)
+    watchdog_min_s: float = Field(30.0, gt=0)
 
 
 class CheckpointSection(_Section):
     every: int = Field(0, ge=0)  # 0 = no periodic checkpoints
     keep_last: int | None = Field(None, gt=0)
     resume: str | None = None  # "auto" or a checkpoint path
+    final: bool = True  # a checkpoint at the last step (resume and `tenfold export` start from it)
     export_16bit: bool = False  # stage3_gather_16bit_weights_on_model_save
     async_save: bool = False  # dcp.async_save: write in a background thread, finalise at a later step
 
 
 class LogSection(_Section):
     out: str = "runs/tenfold"
-    log_every: int = Field(1, gt=0)
+    overwrite: bool = False  # replace an earlier run in `out` (engine/run_folder.py)
+    log_every: int = Field(1, gt=0)  # metrics rows and plain console lines every N steps
     tensorboard: bool = True
-    progress: bool = True
+    progress: bool = True  # the live bar on a terminal (plain lines otherwise)
+    wandb: bool = False  # Weights & Biases (the wandb package: tenfold[wandb])
+    wandb_project: str = "tenfold"
+    wandb_name: str | None = None  # None: the output folder's name
 
 
 class TenfoldConfig(_Section):

@@ -8,7 +8,7 @@ same library the same way, so whatever DeepSpeed accepts is accepted here, and d
 keys are refused as DeepSpeed refuses them.
 
 One step further: configs copied from Python code or from a page that prints Python's
-literals (the seed's own snippet writes `"enabled": True,`) would reach hjson as unquoted
+literals (the recipe's own snippet writes `"enabled": True,`) would reach hjson as unquoted
 *text*, "True," with its comma. A bare `True`, `False` or `None` in a value's place is
 read as `true`, `false`, `null`, with one notice. Anything still malformed gets one line
 naming the file, the line and what to change.

@@ -1,7 +1,7 @@
 """The one exception type for bad user input.
 
-The CLI turns a `UserError` into one line on stderr and exit status 2 (DESIGN.md:
-"Exit status 2 with one clear message for bad input; nothing half-written").
+The CLI turns a `UserError` into one line on stderr and exit status 2 (exit status 2 with one clear message for bad input; nothing
+half-written).
 """
 
 

@@ -220,6 +220,29 @@ def virtual_stages_for(schedule: str, requested: int | None) -> int:
     return requested or 2
 
 
+# --------------------------------------------------------------------------- tensor parallelism
+
+
+def tp_choices(n_heads: int, n_kv_heads: int | None = None) -> list[int]:
+    """Tensor-parallel sizes that split both the query heads and the key/value heads evenly:
+    the column split of q/k/v gives each rank whole heads (Megatron-LM, Shoeybi et al. 2019
+    section 3), and GQA's key/value heads are split, not copied."""
+    kv = n_kv_heads or n_heads
+    return [t for t in range(1, n_heads + 1) if n_heads % t == 0 and kv % t == 0]
+
+
+def check_tp_heads(tp: int, n_heads: int, n_kv_heads: int | None = None, flag: str = "--tp") -> None:
+    """The one rule `tenfold train` and `tenfold plan` apply to a tensor-parallel degree:
+    it must divide the query heads and the key/value heads (Megatron refuses the same)."""
+    kv = n_kv_heads or n_heads
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise UserError(f"{flag} must be a positive integer, got {tp!r}")
+    if n_heads % tp or kv % tp:
+        heads = f"the {n_heads} query heads" + (f" and the {kv} key/value heads" if kv != n_heads else "")
+        allowed = ", ".join(str(t) for t in tp_choices(n_heads, kv))
+        raise UserError(f"{flag} {tp} must divide {heads} (each rank computes whole heads); allowed: {allowed}")
+
+
 # --------------------------------------------------------------------------- files
 
 

@@ -56,6 +56,8 @@ def list_data_files(path: str | Path) -> list[Path]:
         raise UserError(f"data.path: file or directory not found: {p}")
     if p.is_file():
         return [p]
+    if not p.is_dir():  # a device, FIFO or socket: reading it could block or never end
+        raise UserError(f"data.path: {p} is not a regular file or a folder; give a data file or a folder of them")
     files = sorted(
         f
         for f in p.rglob("*")

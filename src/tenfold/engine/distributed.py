@@ -1,9 +1,10 @@
 """Process-group setup: one process or many under torchrun; gloo on CPU, NCCL on GPU.
 
-* `init_distributed(pp_size, timeout_s)`: reads torchrun's env:// variables, picks the backend
-  from the device (NCCL with one GPU per rank, else gloo), builds the ("pp", "dp") device mesh
-  (pipeline stages x data-parallel replicas; dp is the inner, contiguous dimension, so the
-  dp ranks of one stage sit on one node as FSDP's traffic wants).
+* `init_distributed(pp_size, timeout_s, tp_size)`: reads torchrun's env:// variables, picks
+  the backend from the device (NCCL with one GPU per rank, else gloo), builds the
+  ("pp", "dp", "tp") device mesh (pipeline stages x data-parallel replicas x tensor-parallel
+  ranks). tp is the innermost, contiguous dimension: its collectives run in every layer, so
+  its ranks must share a node (NVLink), then dp, then pp (Megatron-LM's and torchtitan's order).
 * Failures: every rank's stderr lines are prefixed with `[rank k]`, an uncaught exception is
   recorded in torchelastic's error file (torchrun's failure summary then shows the rank and
   its error), and `tighten_timeouts` shortens the collective timeout after the first step, so
@@ -40,7 +41,9 @@ class DistInfo:
     dp_rank: int = 0
     pp_size: int = 1
     pp_rank: int = 0
-    mesh: object | None = None  # torch DeviceMesh ("pp", "dp") when world_size > 1
+    tp_size: int = 1
+    tp_rank: int = 0
+    mesh: object | None = None  # torch DeviceMesh ("pp", "dp", "tp") when world_size > 1
 
     @property
     def is_main(self) -> bool:
@@ -67,21 +70,34 @@ def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
+# `tenfold train --nproc`: the launcher creates this file when it gets SIGTERM/SIGINT; every
+# rank checks for it at each step boundary, as for its own SIGTERM (engine/launch.py).
+STOP_FILE_ENV = "TENFOLD_STOP_FILE"
+
+
+def stop_requested() -> bool:
+    """True once the launcher has asked the ranks to save and stop."""
+    path = os.environ.get(STOP_FILE_ENV)
+    return bool(path) and os.path.exists(path)
+
+
 def world_size_from_env() -> int:
     """Processes in this job: torchrun's WORLD_SIZE, 1 when not launched by torchrun."""
     return int(os.environ["WORLD_SIZE"]) if launched_by_torchrun() else 1
 
 
-def init_distributed(pp_size: int = 1, timeout_s: float = 600.0) -> DistInfo:
-    """Join the job's process group and build the (pp, dp) device mesh. The sizes come from
-    the resolved run (tenfold.run.resolve_run has checked that pp divides the world)."""
+def init_distributed(pp_size: int = 1, timeout_s: float = 600.0, tp_size: int = 1) -> DistInfo:
+    """Join the job's process group and build the (pp, dp, tp) device mesh. The sizes come
+    from the resolved run (tenfold.run.resolve_run has checked that pp x tp divides the world)."""
     if not launched_by_torchrun() or int(os.environ["WORLD_SIZE"]) == 1:
         return DistInfo(device=pick_device(0))
     from tenfold.errors import UserError
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    if pp_size < 1 or world % pp_size:
-        raise UserError(f"parallel.pp_degree ({pp_size}) must divide the number of processes ({world})")
+    if pp_size < 1 or tp_size < 1 or world % (pp_size * tp_size):
+        raise UserError(
+            f"parallel.pp_degree ({pp_size}) x parallel.tp_degree ({tp_size}) must divide the number of processes ({world})"
+        )
     install_failure_reporting(rank)
     _register_exit_shutdown()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -91,14 +107,20 @@ def init_distributed(pp_size: int = 1, timeout_s: float = 600.0) -> DistInfo:
         if device.type == "cuda":
             kwargs["device_id"] = device  # eager NCCL init, one communicator per device
         dist.init_process_group(**kwargs)
-    dp_size = world // pp_size
+    dp_size = world // (pp_size * tp_size)
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh(device.type, (pp_size, dp_size), mesh_dim_names=("pp", "dp"))
+    mesh = init_device_mesh(device.type, (pp_size, dp_size, tp_size), mesh_dim_names=("pp", "dp", "tp"))
+    if dp_size > 1 and tp_size > 1:
+        # FSDP2 on the dp axis of tp-split parameters gives 2-D (dp, tp) DTensors; a reduction
+        # over both (the gradient norm) is then one all-reduce on this flattened group instead
+        # of two in a row (torchtitan flattens its data-parallel dims the same way).
+        mesh["dp", "tp"]._flatten("dp_tp")
     return DistInfo(
         rank=rank, world_size=world, local_rank=local_rank, device=device,
         dp_size=dp_size, dp_rank=mesh["dp"].get_local_rank(),
-        pp_size=pp_size, pp_rank=mesh["pp"].get_local_rank(), mesh=mesh,
+        pp_size=pp_size, pp_rank=mesh["pp"].get_local_rank(),
+        tp_size=tp_size, tp_rank=mesh["tp"].get_local_rank(), mesh=mesh,
     )
 
 
@@ -108,7 +130,7 @@ def init_distributed(pp_size: int = 1, timeout_s: float = 600.0) -> DistInfo:
 def _all_groups(info: DistInfo) -> list:
     groups = [None]  # the default group
     if info.mesh is not None:
-        for name in ("pp", "dp"):
+        for name in ("pp", "dp", "tp"):
             groups.append(info.mesh[name].get_group())
     return groups
 
@@ -121,7 +143,7 @@ def tightened_timeout_s(first_step_s: float, timeout_s: float, floor_s: float = 
 
 
 def tighten_timeouts(info: DistInfo, timeout_s: float) -> None:
-    """Set the timeout of every process group this rank uses (default, pp, dp). The first
+    """Set the timeout of every process group this rank uses (default, pp, dp, tp). The first
     step runs under the generous `parallel.timeout_s` (process start, data build, lazy FSDP
     init); afterwards a rank that stops answering is detected within `timeout_s`."""
     if not (info.initialized and dist.is_initialized()):

@@ -1,5 +1,5 @@
 """`tenfold export`: one consolidated safetensors file (+ the model config as JSON) from a
-sharded DCP checkpoint: the seed's `stage3_gather_16bit_weights_on_model_save`, done offline.
+sharded DCP checkpoint: the recipe's `stage3_gather_16bit_weights_on_model_save`, done offline.
 
 Consolidation runs on ONE process and needs no model object: the checkpoint's own `.metadata`
 (read with the allow-list unpickler) gives every weight's full shape and dtype, empty tensors of
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import warnings
 from pathlib import Path
 
@@ -29,6 +28,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from tenfold.engine import distributed as d
 from tenfold.engine.checkpoint import layout as lay
 from tenfold.engine.checkpoint.reader import SafeLoadPlanner, SafeReader, inner_error, read_safe_metadata
+from tenfold.engine.safe_files import Folder
 from tenfold.errors import UserError
 from tenfold.techniques.precision import DTYPES  # the one name -> torch dtype table
 
@@ -101,16 +101,20 @@ def write_safetensors(weights: dict[str, torch.Tensor], out: Path, dtype: str, i
     out.parent.mkdir(parents=True, exist_ok=True)
     cfg_path = config_path_for(out)
     meta = {"format": "pt", "tenfold": json.dumps(info, sort_keys=True)}
-    tmp_out, tmp_cfg = out.with_name(f".{out.name}.tmp"), cfg_path.with_name(f".{cfg_path.name}.tmp")
-    try:
-        save_file(tensors, str(tmp_out), metadata=meta)
-        tmp_cfg.write_text(json.dumps(info, indent=1, sort_keys=True) + "\n")
-        os.replace(tmp_out, out)
-        os.replace(tmp_cfg, cfg_path)
-    except OSError as e:
-        for p in (tmp_out, tmp_cfg):
-            p.unlink(missing_ok=True)
-        raise UserError(f"export: cannot write {out}: {e.strerror or e}") from None
+    tmp_out, tmp_cfg = f".{out.name}.tmp", f".{cfg_path.name}.tmp"
+    with Folder(out.parent, follow=True) as folder:
+        try:
+            for tmp in (tmp_out, tmp_cfg):  # a stale scratch file, or a link planted there: the entry itself
+                folder.remove(tmp)
+            folder.create(tmp_out, b"")  # O_EXCL | O_NOFOLLOW: safetensors writes this new file, no link
+            save_file(tensors, str(out.parent / tmp_out), metadata=meta)
+            folder.create(tmp_cfg, (json.dumps(info, indent=1, sort_keys=True) + "\n").encode())
+            folder.rename(tmp_out, out.name)
+            folder.rename(tmp_cfg, cfg_path.name)
+        except OSError as e:
+            for tmp in (tmp_out, tmp_cfg):
+                folder.remove(tmp)
+            raise UserError(f"export: cannot write {out}: {e.strerror or e}") from None
     return out, cfg_path
 
 
@@ -119,20 +123,27 @@ def export_checkpoint(source: str | Path, out: str | Path | None = None, dtype: 
     into safetensors. One process; returns a summary dict."""
     if dtype not in DTYPES:
         raise UserError(f"export --dtype {dtype!r} is not supported; allowed: {', '.join(sorted(DTYPES))}")
+    from tenfold.engine.run_folder import check_checkpoint_path
+
+    check_checkpoint_path(source, "export")
     ckpt = lay.resolve_checkpoint_path(source)
+    try:  # --out checked before the work (hashing every file): the model's kind says file or folder
+        _checked_out(ckpt, out, saved_model_section(ckpt))
+    except lay.CheckpointError:
+        pass  # a bad config.json is reported below, after the manifest's own checks
     manifest = lay.verify_checkpoint(ckpt, collective=False)
     listed = set(manifest["files"])
     saved_model = saved_model_section(ckpt)
+    out_path = _checked_out(ckpt, out, saved_model)  # its bytes are verified now
     if saved_model.get("hf_config") or saved_model.get("hf_pretrained"):  # [any model] -> save_pretrained folder
         from tenfold.models.hf import export_checkpoint_to_hf
 
-        out_dir = Path(out).with_suffix("") if out is not None else default_out(ckpt).with_name("hf")  # a folder
+        out_dir = out_path
         info = {"dtype": dtype, "step": manifest["step"], "source": str(ckpt)}
         summary = export_checkpoint_to_hf(consolidated_model_state(ckpt, listed), saved_model, out_dir, info)
         return {**summary, "tokenizer": _copy_run_tokenizer(ckpt, out_dir)}
     model_cfg = model_config_of(ckpt)
     weights = consolidated_model_state(ckpt, listed)
-    out_path = Path(out) if out is not None else default_out(ckpt)
     info = {
         "format": "tenfold-gpt", "model": model_cfg, "dtype": dtype, "step": manifest["step"],
         "source": str(ckpt), "num_params": int(sum(v.numel() for v in weights.values())),
@@ -140,6 +151,16 @@ def export_checkpoint(source: str | Path, out: str | Path | None = None, dtype: 
     st_path, cfg_path = write_safetensors(weights, out_path, dtype, info)
     return {**info, "safetensors": str(st_path), "config": str(cfg_path), "bytes": st_path.stat().st_size,
             "tokenizer": _copy_run_tokenizer(ckpt, out_path.parent / "tokenizer")}
+
+
+def _checked_out(ckpt: Path, out: str | Path | None, saved_model: dict) -> Path:
+    """Where the export goes (one line if it cannot be written): a Hugging Face model's is a folder."""
+    from tenfold.engine.run_folder import check_out_path, check_output_file
+
+    if saved_model.get("hf_config") or saved_model.get("hf_pretrained"):
+        folder = Path(out).with_suffix("") if out is not None else default_out(ckpt).with_name("hf")
+        return check_out_path(folder, flag="export --out")
+    return check_output_file(Path(out) if out is not None else default_out(ckpt))
 
 
 def _copy_run_tokenizer(ckpt: Path, out_dir: Path) -> str | None:

@@ -26,12 +26,15 @@ peak_bytes = the planner's total (its estimate of the peak).
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable
 
 import torch
 import torch.nn as nn
 
 from tenfold.engine.metrics import peak_memory_bytes
+from tenfold.engine.tracker_probe import tracker_available
+
 # torch-free: `tenfold plan` reports the same prediction in the same words
 from tenfold.plan.for_run import fmt_bytes, memory_by_category, memory_line
 from tenfold.terms import MULTI_STAGE_SCHEDULES
@@ -40,11 +43,11 @@ MEMORY_KEYS = (
     "params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes",
     "buffers_bytes", "other_bytes", "peak_bytes", "total_bytes",
 )
+log = logging.getLogger("tenfold")
 COMPARED_KEYS = ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes", "peak_bytes")
 
 
 # --------------------------------------------------------------------------- CPU tracker
-
 
 def _make_tracker_class():
     from torch.distributed._tools.mem_tracker import MemTracker
@@ -467,8 +470,14 @@ class RunMemory:
             # per-rank figure is then the process's peak resident set (summary's measured_per_rank).
             self.note = f"not measured by category: the tensor tracker cannot follow the {run.pp_schedule} schedule"
             return run_step()
-        out: list = []
         t = self.trainer
+        usable, why = tracker_available() if t.dist.device.type != "cuda" else (True, None)
+        if not usable:
+            self.note = f"memory was not measured: {why}"
+            if t.dist.is_main:
+                log.warning(f"tenfold: warning: {self.note}; training goes on")
+            return run_step()
+        out: list = []
         self.measured = measure_step_memory(t.model, t.optimizer, lambda: out.append(run_step()), t.dist.device)
         self.measured_step = step_number
         return out[0]
@@ -484,6 +493,11 @@ class RunMemory:
         }
         if self.note:
             out["note"] = self.note
+        from tenfold.engine.memory_notes import row_notes
+
+        t = self.trainer
+        out["notes"] = row_notes(self.predicted, self.measured, t.run.zero_stage, t.dist.dp_size,
+                                 t.user_model is not None)
         dist = self.trainer.dist
         if dist.world_size > 1:  # every rank's measured step (memory.measured's keys), on rank 0
             from tenfold.engine.distributed import gather_to_main
@@ -497,13 +511,16 @@ def add_summary_rows(table, memory: dict) -> None:
     """Predicted vs measured rows for the trainer's final summary table."""
     pred, meas = memory.get("predicted"), memory.get("measured")
     if not meas:
+        if memory.get("note"):
+            table.add_row("memory", memory["note"])
         return
-    diff = memory.get("diff_percent") or {}
+    diff, notes = memory.get("diff_percent") or {}, memory.get("notes") or {}
     for key in ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes", "total_bytes", "peak_bytes"):
         p = f"{fmt_bytes(pred[key])} predicted, " if pred else ""
         d = f" ({diff[key]:+.1f}%)" if diff.get(key) is not None else ""
         label = "sum p+g+o+a" if key == "total_bytes" else key.removesuffix("_bytes")
-        table.add_row(f"memory: {label}", f"{p}{fmt_bytes(meas[key])} measured{d}")
+        note = f"\n[dim]{notes[key]}[/]" if notes.get(key) else ""
+        table.add_row(f"memory: {label}", f"{p}{fmt_bytes(meas[key])} measured{d}{note}")
 
 
 def run_memory_report(trainer, depth: int = 4):
@@ -511,6 +528,11 @@ def run_memory_report(trainer, depth: int = 4):
     one step under the tracker; returns the `MemoryReport` (predicted beside measured)."""
     if not getattr(trainer, "_setup_done", False):
         trainer.setup()
+    usable, why = tracker_available()
+    if not usable:
+        from tenfold.errors import RunError
+
+        raise RunError(f"--memory-report needs PyTorch's tensor tracker: {why}")
     trainer.train_step(trainer.loader.next_step())
     batches = trainer.loader.next_step()
     rm = RunMemory(trainer)

@@ -1,11 +1,14 @@
 """The one place where the techniques are applied to a model, in a fixed order.
 
-Order (torchtitan's `parallelize_llama`): pipeline split -> activation recompute ->
-ZeRO/FSDP wrapping. Recompute must wrap blocks before FSDP2's `fully_shard` takes them over
-(so that unsharded parameters are re-gathered inside the recomputed forward), and the pipeline
-split comes first because each stage shards only what it owns. Mixed precision is not a
-wrapper: autocast is entered in the step (techniques/precision.py), and under FSDP2 the ZeRO
-module passes a MixedPrecisionPolicy.
+Order (torchtitan's `parallelize_llama`): pipeline split -> tensor parallelism -> activation
+recompute -> ZeRO/FSDP wrapping, on one ("pp", "dp", "tp") device mesh. The pipeline split
+comes first because each stage splits and shards only what it owns. Tensor parallelism comes
+before recompute so that a recomputed block re-runs its own tp collectives, and before FSDP2,
+which then shards the tp-split DTensor parameters over the dp axis (2-D parameters). Recompute
+must wrap blocks before FSDP2's `fully_shard` takes them over (so that unsharded parameters
+are re-gathered inside the recomputed forward). Mixed precision is not a wrapper: autocast is
+entered in the step (techniques/precision.py), and under FSDP2 the ZeRO module passes a
+MixedPrecisionPolicy.
 
 `check_techniques` runs first: every technique the config asks for must fit the model.
 """
@@ -26,28 +29,45 @@ from tenfold.terms import parse_recompute
 
 def parallelize(
     model: nn.Module, run: ResolvedRun, dist: DistInfo, blocks: list[nn.Module] | None = None,
-    param_dtype: torch.dtype | None = None,
+    param_dtype: torch.dtype | None = None, kind: str = "tenfold", tp_plan: dict | None = None,
 ) -> nn.Module:
     """`blocks`: the model's repeated blocks (tenfold.models.adapter), recomputed and sharded
     one by one; None: tenfold's GPT `model.layers`. `param_dtype`: the 16-bit compute dtype
     (None for fp32); FSDP2 (ZeRO-2/3) then gathers parameters in it and reduces in fp32, over
-    fp32 sharded master weights (MixedPrecisionPolicy)."""
-    if dist.pp_size > 1:  # split first; each stage then gets recompute + ZeRO alone
+    fp32 sharded master weights (MixedPrecisionPolicy). `kind`: the adapter's model kind, which
+    picks the tensor-parallel plan; `tp_plan`: a user's own plan instead."""
+    if dist.tp_size > 1:
+        _broadcast_from_rank0(model)  # the tp ranks split one model: it must be the same everywhere
+    if dist.pp_size > 1:  # split first; each stage then gets TP + recompute + ZeRO alone
         from tenfold.techniques.pipeline import split_for_rank
         from tenfold.techniques.pipeline_runner import build_pipelined_model
 
         split = split_for_rank(model, run, dist, param_dtype)
-        parts = [_recompute_and_zero(part, run, dist, param_dtype=param_dtype) for part in split.modules]
+        parts = [_apply_techniques(part, run, dist, None, param_dtype, kind, tp_plan) for part in split.modules]
         return build_pipelined_model(split, parts, run, dist, param_dtype)
-    return _recompute_and_zero(model, run, dist, blocks, param_dtype)
+    return _apply_techniques(model, run, dist, blocks, param_dtype, kind, tp_plan)
 
 
-def _recompute_and_zero(model: nn.Module, run: ResolvedRun, dist: DistInfo, blocks=None, param_dtype=None) -> nn.Module:
+def _apply_techniques(model: nn.Module, run: ResolvedRun, dist: DistInfo, blocks, param_dtype, kind: str,
+                      tp_plan: dict | None) -> nn.Module:
     from tenfold.techniques import recompute, zero
 
+    if dist.tp_size > 1:
+        from tenfold.techniques import tensor_parallel as tp
+
+        tp.apply_tensor_parallel(model, dist.mesh["tp"], tp.plan_for(model, kind, run.sequence_parallel, tp_plan))
     if run.recompute.kind != "none":
         recompute.apply_recompute(model, run.recompute, blocks=blocks)
     return zero.apply_zero(model, run.config.parallel, dist, param_dtype=param_dtype, blocks=blocks)
+
+
+@torch.no_grad()
+def _broadcast_from_rank0(model: nn.Module) -> None:
+    """Every rank starts from global rank 0's weights (before any split: plain tensors)."""
+    import torch.distributed as torch_dist
+
+    for t in list(model.parameters()) + list(model.buffers()):
+        torch_dist.broadcast(t.data, src=0)
 
 
 # --------------------------------------------------------------------------- technique checks
@@ -93,3 +113,19 @@ def _check_selective(adapter: ModelAdapter, target: str) -> None:
         f"recompute.policy selective:{target} (--ac) needs blocks with {what}; "
         f"{adapter.block_class} has none. Possible for this model: {', '.join(possible)}"
     )
+
+
+def check_tensor_parallel(model: nn.Module, adapter: ModelAdapter, run: ResolvedRun, tp_plan: dict | None) -> None:
+    """Under --tp N: the model has a plan (built in, or the user's) and the plan fits the model
+    (every module it names exists, every split dimension divides by N, every parameter is
+    covered). Runs on the whole, unsplit model. (tenfold.run checked the heads and that
+    sequence parallelism can cut the sequences.)"""
+    if run.tp <= 1:
+        if tp_plan is not None:
+            raise UserError("a tensor-parallel plan (tp_plan) was given but parallel.tp_degree (--tp) is 1")
+        return
+    from tenfold.techniques import tensor_parallel as tp
+
+    plan = tp.plan_for(model, adapter.kind, run.sequence_parallel, tp_plan)
+    if tp_plan is None:  # a user's plan may use patterns and keep modules replicated on purpose
+        tp.check_plan(model, plan, run.tp)

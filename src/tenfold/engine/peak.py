@@ -1,8 +1,20 @@
 """Peak dense matmul FLOP/s of this machine, the denominator of MFU.
 
 On a GPU the catalog's datasheet peak is used (tenfold.plan.hardware). A CPU has no
-datasheet figure, so we measure a large square GEMM once per (CPU model, dtype, threads)
-and cache it in ~/.cache/tenfold/cpu_peak.json (override with TENFOLD_CACHE_DIR).
+datasheet figure, so we measure it once per (CPU model, thread count) and cache it in
+~/.cache/tenfold/cpu_peak.json (override with TENFOLD_CACHE_DIR).
+
+How a peak is measured (`sweep_peak`): square GEMMs of growing size n = 256, 512, 1024, 2048,
+each through both `torch.mm` and `F.linear` (the call a model's Linear layers make; on some
+CPUs the two reach different kernels), best of three short windows. The size grows until the
+rate stops rising by more than 5% (the peak is reached) or one more size would take over a
+second per GEMM. A GEMM too small to fill the machine under-states the peak, and an MFU
+against it comes out above 100%.
+
+A 16-bit format whose peak is below half the fp32 peak has no fast matmul kernels here (its
+GEMMs run through a conversion or a scalar fallback): `mfu_peak` then returns no peak and a
+sentence saying so, and the run reports no MFU instead of one measured against a slow path.
+
 `python -m tenfold.engine.peak` measures and prints the figures as JSON; the planner calls it
 in a subprocess so that the planner itself never imports torch.
 """
@@ -15,6 +27,12 @@ from pathlib import Path
 
 from tenfold.terms import PRECISIONS as DTYPES
 from tenfold.terms import cache_dir
+
+SIZES = (256, 512, 1024, 2048)
+SETTLED = 1.05  # a size that gains less than 5% over the previous one: the peak is reached
+MAX_GEMM_S = 1.0  # do not try a size whose one GEMM would take longer than this
+SLOW_FRACTION = 0.5  # a 16-bit peak below half of fp32's: no fast kernels for that format
+METHOD = "sweep-mm-linear-v2"  # cache entries measured another way are measured again
 
 
 def cache_path() -> Path:
@@ -29,26 +47,66 @@ def cpu_key() -> str:
     return f"{cpu_model_name()}|threads={torch.get_num_threads()}"
 
 
-def _measure(dtype_name: str, n: int, seconds: float = 0.3) -> float:
+def _rate(fn, flops: float, seconds: float) -> float:
+    """FLOP/s of `fn`, best of three windows of at least `seconds` and two calls each: a
+    peak is what the machine does when not disturbed."""
+    fn()  # warm-up: thread pool, kernel selection
+    best = 0.0
+    for _ in range(3):
+        iters, start = 0, time.perf_counter()
+        while True:
+            fn()
+            iters += 1
+            elapsed = time.perf_counter() - start
+            if elapsed >= seconds and iters >= 2:
+                break
+        best = max(best, flops * iters / elapsed)
+    return best
+
+
+def _gemm_rate(dtype_name: str, n: int, seconds: float) -> float:
     import torch
+    import torch.nn.functional as F
 
     from tenfold.techniques.precision import DTYPES as TORCH_DTYPES
 
     dtype = TORCH_DTYPES[dtype_name]
     a = torch.randn(n, n).to(dtype)
     b = torch.randn(n, n).to(dtype)
-    torch.mm(a, b)  # warm-up: thread pool, kernel selection
+    flops = 2.0 * n**3
+    return max(_rate(lambda: torch.mm(a, b), flops, seconds), _rate(lambda: F.linear(a, b), flops, seconds))
+
+
+def sweep_peak(dtype_name: str, seconds: float = 0.2, sizes=SIZES, rate=_gemm_rate) -> float:
+    """The highest GEMM FLOP/s over growing sizes (module docstring); `rate(dtype, n, s)`."""
     best = 0.0
-    for _ in range(3):  # best of three windows: a peak is what the machine can do when not disturbed
-        iters, start = 0, time.perf_counter()
-        while True:
-            torch.mm(a, b)
-            iters += 1
-            elapsed = time.perf_counter() - start
-            if elapsed >= seconds and iters >= 2:
-                break
-        best = max(best, 2.0 * n**3 * iters / elapsed)
+    for n in sizes:
+        if best and 2.0 * n**3 / best > MAX_GEMM_S:
+            break  # e.g. fp16 without fast kernels: a 2048 GEMM would take seconds
+        r = rate(dtype_name, n, seconds)
+        settled = best > 0 and r < best * SETTLED
+        best = max(best, r)
+        if settled:
+            break
     return best
+
+
+def _read_cache(path: Path) -> dict:
+    try:
+        cache = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return cache if isinstance(cache, dict) else {}
+
+
+def _write_cache(path: Path, cache: dict) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(cache, indent=1))
+        tmp.replace(path)
+    except OSError:
+        pass  # a read-only home still gets a measured figure, just not cached
 
 
 def cpu_peak_flops(dtype_name: str) -> float:
@@ -56,24 +114,29 @@ def cpu_peak_flops(dtype_name: str) -> float:
     if dtype_name not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype_name!r}")
     path, key = cache_path(), cpu_key()
-    cache: dict = {}
-    try:
-        cache = json.loads(path.read_text())
-    except (OSError, ValueError):
-        cache = {}
+    cache = _read_cache(path)
     entry = cache.get(key, {})
+    if entry.get("method") != METHOD:  # measured by an older rule (fp16 at 256 only): redo all
+        entry = {"method": METHOD}
     if dtype_name not in entry:
-        # fp16 GEMMs can be ~100x slower than fp32 on CPUs without fp16 units: keep it small.
-        entry[dtype_name] = _measure(dtype_name, 256 if dtype_name == "fp16" else 1024)
+        entry[dtype_name] = sweep_peak(dtype_name)
         cache[key] = entry
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(cache, indent=1))
-            tmp.replace(path)
-        except OSError:
-            pass  # a read-only home still gets a measured figure, just not cached
+        _write_cache(path, cache)
     return float(entry[dtype_name])
+
+
+def mfu_peak(dtype_name: str) -> tuple[float | None, str | None]:
+    """(peak FLOP/s for MFU, None) or (None, why no MFU is reported) for this CPU."""
+    peak = cpu_peak_flops(dtype_name)
+    if dtype_name == "fp32":
+        return peak, None
+    fp32 = cpu_peak_flops("fp32")
+    if peak < SLOW_FRACTION * fp32:
+        return None, (
+            f"{dtype_name} matmuls have no fast kernels on this CPU ({peak / 1e9:,.1f} GFLOP/s against "
+            f"{fp32 / 1e9:,.1f} in fp32); bf16 or fp32 train faster here"
+        )
+    return peak, None
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
 """Learning-rate schedules: tenfold's own (warmup + cosine / linear / constant) and
 DeepSpeed's `WarmupLR`, `WarmupDecayLR`, `WarmupCosineLR` with their parameter names,
-defaults and formulas (engine.md §2.7, `deepspeed/runtime/lr_schedules.py`).
+defaults and formulas (`deepspeed/runtime/lr_schedules.py`).
 
 Step convention: the trainer calls `scheduler.step()` once after every optimizer step that
 was taken (never after a step skipped for overflow). Optimizer step s (0-based) runs with

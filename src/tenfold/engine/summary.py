@@ -4,7 +4,6 @@ table at the end. Built from plain values, so the training loop only hands over 
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,30 +23,46 @@ class RunFacts:
     dtype: str
     peak_flops_per_device: float | None
     batch: dict  # micro_batch, grad_accum, global_batch, seq_len
+    mfu_note: str | None = None  # why no MFU is reported (a dtype without fast kernels here)
 
 
-def header_line(facts: RunFacts, steps: int, dp: int, device_type: str) -> str:
+def header_line(facts: RunFacts, steps: int, dp: int, device_type: str, tp: int = 1) -> str:
     b = facts.batch
+    split = f" | tp {tp}" if tp > 1 else ""
     return (
         f"[bold]tenfold train[/] {facts.model_label} ({facts.params / 1e6:.2f}M params) | {facts.dtype} | "
-        f"batch {b['global_batch']} = {b['micro_batch']} x {b['grad_accum']} x dp {dp} "
+        f"batch {b['global_batch']} = {b['micro_batch']} x {b['grad_accum']} x dp {dp}{split} "
         f"| seq {b['seq_len']} | {steps} steps | {facts.world_size} process(es) on {device_type}"
     )
 
 
-def mfu(flops_per_token: float, tokens_per_s: float | None, peak: float | None, devices: int) -> float | None:
-    """Model FLOPs utilisation: model FLOPs per second over the devices' dense peak
-    (PaLM, Chowdhery et al. 2022, appendix B)."""
+def mfu(flops_per_token: float, tokens_per_s: float | None, peak: float | None,
+        devices: int) -> tuple[float | None, str | None]:
+    """(MFU, None) or (None, why not). Model FLOPs utilisation: model FLOPs per second over the
+    devices' dense peak (PaLM, Chowdhery et al. 2022, appendix B). A rate above the peak means
+    the peak is wrong (measured while the machine was busy, or for another thread count), and
+    no MFU above 100% is ever reported."""
     if not peak or not tokens_per_s:
-        return None
-    return flops_per_token * tokens_per_s / (peak * devices)
+        return None, None
+    value = flops_per_token * tokens_per_s / (peak * devices)
+    if value > 1.0:
+        return None, (f"the run's {flops_per_token * tokens_per_s / devices / 1e9:,.1f} GFLOP/s per device exceed "
+                      f"the peak used for MFU ({peak / 1e9:,.1f}); remeasure it (delete the cached cpu_peak.json)")
+    return value, None
 
 
-def build_summary(facts: RunFacts, history: list, totals: dict, last: dict, wall_s: float) -> dict:
+def build_summary(facts: RunFacts, history: list, totals: dict, last: dict, wall_s: float,
+                  step_times: list | None = None) -> dict:
     """summary.json's content. `history`: (step, loss) of every step; `totals`: steps, tokens,
-    skipped_steps, val_loss, loss_scale."""
+    skipped_steps, val_loss, loss_scale; `step_times`: `steady.StepTime` of this run's steps.
+    tokens_per_s is the steady-state rate (engine/steady.py), with the warm-up on its own and
+    tokens_per_s_overall = all tokens / wall time (evaluation and checkpoints included)."""
+    from tenfold.engine.steady import steady_state
+
     tokens = totals["tokens"]
-    tps = tokens / wall_s if wall_s > 0 else None
+    steady = steady_state(step_times or [])
+    tps = steady["tokens_per_s"]
+    value, note = mfu(facts.flops_per_token, tps, facts.peak_flops_per_device, facts.world_size)
     return {
         "config": facts.config,
         "model": {"name": facts.model_label, "blocks": facts.blocks, "params": facts.params,
@@ -59,7 +74,11 @@ def build_summary(facts: RunFacts, history: list, totals: dict, last: dict, wall
             "steps": totals["steps"], "tokens": tokens, "skipped_steps": totals["skipped_steps"],
             "first_loss": history[0][1] if history else None, "loss": last.get("loss"),
             "val_loss": totals["val_loss"], "wall_s": wall_s, "tokens_per_s": tps,
-            "mfu": mfu(facts.flops_per_token, tps, facts.peak_flops_per_device, facts.world_size),
+            "tokens_per_s_overall": tokens / wall_s if wall_s > 0 and step_times else None,
+            "warmup_steps": steady["warmup_steps"], "warmup_s": steady["warmup_s"],
+            "steady_from_step": steady["steady_from_step"], "steady_steps": steady["steady_steps"],
+            "memory_measurement_s": steady["memory_measurement_s"],
+            "mfu": value, "mfu_note": note or facts.mfu_note,
             "loss_scale": totals["loss_scale"],
         },
         "losses": [loss for _, loss in history],
@@ -84,15 +103,30 @@ def summary_table(summary: dict, out_dir: Path):
         t.add_row("validation loss", f"{f['val_loss']:.4f}")
     t.add_row("wall time", f"{f['wall_s']:.1f} s")
     if f["tokens_per_s"]:
-        t.add_row("tokens/s", f"{f['tokens_per_s']:,.0f}")
+        overall = f" ({f['tokens_per_s_overall']:,.0f} over the whole wall time)" if f["tokens_per_s_overall"] else ""
+        t.add_row("tokens/s (steady state)", f"{f['tokens_per_s']:,.0f} from step {f['steady_from_step']}{overall}")
+        t.add_row("warm-up", f"{f['warmup_steps']} step(s), {f['warmup_s']:.1f} s"
+                  + (f" (+ {f['memory_measurement_s']:.1f} s: the step measured for memory)"
+                     if f["memory_measurement_s"] else ""))
     if f["mfu"] is not None:
         t.add_row("MFU", f"{f['mfu']:.1%}")
+    elif f.get("mfu_note"):
+        t.add_row("MFU", f"not reported: {f['mfu_note']}")
     add_summary_rows(t, summary.get("memory", {}))
     t.add_row("output", str(out_dir))
     return t
 
 
+def outputs_text(paths: list[tuple[str, str]]) -> str:
+    """The closing lines: every file or folder the run wrote, one per line."""
+    width = max((len(p) for p, _ in paths), default=0)
+    return "wrote:\n" + "\n".join(f"  {p:<{width}}  {what}" for p, what in paths)
+
+
 def write_json_atomic(path: Path, obj: Any) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, default=str))
-    os.replace(tmp, path)
+    """Through `NAME.tmp` and a rename; a link planted at either name is replaced, never
+    written through (`safe_files.Folder.write_atomic`)."""
+    from tenfold.engine.safe_files import Folder
+
+    with Folder(path.parent, follow=True) as folder:
+        folder.write_atomic(path.name, json.dumps(obj, indent=2, default=str).encode(), scratch=path.name + ".tmp")

@@ -2,7 +2,7 @@
 small-scale ladder measured here (OUT/ladder.json) if there is one.
 
 The fleet's rungs are the planner's own (`tenfold.plan.ladder.run_ladder`, what `tenfold plan
---ladder` prints, with the seed's claimed days where the scenario is the seed's): one device in
+--ladder` prints, with the recipe's claimed days where the scenario is the recipe's): one device in
 fp32 at batch 1 -> mixed precision -> accumulation x8 -> checkpointing -> ZeRO-3 on a node ->
 pipeline over the fleet. Rung k there is rung k here.
 """

@@ -1,4 +1,4 @@
-"""The ladder's outputs: a rich table (the seed's ladder with measured multipliers),
+"""The ladder's outputs: a rich table (the recipe's ladder with measured multipliers),
 OUT/ladder.json, OUT/ladder.md and OUT/ladder.png (measured bars beside predicted markers)."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ MEMORY_PARTS = (  # measured categories, stacked in the chart (engine/memory.py'
 def add_multipliers(results: list[RungResult]) -> None:
     """Speed-up and time multiplier of each measured rung against the previous measured rung
     and the baseline (the first measured rung). Every rung trains the same tokens, so the
-    time multiplier is the inverse of the throughput ratio (the seed's "time / 2")."""
+    time multiplier is the inverse of the throughput ratio (the recipe's "time / 2")."""
     measured = [r for r in results if r.status == "measured" and r.tokens_per_s]
     if not measured:
         return
@@ -35,7 +35,7 @@ def add_multipliers(results: list[RungResult]) -> None:
 
 
 def fmt_multiplier(m: float | None) -> str:
-    """A time multiplier as the seed writes it: "/ 2.0" for faster, "x 1.30" for slower."""
+    """A time multiplier as the recipe writes it: "/ 2.0" for faster, "x 1.30" for slower."""
     if m is None:
         return "-"
     return f"/ {1 / m:.2f}" if m < 1 else f"x {m:.2f}"
@@ -173,51 +173,67 @@ def best_rung(results: list[RungResult]) -> RungResult | None:
 
 
 def plot(results: list[RungResult], header: dict[str, Any], path: Path) -> None:
-    """Two panels: throughput (log scale) and peak memory per rank, one group per rung;
-    measured bars (memory stacked by category where measured), predicted values as markers."""
-    import matplotlib
-
-    matplotlib.use("Agg")
+    """Write `figure(...)` as a PNG (atomically)."""
     import matplotlib.pyplot as plt
 
-    xs = list(range(len(results)))
-    labels = [f"{r.index} {r.name}" for r in results]
-    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(13, 6.2))
-    _throughput_panel(ax_t, results, xs)
-    _memory_panel(ax_m, results, xs)
-    for ax in (ax_t, ax_m):
-        ax.set_xticks(xs, labels, rotation=20, ha="right")
-        ax.grid(axis="y", alpha=0.3)
-        ax.set_axisbelow(True)
-    fig.suptitle(f"tenfold ladder: {header['model']}, {header['budget_tokens']:,} tokens per rung, "
-                 f"{header['hardware']['description']}", fontsize=10)
-    fig.tight_layout()
+    fig = figure(results, header)
     tmp = path.with_name(path.stem + ".tmp.png")
     fig.savefig(tmp, dpi=110)
     plt.close(fig)
     os.replace(tmp, path)
 
 
+def figure(results: list[RungResult], header: dict[str, Any]):
+    """Two panels: throughput and peak memory per rank, one group per rung, both on linear axes
+    from zero (a 2.7x speed-up looks 2.7x tall); measured bars (memory stacked by category
+    where measured), predicted values as markers. Text sits where no marker can be: speed-ups
+    at the foot of their bars, rung names under the axis on two short lines, unrotated."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    xs = list(range(len(results)))
+    labels = [f"{r.index}\n{r.name.replace('_', chr(10))}" for r in results]
+    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(13, 6.2))
+    _throughput_panel(ax_t, results, xs)
+    _memory_panel(ax_m, results, xs)
+    for ax in (ax_t, ax_m):
+        ax.set_xticks(xs, labels, fontsize=9)
+        ax.grid(axis="y", alpha=0.3)
+        ax.set_axisbelow(True)
+    fig.suptitle(f"tenfold ladder: {header['model']}, {header['budget_tokens']:,} tokens per rung, "
+                 f"{header['hardware']['description']}", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
 def _throughput_panel(ax, results: list[RungResult], xs: list[int]) -> None:
     measured = [r.tokens_per_s or 0 for r in results]
     ax.bar(xs, measured, width=0.6, color="tab:blue", label="measured tokens/s")
-    for x, r in zip(xs, results):
-        if r.status != "measured":
-            ax.text(x, 0.5, r.status, rotation=90, ha="center", va="bottom", transform=ax.get_xaxis_transform(),
-                    color="gray", fontsize=9)
-        elif r.speedup_vs_baseline:
-            ax.annotate(f"{r.speedup_vs_baseline:.1f}x", (x, r.tokens_per_s), ha="center", va="bottom",
-                        fontsize=9, xytext=(0, 2), textcoords="offset points")
     pred = [(x, r.predicted_tokens_per_s) for x, r in zip(xs, results) if r.predicted_tokens_per_s]
     if pred:
         ax.scatter([p[0] for p in pred], [p[1] for p in pred], marker="D", color="tab:red", zorder=3,
                    label="planner's prediction")
-    if any(measured) or pred:
-        ax.set_yscale("log")
+    top = max([*measured, *(p[1] for p in pred), 1.0])
+    ax.set_ylim(0, top * 1.12)
+    for x, r in zip(xs, results):
+        if r.status != "measured":
+            _status_text(ax, x, r.status)
+        elif r.speedup_vs_baseline:
+            inside = r.tokens_per_s >= 0.12 * top  # room for the label inside the bar's foot
+            ax.text(x, 0.02 * top if inside else r.tokens_per_s + 0.01 * top, f"{r.speedup_vs_baseline:.2f}x",
+                    ha="center", va="bottom", fontsize=9, fontweight="bold",
+                    color="white" if inside else "black", zorder=4)
     ax.set_xlim(-0.6, len(results) - 0.4)
-    ax.set_ylabel("tokens/s (log scale)")
-    ax.set_title("throughput (x = speed-up vs the baseline)", fontsize=10)
+    ax.set_ylabel("tokens/s")
+    ax.set_title("throughput (in the bars: speed-up vs the baseline)", fontsize=10)
     _legend_below(ax)
+
+
+def _status_text(ax, x: float, status: str) -> None:
+    """A rung that was not measured: its status at the foot of the empty slot."""
+    ax.text(x, 0.02, status, ha="center", va="bottom", transform=ax.get_xaxis_transform(), color="gray", fontsize=9)
 
 
 def _memory_panel(ax, results: list[RungResult], xs: list[int]) -> None:
@@ -245,8 +261,7 @@ def _memory_panel(ax, results: list[RungResult], xs: list[int]) -> None:
                    label="planner's predicted peak")
     for x, r in zip(xs, results):
         if r.status != "measured":
-            ax.text(x, 0.5, r.status, rotation=90, ha="center", va="bottom", transform=ax.get_xaxis_transform(),
-                    color="gray", fontsize=9)
+            _status_text(ax, x, r.status)
     ax.set_ylim(bottom=0)
     ax.set_xlim(-0.6, len(results) - 0.4)
     ax.set_ylabel("MiB per rank")

@@ -1,9 +1,9 @@
-"""The seed's rungs as tenfold configs: each rung adds one technique to the one before.
+"""The recipe's rungs as tenfold configs: each rung adds one technique to the one before.
 
 Seed, "30 days -> 3 days": baseline one device fp32 batch 1; (1) fp16 mixed precision;
 (2) gradient accumulation; (3) activation checkpointing; (4) data parallel with ZeRO-3;
 (5) pipeline parallelism. Every rung trains the same token budget, so the time for the budget
-is budget / tokens_per_s and the seed's "time / 2, / 1.5, x 1.3 ..." become measurable.
+is budget / tokens_per_s and the recipe's "time / 2, / 1.5, x 1.3 ..." become measurable.
 
 A rung is a dict of config overrides (`section -> key -> value`, the same layers
 `tenfold.config.build_config` merges) plus the number of local processes. The same overrides
@@ -19,7 +19,7 @@ from typing import Any
 
 RUNG_NAMES = ("fp32", "mixed", "accum", "recompute", "zero", "pipeline")
 
-# What each rung adds, and the seed's claim for it (seed §"30 天 -> 3 天优化路径").
+# What each rung adds, and the recipe's claim for it (recipe §"30 天 -> 3 天优化路径").
 RUNG_TITLES = {
     "fp32": "fp32, micro-batch 1 (baseline)",
     "mixed": "+ mixed precision",
@@ -121,6 +121,7 @@ def base_overrides(setup: LadderSetup, steps: int, micro_batch: int, grad_accum:
         "recompute": {"policy": "none"},
         "parallel": {"zero_stage": 0, "pp_degree": 1},
         "log": {"tensorboard": False, "progress": False},
+        "checkpoint": {"final": False},  # a measurement, not a model to keep
     }
     for section, keys in setup.extra.items():
         o.setdefault(section, {}).update(keys)

@@ -153,7 +153,8 @@ class Ladder:
         c = Console(width=None if sys.stdout.isatty() else 170)
         if best is not None:
             c.print(f"best rung: [bold]{best.index} {best.name}[/], {best.speedup_vs_baseline:.2f}x the baseline's tokens/s")
-        c.print(f"wrote {self.out_dir / 'ladder.json'}, ladder.md, ladder.png")
+        c.print("wrote:\n" + "\n".join(f"  {self.out_dir / name}" for name in ("ladder.json", "ladder.md", "ladder.png")),
+                highlight=False, soft_wrap=True)
         return 0 if any(r.status == "measured" for r in self.results) else 1
 
     def header(self) -> dict[str, Any]:

@@ -38,7 +38,7 @@ import torch
 import torch.nn as nn
 
 from tenfold.errors import UserError
-from tenfold.models.loss import token_loss_sum
+from tenfold.models.loss import replicated_value, token_loss_sum
 
 LossFn = Callable[[nn.Module, dict], Any]
 
@@ -63,7 +63,7 @@ class ModelAdapter:
         if self.user_loss_fn is not None:
             out = self.user_loss_fn(model, batch)
             loss_sum = out[0] if isinstance(out, (tuple, list)) else out
-            return loss_sum.float()
+            return replicated_value(loss_sum).float()
         if self.kind == "hf":  # position_ids: packed fine-tuning rows (tenfold.data.examples)
             extra = {"position_ids": batch["position_ids"]} if "position_ids" in batch else {}
             out = model(input_ids=batch["input_ids"], use_cache=False, **extra)

@@ -99,9 +99,11 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None) -> torch.Tensor:
         b, s, _ = x.shape
-        q = self.wq(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
-        v = self.wv(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        # (..., -1, head_dim): under tensor parallelism wq/wk/wv give this rank whole heads,
+        # n_heads/tp of them (and kv_heads/tp), so the head count is read from the output.
+        q = self.wq(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         if self.use_rope:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         y = self.core(q, k, v)
@@ -189,7 +191,9 @@ class GPT(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         h = self.tok_emb(input_ids)
         if self.pos_emb is not None:
-            h = h + self.pos_emb(torch.arange(input_ids.shape[1], device=input_ids.device))
+            # positions as a (1, s) batch, so that a sequence-parallel split of the lookup
+            # (dim 1) cuts them where it cuts the tokens
+            h = h + self.pos_emb(torch.arange(input_ids.shape[1], device=input_ids.device)[None])
         return h
 
     def head(self, h: torch.Tensor) -> torch.Tensor:

@@ -18,14 +18,23 @@ def _get(d: dict, *keys, default=None):
     return default
 
 
-def model_from_hf_config(path: str) -> ModelConfig:
-    """A Hugging Face `config.json` (LLaMA/Mistral/Qwen-style or GPT-2/NeoX-style keys)."""
+def _read(path: str) -> dict:
     try:
-        d = json.loads(Path(path).read_text())
+        return json.loads(Path(path).read_text())
     except OSError as exc:
         raise UserError(f"--hf-config {path}: cannot read ({exc.strerror})") from None
     except ValueError as exc:
         raise UserError(f"--hf-config {path}: not valid JSON ({exc})") from None
+
+
+def hf_model_type(path: str) -> str:
+    """The config.json's `model_type` ("llama", "gpt2", ...), lower case; "" when absent."""
+    return str(_read(path).get("model_type", "")).lower()
+
+
+def model_from_hf_config(path: str) -> ModelConfig:
+    """A Hugging Face `config.json` (LLaMA/Mistral/Qwen-style or GPT-2/NeoX-style keys)."""
+    d = _read(path)
     layers = _get(d, "num_hidden_layers", "n_layer", "num_layers")
     hidden = _get(d, "hidden_size", "n_embd", "d_model")
     heads = _get(d, "num_attention_heads", "n_head")

@@ -186,7 +186,7 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     norms are not matmuls) plus 12*L*s*d for attention scores and values (PaLM, Chowdhery
     et al. 2022 App. B, 12*L*H*Q*T with H*Q = d; the causal mask is not discounted, the
     usual convention). nanoGPT's GPT-2 124M at T=1024 gives 875,062,886,400 per sequence
-    (planner.md V22). Recompute is not counted here (that would be HFU).
+    (nanoGPT `estimate_mfu`). Recompute is not counted here (that would be HFU).
     """
     n_matmul = cfg.n_layers * block_param_count(cfg) + cfg.vocab_size * cfg.d_model
     return 6.0 * n_matmul + 12.0 * cfg.n_layers * seq_len * cfg.d_model

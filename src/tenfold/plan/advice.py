@@ -23,7 +23,7 @@ from tenfold.terms import MULTI_STAGE_SCHEDULES, virtual_stages_for
 # What a strategy sets, written into an emitted file even at its default value.
 STRATEGY_KEYS = {
     "model": ("name",), "data": ("seq_len",), "train": ("micro_batch", "global_batch"),
-    "precision": ("dtype",), "recompute": ("policy",), "parallel": ("zero_stage", "pp_degree", "nproc"),
+    "precision": ("dtype",), "recompute": ("policy",), "parallel": ("zero_stage", "pp_degree", "tp_degree", "nproc"),
 }
 EMIT_MARK = "# Written by tenfold plan"
 RENDEZVOUS = ("--rdzv-backend", "c10d", "--rdzv-endpoint", "HEAD:29500", "--rdzv-id", "JOB")
@@ -48,7 +48,9 @@ def config_for_plan(base: TenfoldConfig, plan: Plan, gpus_per_node: int) -> tupl
     par = d["parallel"]
     before = num_stages(par["pp_degree"], par["pp_schedule"], virtual_stages_for(par["pp_schedule"], par["virtual_stages"]))
     keep_split = before == num_stages(s["pp"], s["pp_schedule"], s["virtual_stages"])  # blocks per stage still apply
-    par.update(zero_stage=s["zero"], pp_degree=s["pp"], pp_schedule=s["pp_schedule"],
+    par.update(zero_stage=s["zero"], pp_degree=s["pp"], pp_schedule=s["pp_schedule"], tp_degree=s["tp"],
+               # train's default (on with tp > 1) unless the plan says otherwise
+               sequence_parallel=None if s["sequence_parallel"] == (s["tp"] > 1) else s["sequence_parallel"],
                virtual_stages=s["virtual_stages"] if s["pp_schedule"] in MULTI_STAGE_SCHEDULES else None,
                pp_split=par["pp_split"] if keep_split else None,
                nproc=plan.gpus if plan.gpus <= gpus_per_node else 1)

@@ -84,6 +84,7 @@ class Plan:
     train_days: float | None
     gpu_hours: float | None
     max_micro_batch: int | None = None  # largest micro-batch that fits, the rest unchanged (set by the CLI; see largest_micro_batch)
+    tp_bytes_per_step: float = 0.0  # tensor-parallel traffic per rank per step (tenfold.plan.tp_traffic), busiest stage
     # Why `tenfold train` cannot run this strategy (tenfold.capabilities; set by the CLI and --search)
     unsupported: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
@@ -167,6 +168,10 @@ def _predict(model, hardware, gpus, strategy, gpus_per_node=None, trace: bool = 
             raise UserError(f"--tokens must be positive, got {s.tokens}")
         days = tr("train_days", s.tokens / tps / 86400, "tokens / tokens_per_s / 86400", "definition")
         hours = days * 24 * gpus
+    tp_bytes = _tp_bytes_per_step(shape, r)
+    if tp_bytes:
+        tr("tp_bytes_per_step", tp_bytes, "per layer 8 (t-1)/t b s h x m, + embedding, head, loss, norm gradients, "
+           "clip (docs/tensor_parallel.md)", "Narayanan et al. 2021 §3.2; Korthikanti et al. 2022 §4.2.2")
     fits = _fits(mem, hw, gpus)
     if not fits and hw.shared_compute:
         notes.append(f"does not fit: {min(gpus, hw.gpus_per_node)} ranks x {(mem.total_bytes + mem.cpu_bytes) / 2**30:.1f} GiB "
@@ -184,7 +189,27 @@ def _predict(model, hardware, gpus, strategy, gpus_per_node=None, trace: bool = 
         tokens_per_step=tokens_step, model_flops_per_step=flops_model, hardware_flops_per_step=flops_hw,
         tokens_per_s=tps, tflops_per_gpu=tflops / 1e12, hardware_tflops_per_gpu=hw_tflops / 1e12, mfu=mfu, hfu=hfu,
         tokens=s.tokens, train_days=days, gpu_hours=hours, notes=notes, explain=tr.items if trace else [],
+        tp_bytes_per_step=tp_bytes,
     )
+
+
+def _tp_bytes_per_step(shape: ModelShape, r: Resolved) -> float:
+    """Bytes one rank sends on its tensor-parallel group per step, on the busier of the first
+    and last pipeline stage (tenfold.plan.tp_traffic); 0 without TP or a model shape."""
+    s, cfg = r.s, shape.cfg
+    if s.tp <= 1 or cfg is None:
+        return 0.0
+    from tenfold.plan.tp_traffic import tp_traffic
+
+    out = 0.0
+    for stage in sorted({0, s.pp - 1}):
+        layers = layers_on_stage(cfg.n_layers, s.pp, stage)
+        traffic = tp_traffic(cfg, tp=s.tp, sequence_parallel=s.sequence_parallel, precision=s.precision,
+                             micro_batch=r.micro_batch, seq_len=r.seq_len, grad_accum=r.grad_accum, layers=layers,
+                             recompute_groups=r.policy.checkpointed_blocks(layers), first=stage == 0,
+                             last=stage == s.pp - 1, dp=r.dp, zero=s.zero)
+        out = max(out, traffic.total)
+    return out
 
 
 # --------------------------------------------------------------------------- memory

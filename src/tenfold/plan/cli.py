@@ -1,12 +1,12 @@
 """`tenfold plan`: per-GPU memory, step time, MFU and days for the run `tenfold train` would do
 with the same flags; `--search` for the fastest strategy train can run; `--ladder` for the
-seed's path.
+the recipe's path.
 
 `tenfold plan` reads exactly what `tenfold train` reads (every train flag, `--config`,
 `--deepspeed`, `--set`, resolved by the same code), plus the fleet (`--gpu`, `--gpus` =
 train's `--nproc` unless given, `--gpus-per-node`, `--hardware-file`), shape flags for a model
 without a config (`--params`, `--layers/--hidden/...`) and what-ifs train does not run
-(`--tp`, `--offload`, other stacks' bookkeeping).
+(`--offload`, other stacks' bookkeeping).
 
 `register(subparsers)` plugs into tenfold's CLI; `main(argv)` runs standalone
 (`python -m tenfold.plan.cli ...`). Bad input raises `UserError` (exit status 2)."""
@@ -29,7 +29,7 @@ DIMENSIONS = ("layers", "hidden", "heads", "vocab")  # a whole shape; with --kv-
 SHAPE_KEYS = {"layers": "n_layers", "hidden": "d_model", "heads": "n_heads", "kv_heads": "n_kv_heads",
               "ffn": "d_ff", "vocab": "vocab_size", "mlp": "mlp", "norm": "norm"}
 # Planner flags that change the strategy or the stack the prediction describes.
-WHAT_IFS = ("offload", "tp", "sequence_parallel", "master_weights", "grads_fp32", "dropout", "flash_attention",
+WHAT_IFS = ("offload", "master_weights", "grads_fp32", "dropout", "flash_attention",
             "overlap_comm", "activation_style", "tokens", "achieved_tflops")
 
 
@@ -78,16 +78,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     o.add_argument("--search", action="store_true", help="the fastest strategies tenfold train can run that fit")
     o.add_argument("--top", type=_count, default=5, help="--search: how many to show")
     o.add_argument("--include-unsupported", action="store_true",
-                   help="--search: also rank strategies tenfold train cannot run (tensor parallelism, offload, ...), marked")
+                   help="--search: also rank strategies tenfold train cannot run (offload, tied embeddings pipelined, ...), marked")
     o.add_argument("--emit", metavar="FILE.toml", help="write the plan (with --search: the fastest runnable one) as a "
                    "config that `tenfold train --config FILE` runs unchanged")
-    o.add_argument("--ladder", action="store_true", help="the seed's optimization path, rung by rung")
+    o.add_argument("--ladder", action="store_true", help="the recipe's optimization path, rung by rung")
 
 
 def _add_what_ifs(p: argparse.ArgumentParser) -> None:
     w = p.add_argument_group("what-ifs (the planner prices them; tenfold train does not run them)")
-    w.add_argument("--tp", type=_count, default=1, help="tensor-parallel size (must divide the query and KV heads)")
-    w.add_argument("--sequence-parallel", action="store_true", help="Korthikanti et al. 2022 sequence parallelism (--tp > 1)")
     w.add_argument("--offload", choices=("none", "optimizer", "optimizer+params"), default="none")
     w.add_argument("--master-weights", action=argparse.BooleanOptionalAction, default=False,
                    help="16-bit params + fp32 master copy (DeepSpeed, Megatron); default: fp32 params under autocast, as tenfold trains")
@@ -124,6 +122,7 @@ class Target:
     gpus: int
     strategy: Any
     model_kind: str = "tenfold"
+    hf_model_type: str = ""  # a Hugging Face model's model_type (which have a tensor-parallel plan)
 
 
 def _shape_overrides(args) -> list[str]:
@@ -155,7 +154,7 @@ def resolve_target(args) -> Target:
     """The run `tenfold train` would do with these flags, on `--gpus` (default train's --nproc)."""
     from tenfold.cli import config_from_args
     from tenfold.plan.for_run import strategy_for_config, strategy_for_run
-    from tenfold.run import model_kind, resolve_run
+    from tenfold.run import hf_model_type, model_kind, resolve_run
 
     a = argparse.Namespace(**vars(args))
     seq_for_params = None
@@ -171,15 +170,14 @@ def resolve_target(args) -> Target:
         # The search varies the layout (tp, pp, ZeRO, recompute, micro-batch) at a fixed global
         # batch: the one given, else the one train would use with these flags.
         glob = cfg.train.global_batch or resolve_run(cfg, gpus, check=False).global_batch
+        # Sequence parallelism as train would run each tp > 1 layout: on unless switched off.
         base = replace(strategy_for_config(cfg, cfg.seq_len()), global_batch=glob, micro_batch=None, grad_accum=None,
-                       **what_ifs)
-        return Target(cfg, None, _shape(a, cfg, cfg.model.build()), gpus, base, model_kind(cfg))
-    if gpus % (a.tp * cfg.parallel.pp_degree):
-        raise UserError(f"--gpus {gpus} must be a multiple of --tp x --pp = {a.tp * cfg.parallel.pp_degree}")
-    # Priced even when train would refuse it (marked, Plan.unsupported). Train has no tensor
-    # parallelism: --tp only shrinks the other axes.
-    run = resolve_run(cfg, gpus // a.tp, check=False)
-    return Target(cfg, run, _shape(a, cfg, run.model), gpus, replace(strategy_for_run(run), **what_ifs), run.model_kind)
+                       sequence_parallel=cfg.parallel.sequence_parallel is not False, **what_ifs)
+        return Target(cfg, None, _shape(a, cfg, cfg.model.build()), gpus, base, model_kind(cfg), hf_model_type(cfg))
+    # Priced even when train would refuse it (marked, Plan.unsupported).
+    run = resolve_run(cfg, gpus, check=False)
+    return Target(cfg, run, _shape(a, cfg, run.model), gpus, replace(strategy_for_run(run), **what_ifs), run.model_kind,
+                  hf_model_type(cfg))
 
 
 def _shape(args, cfg, model):
@@ -221,7 +219,8 @@ def _run_plan(args, t: Target, hw) -> int:
 
     plan = predict(t.model, hw, t.gpus, t.strategy)
     if t.run is not None:
-        plan.unsupported = strategy_problems(t.strategy, t.run.model, t.gpus, t.run.grad_accum, t.model_kind)
+        plan.unsupported = strategy_problems(t.strategy, t.run.model, t.gpus, t.run.grad_accum, t.model_kind,
+                                             t.hf_model_type)
         plan.max_micro_batch = largest_micro_batch(t.model, hw, t.gpus, t.strategy)
     if args.emit and t.run is None:
         raise UserError("--emit writes a config tenfold train runs: give a model (--model, --hf-config or dimensions), not --params")
@@ -302,7 +301,8 @@ def _run_search(args, t: Target, hw) -> int:
 
     result = search(t.model, hw, t.gpus, t.strategy, top_k=args.top,
                     offloads=("none", "optimizer") if args.include_unsupported else ("none",),
-                    include_unsupported=args.include_unsupported, model_kind=t.model_kind)
+                    include_unsupported=args.include_unsupported, model_kind=t.model_kind,
+                    hf_model_type=t.hf_model_type)
     best = next((p for p in result.best if not p.unsupported), None)
     if args.emit and best is None:
         raise UserError(f"--emit {args.emit}: no strategy tenfold train can run fits (see the search without --emit); "

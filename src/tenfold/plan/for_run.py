@@ -10,7 +10,7 @@ from tenfold.config import TenfoldConfig
 from tenfold.models.presets import ModelConfig
 from tenfold.plan.api import MemoryBreakdown, Plan, predict
 from tenfold.plan.strategy import Strategy
-from tenfold.run import ResolvedRun
+from tenfold.run import ResolvedRun, sequence_parallel_for
 from tenfold.terms import virtual_stages_for
 
 # How tenfold's engine trains: fp32 parameters under torch.amp autocast (no 16-bit master
@@ -24,8 +24,9 @@ def strategy_for_run(run: ResolvedRun, precision: str | None = None) -> Strategy
     it); default the configured one."""
     return Strategy(
         precision=precision or run.precision, micro_batch=run.micro_batch, grad_accum=run.grad_accum,
-        global_batch=run.global_batch, seq_len=run.seq_len, ac=str(run.recompute), zero=run.zero_stage,
-        pp=run.pp, pp_schedule=run.pp_schedule, virtual_stages=run.virtual_stages, **ENGINE_STACK,
+        global_batch=run.global_batch, seq_len=run.seq_len, ac=str(run.recompute), zero=engine_zero_stage(run),
+        pp=run.pp, pp_schedule=run.pp_schedule, virtual_stages=run.virtual_stages, tp=run.tp,
+        sequence_parallel=run.sequence_parallel, **ENGINE_STACK,
     )
 
 
@@ -36,8 +37,16 @@ def strategy_for_config(cfg: TenfoldConfig, seq_len: int | None) -> Strategy:
     return Strategy(
         precision=cfg.precision.dtype, micro_batch=t.micro_batch, grad_accum=t.grad_accum, global_batch=t.global_batch,
         seq_len=seq_len, ac=cfg.recompute.policy, zero=par.zero_stage, pp=par.pp_degree, pp_schedule=par.pp_schedule,
-        virtual_stages=par.virtual_stages, **ENGINE_STACK,
+        virtual_stages=par.virtual_stages, tp=par.tp_degree,
+        sequence_parallel=sequence_parallel_for(par.tp_degree, par.sequence_parallel), **ENGINE_STACK,
     )
+
+
+def engine_zero_stage(run: ResolvedRun) -> int:
+    """The ZeRO stage whose memory the engine really holds: under tensor parallelism ZeRO-1 runs
+    on FSDP2 like stage 2 (DDP and ZeroRedundancyOptimizer take no DTensor parameters), so its
+    gradients are 1/N at the optimizer step too (docs/zero.md)."""
+    return 2 if run.zero_stage == 1 and run.tp > 1 and run.dp > 1 else run.zero_stage
 
 
 def predict_run(run: ResolvedRun, hardware: str, precision: str | None = None, model=None) -> Plan:
@@ -48,13 +57,13 @@ def predict_run(run: ResolvedRun, hardware: str, precision: str | None = None, m
 
 
 def strategy_problems(s: Strategy, model: ModelConfig, gpus: int, micro_batches: int,
-                      model_kind: str = "tenfold") -> list[str]:
+                      model_kind: str = "tenfold", hf_model_type: str = "") -> list[str]:
     """Why `tenfold train` cannot run strategy `s` (tenfold.capabilities); empty when it can."""
     v = virtual_stages_for(s.pp_schedule, s.virtual_stages) if s.pp > 1 else 1
     return capabilities.problems(capabilities.Layout(
         model=model, world_size=gpus, pp=s.pp, zero=s.zero, recompute=s.policy, precision=s.precision,
         micro_batches=micro_batches, schedule=s.pp_schedule, virtual_stages=v, tp=s.tp, offload=s.offload,
-        model_kind=model_kind,
+        model_kind=model_kind, hf_model_type=hf_model_type,
     ))
 
 

@@ -42,8 +42,8 @@ TFLOPS = 1e12
 # the best isolated matmul. Calibrated ONLY on Narayanan et al. 2021 Table 1 (A100; see
 # tenfold/plan/calibration.py and docs/planner.md); the shape, roofline and communication
 # effects are modelled, not fitted. A GPU's ceiling of its datasheet peak is this times its
-# `matmul_fraction` (A100 SXM: 0.767 x 0.869 = 0.667).
-GEMM_SHARE_OF_MAMF = 0.767
+# `matmul_fraction` (A100 SXM: 0.816 x 0.869 = 0.709).
+GEMM_SHARE_OF_MAMF = 0.816
 A100_MAMF_FRACTION = 271.2 / 312  # the default where no MAMF is published
 
 
@@ -245,7 +245,8 @@ def _cached_cpu_peak() -> dict[str, float] | None:
     if not entries:
         return None
     preferred = f"{model}|threads={os.cpu_count()}"
-    return entries.get(preferred) or next(iter(entries.values()))
+    entry = entries.get(preferred) or next(iter(entries.values()))
+    return {d: float(entry[d]) for d in ("fp32", "bf16", "fp16")}  # without the entry's "method" tag
 
 
 def _measured_cpu_peak() -> dict[str, float]:

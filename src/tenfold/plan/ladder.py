@@ -1,12 +1,12 @@
-"""`--ladder`: the seed's "30 days -> 3 days" path, rung by rung, as the planner sees it, beside
-the seed's own claimed figures, with a note wherever they disagree and why.
+"""`--ladder`: the recipe's "30 days -> 3 days" path, rung by rung, as the planner sees it, beside
+the recipe's own claimed figures, with a note wherever they disagree and why.
 
-The seed's scenario (seed §1-§5): GPT-3 175B, A100 80GB; baseline one GPU in fp32 at batch 1;
+The recipe's scenario (recipe §1-§5): GPT-3 175B, A100 80GB; baseline one GPU in fp32 at batch 1;
 then fp16 mixed precision (claimed /2), gradient accumulation x8 (/1.5), activation
 checkpointing every 12 layers (x1.3), 8 GPUs with ZeRO-3 (/6), pipeline parallelism with 8
 stages (/1.2): 30 -> 15 -> 10 -> 13 -> 2.2 -> 1.8 days, "about 3 days in practice". Its §5
 configuration (64 GPUs, fp16, effective batch 4096, a checkpoint every 24 layers, ZeRO-3,
-8 pipeline stages) claims 5.5 + 5.5 + 22 + ~30 = ~63 GB per GPU. The seed never says how many
+8 pipeline stages) claims 5.5 + 5.5 + 22 + ~30 = ~63 GB per GPU. The recipe never says how many
 tokens its days are for; the planner uses 300B (GPT-3's budget) and compares multipliers.
 """
 
@@ -25,9 +25,9 @@ GiB = 2**30
 @dataclass(frozen=True)
 class SeedClaim:
     days: float | None
-    factor: str  # the seed's multiplier for this rung, as printed
+    factor: str  # the recipe's multiplier for this rung, as printed
     factor_value: float | None  # time multiplier vs the previous rung (days_new / days_old)
-    memory_gb: float | None  # the seed's per-GPU (or single-GPU total) memory claim, GB
+    memory_gb: float | None  # the recipe's per-GPU (or single-GPU total) memory claim, GB
     memory_text: str
 
 
@@ -55,11 +55,11 @@ class Rung:
 
 def seed_rungs(gpus_node: int = 8, gpus_final: int = 64, pp: int = 8, tokens: float = 300e9, seq_len: int = 2048,
                n_layers: int = 96, half: str = "fp16", device: str = "GPU") -> list[Rung]:
-    """The seed's rungs, scaled to a model with `n_layers`: its 'checkpoint every 12 layers' of
+    """The recipe's rungs, scaled to a model with `n_layers`: its 'checkpoint every 12 layers' of
     96 is checkpoint_sequential with L/12 segments (8 for GPT-3), its 'every 24' L/24 (4)."""
     seg_a = max(2, min(n_layers, round(n_layers / 12)))
     seg_b = max(2, min(n_layers, round(n_layers / 24)))
-    # The seed trains GPT-3 with DeepSpeed (Megatron-style fused kernels, 16-bit activations).
+    # The recipe trains GPT-3 with DeepSpeed (Megatron-style fused kernels, 16-bit activations).
     base = Strategy(precision="fp32", micro_batch=1, grad_accum=1, seq_len=seq_len, tokens=tokens, flash_attention=True,
                     activation_style="megatron")
     mp = replace(base, precision=half)
@@ -68,7 +68,7 @@ def seed_rungs(gpus_node: int = 8, gpus_final: int = 64, pp: int = 8, tokens: fl
     zero3 = replace(ckpt, zero=3)
     pipe = replace(zero3, pp=pp)
     final = replace(pipe, ac=f"segments:{seg_b}", grad_accum=None,
-                    global_batch=4096)  # seed §5: effective batch 4096, a checkpoint every 24 layers
+                    global_batch=4096)  # recipe §5: effective batch 4096, a checkpoint every 24 layers
     plural = "s" if gpus_node > 1 else ""
     return [
         Rung(f"1 {device}, fp32, batch 1", 1, base),
@@ -77,7 +77,7 @@ def seed_rungs(gpus_node: int = 8, gpus_final: int = 64, pp: int = 8, tokens: fl
         Rung(f"+ checkpoint every {n_layers // seg_a} layers", 1, ckpt),
         Rung(f"+ {gpus_node} {device}{plural}, ZeRO-3", gpus_node, zero3),
         Rung(f"+ pipeline {pp} stages", gpus_final, pipe),
-        Rung(f"seed §5: batch 4096, ckpt/{n_layers // seg_b}", gpus_final, final),
+        Rung(f"recipe §5: batch 4096, ckpt/{n_layers // seg_b}", gpus_final, final),
     ]
 
 
@@ -90,7 +90,7 @@ def run_ladder(model="gpt3-175b", hardware="a100-80gb", gpus_node: int = 8, gpus
         with_seed = (shape.name == "gpt3-175b" and hw.name == "a100-80gb" and gpus_final == 64
                      and gpus_node == 8 and pp == 8)
     n_layers = shape.cfg.n_layers if shape.cfg else 96
-    # The seed says fp16; elsewhere use bf16 where the hardware runs it at least as fast.
+    # The recipe says fp16; elsewhere use bf16 where the hardware runs it at least as fast.
     half = "fp16" if with_seed or (hw.peak_flops.get("bf16") or 0) < (hw.peak_flops.get("fp16") or 0) else "bf16"
     rungs = seed_rungs(gpus_node, gpus_final, pp, tokens, seq, n_layers, half, "rank" if hw.shared_compute else "GPU")
     prev = None
@@ -110,18 +110,18 @@ def _gib(x: float) -> str:
 
 
 def _notes(i: int, rung: Rung, prev: Rung | None) -> list[str]:
-    """Why the planner and the seed disagree (only where they do)."""
+    """Why the planner and the recipe disagree (only where they do)."""
     p = rung.plan
     m = p.memory
     out: list[str] = []
     if i == 0:
-        out.append(f"absolute time: the seed's 30 days cannot be 300B tokens on one A100 in fp32: "
+        out.append(f"absolute time: the recipe's 30 days cannot be 300B tokens on one A100 in fp32: "
                    f"the planner gives {p.train_days:,.0f} days (Narayanan et al.: GPT-3 on one V100 ~288 years)")
-        out.append(f"memory {_gib(m.total_bytes)} vs the seed's ~3000 GB: agrees (16 B/param x 175B = 2.8 TB of model states)")
+        out.append(f"memory {_gib(m.total_bytes)} vs the recipe's ~3000 GB: agrees (16 B/param x 175B = 2.8 TB of model states)")
     elif i == 1:
         out.append(f"speed: x{prev.plan.train_days / p.train_days:.1f}, not x2: the A100's fp16 tensor-core peak is 312 "
                    f"TFLOP/s vs 19.5 fp32 (PyTorch's default fp32 matmuls do not use TF32)")
-        out.append(f"memory: model states stay 16 B/param ({_gib(m.model_states_bytes)}): the seed omits the 4 B/param fp32 "
+        out.append(f"memory: model states stay 16 B/param ({_gib(m.model_states_bytes)}): the recipe omits the 4 B/param fp32 "
                    f"master weights (ZeRO §3.1: 2 + 2 + 12); only activations halve, so the saving is "
                    f"{1 - m.total_bytes / prev.plan.memory.total_bytes:.0%}, not 25%")
     elif i == 2:
@@ -129,7 +129,7 @@ def _notes(i: int, rung: Rung, prev: Rung | None) -> list[str]:
                    f"it only amortises the optimizer step over 8 micro-batches")
         out.append("memory: agrees (activations are freed after each micro-batch's backward)")
     elif i == 3:
-        out.append(f"time x{rung.factor:.2f} vs the seed's x1.3: checkpoint_sequential with 8 segments re-runs 7 of 8 segments' "
+        out.append(f"time x{rung.factor:.2f} vs the recipe's x1.3: checkpoint_sequential with 8 segments re-runs 7 of 8 segments' "
                    f"forward (x(1 + 7/8 x 1/3) ~ 1.29)")
         out.append(f"activations {_gib(m.activations_bytes)} (from {_gib(prev.plan.memory.activations_bytes)}): the last segment "
                    f"(12 layers) runs without a checkpoint, so it is 12/96 of the layers plus 7 layer inputs, not 1/12")
@@ -137,12 +137,12 @@ def _notes(i: int, rung: Rung, prev: Rung | None) -> list[str]:
         out.append(f"does not fit: 2.8 TB of model states over 8 GPUs is {_gib(m.model_states_bytes)} per GPU > 80 GB; "
                    f"175B needs >= 35 A100-80GB for model states alone (or --offload optimizer+params)"
                    if not p.fits else "fits")
-        out.append(f"speed x{1 / rung.factor:.1f} faster vs the seed's /6: ZeRO-3 moves 3Ψ per micro-batch "
+        out.append(f"speed x{1 / rung.factor:.1f} faster vs the recipe's /6: ZeRO-3 moves 3Ψ per micro-batch "
                    f"({p.time.dp_comm_s:.1f} s/step of collectives, {p.time.dp_comm_exposed_s:.1f} s exposed)")
     elif i == 5:
         out.append(f"bubble: with m = {p.grad_accum} micro-batches and p = {p.strategy['pp']} stages the bubble adds (p-1)/m = "
                    f"{p.time.bubble_fraction:.0%} to the step ({p.time.bubble_s / p.step_time_s:.0%} of it idles); "
-                   f"the seed's /1.2 needs m >> p. Planner: x{1 / rung.factor:.1f} from 8x the GPUs")
+                   f"the recipe's /1.2 needs m >> p. Planner: x{1 / rung.factor:.1f} from 8x the GPUs")
         out.append(f"memory {_gib(m.total_bytes)} per GPU on the {m.stage} stage ({'fits' if p.fits else 'does not fit'})")
     elif i == 6:
         seed_states = 5.5 + 5.5 + 22
@@ -151,12 +151,12 @@ def _notes(i: int, rung: Rung, prev: Rung | None) -> list[str]:
             held = ("; and under pipelining each rank keeps its stage's unreduced gradients and unsharded 16-bit "
                     "parameters from micro-batch to micro-batch (torch.distributed.pipelining reduces once per step), "
                     "so ZeRO-3 shards only the optimizer states")
-        out.append(f"memory: model states {m.model_states_bytes / 1e9:.1f} GB vs the seed's {seed_states:.0f} GB: "
-                   f"ZeRO's 16 B/param x 175B / 64 = 43.75 GB (+ the first stage's embedding); the seed's 1400 GB of "
+        out.append(f"memory: model states {m.model_states_bytes / 1e9:.1f} GB vs the recipe's {seed_states:.0f} GB: "
+                   f"ZeRO's 16 B/param x 175B / 64 = 43.75 GB (+ the first stage's embedding); the recipe's 1400 GB of "
                    f"optimizer states omit the fp32 master weights (2100 GB / 64 = 33 GB, not 22){held}")
         out.append(f"activations {m.activations_bytes / 1e9:.1f} GB vs ~30 GB; total {m.total_bytes / 1e9:.1f} GB vs ~63 GB "
                    f"({'fits' if p.fits else 'does not fit'})")
-        out.append(f"time: {p.train_days:,.0f} days for 300B tokens at {p.mfu:.0%} MFU; the seed's ~3 days assumes 50% of "
+        out.append(f"time: {p.train_days:,.0f} days for 300B tokens at {p.mfu:.0%} MFU; the recipe's ~3 days assumes 50% of "
                    f"peak and an unstated token count (3 days at 50% MFU on 64 A100 would be "
                    f"{3 * 86400 * 64 * 312e12 * 0.5 / (6 * 175e9) / 1e9:.1f}B tokens)")
     return out

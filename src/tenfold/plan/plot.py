@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import sys
+
 from tenfold.errors import UserError
 
 GiB = 2**30
@@ -17,12 +20,14 @@ def _plt():
 
 
 def _save(fig, path: str) -> None:
+    """Write the figure and say where (on stderr, so that `--json` output stays pure JSON)."""
     if not str(path).lower().endswith((".png", ".svg", ".pdf")):
         raise UserError(f"--plot {path}: use a .png, .svg or .pdf file name")
     try:
         fig.savefig(path, dpi=120, bbox_inches="tight")
     except OSError as exc:
         raise UserError(f"--plot {path}: cannot write ({exc.strerror})") from None
+    print(f"tenfold plan: wrote {os.path.abspath(path)}", file=sys.stderr)
 
 
 def _memory_parts(plan) -> list[tuple[str, float]]:
@@ -84,7 +89,7 @@ def plot_ladder(rungs, path: str) -> None:
     names = [str(i) for i in range(len(rungs))]
     a1.bar(names, [r.plan.train_days for r in rungs], label="planner")
     if rungs[0].seed is not None:
-        a1.plot(names, [r.seed.days for r in rungs], "o", color="k", label="seed's claim")
+        a1.plot(names, [r.seed.days for r in rungs], "o", color="k", label="the recipe's claim")
     a1.set_yscale("log")
     a1.set_ylabel("days")
     a1.set_xlabel("rung")

@@ -59,7 +59,7 @@ def default_global_batch(seq_len: int, dp_max: int) -> int:
 
 def search(model, hardware: "str | Hardware", gpus: int, base: Strategy, top_k: int = 5,
            gpus_per_node: int | None = None, offloads: tuple[str, ...] = OFFLOAD_CHOICES,
-           include_unsupported: bool = False, model_kind: str = "tenfold") -> SearchResult:
+           include_unsupported: bool = False, model_kind: str = "tenfold", hf_model_type: str = "") -> SearchResult:
     """The top `top_k` strategies that fit, fastest first. Only strategies `tenfold train` can run
     (tenfold.capabilities, for a model of `model_kind`) unless `include_unsupported`: then the
     others are ranked too, each with its reasons in `Plan.unsupported`."""
@@ -80,7 +80,7 @@ def search(model, hardware: "str | Hardware", gpus: int, base: Strategy, top_k: 
                 result.dominated += layout.zero > 0
                 continue
             s = replace(layout, offload=off)
-            problems = strategy_problems(s, shape.cfg, gpus, m, model_kind)
+            problems = strategy_problems(s, shape.cfg, gpus, m, model_kind, hf_model_type)
             if problems and not include_unsupported:
                 result.unsupported += 1
                 continue

@@ -8,8 +8,11 @@ from dataclasses import asdict, dataclass, replace
 
 from tenfold.errors import UserError
 from tenfold.terms import (
-    PIPELINE_SCHEDULES, PRECISIONS, RecomputePolicy, parse_recompute, resolve_batch, virtual_stages_for,
+    PIPELINE_SCHEDULES, PRECISIONS, RecomputePolicy, check_tp_heads, parse_recompute, resolve_batch,
+    tp_choices, virtual_stages_for,
 )
+
+__all__ = ["Strategy", "Resolved", "resolve", "tp_choices"]
 
 OFFLOADS = ("none", "optimizer", "optimizer+params")
 STYLES = ("megatron", "tenfold")
@@ -73,13 +76,6 @@ class Resolved:
     v: int  # virtual stages actually used (1 unless interleaved)
 
 
-def tp_choices(n_heads: int, n_kv_heads: int | None = None) -> list[int]:
-    """Tensor-parallel sizes that split both the query heads and the key/value heads evenly
-    (Megatron's column split gives each rank whole heads; GQA's KV heads are split, not copied)."""
-    kv = n_kv_heads or n_heads
-    return [t for t in range(1, n_heads + 1) if n_heads % t == 0 and kv % t == 0]
-
-
 def _positive(name: str, value) -> None:
     if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
         raise UserError(f"--{name} must be a positive integer, got {value!r}")
@@ -108,13 +104,11 @@ def resolve(s: Strategy, gpus: int, n_layers: int | None, n_heads: int | None, m
         raise UserError(f"--offload {s.offload} needs --zero 1, 2 or 3 (ZeRO-Offload partitions what it moves)")
     if s.offload == "optimizer+params" and s.zero != 3:
         raise UserError("--offload optimizer+params needs --zero 3 (only stage 3 partitions parameters)")
+    if n_heads is not None:
+        check_tp_heads(s.tp, n_heads, n_kv_heads)  # the rule `tenfold train` applies too
     if gpus % (s.tp * s.pp):
         raise UserError(f"--gpus {gpus} must be a multiple of --tp x --pp = {s.tp * s.pp}")
     dp = gpus // (s.tp * s.pp)
-    if n_heads is not None and (n_heads % s.tp or (n_kv_heads or n_heads) % s.tp):
-        kv = f" and key/value heads ({n_kv_heads})" if n_kv_heads and n_kv_heads != n_heads else ""
-        raise UserError(f"--tp {s.tp} must divide the number of attention heads ({n_heads}){kv}; "
-                        f"allowed: {', '.join(str(t) for t in tp_choices(n_heads, n_kv_heads))}")
     if n_layers is not None and s.pp > n_layers:
         raise UserError(f"--pp {s.pp} exceeds the number of layers ({n_layers})")
     if s.sequence_parallel and s.tp == 1:

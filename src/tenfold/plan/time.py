@@ -68,7 +68,9 @@ def elementwise_bytes_per_token(cfg: ModelConfig, s: Strategy, seq_len: int, tp:
     h, f = cfg.d_model, cfg.ffn_dim
     kv = cfg.kv_heads * cfg.head_dim
     B = 2.0 if s.precision != "fp32" else 4.0
-    rep = 1 if s.sequence_parallel else tp  # replicated work is not split by plain TP
+    # Norms and residual adds see the whole (b, s, h) on every tp rank unless sequence parallelism
+    # splits them by position (Korthikanti et al. 2022, section 4.2.2).
+    rep = tp if s.sequence_parallel else 1
     if s.activation_style == "tenfold":
         per_norm = 8 * 8.0 * h
         replicated = 2 * per_norm + 2 * (3 * 4.0 * h) + 3 * 2 * B * h

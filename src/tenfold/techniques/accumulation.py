@@ -1,10 +1,10 @@
-"""Gradient accumulation with token-weighted loss (seed §2).
+"""Gradient accumulation with token-weighted loss (recipe §2).
 
 The loss of a step is sum(token losses) / (target tokens in the WHOLE global batch, over
 every micro-batch and every data-parallel rank). Dividing each micro-batch by its own
 token count, or by the number of micro-batches, gives a different gradient as soon as
 micro-batches carry different numbers of targets (padding, packed documents): the
-gradient-accumulation bug fixed across the ecosystem in 2024 (engine.md §3). With this
+gradient-accumulation bug fixed across the ecosystem in 2024 (Hugging Face transformers #34191). With this
 normalisation k micro-batches of b sequences give exactly the gradient of one batch of k*b.
 
 Data-parallel wrappers (DDP, FSDP2) average gradients over ranks, i.e. divide by dp_size; we

@@ -111,19 +111,20 @@ def boundary_dtypes(model: nn.Module, counts: Sequence[int], autocast_dtype: tor
 
 
 def stage_io_examples(stage_id: int, n_stages: int, micro_shape: tuple[int, int], d_model: int,
-                      vocab: int, dtypes: Sequence[torch.dtype]) -> tuple[torch.Tensor, torch.Tensor]:
+                      vocab: int, dtypes: Sequence[torch.dtype], seq_split: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """Meta tensors with the shape/dtype of a stage's input and output for one micro-batch:
-    token ids (b, s) into the first stage, the residual stream (b, s, d) between stages,
-    logits (b, s, vocab) out of the last. Static metadata spares `PipelineStage` its
+    token ids (b, s) into the first stage, the residual stream (b, s / seq_split, d) between
+    stages (seq_split = tp under sequence parallelism), logits (b, s, vocab) out of the last. Static metadata spares `PipelineStage` its
     dynamic shape inference, a real forward/backward outside DDP's no_sync that leaves the
     DDP reducer expecting gradients twice in torch 2.13 (an INTERNAL ASSERT at the next step)."""
     b, s = micro_shape
     if stage_id == 0:
         x = torch.empty((b, s), dtype=torch.long, device="meta")
     else:
-        x = torch.empty((b, s, d_model), dtype=dtypes[stage_id - 1], device="meta", requires_grad=True)
-    width = vocab if stage_id == n_stages - 1 else d_model
-    y = torch.empty((b, s, width), dtype=dtypes[stage_id], device="meta", requires_grad=True)
+        x = torch.empty((b, s // seq_split, d_model), dtype=dtypes[stage_id - 1], device="meta", requires_grad=True)
+    last = stage_id == n_stages - 1
+    out_shape = (b, s, vocab) if last else (b, s // seq_split, d_model)
+    y = torch.empty(out_shape, dtype=dtypes[stage_id], device="meta", requires_grad=True)
     return x, y
 
 

@@ -15,6 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from tenfold.errors import UserError
+from tenfold.models.loss import replicated_value
 from tenfold.terms import IGNORE_INDEX
 from tenfold.techniques.pipeline import PipelineSplit, stage_io_examples
 from tenfold.terms import MULTI_STAGE_SCHEDULES
@@ -102,6 +103,8 @@ class PipelineRunner:
         dp_size: int = 1,
         autocast_dtype: torch.dtype | None = None,
         stage_io: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None,
+        tp_size: int = 1,
+        seq_len: int | None = None,
     ):
         from torch.distributed.pipelining import PipelineStage
 
@@ -110,6 +113,7 @@ class PipelineRunner:
         self.stage_ids = list(stage_ids)
         self.n_stages = n_stages
         self.dp_size = dp_size
+        self.tp_size = tp_size  # the tp ranks of a last stage each hold the whole (replicated) loss
         self.device = device
         self.pp_group = pp_group
         self.loss_scale = 1.0  # fp16: the trainer passes the dynamic scale to each step
@@ -129,8 +133,10 @@ class PipelineRunner:
             for method in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
                 self.timer.wrap(st, method)
         self.schedule = build_schedule(schedule, self.stages, n_microbatches, self._loss_fn)
-        # (b, s) of a micro-batch: fixed by the static metadata, else by the first step
-        self.micro_shape: tuple[int, ...] | None = tuple(stage_io[0][0].shape[:2]) if stage_io else None
+        # (b, s) of a micro-batch of token ids: fixed by the static metadata (a stage's input is
+        # (b, s / tp, d) under sequence parallelism, so not read from it), else by the first step
+        self.micro_shape: tuple[int, ...] | None = (
+            (stage_io[0][0].shape[0], seq_len or stage_io[0][0].shape[1]) if stage_io else None)
 
     @property
     def has_first_stage(self) -> bool:
@@ -144,6 +150,8 @@ class PipelineRunner:
         # sum CE / GLOBAL tokens * dp_size: micro-batch losses add up to this dp rank's share
         # of the global mean, and the dp average (divide by dp_size) in DDP/FSDP makes it the
         # exact global mean; the schedule itself must not rescale (scale_grads=False).
+        # Under tensor parallelism the logits are split over the vocabulary and the cross-entropy
+        # runs under loss_parallel (entered around the whole schedule step in `_run`).
         ce = F.cross_entropy(
             logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
         )
@@ -162,8 +170,11 @@ class PipelineRunner:
         tgt = targets if self.has_last_stage else None
         losses: list[torch.Tensor] = []
         run = self.schedule.step if train else self.schedule.eval
-        run(*args, target=tgt, losses=losses, return_outputs=False)
-        return losses
+        from tenfold.techniques.tensor_parallel import loss_context
+
+        with loss_context(self.tp_size):  # forward and backward, as loss_parallel asks
+            run(*args, target=tgt, losses=losses, return_outputs=False)
+        return [replicated_value(loss) for loss in losses]
 
     def train_step(self, inputs, targets, global_tokens: int, loss_scale: float = 1.0) -> PipelineStepResult:
         if isinstance(inputs, (list, tuple)):
@@ -177,9 +188,10 @@ class PipelineRunner:
         t0 = time.perf_counter()
         losses = self._run(inputs, targets, train=True)
         step_s = time.perf_counter() - t0
-        # Last stages hold sum(mb losses) = (their dp share of the mean) * dp_size * scale.
+        # Last stages hold sum(mb losses) = (their dp share of the mean) * dp_size * scale, once
+        # on each of their tp ranks.
         local = sum(l.detach().double() for l in losses) / self.loss_scale if losses else 0.0
-        loss = self._sum_over_world(local) / self.dp_size
+        loss = self._sum_over_world(local) / (self.dp_size * self.tp_size)
         pipeline_s = self._max_over_pp(step_s)
         busy = self.timer.busy_s
         bubble = (pipeline_s - busy) / busy if busy > 0 else float("nan")
@@ -212,9 +224,9 @@ class PipelineRunner:
                 total += float(sum(l.double() for l in losses)) if losses else 0.0
         finally:
             self.dp_size = dp
-        # Every dp group scores the same rows (Trainer.evaluate), so the world sum counts
-        # them dp times.
-        return self._sum_over_world(total) / dp
+        # Every dp group scores the same rows (Trainer.evaluate), and every tp rank of a last
+        # stage holds the whole loss, so the world sum counts them dp x tp times.
+        return self._sum_over_world(total) / (dp * self.tp_size)
 
     def _sum_over_world(self, value) -> float:
         """Only the last stage has the loss; an all_reduce over every rank (other stages add
@@ -309,10 +321,9 @@ class PipelinedModel(nn.Module):
         steady = self.bubbles[1:] or self.bubbles
         mine = sum(steady) / len(steady) if steady else float("nan")
         per_rank = gather_per_rank(mine)
-        pp, dp = dist_info.pp_size, dist_info.dp_size
-        per_stage_rank = [  # mean over the dp replicas of each pp rank (global rank = pp*dp + dp)
-            sum(per_rank[r * dp:(r + 1) * dp]) / dp for r in range(pp)
-        ]
+        pp = dist_info.pp_size
+        n = len(per_rank) // pp  # ranks per pp rank: dp x tp (global rank = (pp*dp + dp)*tp + tp)
+        per_stage_rank = [sum(per_rank[r * n:(r + 1) * n]) / n for r in range(pp)]
         v = len(self.runner.stage_ids)
         return {
             "schedule": self.runner.schedule_name,
@@ -332,12 +343,15 @@ def build_pipelined_model(split: PipelineSplit, parts: Sequence[nn.Module], run,
     model_cfg = split.modules[0].cfg
     io = None
     if split.dtypes is not None:
+        # Under sequence parallelism a stage hands on its (b, s/tp, d) slice of the residual
+        # stream: Narayanan et al. 2021's scatter/gather of p2p traffic, section 4.1.
+        seq_split = run.tp if run.sequence_parallel else 1
         io = [stage_io_examples(sid, split.n_stages, (micro_batch, run.seq_len), model_cfg.d_model,
-                                model_cfg.vocab_size, split.dtypes) for sid in split.stage_ids]
+                                model_cfg.vocab_size, split.dtypes, seq_split) for sid in split.stage_ids]
     runner = PipelineRunner(
         parts, split.stage_ids, split.n_stages, run.pp_schedule, run.grad_accum, device=dist_info.device,
         pp_group=dist_info.mesh["pp"].get_group(), dp_size=dist_info.dp_size,
-        autocast_dtype=compute_dtype or torch.float32, stage_io=io,
+        autocast_dtype=compute_dtype or torch.float32, stage_io=io, tp_size=dist_info.tp_size, seq_len=run.seq_len,
     )
     return PipelinedModel(split, parts, runner)
 

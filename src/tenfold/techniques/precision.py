@@ -1,4 +1,4 @@
-"""Mixed precision (seed §1): autocast policy, fp32 master weights, loss scaling.
+"""Mixed precision (recipe §1): autocast policy, fp32 master weights, loss scaling.
 
 Design (the "fp32 master weights" recipe, Micikevicius et al. 2018, as torch.amp does it):
 
@@ -11,7 +11,7 @@ Design (the "fp32 master weights" recipe, Micikevicius et al. 2018, as torch.amp
 * fp16 has a narrow range (max 65504, smallest normal 6e-5), so small gradients underflow.
   The loss is multiplied by a scale before backward and the gradients divided by it
   after; `DynamicLossScaler` moves the scale exactly as DeepSpeed's does
-  (engine.md §2.9, `deepspeed/runtime/fp16/loss_scaler.py`).
+  (`deepspeed/runtime/fp16/loss_scaler.py`).
 * bf16 has fp32's exponent range, so it needs no scaler: it gets a no-op scaler (scale 1),
   as DeepSpeed's `CreateLossScaler` does. Non-finite gradients still skip the step (as
   DeepSpeed's `bf16.check_grad_overflow=true`, its default since PR #8035).
@@ -194,7 +194,7 @@ class LossScaler:
 
 
 class DynamicLossScaler(LossScaler):
-    """DeepSpeed's `DynamicLossScaler`, line for line (engine.md §2.9).
+    """DeepSpeed's `DynamicLossScaler`, line for line (deepspeed/runtime/fp16/loss_scaler.py).
 
     init_scale = 2**initial_scale_power; on overflow: if hysteresis is used up, halve the scale
     (never below `min_scale`; already at `min_scale` -> raise, as DeepSpeed does by default),
@@ -288,7 +288,7 @@ def build_loss_scaler(precision_section: Any, dtype_name: str) -> LossScaler:
     fp16 with `loss_scale > 0` gets that static scale; bf16/fp32 get the no-op (scale 1).
 
     `dtype_name` is the resolved dtype (after `resolve_dtype`), the rest comes from the
-    `[precision]` section (DeepSpeed's `fp16` keys, engine.md §2.3).
+    `[precision]` section (DeepSpeed's `fp16` keys).
     """
     if dtype_name != "fp16":
         return LossScaler(1.0)

@@ -1,18 +1,18 @@
-"""ZeRO stages 0-3 (Rajbhandari et al. 2020; seed §4) on PyTorch's own sharding engines.
+"""ZeRO stages 0-3 (Rajbhandari et al. 2020; recipe §4) on PyTorch's own sharding engines.
 
     stage 0  DDP                                 every rank holds everything; grads all-reduced
     stage 1  DDP + ZeroRedundancyOptimizer       optimizer states 1/N; grads and params full
     stage 2  FSDP2 fully_shard(reshard_after_forward=False)   optimizer states + grads 1/N
     stage 3  FSDP2 fully_shard(reshard_after_forward=True)    + params 1/N between uses
 
-Why these engines (engine.md §6.3, DESIGN.md "existing engines"):
+Why these engines (PyTorch's own, as torchtitan uses them):
   * Stage 1 is DDP + `ZeroRedundancyOptimizer`, not FSDP2 with resharding switched off: at the
     optimizer step ZeRO-1 holds FULL gradients and 1/N of the optimizer states. FSDP2 always
     reduce-scatters at the last micro-batch, which leaves 1/N gradients at the step (that is
     ZeRO-2's memory), so FSDP2 cannot show ZeRO-1.
   * Stage 2/3 are FSDP2, one unit per transformer block plus the root (torchtitan's
     `apply_fsdp`), applied AFTER recompute wrapping so each unit is a (recomputed) block and the
-    re-gather for recompute happens inside the block (engine.md §5.2).
+    re-gather for recompute happens inside the block (torchtitan's `apply_ac` before `apply_fsdp`).
   * FSDP2 reshards after backward in both stages, so at the optimizer step the parameters are
     1/N at stage 2 as well; the stages differ between forward and backward (stage 2 keeps the
     gathered block, stage 3 frees it and re-gathers it in backward). docs/zero.md has the table.
@@ -46,6 +46,14 @@ ENGINES = {
     2: "FSDP2 fully_shard(reshard_after_forward=False)",
     3: "FSDP2 fully_shard(reshard_after_forward=True)",
 }
+# Under tensor parallelism the parameters are DTensors, which DDP and ZeroRedundancyOptimizer
+# do not take; the stages run on what PyTorch offers for DTensor parameters (docs/zero.md).
+ENGINES_TP = {
+    0: "replicate (FSDP2's replicated data parallel)",
+    1: "FSDP2 fully_shard(reshard_after_forward=False), gradients reduced once per step",
+    2: ENGINES[2],
+    3: ENGINES[3],
+}
 _STAGE_ATTR = "_tenfold_zero_stage"
 
 
@@ -70,11 +78,15 @@ def apply_zero(
     if dist.dp_size <= 1:
         return model
     _warn_unmapped_knobs(parallel_cfg, stage, dist)
-    if stage <= 1:
+    tensor_parallel = getattr(dist, "tp_size", 1) > 1
+    if stage <= 1 and not tensor_parallel:
         wrapped = _wrap_ddp(model, parallel_cfg, dist)  # DDP broadcasts rank 0's weights itself
     else:
         _broadcast_from_dp_rank0(model, dist)
-        wrapped = _wrap_fsdp2(model, parallel_cfg, dist, stage, param_dtype, blocks)
+        if stage == 0:
+            wrapped = _wrap_replicate(model, dist, param_dtype, blocks)
+        else:  # ZeRO-1 under TP: FSDP2 as stage 2, reducing once per step (grad_sync)
+            wrapped = _wrap_fsdp2(model, parallel_cfg, dist, max(stage, 2), param_dtype, blocks)
     setattr(wrapped, _STAGE_ATTR, stage)
     return wrapped
 
@@ -99,7 +111,9 @@ def _broadcast_from_dp_rank0(model: nn.Module, dist: Any) -> None:
     group = dp_group(dist)
     src = torch_dist.get_global_rank(group, 0) if group is not None else 0
     for t in list(model.parameters()) + list(model.buffers()):
-        torch_dist.broadcast(t.data, src=src, group=group)
+        # a tensor-parallel DTensor: its local part (the dp peers hold the same part)
+        local = t.to_local() if hasattr(t, "to_local") else t.data
+        torch_dist.broadcast(local, src=src, group=group)
 
 
 def _wrap_ddp(model: nn.Module, parallel_cfg: Any, dist: Any) -> nn.Module:
@@ -126,13 +140,73 @@ def _wrap_fsdp2(model: nn.Module, parallel_cfg: Any, dist: Any, stage: int, para
     threshold = int(parallel_cfg.param_persistence_threshold)
     if blocks is None:
         blocks = list(model.layers.values()) if hasattr(model, "layers") else []
-    for block in blocks:
-        fully_shard(block, mesh=mesh, mp_policy=mp,
-                    reshard_after_forward=_reshard_after_forward(stage, _numel(block), threshold))
+    for unit in fsdp_units(blocks, stage, unit_bucket(parallel_cfg, dist.device.type)):
+        fully_shard(unit if len(unit) > 1 else unit[0], mesh=mesh, mp_policy=mp,
+                    reshard_after_forward=_reshard_after_forward(stage, sum(map(_numel, unit)), threshold))
     block_params = {id(p) for b in blocks for p in b.parameters()}
     root_numel = sum(p.numel() for p in model.parameters() if id(p) not in block_params)
     fully_shard(model, mesh=mesh, mp_policy=mp,
                 reshard_after_forward=_reshard_after_forward(stage, root_numel, threshold))
+    return model
+
+
+CPU_UNIT_BUCKET = 25 * 2**20 // 4  # torch DDP's default bucket (bucket_cap_mb=25) in fp32 gradient elements
+
+
+def unit_bucket(parallel_cfg: Any, device_type: str) -> int | None:
+    """ZeRO-2's FSDP2 unit size in parameters (None: one unit per block).
+
+    DeepSpeed ZeRO-2 reduces gradients in buckets of `reduce_bucket_size` elements; FSDP2
+    reduce-scatters one unit per collective, so the bucket maps to consecutive blocks grouped
+    into one unit. Unset, it depends on whether a collective can overlap compute: on CUDA
+    FSDP2 reduce-scatters each block on its own stream while the blocks below run their
+    backward, so one unit per block (torchtitan's `apply_fsdp`); on CPU (gloo) FSDP2's
+    collectives block the step, and each one is a round trip that waits for the slower rank,
+    so blocks are grouped up to torch DDP's default bucket, 25 MiB of fp32 gradients
+    (DeepSpeed's own default, 5e8 elements, would make one unit of a small model and hold all
+    its unsharded gradients at once: +100 MiB per rank on the 20M-parameter benchmark model,
+    docs/benchmarks.md). Grouping costs ZeRO-2 no parameter memory (it keeps every gathered
+    unit from forward to backward anyway); a group's unsharded gradients wait for its one
+    reduce-scatter, as DeepSpeed's wait in its bucket."""
+    if parallel_cfg.reduce_bucket_size:
+        return int(parallel_cfg.reduce_bucket_size)
+    return None if device_type == "cuda" else CPU_UNIT_BUCKET
+
+
+def fsdp_units(blocks: list[nn.Module], stage: int, bucket: int | None) -> list[list[nn.Module]]:
+    """The FSDP2 units (lists of consecutive blocks) below the root. ZeRO-3 shards block by
+    block (what it frees between uses is one block); ZeRO-2 groups consecutive blocks while
+    their parameters fit `bucket` (at least one block per unit)."""
+    if stage != 2 or bucket is None:
+        return [[b] for b in blocks]
+    units: list[list[nn.Module]] = []
+    size = 0
+    for block in blocks:
+        n = _numel(block)
+        if units and size + n <= bucket:
+            units[-1].append(block)
+            size += n
+        else:
+            units.append([block])
+            size = n
+    return units
+
+
+def _wrap_replicate(model: nn.Module, dist: Any, param_dtype, blocks=None) -> nn.Module:
+    """Replicated data parallelism for tensor-parallel (DTensor) parameters, which DDP does
+    not take: PyTorch's `replicate` built on FSDP2's machinery (every dp rank keeps whole
+    parameters and gradients; gradients are all-reduced), one unit per block + the root as
+    for FSDP2, so each block's all-reduce overlaps the backward of the blocks below it."""
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    mesh = dist.mesh["dp"]
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    if blocks is None:
+        blocks = list(model.layers.values()) if hasattr(model, "layers") else []
+    for block in blocks:
+        replicate(block, mesh=mesh, mp_policy=mp)
+    replicate(model, mesh=mesh, mp_policy=mp)
     return model
 
 
@@ -151,15 +225,18 @@ def _reshard_after_forward(stage: int, unit_numel: int, persistence_threshold: i
 def _warn_unmapped_knobs(parallel_cfg: Any, stage: int, dist: Any) -> None:
     """Name, in one warning, the DeepSpeed knobs that have no PyTorch counterpart here."""
     unmapped = []
-    if stage >= 2 and parallel_cfg.reduce_bucket_size:
-        unmapped.append("reduce_bucket_size (FSDP2 reduces one unit = one block per collective)")
-    if stage >= 2 and not parallel_cfg.contiguous_gradients:
+    tensor_parallel = getattr(dist, "tp_size", 1) > 1
+    fsdp = stage >= 2 or tensor_parallel  # FSDP2's machinery, also under `replicate`
+    if parallel_cfg.reduce_bucket_size and (stage == 3 or (tensor_parallel and stage == 0)):
+        unmapped.append("reduce_bucket_size (FSDP2 at ZeRO-3 and `replicate` reduce one unit = one block per collective)")
+    if fsdp and not parallel_cfg.contiguous_gradients:
         unmapped.append("contiguous_gradients=false (FSDP2 always reduce-scatters into one flat buffer)")
     if parallel_cfg.overlap_comm is False:
         unmapped.append("overlap_comm=false (DDP and FSDP2 always overlap communication with backward)")
     if unmapped and dist.is_main:
+        engine = (ENGINES_TP if tensor_parallel else ENGINES)[stage]
         warnings.warn(
-            f"ZeRO-{stage} on {ENGINES[stage]}: DeepSpeed settings without a PyTorch knob, "
+            f"ZeRO-{stage} on {engine}: DeepSpeed settings without a PyTorch knob, "
             f"ignored: {'; '.join(unmapped)}", stacklevel=3,
         )
 
@@ -172,11 +249,12 @@ def build_optimizer_for(model: nn.Module, train_cfg: Any, parallel_cfg: Any, dis
     one dp rank, the same optimizer inside `ZeroRedundancyOptimizer`, which gives each rank
     the states of ~1/N of the parameters (whole tensors, largest first, greedy) and broadcasts
     the updated parameters after each step."""
-    from tenfold.techniques.optimizer import build_optimizer
+    from tenfold.techniques.optimizer import allocate_states, build_optimizer
 
     optimizer = build_optimizer(unwrap(model), train_cfg, dist.device)
-    if int(parallel_cfg.zero_stage) == 1 and dist.dp_size > 1:
+    if int(parallel_cfg.zero_stage) == 1 and dist.dp_size > 1 and getattr(dist, "tp_size", 1) == 1:
         optimizer = _zero_redundancy(optimizer, dist)
+    allocate_states(local_optimizer(optimizer))  # this rank's states only, no collective
     return optimizer
 
 
@@ -188,8 +266,13 @@ def _zero_redundancy(optimizer: torch.optim.Optimizer, dist: Any) -> torch.optim
     accepted = set(inspect.signature(type(optimizer).__init__).parameters) - {"self", "params"}
     defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
     groups = [{k: v for k, v in g.items() if k == "params" or k in accepted} for g in optimizer.param_groups]
+    # parameters_as_bucket_view: each rank's parameters live in one flat bucket, so the
+    # broadcast of the updated parameters after the step is one collective per rank instead of
+    # one per parameter tensor (torch's ZeroRedundancyOptimizer docs; DeepSpeed ZeRO-1 also
+    # all-gathers flat partitions). On gloo every collective is a round trip between ranks.
     return ZeroRedundancyOptimizer(
-        groups, optimizer_class=type(optimizer), process_group=dp_group(dist), **defaults
+        groups, optimizer_class=type(optimizer), process_group=dp_group(dist),
+        parameters_as_bucket_view=True, **defaults,
     )
 
 
@@ -209,17 +292,49 @@ def zero_stage_of(model: nn.Module) -> int | None:
 
 
 def grad_sync(model: nn.Module, enabled: bool):
-    """Context for one micro-step's forward + backward.
+    """Context for one micro-step's forward + backward; `enabled`: the last micro-step.
 
     Stages 0/1 (DDP): `no_sync()` on non-boundary micro-steps, so gradients accumulate
     locally and are all-reduced once, on the last micro-batch. Stages 2/3 (FSDP2):
     reduce-scatter on EVERY micro-step and accumulate the 1/N shards; this keeps only 1/N of
     the gradients alive between micro-steps (the reason for ZeRO-2), as torchtitan and
-    DeepSpeed ZeRO-2/3 do (engine.md §1b)."""
+    DeepSpeed ZeRO-2/3 do (Rajbhandari et al. 2020, section 5.2). Stage 2 also keeps its gathered
+    parameters from one micro-step to the next and reshards them only after the last backward
+    (`_keep_gathered`)."""
     stage = zero_stage_of(model)
+    if stage == 2:
+        return _keep_gathered(model, last=enabled)
     if enabled or stage is None or stage >= 2:
         return contextlib.nullcontext()
+    if hasattr(model, "set_requires_gradient_sync"):  # replicate / FSDP2 (tensor parallelism)
+        return _fsdp_no_sync(model)
     return model.no_sync()
+
+
+@contextlib.contextmanager
+def _keep_gathered(model: nn.Module, last: bool):
+    """ZeRO-2 holds whole 16-bit parameters through the step (DeepSpeed keeps them whole all
+    the time); FSDP2 would reshard after each backward and all-gather again in the next
+    micro-step's forward. FSDP2's `set_reshard_after_backward(False)` on the micro-steps
+    before the last skips those re-gathers (its documented use: gradient accumulation), so
+    a step all-gathers each unit once whatever the accumulation. The optimizer step still
+    sees 1/N parameters: the last micro-step reshards."""
+    model.set_reshard_after_backward(last)
+    try:
+        yield
+    finally:
+        model.set_reshard_after_backward(True)
+
+
+@contextlib.contextmanager
+def _fsdp_no_sync(model: nn.Module):
+    """DDP's no_sync for FSDP2-based wrappers: accumulate whole gradients locally and reduce
+    them on the last micro-batch (DeepSpeed ZeRO-1 also reduces at the accumulation boundary)."""
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
 
 
 def clip_grad_norm(model: nn.Module, max_norm: float, extra_groups=()) -> float:

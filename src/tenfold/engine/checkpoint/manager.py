@@ -87,6 +87,7 @@ class CheckpointManager:
         resume: str | None = None,
         async_save: bool = False,
         log: Callable[[str], None] | None = None,
+        final: bool = False,
     ):
         clash = sorted(set(states) & set(_RESERVED))
         if clash or "model" not in states:
@@ -94,6 +95,7 @@ class CheckpointManager:
         self.root = lay.checkpoints_root(out_dir)
         self.states, self.config, self.dist = states, config, dist
         self.every, self.keep_last, self.resume_from = every, keep_last, resume
+        self.final = final  # save at the last step even without periodic saves
         self.async_save = async_save
         self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
         self._pending: _PendingSave | None = None
@@ -106,7 +108,7 @@ class CheckpointManager:
     def from_config(cls, cfg, states: dict[str, Any], dist: Any = None, log=None) -> "CheckpointManager":
         c = cfg.checkpoint
         return cls(cfg.log.out, states, config=cfg, dist=dist, every=c.every, keep_last=c.keep_last,
-                   resume=c.resume, async_save=c.async_save, log=log)
+                   resume=c.resume, async_save=c.async_save, log=log, final=c.final)
 
     def _say(self, msg: str) -> None:
         if d.rank_now() == 0:
@@ -134,8 +136,9 @@ class CheckpointManager:
         self._old_handlers.clear()
 
     def preempted(self) -> bool:
-        """Collective: True on every rank once any rank got SIGTERM/SIGINT."""
-        self._preempt = d.any_rank(self._preempt)
+        """Collective: True on every rank once any rank got SIGTERM/SIGINT, or the `--nproc`
+        launcher got one (its stop file)."""
+        self._preempt = d.any_rank(self._preempt or d.stop_requested())
         return self._preempt
 
     # ----------------------------------------------------------------- save
@@ -145,11 +148,11 @@ class CheckpointManager:
 
     def after_step(self, step: int, last: bool = False) -> bool:
         """Call at every optimizer-step boundary. Saves when `step % every == 0`, on
-        preemption, and at the last step (when periodic saves are on). Returns True when the
-        loop must stop (preempted)."""
+        preemption, and at the last step (when periodic saves are on, or `final`). Returns True
+        when the loop must stop (preempted)."""
         self._poll_pending()
         stop = self.preempted()
-        if (self.due(step) or stop or (last and self.every > 0)) and self.last_saved_step != step:
+        if (self.due(step) or stop or (last and (self.every > 0 or self.final))) and self.last_saved_step != step:
             self.save(step, wait=stop or last)
             if stop:
                 self._say(f"checkpoint: preempted; saved step {step}, exiting")

@@ -1,9 +1,9 @@
 """Rank-side half of the ZeRO tests: run by `python -m torch.distributed.run` from
 tests/test_zero.py and tests/test_distributed.py, never by pytest itself (no test functions).
 
-    python -m torch.distributed.run --standalone --nproc-per-node N tests/test_zero_worker.py MODE OUT.json
+    python -m torch.distributed.run --standalone --nproc-per-node N tests/workers/zero_worker.py MODE OUT.json
 
-Every rank builds the lead's `Trainer` on the same random token array and runs steps; rank 0
+Every rank builds the `Trainer` on the same random token array and runs steps; rank 0
 writes one JSON file with what every rank saw (losses, memory per rank, skip flags).
 """
 
@@ -53,17 +53,49 @@ def run_steps(cfg: dict, measure_at: int | None = 1, steps: int = STEPS):
     t.setup()
     at_step: dict = {}
     t.optimizer.register_step_pre_hook(lambda *_: at_step.update(zero.model_state_bytes(t.model, t.optimizer)))
-    losses, grad_norms, measured = [], [], None
+    losses, grad_norms, measured, collectives = [], [], None, {}
     for i in range(steps):
         mbs = t.loader.next_step()
         box = []
         if i == measure_at:
             measured = measure_step_memory(t.model, t.optimizer, lambda: box.append(t.train_step(mbs)), t.dist.device)
         else:
-            box.append(t.train_step(mbs))
+            with counted_collectives(collectives if i == steps - 1 else {}):  # the last step's
+                box.append(t.train_step(mbs))
         losses.append(box[0].loss)
         grad_norms.append(box[0].grad_norm)
-    return t, {"losses": losses, "grad_norms": grad_norms, "state_bytes": dict(at_step), "measured": measured}
+    return t, {"losses": losses, "grad_norms": grad_norms, "state_bytes": dict(at_step), "measured": measured,
+               "collectives": collectives}
+
+
+COUNTED = ("all_gather_single", "reduce_scatter_single", "broadcast", "all_reduce")  # what FSDP2 calls
+
+
+class counted_collectives:
+    """Count the torch.distributed collectives FSDP2, ZeroRedundancyOptimizer and tenfold call
+    from Python while the block runs (DDP's bucket all-reduces run in C++, uncounted)."""
+
+    def __init__(self, counts: dict):
+        self.counts = counts
+
+    def __enter__(self):
+        import torch.distributed as dist
+
+        self.saved = {name: getattr(dist, name) for name in COUNTED}
+        for name, fn in self.saved.items():
+            setattr(dist, name, self._counting(name, fn))
+
+    def _counting(self, name, fn):
+        def call(*args, **kwargs):
+            self.counts[name] = self.counts.get(name, 0) + 1
+            return fn(*args, **kwargs)
+        return call
+
+    def __exit__(self, *exc):
+        import torch.distributed as dist
+
+        for name, fn in self.saved.items():
+            setattr(dist, name, fn)
 
 
 def mode_equivalence(out_dir: str) -> dict:
@@ -73,6 +105,8 @@ def mode_equivalence(out_dir: str) -> dict:
         for stage in (0, 1, 2, 3):
             _, r = run_steps(config(stage, dtype, 1, 2, out_dir), measure_at=1 if dtype == "fp32" else None)
             results[f"{stage}-{dtype}"] = r
+    # ZeRO-2 with one FSDP2 unit per block (a 1-element bucket) instead of CPU's grouped blocks
+    results["2-fp32-per-block"] = run_steps(config(2, "fp32", 1, 2, out_dir, reduce_bucket_size=1), measure_at=None)[1]
     for stage in (2, 3):  # recompute wraps the blocks before FSDP2 shards them (parallelize's order)
         cfg = config(stage, "fp32", 1, 2, out_dir)
         cfg["recompute"] = {"policy": "full"}

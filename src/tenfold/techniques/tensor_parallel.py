@@ -1,0 +1,255 @@
+"""Tensor and sequence parallelism on PyTorch's DTensor (`parallelize_module`).
+
+The Megatron-LM split (Shoeybi et al. 2019, section 3): in every block the query, key, value
+and MLP up/gate projections are split by output column (`ColwiseParallel`: each tp rank
+computes whole heads and a slice of the MLP's hidden units), the attention output and MLP
+down projections by input row (`RowwiseParallel`), so a block needs one collective after
+attention and one after the MLP, forward and backward. With sequence parallelism
+(Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models",
+section 4.2.2) the norms and the residual stream between those collectives are split by
+sequence position instead of replicated (`SequenceParallel` norms; the all-reduce becomes a
+reduce-scatter, and an all-gather runs before the next column split), which divides their
+activations by tp at the same communication volume.
+
+The vocabulary is split too: the token embedding by rows (`RowwiseParallel` on an
+`nn.Embedding`) and the output projection by columns with its logits left sharded on the
+vocabulary (`use_local_output=False`), and the cross-entropy runs under
+`torch.distributed.tensor.parallel.loss_parallel`, so the (b, s, V) logits never exist whole on
+one rank. `loss_context` enters it around forward + backward, as its documentation asks.
+
+Plans, one per model family, keyed by module FQN (torchtitan's `apply_tp` for Llama 3 is the
+model for the tenfold one):
+  tenfold's GPT          tok_emb / pos_emb / layers.N.{norm1, attn.wq/wk/wv/wo, norm2, mlp.w1/w2/w3} / norm / output
+  Hugging Face Llama,    model.embed_tokens / model.layers.N.{input_layernorm, self_attn.q/k/v/o_proj,
+  Qwen2, Mistral         post_attention_layernorm, mlp.gate/up/down_proj} / model.norm / lm_head
+  a user's module        the `tp_plan` given to `Trainer` ({FQN pattern: ParallelStyle})
+
+Every parameter of a tenfold or Hugging Face model must be covered by the plan (split, or a
+norm that stays replicated): a module the plan does not know is a UserError naming it, so a
+model is never silently half-split. RoPE and GQA need nothing special: the attention code
+views the projections as (..., -1, head_dim), so each rank sees its own whole heads and the
+query-to-KV head ratio is unchanged (tenfold.terms.check_tp_heads requires tp to divide both).
+
+Hugging Face models compute the position ids and the causal mask from the embedding output's
+length, so there the embedding's output stays replicated (an all-reduce) and the first block's
+input is cut by sequence position locally (`PrepareModuleInput`, no communication); the rest
+is the same as for tenfold's GPT.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, ContextManager
+
+import torch.nn as nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel, loss_parallel, parallelize_module,
+)
+
+from tenfold.errors import UserError
+
+TP_FLAG = "parallel.tp_degree (--tp)"
+KNOWN_MODELS = ("tenfold's GPT and Hugging Face Llama, Qwen2 or Mistral models (q/k/v/o_proj, gate/up/down_proj, "
+                "embed_tokens, lm_head)")
+
+
+# --------------------------------------------------------------------------- plans
+
+
+def _vocab_output(sequence_parallel: bool):
+    """Output projection: columns (= vocabulary) split, logits left sharded for loss_parallel."""
+    return ColwiseParallel(input_layouts=Shard(1) if sequence_parallel else Replicate(),
+                           output_layouts=Shard(-1), use_local_output=False)
+
+
+def _block_plan(prefix: str, names: dict[str, str], sequence_parallel: bool, swiglu: bool,
+                attn_input_by_keyword: str | None = None) -> dict:
+    """One transformer block: `names` maps the roles (norm1, attn, q, k, v, o, norm2, mlp, up,
+    gate, down) to the block's own submodule names. `attn_input_by_keyword`: the keyword the
+    block passes its attention input by (Hugging Face: hidden_states), None: by position."""
+    seq = Shard(1) if sequence_parallel else Replicate()
+    p = lambda role: f"{prefix}.{names[role]}"  # noqa: E731
+    plan: dict[str, Any] = {
+        p("q"): ColwiseParallel(), p("k"): ColwiseParallel(), p("v"): ColwiseParallel(),
+        p("o"): RowwiseParallel(output_layouts=seq),
+        p("up"): ColwiseParallel(), p("down"): RowwiseParallel(output_layouts=seq),
+        # Attention and MLP take their input as ONE replicated DTensor (all-gathered from the
+        # sequence shards under SP): q/k/v (up/gate) then share it, and backward reduces their
+        # summed input gradient once, not once per projection.
+        p("attn"): _replicated_input(seq, attn_input_by_keyword, n_args=3),  # tenfold: (x, cos, sin)
+        p("mlp"): _replicated_input(seq),
+        # the norms see (b, s/tp, d) under SP; otherwise they stay replicated (covered, not split)
+        p("norm1"): SequenceParallel() if sequence_parallel else None,
+        p("norm2"): SequenceParallel() if sequence_parallel else None,
+    }
+    if swiglu:
+        plan[p("gate")] = ColwiseParallel()
+    return plan
+
+
+def _replicated_input(layout, keyword: str | None = None, n_args: int = 1):
+    """The module's first input (or its `keyword` input) made a replicated DTensor; any other
+    positional inputs (tenfold's RoPE tables) are left alone."""
+    if keyword is not None:
+        return PrepareModuleInput(input_kwarg_layouts={keyword: layout},
+                                  desired_input_kwarg_layouts={keyword: Replicate()})
+    rest = (None,) * (n_args - 1)
+    return PrepareModuleInput(input_layouts=(layout, *rest), desired_input_layouts=(Replicate(), *rest))
+
+
+def gpt_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, Any]:
+    """tenfold's GPT (tenfold.models.gpt): torchtitan's Llama 3 plan under tenfold's names."""
+    seq = Shard(1) if sequence_parallel else Replicate()
+    names = {"norm1": "norm1", "attn": "attn", "q": "attn.wq", "k": "attn.wk", "v": "attn.wv", "o": "attn.wo",
+             "norm2": "norm2", "mlp": "mlp", "up": "mlp.w1", "gate": "mlp.w3", "down": "mlp.w2"}
+    swiglu = model.cfg.mlp == "swiglu"
+    plan: dict[str, Any] = {}
+    # A pipeline stage (tenfold.techniques.pipeline.GPTStage) holds only some of these.
+    if getattr(model, "tok_emb", None) is not None:
+        plan["tok_emb"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
+    if getattr(model, "pos_emb", None) is not None:  # GPT.embed looks positions up as (1, s)
+        plan["pos_emb"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
+    for key in model.layers:
+        plan.update(_block_plan(f"layers.{key}", names, sequence_parallel, swiglu))
+    if getattr(model, "norm", None) is not None:
+        plan["norm"] = SequenceParallel() if sequence_parallel else None
+    if getattr(model, "output", None) is not None:
+        plan["output"] = _vocab_output(sequence_parallel)
+    return plan
+
+
+def hf_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, Any]:
+    """Hugging Face Llama-family causal LMs, by their module names (the names of transformers'
+    own `base_model_tp_plan` for these models)."""
+    base, layers = _hf_parts(model)
+    names = {"norm1": "input_layernorm", "attn": "self_attn", "q": "self_attn.q_proj", "k": "self_attn.k_proj",
+             "v": "self_attn.v_proj", "o": "self_attn.o_proj", "norm2": "post_attention_layernorm", "mlp": "mlp",
+             "up": "mlp.up_proj", "gate": "mlp.gate_proj", "down": "mlp.down_proj"}
+    # position ids and the causal mask come from the embedding output's length: keep it whole
+    plan: dict[str, Any] = {f"{base}.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())}
+    for i in range(len(layers)):
+        plan.update(_block_plan(f"{base}.layers.{i}", names, sequence_parallel, swiglu=True,
+                                attn_input_by_keyword="hidden_states"))
+    if sequence_parallel:
+        # the first block cuts its replicated input by sequence position (a local slice)
+        plan[f"{base}.layers.0"] = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
+                                                      use_local_output=True)
+        plan[f"{base}.norm"] = SequenceParallel(use_local_output=True)  # lm_head slices its input
+    else:
+        plan[f"{base}.norm"] = None
+    plan["lm_head"] = _vocab_output(sequence_parallel)
+    return plan
+
+
+def _hf_parts(model: nn.Module) -> tuple[str, nn.ModuleList]:
+    """(FQN of the base model, its decoder layers): `model.layers` under `base_model_prefix`."""
+    base = getattr(model, "base_model_prefix", "model") or "model"
+    inner = getattr(model, base, None)
+    layers = getattr(inner, "layers", None)
+    if not isinstance(layers, nn.ModuleList) or not hasattr(model, "lm_head"):
+        raise _unmapped(model, f"{base}.layers" if inner is not None else base)
+    return base, layers
+
+
+def _unmapped(model: nn.Module, module: str, why: str = "not found") -> UserError:
+    return UserError(
+        f"{TP_FLAG}: cannot split {type(model).__name__}: module {module} {why}. Tensor parallelism knows "
+        f"{KNOWN_MODELS}; for another model pass Trainer(tp_plan={{FQN: ParallelStyle}}) or use --tp 1"
+    )
+
+
+def plan_for(model: nn.Module, kind: str, sequence_parallel: bool, user_plan: dict | None = None) -> dict[str, Any]:
+    """The plan for a model of `kind` (tenfold.models.adapter: "tenfold" | "hf" | "user")."""
+    if user_plan is not None:
+        return dict(user_plan)
+    if kind == "tenfold":
+        return gpt_plan(model, sequence_parallel)
+    if kind == "hf":
+        return hf_plan(model, sequence_parallel)
+    raise UserError(
+        f"{TP_FLAG}: {type(model).__name__} is the user's own module and has no tensor-parallel plan; "
+        "pass Trainer(model, tp_plan={'layers.*.attn.wq': ColwiseParallel(), ...}) or use --tp 1"
+    )
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def check_plan(model: nn.Module, plan: dict[str, Any], tp: int) -> None:
+    """Before anything is split: every module the plan names exists, every split dimension
+    divides by tp, and every parameter is covered (split, or a norm kept replicated)."""
+    modules = dict(model.named_modules())
+    for fqn, style in plan.items():
+        module = modules.get(fqn)
+        if module is None:
+            raise _unmapped(model, fqn)
+        _check_divisible(model, fqn, module, style, tp)
+    covered = tuple(f"{fqn}." for fqn, style in plan.items() if not isinstance(style, PrepareModuleInput))
+    for name, _ in model.named_parameters():
+        if not name.startswith(covered):
+            raise _unmapped(model, name.rsplit(".", 1)[0], "has parameters the plan does not split or replicate")
+
+
+def _check_divisible(model: nn.Module, fqn: str, module: nn.Module, style: Any, tp: int) -> None:
+    if isinstance(module, nn.Linear) and isinstance(style, (ColwiseParallel, RowwiseParallel)):
+        size, what = ((module.out_features, "output features") if isinstance(style, ColwiseParallel)
+                      else (module.in_features, "input features"))
+        if size % tp:
+            raise UserError(f"{TP_FLAG} {tp}: {type(model).__name__}.{fqn} has {size} {what}, not divisible by {tp}")
+
+
+# --------------------------------------------------------------------------- applying
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh: Any, plan: dict[str, Any]) -> nn.Module:
+    """Split `model` in place over `tp_mesh` (a 1-D DeviceMesh). Entries whose style is None
+    are modules the plan keeps replicated."""
+    shared = _shared_parameters(model)
+    parallelize_module(model, tp_mesh, {fqn: style for fqn, style in plan.items() if style is not None})
+    _retie(model, shared)
+    return model
+
+
+def _shared_parameters(model: nn.Module) -> list[list[tuple[str, str]]]:
+    """Groups of (module FQN, parameter name) holding one Parameter: tied embeddings."""
+    owners: dict[int, list[tuple[str, str]]] = {}
+    for fqn, module in model.named_modules(remove_duplicate=False):
+        for name, p in module.named_parameters(recurse=False):
+            owners.setdefault(id(p), []).append((fqn, name))
+    return [group for group in owners.values() if len(group) > 1]
+
+
+def _retie(model: nn.Module, shared: list[list[tuple[str, str]]]) -> None:
+    """parallelize_module gives each module its own DTensor copy of a shared weight; share one
+    again. Tied embeddings split alike: the embedding's rows and the output's columns are both
+    dim 0 of the (V, d) matrix. A weight the styles split differently cannot stay tied."""
+    modules = dict(model.named_modules(remove_duplicate=False))
+    for group in shared:
+        params = [getattr(modules[fqn], name) for fqn, name in group]
+        layouts = {(str(getattr(p, "device_mesh", None)), tuple(getattr(p, "placements", ()))) for p in params}
+        if len(layouts) > 1:
+            where = ", ".join(f"{fqn}.{name}" for fqn, name in group)
+            raise UserError(f"{TP_FLAG}: the tied weights {where} would be split differently; untie them or use --tp 1")
+        for fqn, name in group[1:]:
+            setattr(modules[fqn], name, params[0])
+
+
+def loss_context(tp: int) -> ContextManager:
+    """`loss_parallel()` when the logits are split over the vocabulary (forward AND backward
+    must run inside it); a no-op without tensor parallelism."""
+    return loss_parallel() if tp > 1 else contextlib.nullcontext()
+
+
+def settle_gradients(params: list[nn.Parameter]) -> None:
+    """Give each tensor-parallel gradient its parameter's layout, once per step before the
+    optimizer. Autograd leaves two kinds of mismatch: a sequence-parallel norm's weight
+    gradient is Partial (each tp rank summed only its own sequence positions; Megatron-LM
+    all-reduces these layer-norm gradients over the tp group too), and the vocabulary-parallel
+    embedding's is Replicate, the whole (V, d) matrix, of which this rank keeps its rows.
+    Under FSDP2 the reduce-scatter does this itself; then every layout already matches."""
+    for p in params:
+        grad = p.grad
+        if grad is not None and hasattr(grad, "placements") and hasattr(p, "placements"):
+            if grad.placements != p.placements and grad.device_mesh == p.device_mesh:
+                p.grad = grad.redistribute(p.device_mesh, p.placements)

@@ -1,0 +1,253 @@
+"""Figures a user can trust: steady-state tokens/s with the warm-up apart, MFU never above 100%
+(and none for a dtype without fast kernels), the peak sweep, noted predicted-vs-measured rows,
+the memory fallback without torch's private tracker, ladder.png's axes and labels, printed
+paths, and the warning when a resume changes the global batch."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+from conftest import read_metrics, small_config
+from tenfold.cli import main
+from tenfold.config import build_config
+from tenfold.engine import peak as peak_mod
+from tenfold.engine.memory_notes import row_notes
+from tenfold.engine.steady import StepTime, steady_state
+from tenfold.engine.summary import mfu
+from tenfold.engine.trainer import Trainer
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+# --------------------------------------------------------------------------- warm-up
+
+
+def _times(seconds, tokens=100, instrumented=()):
+    return [StepTime(i + 1, s, tokens, instrumented=i + 1 in instrumented) for i, s in enumerate(seconds)]
+
+
+def test_warmup_is_the_leading_slow_steps():
+    """The issue's run: steps 1-3 at ~400 tok/s, then ~1,900: the summary reports ~1,900."""
+    s = steady_state(_times([0.25, 0.24, 0.26, 0.053, 0.052, 0.054], tokens=100))
+    assert s["warmup_steps"] == 3 and s["steady_from_step"] == 4
+    assert s["warmup_s"] == pytest.approx(0.75)
+    assert s["tokens_per_s"] == pytest.approx(300 / (0.053 + 0.052 + 0.054))
+
+
+def test_a_later_slow_step_is_steady_state_and_the_measured_step_is_apart():
+    s = steady_state(_times([0.5, 2.0, 0.1, 0.1, 0.3, 0.1, 0.1, 0.1], instrumented={2}))
+    assert s["warmup_steps"] == 1 and s["steady_from_step"] == 3  # step 2 (tracker) is not warm-up
+    assert s["memory_measurement_s"] == pytest.approx(2.0)
+    assert s["steady_s"] == pytest.approx(0.8)  # the slow step 5 stays in: noise is steady state too
+    assert steady_state(_times([0.4]))["warmup_steps"] == 0  # one step: nothing to compare with
+    assert steady_state([])["tokens_per_s"] is None
+
+
+def test_summary_tokens_per_s_is_the_steady_rate_of_the_logged_steps(tmp_path):
+    cfg = small_config(tmp_path, train={"steps": 6})
+    summary = Trainer(build_config(cfg)).fit()
+    rows = read_metrics(tmp_path / "run")
+    measured_step = summary["memory"]["measured_step"]
+    per_step = summary["batch"]["global_batch"] * summary["batch"]["seq_len"]
+    again = steady_state([StepTime(r["step"], r["step_time_s"], per_step, r["step"] == measured_step) for r in rows])
+    f = summary["final"]
+    assert f["tokens_per_s"] == pytest.approx(again["tokens_per_s"])
+    assert f["warmup_steps"] == again["warmup_steps"] and f["warmup_s"] == pytest.approx(again["warmup_s"])
+    assert f["tokens_per_s_overall"] == pytest.approx(f["tokens"] / f["wall_s"])
+    assert f["tokens_per_s_overall"] < f["tokens_per_s"]  # the wall time has the warm-up and the evaluation
+
+
+# --------------------------------------------------------------------------- MFU and the peak
+
+
+def test_mfu_is_never_above_100_percent():
+    assert mfu(6e6, 1000.0, 1e10, 1) == (pytest.approx(0.6), None)
+    value, note = mfu(6e6, 1000.0, 1e9, 1)  # 6 GFLOP/s achieved against a 1 GFLOP/s "peak"
+    assert value is None and "exceed the peak used for MFU" in note
+
+
+def test_fp16_on_this_cpu_reports_no_mfu_above_100_percent(tmp_path):
+    """The issue's case: fp16 on a CPU (186.8% before the peak sweep)."""
+    cfg = small_config(tmp_path, precision={"dtype": "fp16"}, train={"steps": 3})
+    summary = Trainer(build_config(cfg)).fit()
+    f = summary["final"]
+    assert f["mfu"] is None or 0 < f["mfu"] <= 1.0
+    if f["mfu"] is None:
+        assert "no fast kernels" in f["mfu_note"] or "exceed" in f["mfu_note"]
+    assert all(r["mfu"] is None or r["mfu"] <= 1.0 for r in read_metrics(tmp_path / "run"))
+
+
+def test_a_stale_low_peak_gives_no_mfu_and_says_why(tmp_path, monkeypatch):
+    monkeypatch.setattr(peak_mod, "mfu_peak", lambda dtype: (1.0, None))  # 1 FLOP/s: any run exceeds it
+    summary = Trainer(build_config(small_config(tmp_path, train={"steps": 2}))).fit()
+    assert summary["final"]["mfu"] is None and "remeasure" in summary["final"]["mfu_note"]
+    assert all(r["mfu"] is None for r in read_metrics(tmp_path / "run"))
+
+
+def test_a_16_bit_format_without_fast_kernels_gets_no_mfu(monkeypatch):
+    rates = {"fp32": 100e9, "bf16": 180e9, "fp16": 5e9}
+    monkeypatch.setattr(peak_mod, "cpu_peak_flops", lambda d: rates[d])
+    assert peak_mod.mfu_peak("bf16") == (180e9, None)
+    assert peak_mod.mfu_peak("fp32") == (100e9, None)
+    value, note = peak_mod.mfu_peak("fp16")
+    assert value is None and "fp16 matmuls have no fast kernels" in note and "5.0 GFLOP/s" in note
+
+
+def _fake_rates(table):
+    calls = []
+
+    def rate(dtype, n, seconds):
+        calls.append(n)
+        return table[n]
+
+    return rate, calls
+
+
+def test_the_peak_sweep_grows_until_the_rate_settles():
+    rate, calls = _fake_rates({256: 10e9, 512: 40e9, 1024: 80e9, 2048: 82e9})
+    assert peak_mod.sweep_peak("fp32", rate=rate) == 82e9 and calls == [256, 512, 1024, 2048]
+    rate, calls = _fake_rates({256: 50e9, 512: 51e9, 1024: 90e9})
+    assert peak_mod.sweep_peak("fp32", rate=rate) == 51e9 and calls == [256, 512]  # +2%: reached
+    rate, calls = _fake_rates({256: 1e9, 512: 1.5e9, 1024: 1.6e9})  # slow: a 1024 GEMM would take > 1 s
+    assert peak_mod.sweep_peak("fp16", rate=rate) == 1.5e9 and calls == [256, 512]
+
+
+def test_a_peak_cached_by_the_old_rule_is_measured_again(tmp_path, monkeypatch):
+    monkeypatch.setenv("TENFOLD_CACHE_DIR", str(tmp_path))
+    key = peak_mod.cpu_key()
+    (tmp_path / "cpu_peak.json").write_text(json.dumps({key: {"fp32": 1.0, "bf16": 1.0, "fp16": 1.0}}))
+    monkeypatch.setattr(peak_mod, "sweep_peak", lambda dtype: 7e9)
+    assert peak_mod.cpu_peak_flops("fp16") == 7e9
+    entry = json.loads((tmp_path / "cpu_peak.json").read_text())[key]
+    assert entry["method"] == peak_mod.METHOD and entry["fp16"] == 7e9
+    from tenfold.plan.hardware import _cached_cpu_peak  # the planner reads the same file
+
+    for dtype in ("fp32", "bf16"):
+        peak_mod.cpu_peak_flops(dtype)
+    assert _cached_cpu_peak() == {"fp32": 7e9, "bf16": 7e9, "fp16": 7e9}  # floats only, no "method"
+
+
+# --------------------------------------------------------------------------- memory table
+
+
+MEASURED = {"params_bytes": 50, "grads_bytes": 50, "optimizer_bytes": 100, "activations_bytes": 300,
+            "total_bytes": 500, "peak_bytes": 420}
+PREDICTED = {"params_bytes": 100, "grads_bytes": 50, "optimizer_bytes": 100, "activations_bytes": 0,
+             "total_bytes": 250, "peak_bytes": 250 + 50 * 2**20, "other_bytes": 50 * 2**20}
+
+
+def test_each_row_that_counts_differently_says_how():
+    zero2 = row_notes(PREDICTED, MEASURED, zero_stage=2, dp=2, user_module=True)
+    assert "fp32 shard" in zero2["params_bytes"] and "DeepSpeed's ZeRO-2" in zero2["params_bytes"]
+    assert "not predicted for your own module" in zero2["activations_bytes"]
+    assert "below the sum" in zero2["peak_bytes"] and "50.00 MiB DDP buckets this run lacks (FSDP2 at ZeRO-2)" in zero2["peak_bytes"]
+    assert "upper bound of the peak" in zero2["total_bytes"]
+    plain = row_notes(PREDICTED, MEASURED, zero_stage=0, dp=2, user_module=False)
+    assert "params_bytes" not in plain and "activations_bytes" not in plain
+    assert "lacks" not in plain["peak_bytes"]  # DDP on 2 ranks does allocate its buckets
+    assert "(one process)" in row_notes(PREDICTED, MEASURED, 0, 1, False)["peak_bytes"]
+    assert row_notes(PREDICTED, None, 2, 2, False) == {}
+
+
+def test_summary_has_the_notes_and_the_table_shows_them(tmp_path, capsys):
+    assert main(["train", "--out", str(tmp_path / "run"), "--steps", "2", "--precision", "fp32",
+                 "--set", "model.n_layers=2", "--set", "model.d_model=64", "--set", "model.n_heads=4",
+                 "--set", "model.d_ff=128", "--set", "model.max_seq_len=64", "--seq-len", "32",
+                 "--set", "data.max_bytes=300000", "--set", "log.tensorboard=false"]) == 0
+    notes = json.loads((tmp_path / "run" / "summary.json").read_text())["memory"]["notes"]
+    assert {"total_bytes", "peak_bytes"} <= set(notes)
+    out = " ".join(capsys.readouterr().out.split())  # the table wraps long cells
+    assert "upper bound of the" in out and "warm-up" in out
+
+
+def test_without_torchs_tensor_tracker_the_run_trains_and_says_so(tmp_path, monkeypatch, caplog):
+    from tenfold.engine import tracker_probe
+
+    monkeypatch.setattr(tracker_probe, "_TRACKER_PROBE", None)
+    monkeypatch.setitem(__import__("sys").modules, "torch.distributed._tools.mem_tracker", None)
+    usable, why = tracker_probe.tracker_available()
+    assert not usable and "torch.distributed._tools.mem_tracker" in why
+    with caplog.at_level(logging.WARNING, logger="tenfold"):
+        summary = Trainer(build_config(small_config(tmp_path, train={"steps": 3}))).fit()
+    assert summary["final"]["steps"] == 3 and summary["memory"]["measured"] is None
+    assert summary["memory"]["note"].startswith("memory was not measured")
+    assert any("memory was not measured" in r.message for r in caplog.records)
+
+
+# --------------------------------------------------------------------------- ladder.png
+
+
+def _overlap(a, b) -> bool:
+    return a.x0 < b.x1 and b.x0 < a.x1 and a.y0 < b.y1 and b.y0 < a.y1
+
+
+def test_ladder_png_axes_are_linear_and_no_label_overlaps():
+    from tenfold.ladder.measure import RungResult
+    from tenfold.ladder.report import add_multipliers, figure
+
+    mib = 2**20
+    mem = {"params_bytes": 14 * mib, "grads_bytes": 14 * mib, "optimizer_bytes": 28 * mib, "activations_bytes": 200 * mib}
+    rungs = [RungResult(i, n, n, "measured", None, {}, tokens_per_s=t, predicted_tokens_per_s=p,
+                        peak_mem_bytes=250 * mib, predicted_peak_bytes=260 * mib, memory=dict(mem))
+             for i, (n, t, p) in enumerate([("fp32", 700, 650), ("mixed", 1500, 1700), ("accum", 1600, 1650),
+                                            ("recompute", 1300, 1250), ("zero", 1900, 2100)])]
+    rungs.append(RungResult(5, "pipeline", "pipeline", "skipped", "needs 2 ranks", {}, predicted_tokens_per_s=1800))
+    add_multipliers(rungs)
+    fig = figure(rungs, {"model": "tiny", "budget_tokens": 65536, "hardware": {"description": "cpu"}})
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    ax_t, ax_m = fig.axes
+    assert ax_t.get_yscale() == ax_m.get_yscale() == "linear" and ax_t.get_ylim()[0] == 0
+    assert ax_t.get_ylim()[1] >= 2100  # every marker inside the axes
+    texts = [t.get_window_extent(renderer) for t in ax_t.texts]
+    assert len(texts) == 6  # five speed-ups and one status
+    markers = [p for coll in ax_t.collections for p in ax_t.transData.transform(coll.get_offsets())]
+    for i, box in enumerate(texts):
+        assert not any(_overlap(box, other) for other in texts[i + 1:])
+        assert not any(box.x0 - 6 < x < box.x1 + 6 and box.y0 - 6 < y < box.y1 + 6 for x, y in markers)
+    for ax in (ax_t, ax_m):
+        ticks = [t.get_window_extent(renderer) for t in ax.get_xticklabels()]
+        assert all(not _overlap(a, b) for a, b in zip(ticks, ticks[1:]))
+        assert all(t.get_rotation() == 0 for t in ax.get_xticklabels())
+
+
+# --------------------------------------------------------------------------- paths and resume
+
+
+def test_plan_plot_says_where_it_wrote(tmp_path, capsys):
+    png = tmp_path / "mem.png"
+    assert main(["plan", "--model", "tiny", "--gpu", "a100-80gb", "--plot", str(png), "--json"]) == 0
+    captured = capsys.readouterr()
+    assert png.is_file() and f"wrote {png}" in captured.err
+    json.loads(captured.out)  # --json stays pure JSON
+
+
+def test_resume_with_another_global_batch_warns(tmp_path, caplog):
+    Trainer(build_config(small_config(tmp_path, train={"steps": 2, "micro_batch": 4}))).fit()
+    same = small_config(tmp_path, train={"steps": 3, "micro_batch": 4}, checkpoint={"resume": "auto"})
+    with caplog.at_level(logging.WARNING, logger="tenfold"):
+        Trainer(build_config(same)).fit()
+    assert not [r for r in caplog.records if "global batch" in r.message]
+    other = small_config(tmp_path, train={"steps": 4, "micro_batch": 4, "global_batch": 8},
+                         checkpoint={"resume": "auto"})
+    with caplog.at_level(logging.WARNING, logger="tenfold"):
+        Trainer(build_config(other)).fit()
+    (warning,) = [r.message for r in caplog.records if "global batch" in r.message]
+    assert "changes from 4 to 8 sequences per step" in warning and "--global-batch 4" in warning
+
+
+def test_a_checkpoint_saved_before_the_batch_was_recorded_still_loads():
+    """trainer_state.json from a tenfold without `global_batch` validates against a fresh run's
+    counters (0: unknown, so no warning); once known, the batch is saved."""
+    from tenfold.engine.checkpoint.states import JsonState
+    from tenfold.engine.trainer import TrainState
+
+    fresh = TrainState()
+    JsonState(fresh, "state").validate({"step": 3, "tokens": 96, "skipped": 0, "history": [[1, 5.0]]})
+    fresh.load_state_dict({"step": 3, "tokens": 96, "skipped": 0, "history": [[1, 5.0]]})
+    assert fresh.step == 3 and fresh.global_batch == 0
+    fresh.global_batch = 8
+    assert JsonState(fresh, "state").state_dict()["global_batch"] == 8
