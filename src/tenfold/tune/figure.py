@@ -12,7 +12,7 @@ def plot(doc: dict[str, Any], path: Path) -> None:
     from tenfold.plan.plot import _plt
 
     plt = _plt()
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 5))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 5.6))
     _predicted_vs_measured(left, doc)
     _timeline(right, doc)
     fig.suptitle(f"tenfold tune: {doc['machine']['nproc']} x {doc['machine']['planner_hardware']}")
@@ -46,7 +46,8 @@ def _predicted_vs_measured(ax, doc: dict[str, Any]) -> None:
     ax.set_xlabel("measured tokens/s")
     ax.set_ylabel("predicted tokens/s")
     _plain_ticks(ax)
-    ax.legend(fontsize=8, loc="lower right")
+    # below the axes: inside, it hid the points it was drawn over (any corner can hold some)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2)
     ax.set_title("planner vs measurement")
 
 

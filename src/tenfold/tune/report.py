@@ -169,7 +169,8 @@ def hardware_file(tune) -> str:
     for c in f.constants:
         trials = ", ".join(f"{n} ({e:.0%})" for n, e in c.determined_by[:6]) or "none"
         how = (f"fitted to trials {trials}" if c.determined
-               else f"not determined by the trials, kept near the prior (trials it governs: {trials})")
+               else f"not pinned down by the trials (1 sigma: {c.low:.4g}-{c.high:.4g}), the prior weighs in "
+               f"(trials it governs: {trials})")
         key = "matmul" if c.key.startswith("matmul:") else SOURCE_OF.get(c.key, c.key)
         grouped.setdefault(key, []).append(f"{c.label} {c.fitted:.4g} {c.unit} (prior {c.prior:.4g}), {how}")
     sources = {**f.hardware.sources, **{k: f"tenfold tune {_now()}: " + "; ".join(v) for k, v in grouped.items()}}
