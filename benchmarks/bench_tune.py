@@ -2,24 +2,26 @@
 search driven by DeepSpeed's autotuner where it runs.
 
     python benchmarks/bench_tune.py [--model small] [--nproc 2] [--budget 600] [--out runs/bench_tune]
-    pip install 'deepspeed[autotuning]'    # optional: the DeepSpeed part (says why it is skipped otherwise)
+    pip install -e '.[bench]'    # optional: DeepSpeed and tabulate for the DeepSpeed part (says why it is skipped otherwise)
 
 Reported (printed as a Markdown block for docs/benchmarks.md, and OUT/bench_tune.json):
 * tune's best measured tokens/s / the ladder's best rung (both best-of-runs, steady state);
 * candidates tried vs candidates that fit;
 * the median |predicted / measured - 1| over the tried candidates, before and after calibration
   (and leave-one-out: each trial predicted by a fit to the others);
-* DeepSpeed's autotuner (`deepspeed --autotuning tune`) on the same model, processes and global
-  batch: its experiments, the time they took, its best configuration and the tokens/s its own
-  profiler measured; or the reason it cannot run here;
+* DeepSpeed's autotuner (`deepspeed --autotuning tune`) on the same model and processes, up to
+  the same global batch, for the same budget (--deepspeed-timeout): its experiments, the time
+  they took, the tokens/s its own profiler measured; or the reason it cannot run here;
 * the 1-minute load average before and after each part: the machine may be shared.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -64,12 +66,18 @@ def load_avg() -> float | None:
 
 
 def timed(cmd: list[str], log: Path, env: dict | None = None, timeout: float | None = None, cwd: Path | None = None) -> dict:
-    """Run `cmd` with its output in `log`; its exit status, wall time and the load around it."""
+    """Run `cmd` with its output in `log`; its exit status (None: stopped at `timeout`), wall time
+    and the load around it. Stopped means every process it started: DeepSpeed's launcher and its
+    ranks outlive a killed parent (tenfold.ladder.measure stops them as it stops a rung)."""
+    from tenfold.ladder.measure import _stop_group
+
     before, start = load_avg(), time.perf_counter()
     with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=cwd, start_new_session=True)
         try:
-            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=timeout, cwd=cwd).returncode
+            rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
+            _stop_group(proc)
             rc = None
     return {"command": " ".join(cmd), "rc": rc, "wall_s": round(time.perf_counter() - start, 1),
             "load_avg": [before, load_avg()], "log": str(log)}
@@ -100,18 +108,21 @@ def run_ladder(args, out: Path) -> dict:
 
 
 def deepspeed_missing() -> str | None:
-    try:
-        import deepspeed  # noqa: F401
-        import tabulate  # noqa: F401
-    except ImportError as e:
-        return f"{e.name} is not installed (pip install 'deepspeed[autotuning]')"
+    """Why DeepSpeed's autotuner cannot start here, or None: it needs deepspeed and `tabulate`
+    (its `autotuning` extra, in tenfold's `bench` extra)."""
+    for name in ("deepspeed", "tabulate"):
+        if importlib.util.find_spec(name) is None:
+            return f"{name} is not installed (pip install -e '.[bench]')"
     return None
 
 
 def run_deepspeed(args, out: Path, global_batch: int, precision: str, seq_len: int) -> dict:
-    """`deepspeed --autotuning tune` over micro-batch and ZeRO stage at the same global batch.
-    On a CPU DeepSpeed counts NUMA nodes as devices, so LOCAL_SIZE says how many ranks; its
-    launcher must be on PATH (the autotuner starts each experiment with `deepspeed`)."""
+    """`deepspeed --autotuning tune` over micro-batch and ZeRO stage, up to the same global batch,
+    for the tune's own budget (what it has measured by then counts). On a CPU DeepSpeed counts NUMA
+    nodes as devices, so LOCAL_SIZE says how many ranks; its launcher must be on PATH (the
+    autotuner starts each experiment with `deepspeed`). Without `pdsh` each experiment's clean-up
+    (deepspeed/autotuning/scheduler.py: `pdsh ... pkill -f NAME`) raises FileNotFoundError in its
+    thread after the experiment has written its metrics; the search goes on."""
     missing = deepspeed_missing()
     if missing:
         return {"ran": False, "reason": missing}
@@ -125,17 +136,32 @@ def run_deepspeed(args, out: Path, global_batch: int, precision: str, seq_len: i
     (ds / "ds.json").write_text(json.dumps(config, indent=1))
     env = dict(os.environ, LOCAL_SIZE=str(args.nproc), PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
     part = timed(["deepspeed", "--autotuning", "tune", "--num_gpus", str(args.nproc), "ds_train.py", "--deepspeed",
-                  "--deepspeed_config", "ds.json"], out / "deepspeed.log", env=env, timeout=args.deepspeed_timeout, cwd=ds)
-    exps = sorted((ds / "results").glob("*/metrics.json")) if (ds / "results").is_dir() else []
-    results = {p.parent.name: json.JSONDecoder().raw_decode(p.read_text())[0] for p in exps}  # one object per rank
-    part.update(ran=bool(results), experiments=len(list((ds / "exps").glob("*.json"))) if (ds / "exps").is_dir() else 0,
-                measured={name: round(m["throughput"] * seq_len, 1) for name, m in results.items()})
+                  "--deepspeed_config", "ds.json"], out / "deepspeed.log", env=env,
+                 timeout=args.deepspeed_timeout or args.budget, cwd=ds)
+    results = _ds_results(ds / "results", seq_len)
+    part.update(ran=bool(results), pdsh=shutil.which("pdsh") is not None, measured=results,
+                experiments=len(list((ds / "exps").glob("*.json"))) if (ds / "exps").is_dir() else 0)
     optimal = ds / "results" / "ds_config_optimal.json"
     if optimal.is_file():
         part["optimal"] = json.loads(optimal.read_text())
     if not results:
         part["reason"] = _last_error(out / "deepspeed.log")
     return part
+
+
+def _ds_results(results: Path, seq_len: int) -> dict[str, dict]:
+    """Each finished experiment: tokens/s from its own profiler (`throughput` is the global batch
+    per step's fwd + bwd + step time, deepspeed/runtime/engine.py _autotuning_exit) and the
+    global batch it ran at (the autotuner varies it up to max_train_batch_size)."""
+    out = {}
+    for path in sorted(results.glob("*/metrics.json")) if results.is_dir() else []:
+        m = json.JSONDecoder().raw_decode(path.read_text())[0]  # one object per rank, rank 0 first
+        cfg = json.loads((path.parent / "ds_config.json").read_text())
+        out[path.parent.name] = {"tokens_per_s": round(m["throughput"] * seq_len, 1),
+                                 "zero": cfg.get("zero_optimization", {}).get("stage"),
+                                 "micro_batch": cfg.get("train_micro_batch_size_per_gpu"),
+                                 "grad_accum": cfg.get("gradient_accumulation_steps")}
+    return out
 
 
 def _last_error(log: Path) -> str:
@@ -160,9 +186,13 @@ def report(result: dict) -> str:
                      f"{lad['wall_s']:,.0f} s, load {lad['load_avg']}; **tune / ladder = {ratio:.2f}**")
     if ds:
         if ds.get("ran"):
-            shown = ", ".join(f"{k} {v:,.0f}" for k, v in ds["measured"].items())
-            lines.append(f"- DeepSpeed autotuner: {ds['experiments']} experiments in {ds['wall_s']:,.0f} s, load "
-                         f"{ds['load_avg']}; tok/s by its profiler: {shown}")
+            shown = ", ".join(f"{k} {v['tokens_per_s']:,.0f}" for k, v in ds["measured"].items())
+            top = max(v["tokens_per_s"] for v in ds["measured"].values())
+            stopped = "stopped at the budget" if ds["rc"] is None else f"exit status {ds['rc']}"
+            lines.append(f"- DeepSpeed autotuner: {len(ds['measured'])} of {ds['experiments']} experiments measured in "
+                         f"{ds['wall_s']:,.0f} s ({stopped}), load {ds['load_avg']}; tok/s by its own profiler (fwd + "
+                         f"bwd + step, names zN_gasG_tmbspgM): {shown}; its best / tune's best = "
+                         f"{top / max(1e-9, best.get('tokens_per_s', 0)):.2f}")
         else:
             lines.append(f"- DeepSpeed autotuner: did not run: {ds['reason']}")
     return "\n".join(lines)
@@ -176,7 +206,7 @@ def main() -> None:
     p.add_argument("--out", default="runs/bench_tune")
     p.add_argument("--skip-ladder", action="store_true")
     p.add_argument("--skip-deepspeed", action="store_true")
-    p.add_argument("--deepspeed-timeout", type=float, default=3600)
+    p.add_argument("--deepspeed-timeout", type=float, help="seconds DeepSpeed's autotuner may run (default: --budget)")
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
