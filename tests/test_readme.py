@@ -8,7 +8,8 @@ when the README drifts from what the code does. What the test changes, and why:
     still continues the demo;
   * size: train and ladder commands get a shrunken `tiny` (2 layers, d_model 64, sequences of 32
     tokens, 300 kB of corpus; a Hugging Face config keeps its own shape) and the ladder a small
-    token budget and one repeat;
+    token budget and one repeat; a tune the same shrunken model, a 1 s window and a 20 s budget
+    (its first trial always runs, so its best.toml exists for the commands after it);
   * `tensorboard --logdir DIR` is not served: the test reads DIR's events instead;
   * `make test` and `make test-py310` run this suite, and `source .venv/bin/activate` becomes PATH.
 A ```bash block right after the HTML comment `<!-- readme-test: skip -->` is not run (for
@@ -97,6 +98,8 @@ def _fast(args: list[str]) -> list[str]:
     if sub == "ladder" and "--project" not in args:
         return [*args, "--tokens", "256", "--global-batch", "2", "--seq-len", "32", "--repeats", "1",
                 *SHRINK_MODEL, "--set", "data.max_bytes=300000", "--set", "train.eval_batches=1"]
+    if sub == "tune":  # the last --budget wins
+        return [*args, "--budget", "20", "--window", "1", *SHRINK_MODEL, *SHRINK_DATA]
     return args
 
 
