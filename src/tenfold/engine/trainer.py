@@ -23,6 +23,7 @@ import torch
 import torch.nn as nn
 
 from tenfold.config import TenfoldConfig, build_config
+from tenfold.data.arrays import bundle_from_array
 from tenfold.engine import summary as run_summary
 from tenfold.engine.distributed import DistInfo, init_distributed, tighten_timeouts_after_first_step, world_size_from_env
 from tenfold.engine.metrics import MetricsWriter, peak_memory_bytes
@@ -154,7 +155,7 @@ class Trainer:
         elif hasattr(self.user_dataset, "train") and hasattr(self.user_dataset, "val"):
             bundle = self.user_dataset
         else:
-            bundle = _bundle_from_array(self.user_dataset, self.cfg.data.val_fraction)
+            bundle = bundle_from_array(self.user_dataset, self.cfg.data.val_fraction)
         vocab = self.run.model.vocab_size
         if self.user_model is None and bundle.vocab_size > vocab:
             raise UserError(
@@ -582,25 +583,6 @@ class Trainer:
         if self.dist.is_main:
             _console(True).print(report)
         return 0
-
-
-class _ArrayBundle:
-    def __init__(self, train, val, vocab_size: int):
-        self.train, self.val, self.vocab_size = train, val, vocab_size
-
-    def describe(self) -> str:
-        return f"user dataset: {len(self.train)} train / {len(self.val)} val sequences"
-
-
-def _bundle_from_array(data, val_fraction: float) -> _ArrayBundle:
-    arr = np.asarray(data.numpy() if isinstance(data, torch.Tensor) else data)
-    if arr.ndim != 2 or arr.shape[0] < 1 or arr.shape[1] < 2:
-        raise UserError(
-            f"dataset must be an integer array of shape (sequences, seq_len + 1), got shape {arr.shape}"
-        )
-    n_val = int(len(arr) * val_fraction)
-    train, val = (arr[: len(arr) - n_val], arr[len(arr) - n_val :]) if n_val else (arr, arr[:0])
-    return _ArrayBundle(train, val, int(arr.max()) + 1)
 
 
 def _console(main: bool):

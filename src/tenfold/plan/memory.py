@@ -156,38 +156,51 @@ def _layer_terms(cfg: ModelConfig, half: bool, style: str, flash: bool, drop: bo
     kv = cfg.kv_heads * cfg.head_dim
     a = cfg.n_heads
     B = 2.0 if half else 4.0  # bytes of one activation element
+    if style == "megatron":
+        return _megatron_terms(cfg, h, f, kv, a, B, flash, drop)
+    return _tenfold_terms(cfg, h, f, a, B, half, flash)
+
+
+def _megatron_terms(cfg: ModelConfig, h: int, f: int, kv: int, a: int, B: float, flash: bool,
+                    drop: bool) -> tuple[ActTerm, ...]:
+    """Korthikanti et al. 2022 §4.1's terms (see _layer_terms)."""
     terms: list[ActTerm] = []
     add = terms.append
     K = "Korthikanti et al. 2022 §4.1"
-    if style == "megatron":
-        add(ActTerm("norm1 input", B * h, "replicated", "keep", source=f"{K}: LayerNorm input 2sbh"))
-        add(ActTerm("qkv input", B * h, "replicated", "keep", source=f"{K}: QKV input 2sbh"))
-        add(ActTerm("q, k", B * (h + kv), "shard", "keep", source=f"{K}: Q and K 4sbh (GQA: k is kv_dim)"))
-        add(ActTerm("v", B * kv, "shard", "keep", source=f"{K}: V 2sbh"))
-        if flash:
-            add(ActTerm("attention output O + logsumexp", 4.0 * a, "shard", "attn_core",
-                        source="FlashAttention (Dao 2022): saves O (shared with the out-proj input) and fp32 logsumexp"))
-        else:
-            add(ActTerm("softmax output", B * a, "shard", "attn_core", per_seq=True, source=f"{K}: 2as^2b"))
-            if drop:
-                add(ActTerm("softmax dropout mask", 1.0 * a, "shard", "attn_core", per_seq=True, source=f"{K}: as^2b"))
-                add(ActTerm("softmax dropout output", B * a, "shard", "attn_core", per_seq=True, source=f"{K}: 2as^2b"))
-        add(ActTerm("out-proj input", B * h, "shard", "keep", source=f"{K}: 2sbh"))
+    add(ActTerm("norm1 input", B * h, "replicated", "keep", source=f"{K}: LayerNorm input 2sbh"))
+    add(ActTerm("qkv input", B * h, "replicated", "keep", source=f"{K}: QKV input 2sbh"))
+    add(ActTerm("q, k", B * (h + kv), "shard", "keep", source=f"{K}: Q and K 4sbh (GQA: k is kv_dim)"))
+    add(ActTerm("v", B * kv, "shard", "keep", source=f"{K}: V 2sbh"))
+    if flash:
+        add(ActTerm("attention output O + logsumexp", 4.0 * a, "shard", "attn_core",
+                    source="FlashAttention (Dao 2022): saves O (shared with the out-proj input) and fp32 logsumexp"))
+    else:
+        add(ActTerm("softmax output", B * a, "shard", "attn_core", per_seq=True, source=f"{K}: 2as^2b"))
         if drop:
-            add(ActTerm("attention dropout mask", 1.0 * h, "replicated", "keep", source=f"{K}: sbh"))
-        add(ActTerm("norm2 input", B * h, "replicated", "keep", source=f"{K}: LayerNorm input 2sbh"))
-        add(ActTerm("mlp input", B * h, "replicated", "keep", source=f"{K}: linear input 2sbh"))
-        if cfg.mlp == "gelu":
-            add(ActTerm("gelu input", B * f, "shard", "mlp", source=f"{K}: GeLU input 8sbh (f = 4h)"))
-            add(ActTerm("fc2 input", B * f, "shard", "mlp", source=f"{K}: linear input 8sbh (f = 4h)"))
-        else:
-            add(ActTerm("swiglu input (w1 x, w3 x)", 2 * B * f, "shard", "mlp",
-                        source="Megatron fused bias_swiglu saves its 2f input"))
-            add(ActTerm("fc2 input", B * f, "shard", "mlp", source="linear input, f"))
-        if drop:
-            add(ActTerm("mlp dropout mask", 1.0 * h, "replicated", "keep", source=f"{K}: sbh"))
-        return tuple(terms)
-    # ---- tenfold: eager PyTorch, fp32 residual stream, autocast casts for each Linear.
+            add(ActTerm("softmax dropout mask", 1.0 * a, "shard", "attn_core", per_seq=True, source=f"{K}: as^2b"))
+            add(ActTerm("softmax dropout output", B * a, "shard", "attn_core", per_seq=True, source=f"{K}: 2as^2b"))
+    add(ActTerm("out-proj input", B * h, "shard", "keep", source=f"{K}: 2sbh"))
+    if drop:
+        add(ActTerm("attention dropout mask", 1.0 * h, "replicated", "keep", source=f"{K}: sbh"))
+    add(ActTerm("norm2 input", B * h, "replicated", "keep", source=f"{K}: LayerNorm input 2sbh"))
+    add(ActTerm("mlp input", B * h, "replicated", "keep", source=f"{K}: linear input 2sbh"))
+    if cfg.mlp == "gelu":
+        add(ActTerm("gelu input", B * f, "shard", "mlp", source=f"{K}: GeLU input 8sbh (f = 4h)"))
+        add(ActTerm("fc2 input", B * f, "shard", "mlp", source=f"{K}: linear input 8sbh (f = 4h)"))
+    else:
+        add(ActTerm("swiglu input (w1 x, w3 x)", 2 * B * f, "shard", "mlp",
+                    source="Megatron fused bias_swiglu saves its 2f input"))
+        add(ActTerm("fc2 input", B * f, "shard", "mlp", source="linear input, f"))
+    if drop:
+        add(ActTerm("mlp dropout mask", 1.0 * h, "replicated", "keep", source=f"{K}: sbh"))
+    return tuple(terms)
+
+
+def _tenfold_terms(cfg: ModelConfig, h: int, f: int, a: int, B: float, half: bool,
+                   flash: bool) -> tuple[ActTerm, ...]:
+    """tenfold's own model under eager PyTorch + torch.amp (see _layer_terms)."""
+    terms: list[ActTerm] = []
+    add = terms.append
     T = "tenfold/models/gpt.py under torch.amp"
     # A norm keeps its fp32 input (RMSNorm also its fp32 x*rsqrt). tenfold's RMSNorm casts its
     # output to the autocast dtype itself, once: one 16-bit copy shared by the Linears after it.

@@ -49,6 +49,18 @@ def print_plan(p: Plan, hw: Hardware, explain: bool = False, console: Console | 
     c.print(f"[bold]{p.model}[/] ({p.params / 1e9:,.3g}B params) on {p.gpus} x {p.hardware} "
             f"({p.gpus_per_node}/node), {p.strategy['precision']}, seq {p.seq_len}")
     c.print(f"layout: {_layout(p)}")
+    c.print(_memory_table(p))
+    if p.max_micro_batch is not None:
+        c.print(f"largest micro-batch that fits with these settings: {p.max_micro_batch}")
+    c.print(_time_table(p))
+    c.print(_throughput_table(p))
+    for n in p.notes:
+        c.print(f"note: {n}")
+    if explain:
+        print_explain(p, hw, c)
+
+
+def _memory_table(p: Plan) -> Table:
     m = p.memory
     t = Table(title=f"Memory per GPU ({m.stage} stage)", box=box.SIMPLE_HEAVY)
     t.add_column("component")
@@ -76,24 +88,28 @@ def print_plan(p: Plan, hw: Hardware, explain: bool = False, console: Console | 
     t.add_row("[bold]total[/]", f"[bold]{_gib(m.total_bytes)}[/]", f"of {_gib(m.capacity_bytes)} GiB: {verdict}")
     if m.cpu_bytes:
         t.add_row("host memory (offload)", _gib(m.cpu_bytes), "per rank")
-    c.print(t)
-    if p.max_micro_batch is not None:
-        c.print(f"largest micro-batch that fits with these settings: {p.max_micro_batch}")
+    return t
+
+
+def _time_table(p: Plan) -> Table:
     tt = Table(title="Time per optimizer step", box=box.SIMPLE_HEAVY)
     tt.add_column("component")
     tt.add_column("time", justify="right")
     if p.time.source == "achieved_tflops":
         tt.add_row("step (from --achieved-tflops)", _secs(p.time.step_s))
-    else:
-        for name, v in (("compute (fwd + bwd)", p.time.compute_s), ("recompute", p.time.recompute_s),
-                        ("TP communication (exposed)", p.time.tp_comm_s), ("PP communication", p.time.pp_comm_s),
-                        ("offload PCIe traffic (exposed)", p.time.host_transfer_s),
-                        (f"pipeline bubble ({p.time.bubble_fraction:.1%})", p.time.bubble_s),
-                        (f"DP/ZeRO comm exposed (of {_secs(p.time.dp_comm_s)})", p.time.dp_comm_exposed_s),
-                        ("optimizer step", p.time.optimizer_s)):
-            tt.add_row(name, _secs(v))
-        tt.add_row("[bold]step[/]", f"[bold]{_secs(p.time.step_s)}[/]")
-    c.print(tt)
+        return tt
+    for name, v in (("compute (fwd + bwd)", p.time.compute_s), ("recompute", p.time.recompute_s),
+                    ("TP communication (exposed)", p.time.tp_comm_s), ("PP communication", p.time.pp_comm_s),
+                    ("offload PCIe traffic (exposed)", p.time.host_transfer_s),
+                    (f"pipeline bubble ({p.time.bubble_fraction:.1%})", p.time.bubble_s),
+                    (f"DP/ZeRO comm exposed (of {_secs(p.time.dp_comm_s)})", p.time.dp_comm_exposed_s),
+                    ("optimizer step", p.time.optimizer_s)):
+        tt.add_row(name, _secs(v))
+    tt.add_row("[bold]step[/]", f"[bold]{_secs(p.time.step_s)}[/]")
+    return tt
+
+
+def _throughput_table(p: Plan) -> Table:
     r = Table(title="Throughput", box=box.SIMPLE_HEAVY)
     r.add_column("metric")
     r.add_column("value", justify="right")
@@ -104,11 +120,7 @@ def print_plan(p: Plan, hw: Hardware, explain: bool = False, console: Console | 
     if p.train_days is not None:
         r.add_row(f"days for {p.tokens:.3g} tokens", f"{p.train_days:,.1f}")
         r.add_row("GPU-hours", f"{p.gpu_hours:,.0f}")
-    c.print(r)
-    for n in p.notes:
-        c.print(f"note: {n}")
-    if explain:
-        print_explain(p, hw, c)
+    return r
 
 
 def print_explain(p: Plan, hw: Hardware, c: Console) -> None:
