@@ -37,6 +37,7 @@ class Capabilities:
     offload: tuple[str, ...]  # ZeRO-Offload of optimizer states / parameters to host memory
     pipeline_models: tuple[str, ...]  # model kinds the pipeline split can cut
     attention_core_models: tuple[str, ...]  # model kinds with a module selective:attention can wrap
+    compile: bool  # torch.compile per transformer block (train.compile)
 
 
 ENGINE = Capabilities(
@@ -53,6 +54,9 @@ ENGINE = Capabilities(
     pipeline_models=("tenfold",),
     # selective:attention wraps `block.attn.core`; Hugging Face blocks compute attention in a function.
     attention_core_models=("tenfold",),
+    # Every layout and model kind: each block is compiled after TP and recompute, before ZeRO
+    # (techniques/compile.py); a block dynamo cannot trace whole is split, not refused.
+    compile=True,
 )
 
 

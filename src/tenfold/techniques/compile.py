@@ -91,13 +91,16 @@ def compiled_blocks(model: "nn.Module") -> list[str]:
 class CompileClock:
     """Seconds torch.compile has spent compiling since this clock was made: dynamo's own
     account of whole-frame and backward compilation (tracing, AOTAutograd, inductor's code
-    generation and C++/Triton builds). Cumulative per process; read twice and subtract."""
+    generation and C++/Triton builds). Cumulative per process; read twice and subtract. A clock
+    made with `enabled=False` (a run without --compile) reads 0 and imports nothing."""
 
-    def __init__(self) -> None:
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled
         self.start = self._total()
 
-    @staticmethod
-    def _total() -> float:
+    def _total(self) -> float:
+        if not self.enabled:
+            return 0.0
         try:
             from torch._dynamo.utils import calculate_time_spent
         except ImportError:  # pragma: no cover - the counter moved: report no compile time
@@ -107,12 +110,19 @@ class CompileClock:
     def seconds(self) -> float:
         return self._total() - self.start
 
+    def report(self) -> float | None:
+        """summary.json's `compile_s`: None for a run that does not compile."""
+        return self.seconds() if self.enabled else None
+
 
 @contextlib.contextmanager
-def compile_failures() -> Iterator[None]:
+def compile_failures(enabled: bool = True) -> Iterator[None]:
     """A failure of torch.compile itself (a block it cannot trace, a backend that cannot build
     its kernels) ends the run with one line naming it and the way out, not a page of traceback;
     errors of the model's own code pass through unchanged."""
+    if not enabled:
+        yield
+        return
     from torch._dynamo.exc import TorchDynamoException
 
     try:
