@@ -33,6 +33,8 @@ from collections import defaultdict
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from bench_compile import add_shape_arguments  # benchmarks/ is the script's own folder on sys.path
+
 OPT_SCOPE = "tenfold: apply gradients"
 BUCKETS = ("matmul", "attention", "elementwise", "optimizer", "overhead")
 MATMUL = re.compile(r"^(aten::(mm|addmm|bmm|baddbmm|matmul|linear|_addmm_activation)|mkldnn::_linear|"
@@ -92,10 +94,7 @@ def shares(prof, wall_s: float) -> dict[str, float]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="small")
-    p.add_argument("--precision", default="bf16")
-    p.add_argument("--micro-batch", type=int, default=8)
-    p.add_argument("--seq-len", type=int, default=256)
+    add_shape_arguments(p)
     p.add_argument("--warmup", type=int, default=4, help="steps before profiling (compile and warm-up)")
     p.add_argument("--steps", type=int, default=3, help="steps profiled")
     p.add_argument("--compile", action="store_true")

@@ -181,3 +181,16 @@ def test_zero3_two_ranks_matches_one_process_eager(tmp_path):
     assert_same_curve(compiled["losses"], eager["losses"], FP32_REL)
     assert compiled["final"]["compile_s"] > 0.5
 
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [["--tp", "2"], ["--pp", "2"]], ids=["tp2", "pp2"])
+def test_tp_and_pipeline_stages_compile_and_match_eager(tmp_path, layout):
+    """Compiled tp-split blocks (their DTensor collectives traced) and compiled pipeline stages
+    == one eager process; tp splits the matmuls' sums, hence rel 1e-4 here."""
+    micro = ["--micro-batch", "2", "--grad-accum", "2"]
+    eager = summary(tmp_path / "eager", *micro)
+    compiled = summary(tmp_path / "compiled", "--nproc", "2", "--compile", *micro, *layout)
+    assert_same_curve(compiled["losses"], eager["losses"], 1e-4)
+    assert compiled["final"]["compile_s"] > 0.5
