@@ -7,8 +7,8 @@ before recompute so that a recomputed block re-runs its own tp collectives, and 
 which then shards the tp-split DTensor parameters over the dp axis (2-D parameters). Recompute
 must wrap blocks before FSDP2's `fully_shard` takes them over (so that unsharded parameters
 are re-gathered inside the recomputed forward). Compile comes after both (the compiled block
-traces the tp layers and the checkpoint call) and before FSDP2, whose hooks then run eagerly
-around the compiled forward (techniques/compile.py). Mixed precision is not a wrapper: autocast is
+traces the checkpoint call; tp with compile is refused in capabilities.py) and before FSDP2,
+whose hooks then run eagerly around the compiled forward (techniques/compile.py). Mixed precision is not a wrapper: autocast is
 entered in the step (techniques/precision.py), and under FSDP2 the ZeRO module passes a
 MixedPrecisionPolicy.
 

@@ -5,11 +5,12 @@ Each block's forward is compiled on its own, as torchtitan's `apply_compile` doe
 shapes, so one compiled graph serves all of them (torch.compile's inlined nn.Module guards
 compile `Block.forward` once, not once per block), compile time does not grow with depth, and
 the embedding, the head and the loss stay eager. The order is torchtitan's too
-(engine/parallelize.py): after tensor parallelism (the compiled graph sees the tp-split
-DTensor layers and traces their collectives) and after activation recompute (the
+(engine/parallelize.py): after tensor parallelism and activation recompute (the
 `torch.utils.checkpoint` call is traced as a higher-order op whose recompute the compiled
 backward keeps), before FSDP2's `fully_shard` (its all-gather and reduce-scatter hooks run
-eagerly around the compiled forward).
+eagerly around the compiled forward). Tensor-parallel blocks are not compiled: on torch 2.13
+their compiled backward hands DTensor's redistribute a plain tensor, so capabilities.py refuses
+--compile with tp > 1 before any rank starts.
 
 How: like recompute, the block's `forward` is replaced by an instance attribute (here the
 compiled forward), so parameter names, state_dict keys and checkpoints stay exactly as without
