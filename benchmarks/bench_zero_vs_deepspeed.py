@@ -13,7 +13,10 @@ one builder: tenfold.models.hf.build_hf_model), fed the same micro-batches (tenf
 2, sequence 256, AdamW (same two groups and hyper-parameters), gradient clipping 1.0.
 "The same config" is DeepSpeed's JSON keys as a user would pass them:
 `zero_optimization.stage`, `bf16.enabled`, batch sizes, clipping; each engine keeps its own
-defaults for everything else (bucket sizes, overlap_comm, persistence threshold).
+defaults for everything else (bucket sizes, overlap_comm, persistence threshold). One default
+differs in numerics: DeepSpeed reduces bf16 gradients in bf16 (`communication_data_type`
+defaults to the model dtype), tenfold in fp32 (FSDP2 `reduce_dtype`); `--ds-communication-dtype
+fp32` makes DeepSpeed reduce in fp32 too.
 DeepSpeed's bf16 mode holds the model in bf16 (fp32 master weights in its ZeRO optimizer);
 tenfold's keeps fp32 weights and runs the forward under autocast (FSDP2 gathers bf16 copies).
 
@@ -130,6 +133,8 @@ def deepspeed_stepper(args, data):
         "zero_optimization": {"stage": args.stage}, "gradient_clipping": 1.0,
         "bf16": {"enabled": args.precision == "bf16"},
     }
+    if args.ds_communication_dtype != "default":  # DeepSpeed's default is the model dtype (bf16 in bf16)
+        ds_config["communication_data_type"] = args.ds_communication_dtype
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
     rank, world = dist.get_rank(), dist.get_world_size()
     loader = GlobalBatchLoader(data, args.global_batch, args.micro, args.accum, rank, world, seed=SEED)
@@ -198,7 +203,7 @@ def launch(engine: str, stage: int, precision: str, args, tmp: str) -> dict | No
            __file__, "--rank-side", "--engine", engine, "--stage", str(stage), "--precision", precision,
            "--json", str(out), "--steps", str(args.steps), "--warmup", str(args.warmup),
            "--micro", str(args.micro), "--accum", str(args.accum), "--seq", str(args.seq),
-           "--hf-config", args.hf_config, "--tmp", tmp]
+           "--hf-config", args.hf_config, "--tmp", tmp, "--ds-communication-dtype", args.ds_communication_dtype]
     env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // args.nproc)))
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
@@ -288,6 +293,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--repeats", type=int, default=1, help="memory launches per engine and cell")
+    p.add_argument("--ds-communication-dtype", choices=["default", "fp32"], default="default",
+                   help="DeepSpeed's communication_data_type: 'default' (its own: the model dtype, so bf16 "
+                        "gradients are reduced in bf16) or 'fp32' (reduced in fp32, as tenfold does: the same numerics)")
     p.add_argument("--out-json", help="also write every cell's figures to this JSON file")
     p.add_argument("--rank-side", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--engine", choices=["tenfold", "deepspeed", "interleaved"], help=argparse.SUPPRESS)

@@ -159,6 +159,24 @@ def test_finetune_records_the_tokenizer_and_exports_a_folder_that_generates(tmp_
         assert isinstance(tokenizer.decode(generated[0]), str)
 
 
+def test_the_finetune_example_trains_as_documented(tmp_path, hf_dir):
+    """examples/finetune.toml with its sample data, run the way its header says (the model folder
+    passed with --set), only shorter: a prompt/completion run of the folder's model whose loss
+    falls and whose summary names the format and tokenizer."""
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "ft"
+    r = subprocess.run([sys.executable, "-m", "tenfold", "train", "--config", "examples/finetune.toml",
+                        "--set", f"model.hf_pretrained={hf_dir}", "--set", "train.steps=6", "--set", "train.eval_every=0",
+                        "--set", "train.lr=3e-3", "--set", "train.warmup_steps=0",  # a tiny random model: a rate that shows in 6 steps
+                        "--seq-len", "64", "--precision", "fp32", "--out", str(out)],
+                       cwd=root, env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"},
+                       capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-2000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["config"]["data"]["path"] == "examples/sft_sample.jsonl" and summary["tokenizer"]["name"] == str(hf_dir.resolve())
+    assert summary["losses"][-1] < summary["losses"][0]
+
+
 # --------------------------------------------------------------------------- chat
 
 

@@ -99,6 +99,17 @@ def test_zero_stages_and_offload_move_memory():
     assert offp.params_bytes == 0 and offp.cpu_bytes > off.cpu_bytes
 
 
+def test_gradient_buckets_exist_only_where_gradients_are_reduced():
+    """Two 25 MiB DDP buckets per rank with data parallelism; none on one GPU or where tensor /
+    pipeline parallelism use every GPU (dp = 1), as `tenfold train` measures such runs."""
+    s = Strategy(precision="bf16", micro_batch=1, seq_len=256)
+    buffers = {(g, tp, pp): predict("tiny", "cpu", g, replace(s, tp=tp, pp=pp)).memory.comm_buffers_bytes
+               for g, tp, pp in [(1, 1, 1), (2, 2, 1), (2, 1, 2), (2, 1, 1), (4, 2, 1)]}
+    assert buffers[(1, 1, 1)] == buffers[(2, 2, 1)] == 0
+    assert buffers[(2, 1, 2)] == 2 * 256 * 256 * 2  # only pipeline p2p buffers: 2 x b*s*h in bf16
+    assert buffers[(2, 1, 1)] == buffers[(4, 2, 1)] == 50 * 2**20
+
+
 def test_pipeline_memory_is_the_most_loaded_stage_and_gpipe_holds_m():
     s = Strategy(precision="bf16", tp=8, pp=8, micro_batch=1, global_batch=64, seq_len=2048)
     f1b = predict("gpt3-175b", "a100-80gb", 64, s)

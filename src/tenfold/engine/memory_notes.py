@@ -37,10 +37,9 @@ def _peak_note(predicted: dict, measured: dict, zero_stage: int, dp: int) -> str
         parts.append("measured: the step's highest moment, below the sum")
     other = predicted.get("other_bytes") or 0
     if other:
-        # The planner prices DDP's two 25 MiB gradient buckets; a single process has no DDP and
-        # ZeRO-2 runs on FSDP2 here, so neither allocates them.
-        absent = (dp == 1 and zero_stage < 3) or zero_stage == 2
-        extra = " this run lacks (" + ("one process" if dp == 1 else "FSDP2 at ZeRO-2") + ")" if absent else ""
+        # The planner prices DDP's two 25 MiB gradient buckets wherever gradients are reduced
+        # (dp > 1); ZeRO-2 runs on FSDP2 here, which reduce-scatters without them.
+        extra = " this run lacks (FSDP2 at ZeRO-2)" if zero_stage == 2 else ""
         what = "DDP buckets" if zero_stage < 3 else "communication buffers"
         parts.append(f"predicted: the sum + {fmt_bytes(other)} {what}{extra}")
     return "; ".join(parts)

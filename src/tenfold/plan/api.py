@@ -242,7 +242,7 @@ def _memory(shape: ModelShape, hw: Hardware, r: Resolved, tr: _Trace, notes: lis
         tr("activations_bytes", best.activations_bytes,
            f"layers x per-layer({r.policy.text}) x in-flight + working layer + embedding/logits extras",
            "Korthikanti Table 2 and §4.3; torch.utils.checkpoint semantics")
-    tr("comm_buffers_bytes", best.comm_buffers_bytes, "ZeRO-3: 2 gathered units + 1 grad unit; else 2 x 25 MiB buckets",
+    tr("comm_buffers_bytes", best.comm_buffers_bytes, "ZeRO-3: 2 gathered units + 1 grad unit; else 2 x 25 MiB buckets (none at dp 1)",
        "PyTorch FSDP notes / PR #128884; DDP bucket_cap_mb")
     tr("allocator_reserve_bytes", best.allocator_reserve_bytes,
        f"{memory.ALLOCATOR_RESERVE_FRACTION:.0%} x (activations + buffers)", "assumption (ZeRO §3.2: fragmentation)")
@@ -281,7 +281,7 @@ def _stage_memory(shape: ModelShape, hw: Hardware, r: Resolved, stage: int) -> M
         act, act_work, per_layer, inflight = sa.total, sa.working_bytes, sa.layer_full_bytes, sa.inflight
         cpu += sa.cpu_bytes
         tp_seq_bytes = r.micro_batch * r.seq_len * cfg.d_model * (2.0 if s.precision != "fp32" else 4.0)
-    buffers, _ = memory.comm_buffer_bytes(s, largest_unit_params(shape, s.tp), tp_seq_bytes)
+    buffers, _ = memory.comm_buffer_bytes(s, largest_unit_params(shape, s.tp), tp_seq_bytes, r.dp)
     autocast = memory.autocast_weight_copy_bytes(n_params, s, r.dp)
     if autocast and act_work and r.policy.kind in ("full", "every", "segments"):
         # [recompute] torch.amp + recompute: autocast's cache holds every 16-bit weight copy

@@ -367,9 +367,10 @@ def final_layer_activation_bytes(cfg: ModelConfig, s: Strategy, seq_len: int, mi
 DDP_BUCKET_BYTES = 25 * MiB  # torch DDP bucket_cap_mb default
 
 
-def comm_buffer_bytes(s: Strategy, largest_unit: float, tp_seq_bytes: float) -> tuple[float, str]:
+def comm_buffer_bytes(s: Strategy, largest_unit: float, tp_seq_bytes: float, dp: int) -> tuple[float, str]:
     """Communication buffers.
-    ZeRO-0/1/2 (DDP / ZeroRedundancyOptimizer): two gradient buckets in flight (bucket_cap_mb=25).
+    ZeRO-0/1/2 (DDP / ZeroRedundancyOptimizer): two gradient buckets in flight (bucket_cap_mb=25),
+    none without data parallelism (dp = 1: nothing reduces the gradients, tp or pp alone).
     ZeRO-3 (FSDP2): two all-gathered units alive at once in forward (PyTorch PR #128884, the
     prefetch) plus one unsharded gradient unit for the reduce-scatter. PP: send/recv buffers."""
     b = bytes_per_param(s)
@@ -377,6 +378,8 @@ def comm_buffer_bytes(s: Strategy, largest_unit: float, tp_seq_bytes: float) -> 
     if s.zero == 3:
         n = largest_unit * (2 * unit_param_bytes + max(b.grads, unit_param_bytes))
         why = "FSDP2: 2 gathered units + 1 unsharded grad unit"
+    elif dp == 1:
+        n, why = 0.0, "no gradient buckets (no data parallelism)"
     else:
         n = 2 * DDP_BUCKET_BYTES
         why = "2 x 25 MiB DDP gradient buckets"
