@@ -1,16 +1,16 @@
 """The one place where the techniques are applied to a model, in a fixed order.
 
 Order (torchtitan's `parallelize_llama`): pipeline split -> tensor parallelism -> activation
-recompute -> torch.compile per block -> ZeRO/FSDP wrapping, on one ("pp", "dp", "tp") device mesh. The pipeline split
-comes first because each stage splits and shards only what it owns. Tensor parallelism comes
-before recompute so that a recomputed block re-runs its own tp collectives, and before FSDP2,
-which then shards the tp-split DTensor parameters over the dp axis (2-D parameters). Recompute
-must wrap blocks before FSDP2's `fully_shard` takes them over (so that unsharded parameters
-are re-gathered inside the recomputed forward). Compile comes after both (the compiled block
-traces the checkpoint call; tp with compile is refused in capabilities.py) and before FSDP2,
-whose hooks then run eagerly around the compiled forward (techniques/compile.py). Mixed precision is not a wrapper: autocast is
-entered in the step (techniques/precision.py), and under FSDP2 the ZeRO module passes a
-MixedPrecisionPolicy.
+recompute -> torch.compile per block -> ZeRO/FSDP wrapping, on one ("pp", "dp", "tp") device
+mesh. The pipeline split comes first because each stage splits and shards only what it owns.
+Tensor parallelism comes before recompute so that a recomputed block re-runs its own tp
+collectives, and before FSDP2, which then shards the tp-split DTensor parameters over the dp
+axis (2-D parameters). Recompute must wrap blocks before FSDP2's `fully_shard` takes them over
+(so that unsharded parameters are re-gathered inside the recomputed forward). Compile comes
+after both (the compiled block traces the checkpoint call; tp with compile is refused in
+capabilities.py) and before FSDP2, whose hooks then run eagerly around the compiled forward
+(techniques/compile.py). Mixed precision is not a wrapper: autocast is entered in the step
+(techniques/precision.py), and under FSDP2 the ZeRO module passes a MixedPrecisionPolicy.
 
 `check_techniques` runs first: every technique the config asks for must fit the model.
 """

@@ -37,9 +37,9 @@ FLAG = "train.compile (--compile)"
 
 
 def check_supported(device_type: str) -> None:
-    """Refuse (UserError, before anything is built or written) a compile that cannot run here:
-    torch.compile's default backend (inductor) writes and builds C++ on a CPU and Triton
-    kernels on a CUDA GPU."""
+    """Refuse (UserError, before the techniques are applied or anything is written) a compile
+    that cannot run here: torch.compile's default backend (inductor) writes and builds C++ on a
+    CPU and Triton kernels on a CUDA GPU."""
     if device_type == "cuda":
         from torch.utils._triton import has_triton
 
