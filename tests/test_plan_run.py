@@ -15,7 +15,7 @@ import torch
 
 from tenfold import capabilities
 from tenfold.cli import build_parser, config_from_args, main, train_argv
-from tenfold.config import ParallelSection, PrecisionSection, build_config
+from tenfold.config import ParallelSection, PrecisionSection, TrainSection, build_config
 from tenfold.engine.memory import predicted_memory
 from tenfold.errors import UserError
 from tenfold.plan import advice
@@ -271,6 +271,7 @@ def test_the_table_is_what_the_config_accepts():
         build_config({"parallel": {"zero_stage": max(capabilities.ENGINE.zero_stages) + 1}})
     # Tensor parallelism is runnable exactly when tenfold train has a tensor-parallel degree.
     assert capabilities.ENGINE.tensor_parallel == ("tp_degree" in ParallelSection.model_fields)
+    assert capabilities.ENGINE.compile == ("compile" in TrainSection.model_fields)
     assert capabilities.ENGINE.offload == ("none",) and not any("offload" in k for k in ParallelSection.model_fields)
 
 

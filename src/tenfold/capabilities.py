@@ -37,6 +37,8 @@ class Capabilities:
     offload: tuple[str, ...]  # ZeRO-Offload of optimizer states / parameters to host memory
     pipeline_models: tuple[str, ...]  # model kinds the pipeline split can cut
     attention_core_models: tuple[str, ...]  # model kinds with a module selective:attention can wrap
+    compile: bool  # torch.compile per transformer block (train.compile)
+    compile_with_tp: bool  # ... of tensor-parallel (DTensor) blocks
 
 
 ENGINE = Capabilities(
@@ -53,6 +55,13 @@ ENGINE = Capabilities(
     pipeline_models=("tenfold",),
     # selective:attention wraps `block.attn.core`; Hugging Face blocks compute attention in a function.
     attention_core_models=("tenfold",),
+    # Every model kind, with recompute, ZeRO and pipeline stages: each block is compiled after
+    # recompute, before ZeRO (techniques/compile.py); a block dynamo cannot trace whole is
+    # split, not refused.
+    compile=True,
+    # Compiled tp blocks fail in backward on torch 2.13 (DTensor's redistribute backward gets a
+    # plain tensor from the compiled graph: "'Tensor' object has no attribute '_local_tensor'").
+    compile_with_tp=False,
 )
 
 
@@ -74,6 +83,7 @@ class Layout:
     model_kind: str = "tenfold"
     pp_split: tuple[int, ...] | None = None
     hf_model_type: str = ""  # a Hugging Face model's config.json model_type
+    compile: bool = False  # train.compile
 
 
 def problems(layout: Layout, caps: Capabilities = ENGINE) -> list[str]:
@@ -112,6 +122,9 @@ def _technique_problems(layout: Layout, caps: Capabilities) -> list[str]:
             f"a {_KIND_NAMES[layout.model_kind]} model's blocks compute attention in a function: use selective:mlp, full, "
             "every:N or segments:K"
         )
+    if layout.compile and layout.tp > 1 and not caps.compile_with_tp:
+        out.append(f"train.compile (--compile) with tensor parallelism (tp {layout.tp}): tenfold train does not "
+                   "compile tensor-parallel blocks; run --tp 1 with --compile, or --tp without --compile")
     if layout.precision not in caps.precisions:
         out.append(f"precision {layout.precision!r}: tenfold train runs {', '.join(caps.precisions)}")
     if layout.tp > 1 and not caps.tensor_parallel:

@@ -99,6 +99,9 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     x = p.add_argument_group("techniques")
     x.add_argument("--precision", help="fp32 | bf16 (default) | fp16 (dynamic loss scaling)")
     x.add_argument("--ac", help="activation recompute: none | full | every:N | segments:K | selective[:attention|:mlp] | offload")
+    x.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="torch.compile each transformer block (compile time reported on its own; default off: "
+                   "see docs/compile.md for where it pays)")
     x.add_argument("--zero", type=int, help="ZeRO stage 0-3 across data-parallel ranks")
     x.add_argument("--nproc", type=int, help="start N local ranks (a torchrun shortcut)")
     x.add_argument("--watchdog", type=float, metavar="FACTOR", help="multi-process runs: a step that runs past FACTOR x "
@@ -125,7 +128,7 @@ _TRAIN_FLAGS = {
     "hf_config": ("model", "hf_config"), "hf_pretrained": ("model", "hf_pretrained"), "blocks": ("model", "blocks"),
     "steps": ("train", "steps"), "micro_batch": ("train", "micro_batch"), "grad_accum": ("train", "grad_accum"),
     "global_batch": ("train", "global_batch"), "lr": ("train", "lr"), "seed": ("train", "seed"),
-    "eval_every": ("train", "eval_every"), "on_nan": ("train", "on_nan"), "precision": ("precision", "dtype"),
+    "eval_every": ("train", "eval_every"), "on_nan": ("train", "on_nan"), "compile": ("train", "compile"), "precision": ("precision", "dtype"),
     "ac": ("recompute", "policy"), "zero": ("parallel", "zero_stage"), "nproc": ("parallel", "nproc"),
     "pp": ("parallel", "pp_degree"), "pp_schedule": ("parallel", "pp_schedule"),
     "tp": ("parallel", "tp_degree"), "sequence_parallel": ("parallel", "sequence_parallel"),

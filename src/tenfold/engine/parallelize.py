@@ -1,14 +1,16 @@
 """The one place where the techniques are applied to a model, in a fixed order.
 
 Order (torchtitan's `parallelize_llama`): pipeline split -> tensor parallelism -> activation
-recompute -> ZeRO/FSDP wrapping, on one ("pp", "dp", "tp") device mesh. The pipeline split
-comes first because each stage splits and shards only what it owns. Tensor parallelism comes
-before recompute so that a recomputed block re-runs its own tp collectives, and before FSDP2,
-which then shards the tp-split DTensor parameters over the dp axis (2-D parameters). Recompute
-must wrap blocks before FSDP2's `fully_shard` takes them over (so that unsharded parameters
-are re-gathered inside the recomputed forward). Mixed precision is not a wrapper: autocast is
-entered in the step (techniques/precision.py), and under FSDP2 the ZeRO module passes a
-MixedPrecisionPolicy.
+recompute -> torch.compile per block -> ZeRO/FSDP wrapping, on one ("pp", "dp", "tp") device
+mesh. The pipeline split comes first because each stage splits and shards only what it owns.
+Tensor parallelism comes before recompute so that a recomputed block re-runs its own tp
+collectives, and before FSDP2, which then shards the tp-split DTensor parameters over the dp
+axis (2-D parameters). Recompute must wrap blocks before FSDP2's `fully_shard` takes them over
+(so that unsharded parameters are re-gathered inside the recomputed forward). Compile comes
+after both (the compiled block traces the checkpoint call; tp with compile is refused in
+capabilities.py) and before FSDP2, whose hooks then run eagerly around the compiled forward
+(techniques/compile.py). Mixed precision is not a wrapper: autocast is entered in the step
+(techniques/precision.py), and under FSDP2 the ZeRO module passes a MixedPrecisionPolicy.
 
 `check_techniques` runs first: every technique the config asks for must fit the model.
 """
@@ -36,13 +38,17 @@ def parallelize(
     (None for fp32); FSDP2 (ZeRO-2/3) then gathers parameters in it and reduces in fp32, over
     fp32 sharded master weights (MixedPrecisionPolicy). `kind`: the adapter's model kind, which
     picks the tensor-parallel plan; `tp_plan`: a user's own plan instead."""
+    if run.config.train.compile:  # before any work: no C++ compiler (CPU) or Triton (GPU), no run
+        from tenfold.techniques.compile import check_supported
+
+        check_supported(dist.device.type)
     if dist.tp_size > 1:
         _broadcast_from_rank0(model)  # the tp ranks split one model: it must be the same everywhere
     if dist.pp_size > 1:  # split first; each stage then gets TP + recompute + ZeRO alone
         from tenfold.techniques.pipeline import split_for_rank
         from tenfold.techniques.pipeline_runner import build_pipelined_model
 
-        split = split_for_rank(model, run, dist, param_dtype)
+        split = split_for_rank(model, run, dist, param_dtype)  # stage modules, each with its own `layers`
         parts = [_apply_techniques(part, run, dist, None, param_dtype, kind, tp_plan) for part in split.modules]
         return build_pipelined_model(split, parts, run, dist, param_dtype)
     return _apply_techniques(model, run, dist, blocks, param_dtype, kind, tp_plan)
@@ -58,6 +64,10 @@ def _apply_techniques(model: nn.Module, run: ResolvedRun, dist: DistInfo, blocks
         tp.apply_tensor_parallel(model, dist.mesh["tp"], tp.plan_for(model, kind, run.sequence_parallel, tp_plan))
     if run.recompute.kind != "none":
         recompute.apply_recompute(model, run.recompute, blocks=blocks)
+    if run.config.train.compile:
+        from tenfold.techniques.compile import apply_compile
+
+        apply_compile(model, blocks=blocks)
     return zero.apply_zero(model, run.config.parallel, dist, param_dtype=param_dtype, blocks=blocks)
 
 

@@ -14,6 +14,8 @@ the run sustains, so the summary reports them on their own:
 
 Step times are the optimizer steps themselves (forward, backward, optimizer); evaluation and
 checkpoint saves happen between steps and are not in them (summary's wall_s has everything).
+With torch.compile, the seconds a step spent compiling (techniques/compile.py's clock) are taken
+out of that step's time: compile time is reported on its own, neither as warm-up nor in the rate.
 """
 
 from __future__ import annotations
@@ -30,24 +32,29 @@ class StepTime:
     seconds: float
     tokens: int
     instrumented: bool = False  # ran under the memory tracker: not representative
+    compile_s: float = 0.0  # of `seconds`, spent in torch.compile (reported on its own)
+
+    @property
+    def running_s(self) -> float:  # the step without its compile time
+        return self.seconds - self.compile_s
 
 
 def steady_state(times: list[StepTime]) -> dict:
     """{warmup_steps, warmup_s, steady_from_step, steady_steps, steady_s, tokens_per_s,
     reference_step_s, memory_measurement_s} for the steps of this run (module docstring)."""
     plain = [t for t in times if not t.instrumented]
-    instrumented_s = sum(t.seconds for t in times if t.instrumented)
+    instrumented_s = sum(t.running_s for t in times if t.instrumented)
     if not plain:
         return {"warmup_steps": 0, "warmup_s": 0.0, "steady_from_step": None, "steady_steps": 0, "steady_s": 0.0, "tokens_per_s": None,
                 "reference_step_s": None, "memory_measurement_s": instrumented_s}
-    reference = statistics.median(t.seconds for t in plain[len(plain) // 2:])
+    reference = statistics.median(t.running_s for t in plain[len(plain) // 2:])
     warm = 0
-    while warm < len(plain) - 1 and plain[warm].seconds > SETTLE * reference:
+    while warm < len(plain) - 1 and plain[warm].running_s > SETTLE * reference:
         warm += 1
     steady = plain[warm:]
-    steady_s = sum(t.seconds for t in steady)
+    steady_s = sum(t.running_s for t in steady)
     return {
-        "warmup_steps": warm, "warmup_s": sum(t.seconds for t in plain[:warm]),
+        "warmup_steps": warm, "warmup_s": sum(t.running_s for t in plain[:warm]),
         "steady_from_step": steady[0].step, "steady_steps": len(steady), "steady_s": steady_s,
         "tokens_per_s": sum(t.tokens for t in steady) / steady_s if steady_s > 0 else None,
         "reference_step_s": reference, "memory_measurement_s": instrumented_s,

@@ -54,7 +54,7 @@ def mfu(flops_per_token: float, tokens_per_s: float | None, peak: float | None,
 def build_summary(facts: RunFacts, history: list, totals: dict, last: dict, wall_s: float,
                   step_times: list | None = None) -> dict:
     """summary.json's content. `history`: (step, loss) of every step; `totals`: steps, tokens,
-    skipped_steps, val_loss, loss_scale; `step_times`: `steady.StepTime` of this run's steps.
+    skipped_steps, val_loss, loss_scale, compile_s (None without torch.compile); `step_times`: `steady.StepTime` of this run's steps.
     tokens_per_s is the steady-state rate (engine/steady.py), with the warm-up on its own and
     tokens_per_s_overall = all tokens / wall time (evaluation and checkpoints included)."""
     from tenfold.engine.steady import steady_state
@@ -77,7 +77,7 @@ def build_summary(facts: RunFacts, history: list, totals: dict, last: dict, wall
             "tokens_per_s_overall": tokens / wall_s if wall_s > 0 and step_times else None,
             "warmup_steps": steady["warmup_steps"], "warmup_s": steady["warmup_s"],
             "steady_from_step": steady["steady_from_step"], "steady_steps": steady["steady_steps"],
-            "memory_measurement_s": steady["memory_measurement_s"],
+            "memory_measurement_s": steady["memory_measurement_s"], "compile_s": totals.get("compile_s"),
             "mfu": value, "mfu_note": note or facts.mfu_note,
             "loss_scale": totals["loss_scale"],
         },
@@ -108,6 +108,8 @@ def summary_table(summary: dict, out_dir: Path):
         t.add_row("warm-up", f"{f['warmup_steps']} step(s), {f['warmup_s']:.1f} s"
                   + (f" (+ {f['memory_measurement_s']:.1f} s: the step measured for memory)"
                      if f["memory_measurement_s"] else ""))
+    if f.get("compile_s") is not None:
+        t.add_row("torch.compile", f"{f['compile_s']:.1f} s compiling (not in the warm-up or tokens/s)")
     if f["mfu"] is not None:
         t.add_row("MFU", f"{f['mfu']:.1%}")
     elif f.get("mfu_note"):

@@ -28,6 +28,7 @@ from tenfold.engine import summary as run_summary
 from tenfold.engine.distributed import DistInfo, init_distributed, tighten_timeouts_after_first_step, world_size_from_env
 from tenfold.engine.metrics import MetricsWriter, peak_memory_bytes
 from tenfold.engine.steady import StepTime
+from tenfold.techniques.compile import CompileClock, compile_failures
 from tenfold.engine.step_log import StepLog
 from tenfold.errors import UserError
 from tenfold.run import ResolvedRun, resolve_run
@@ -320,7 +321,8 @@ class Trainer:
         wall_start = time.perf_counter()
         try:
             self._open_outputs()
-            last = self._loop(wall_start)
+            with compile_failures(self.cfg.train.compile):  # one line, not dynamo's traceback
+                last = self._loop(wall_start)
         except BaseException:
             if self.dist.is_main:  # failed before its first step: OUT as it was found
                 self.folder.failed()
@@ -357,7 +359,7 @@ class Trainer:
         micro_batches = self.loader.next_step()
         if self.watchdog is not None:
             self.watchdog.step_started(self.state.step + 1)
-        t0 = time.perf_counter()
+        c0, t0 = self.compile_clock.seconds(), time.perf_counter()
         result = self.run_memory.step(self.state.step + 1, lambda: self.train_step(micro_batches))
         step_time = time.perf_counter() - t0
         if self.watchdog is not None:
@@ -368,7 +370,8 @@ class Trainer:
         s.skipped += int(result.skipped)
         s.history.append((s.step, result.loss))
         self.step_times.append(StepTime(s.step, step_time, self.run.tokens_per_step,
-                                        instrumented=self.run_memory.measured_step == s.step))
+                                        instrumented=self.run_memory.measured_step == s.step,
+                                        compile_s=self.compile_clock.seconds() - c0))
         row = self._metrics_row(result, step_time, time.perf_counter() - wall_start)
         every = self.cfg.train.eval_every
         if (every and s.step % every == 0) or self._is_last_step():
@@ -427,6 +430,7 @@ class Trainer:
         lc = self.cfg.log
         self.step_log = StepLog(self.console, self.cfg.train.steps, self.state.step, lc.log_every, lc.progress)
         self.step_times: list[StepTime] = []
+        self.compile_clock = CompileClock(self.cfg.train.compile)  # compile time on its own
         self.val_loss = None
         self.watchdog = start_watchdog(self.cfg, self.dist, self._on_stall)
 
@@ -440,9 +444,7 @@ class Trainer:
 
         self.writer.flush()
         s = self.state
-        totals = {"steps": s.step, "tokens": s.tokens, "skipped_steps": s.skipped, "val_loss": self.val_loss,
-                  "loss_scale": self.scaler.scale}
-        summary = run_summary.build_summary(self.facts, s.history, totals, {}, 0.0)
+        summary = run_summary.build_summary(self.facts, s.history, self._totals(), {}, 0.0)
         latest = read_latest(self.checkpoints.root)
         summary["stopped"] = {"reason": message, "at_step": s.step + 1, "resume_from": str(latest) if latest else None}
         run_summary.write_json_atomic(self.out_dir / "summary.json", summary)
@@ -485,6 +487,11 @@ class Trainer:
             batch=r.batch_summary(),
         )
 
+    def _totals(self) -> dict:  # the counters summary.json reports
+        s = self.state
+        return {"steps": s.step, "tokens": s.tokens, "skipped_steps": s.skipped, "val_loss": self.val_loss,
+                "loss_scale": self.scaler.scale, "compile_s": self.compile_clock.report()}
+
     def _close_outputs(self) -> None:
         if self.watchdog is not None:
             self.watchdog.close()
@@ -494,9 +501,7 @@ class Trainer:
     def _finish(self, last: dict, wall: float) -> dict:
         """summary.json (rank 0), the requested exports, the summary table."""
         s = self.state
-        totals = {"steps": s.step, "tokens": s.tokens, "skipped_steps": s.skipped, "val_loss": self.val_loss,
-                  "loss_scale": self.scaler.scale}
-        summary = run_summary.build_summary(self.facts, s.history, totals, last, wall, self.step_times)
+        summary = run_summary.build_summary(self.facts, s.history, self._totals(), last, wall, self.step_times)
         if self.dist.pp_size > 1:  # split, measured bubble per stage vs (P-1)/m
             summary["pipeline"] = self.model.report(self.dist)
         summary["memory"].update(self.run_memory.summary())
