@@ -130,6 +130,23 @@ def test_a_peak_cached_by_the_old_rule_is_measured_again(tmp_path, monkeypatch):
     assert _cached_cpu_peak() == {"fp32": 7e9, "bf16": 7e9, "fp16": 7e9}  # floats only, no "method"
 
 
+def test_a_peak_measured_on_a_busy_machine_is_measured_again_when_quieter(tmp_path, monkeypatch):
+    """A peak cached at load 2.0 per core is re-measured once the machine is quieter, and the
+    higher figure is kept; one measured quiet is not measured again, however busy it is now."""
+    monkeypatch.setenv("TENFOLD_CACHE_DIR", str(tmp_path))
+    rates = iter([40e9, 410e9, 300e9])
+    monkeypatch.setattr(peak_mod, "sweep_peak", lambda dtype: next(rates))
+    monkeypatch.setattr(peak_mod, "load_per_core", lambda: 2.0)
+    assert peak_mod.cpu_peak_flops("bf16") == 40e9  # measured busy
+    assert peak_mod.cpu_peak_flops("bf16") == 40e9  # still as busy: not measured again
+    monkeypatch.setattr(peak_mod, "load_per_core", lambda: 0.3)
+    assert peak_mod.cpu_peak_flops("bf16") == 410e9  # quieter: measured again
+    monkeypatch.setattr(peak_mod, "load_per_core", lambda: 0.1)
+    assert peak_mod.cpu_peak_flops("bf16") == 410e9  # measured quiet: kept (the 300e9 is never drawn)
+    entry = json.loads((tmp_path / "cpu_peak.json").read_text())[peak_mod.cpu_key()]
+    assert entry["bf16"] == 410e9 and entry["load_per_core"]["bf16"] == 0.3
+
+
 # --------------------------------------------------------------------------- memory table
 
 

@@ -2,7 +2,9 @@
 
 On a GPU the catalog's datasheet peak is used (tenfold.plan.hardware). A CPU has no
 datasheet figure, so we measure it once per (CPU model, thread count) and cache it in
-~/.cache/tenfold/cpu_peak.json (override with TENFOLD_CACHE_DIR).
+~/.cache/tenfold/cpu_peak.json (override with TENFOLD_CACHE_DIR), with the load it was measured
+at: a peak measured on a busy machine (load above 0.5 per core) is measured again when the
+machine is quieter, keeping the higher figure.
 
 How a peak is measured (`sweep_peak`): square GEMMs of growing size n = 256, 512, 1024, 2048,
 each through both `torch.mm` and `F.linear` (the call a model's Linear layers make; on some
@@ -22,6 +24,7 @@ in a subprocess so that the planner itself never imports torch.
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -33,6 +36,7 @@ SETTLED = 1.05  # a size that gains less than 5% over the previous one: the peak
 MAX_GEMM_S = 1.0  # do not try a size whose one GEMM would take longer than this
 SLOW_FRACTION = 0.5  # a 16-bit peak below half of fp32's: no fast kernels for that format
 METHOD = "sweep-mm-linear-v2"  # cache entries measured another way are measured again
+BUSY = 0.5  # load average per core above which a measured peak is re-measured when quieter
 
 
 def cache_path() -> Path:
@@ -109,8 +113,21 @@ def _write_cache(path: Path, cache: dict) -> None:
         pass  # a read-only home still gets a measured figure, just not cached
 
 
+def load_per_core() -> float:
+    """The 1-minute load average per CPU core: above BUSY, other work shares the cores and a
+    measured peak comes out low."""
+    try:
+        return os.getloadavg()[0] / (os.cpu_count() or 1)
+    except OSError:  # pragma: no cover - no load average on this platform
+        return 0.0
+
+
 def cpu_peak_flops(dtype_name: str) -> float:
-    """Measured dense GEMM FLOP/s for `dtype_name` on this CPU (cached per machine)."""
+    """Measured dense GEMM FLOP/s for `dtype_name` on this CPU (cached per machine).
+
+    A peak measured while the machine was busy is low, and every MFU against it too high, for
+    as long as it stays cached. So each entry records the load it was measured at; one measured
+    busy is measured again the next time the machine is quieter, keeping the higher figure."""
     if dtype_name not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype_name!r}")
     path, key = cache_path(), cpu_key()
@@ -118,8 +135,11 @@ def cpu_peak_flops(dtype_name: str) -> float:
     entry = cache.get(key, {})
     if entry.get("method") != METHOD:  # measured by an older rule (fp16 at 256 only): redo all
         entry = {"method": METHOD}
-    if dtype_name not in entry:
-        entry[dtype_name] = sweep_peak(dtype_name)
+    load = load_per_core()
+    measured_at = entry.get("load_per_core", {}).get(dtype_name, BUSY + 1) if dtype_name in entry else None
+    if dtype_name not in entry or (measured_at > BUSY and load < measured_at):
+        entry[dtype_name] = max(sweep_peak(dtype_name), float(entry.get(dtype_name, 0.0)))
+        entry.setdefault("load_per_core", {})[dtype_name] = round(load, 2)
         cache[key] = entry
         _write_cache(path, cache)
     return float(entry[dtype_name])
