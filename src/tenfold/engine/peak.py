@@ -3,8 +3,8 @@
 On a GPU the catalog's datasheet peak is used (tenfold.plan.hardware). A CPU has no
 datasheet figure, so we measure it once per (CPU model, thread count) and cache it in
 ~/.cache/tenfold/cpu_peak.json (override with TENFOLD_CACHE_DIR), with the load it was measured
-at: a peak measured on a busy machine (load above 0.5 per core) is measured again when the
-machine is quieter, keeping the higher figure.
+at: a peak measured on a busy machine (load above 0.5 per core) is measured again the first
+time the machine is quiet, keeping the higher figure.
 
 How a peak is measured (`sweep_peak`): square GEMMs of growing size n = 256, 512, 1024, 2048,
 each through both `torch.mm` and `F.linear` (the call a model's Linear layers make; on some
@@ -127,7 +127,9 @@ def cpu_peak_flops(dtype_name: str) -> float:
 
     A peak measured while the machine was busy is low, and every MFU against it too high, for
     as long as it stays cached. So each entry records the load it was measured at; one measured
-    busy is measured again the next time the machine is quieter, keeping the higher figure."""
+    busy is measured again the first time the machine is quiet (load at most BUSY per core),
+    keeping the higher figure. A machine that stays busy measures nothing again: each process
+    of a run re-measuring would slow every run it is part of."""
     if dtype_name not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype_name!r}")
     path, key = cache_path(), cpu_key()
@@ -137,7 +139,7 @@ def cpu_peak_flops(dtype_name: str) -> float:
         entry = {"method": METHOD}
     load = load_per_core()
     measured_at = entry.get("load_per_core", {}).get(dtype_name, BUSY + 1) if dtype_name in entry else None
-    if dtype_name not in entry or (measured_at > BUSY and load < measured_at):
+    if dtype_name not in entry or (measured_at > BUSY >= load):  # busy then, quiet now: once
         entry[dtype_name] = max(sweep_peak(dtype_name), float(entry.get(dtype_name, 0.0)))
         entry.setdefault("load_per_core", {})[dtype_name] = round(load, 2)
         cache[key] = entry
