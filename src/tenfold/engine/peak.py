@@ -137,11 +137,11 @@ def cpu_peak_flops(dtype_name: str) -> float:
     entry = cache.get(key, {})
     if entry.get("method") != METHOD:  # measured by an older rule (fp16 at 256 only): redo all
         entry = {"method": METHOD}
-    load = load_per_core()
-    measured_at = entry.get("load_per_core", {}).get(dtype_name, BUSY + 1) if dtype_name in entry else None
-    if dtype_name not in entry or (measured_at > BUSY >= load):  # busy then, quiet now: once
+    loads, load = entry.setdefault("load_per_core", {}), load_per_core()
+    busy_then = loads.get(dtype_name, BUSY + 1) > BUSY  # a figure without its load predates the rule
+    if dtype_name not in entry or (busy_then and load <= BUSY):  # busy then, quiet now: once
         entry[dtype_name] = max(sweep_peak(dtype_name), float(entry.get(dtype_name, 0.0)))
-        entry.setdefault("load_per_core", {})[dtype_name] = round(load, 2)
+        loads[dtype_name] = round(load, 2)
         cache[key] = entry
         _write_cache(path, cache)
     return float(entry[dtype_name])
