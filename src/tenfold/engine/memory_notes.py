@@ -27,11 +27,11 @@ def row_notes(predicted: dict | None, measured: dict | None, zero_stage: int, dp
     if user_module:
         notes["activations_bytes"] = "not predicted for your own module: the planner knows only its parameter count"
     notes["total_bytes"] = "states at the optimizer step + activations at their high: an upper bound of the peak"
-    notes["peak_bytes"] = _peak_note(p, measured, zero_stage, dp)
+    notes["peak_bytes"] = _peak_note(p, measured, zero_stage)
     return notes
 
 
-def _peak_note(predicted: dict, measured: dict, zero_stage: int, dp: int) -> str:
+def _peak_note(predicted: dict, measured: dict, zero_stage: int) -> str:
     parts = []
     if measured.get("peak_bytes", 0) <= measured.get("total_bytes", 0):
         parts.append("measured: the step's highest moment, below the sum")
