@@ -14,16 +14,16 @@ import pytest
 import torch
 
 from tenfold import capabilities
-from tenfold.cli import build_parser, config_from_args, main, train_argv
+from tenfold.cli import build_parser, main
+from tenfold.run_args import config_from_args, train_argv
 from tenfold.config import ParallelSection, PrecisionSection, TrainSection, build_config
 from tenfold.engine.memory import predicted_memory
 from tenfold.errors import UserError
 from tenfold.plan import advice
-from tenfold.plan.for_run import memory_line, strategy_for_config
+from tenfold.plan.for_run import memory_line
 from tenfold.plan.search import search
 from tenfold.run import resolve_run
 from tenfold.techniques.precision import build_precision
-from tenfold.terms import RecomputePolicy
 
 from conftest import SMALL_FLAGS
 
@@ -132,7 +132,7 @@ def test_done_when_search_emit_then_train(tmp_path, capsys):
     assert run["memory_predicted"] == s["memory"]["predicted"] and run["batch"] == s["batch"]
     best = d["best"][0]
     assert (s["batch"]["micro_batch"], s["batch"]["global_batch"]) == (best["micro_batch"], best["global_batch"])
-    assert s["config"]["parallel"]["zero_stage"] == best["strategy"]["zero"]
+    assert s["config"]["parallel"]["zero_stage"] == best["strategy"]["zero_stage"]
 
 
 @pytest.mark.multiprocess
@@ -157,12 +157,10 @@ def test_nothing_unsupported_is_ranked_by_default(capsys):
     d = plan_json(capsys, *argv)
     assert d["best"]  # (tensor parallelism runs now; the default search prices no offload)
     assert all(p["unsupported"] == [] and p["strategy"]["offload"] == "none" for p in d["best"])
-    base = build_config({"model": {"name": "llama-7b"}})
-    strategy = strategy_for_config(base, 4096)
-    for p in search("llama-7b", "h100-sxm", 16, replace(strategy, global_batch=256), top_k=20).best:
-        cfg, run = advice.config_for_plan(base, p, 8)  # resolved with the engine's own check
-        assert (run.pp, run.tp, run.zero_stage, run.micro_batch) == (
-            p.strategy["pp"], p.strategy["tp"], p.strategy["zero"], p.micro_batch)
+    base = build_config({"model": {"name": "llama-7b"}, "train": {"global_batch": 256}})
+    for p in search(resolve_run(base, 16, check=False), "h100-sxm", top_k=20).best:
+        cfg, run = advice.config_for_plan(base, p.run, 8)  # resolved with the engine's own check
+        assert run.layout() == p.run.layout() == p.strategy
     every = plan_json(capsys, *argv, "--include-unsupported")
     marked = [p for p in every["best"] if p["unsupported"]]
     assert marked and all(p["strategy"]["offload"] != "none" for p in marked)
@@ -181,7 +179,8 @@ def test_a_hugging_face_model_is_not_pipelined_nor_attention_recomputed(capsys):
     argv = ["--search", "--hf-config", str(DATA / "llama-tiny" / "config.json"), "--gpu", "a100-80gb", "--gpus", "4",
             "--seq-len", "64", "--top", "200"]
     d = plan_json(capsys, *argv)
-    assert d["best"] and all(p["strategy"]["pp"] == 1 and p["strategy"]["ac"] != "selective:attention" for p in d["best"])
+    assert d["best"] and all(p["strategy"]["pp"] == 1 and p["strategy"]["recompute"] != "selective:attention"
+                             for p in d["best"])
     assert "--hf-config" in d["launch"]
 
 
@@ -189,10 +188,9 @@ def test_single_plan_prints_its_launch_line_or_why_not(capsys):
     run = plan_json(capsys, "--model", "llama-7b", "--gpu", "h100-sxm", "--gpus", "16", "--zero", "3", "--ac", "full")["run"]
     assert run["launch"].startswith("torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d")
     assert "-m tenfold train --model llama-7b" in run["launch"] and "--zero 3 --pp 1" in run["launch"]
-    run = plan_json(capsys, "--model", "llama-7b", "--gpus", "8", "--zero", "1", "--offload", "optimizer")["run"]
-    assert run["launch"] is None and "offload 'optimizer'" in run["unsupported"][0]
     run = plan_json(capsys, "--model", "llama-7b", "--gpus", "8", "--master-weights")["run"]
-    assert run["other_stack"] == ["master_weights=True"] and run["launch"]
+    assert run["other_stack"] == ["master_weights=True"] and run["launch"] is None
+    assert "priced as another training stack" in run["unsupported"][0]
 
 
 @pytest.mark.parametrize("gpus,per_node,expected", [(1, 8, (1, 1)), (8, 8, (1, 8)), (16, 8, (2, 8)), (12, 8, (2, 6)),
@@ -272,7 +270,7 @@ def test_the_table_is_what_the_config_accepts():
     # Tensor parallelism is runnable exactly when tenfold train has a tensor-parallel degree.
     assert capabilities.ENGINE.tensor_parallel == ("tp_degree" in ParallelSection.model_fields)
     assert capabilities.ENGINE.compile == ("compile" in TrainSection.model_fields)
-    assert capabilities.ENGINE.offload == ("none",) and not any("offload" in k for k in ParallelSection.model_fields)
+    assert set(capabilities.ENGINE.offload) <= set(typing.get_args(ParallelSection.model_fields["offload"].annotation))
 
 
 def test_train_refuses_what_the_table_refuses(tmp_path, capsys):
@@ -282,13 +280,15 @@ def test_train_refuses_what_the_table_refuses(tmp_path, capsys):
         resolve_run(tied, 2)
     assert resolve_run(tied, 2, check=False).pp == 2  # the planner prices it, marked
     narrow = replace(capabilities.ENGINE, zero_stages=(0, 1))
-    layout = resolve_run(build_config({"parallel": {"zero_stage": 3}}), 2).layout
-    assert capabilities.problems(layout) == [] and "ZeRO stage 3" in capabilities.problems(layout, narrow)[0]
-    hf = capabilities.Layout(model=resolve_run(build_config({}), 2).model, world_size=2, pp=2, zero=0, micro_batches=2,
-                             recompute=RecomputePolicy("selective", target="attention"), precision="bf16", model_kind="hf")
+    run = resolve_run(build_config({"parallel": {"zero_stage": 3}}), 2)
+    assert capabilities.problems(run) == [] and "ZeRO stage 3" in capabilities.problems(run, narrow)[0]
+    hf = resolve_run(build_config({"parallel": {"pp_degree": 2}, "train": {"grad_accum": 2},
+                                   "recompute": {"policy": "selective:attention"}}), 2, check=False)
+    hf = replace(hf, model_kind="hf")
     assert len(capabilities.problems(hf)) == 2
-    for argv, needle in ((["--offload", "optimizer"], "unrecognized arguments: --offload"),
-                         (["--set", "parallel.offload=optimizer"], "unknown config key 'parallel.offload'"),
+    refused_offload = [] if "optimizer" in capabilities.ENGINE.offload else [
+        (["--offload", "optimizer", "--zero", "1", "--nproc", "2"], "parallel.offload 'optimizer' (--offload)")]
+    for argv, needle in (*refused_offload,
                          (["--nproc", "2", "--pp", "2", "--grad-accum", "2", "--set", "model.tie_embeddings=true"],
                           "cannot be pipelined")):
         try:

@@ -25,7 +25,8 @@ import torch.nn as nn
 from tenfold.config import TenfoldConfig, build_config
 from tenfold.data.arrays import bundle_from_array
 from tenfold.engine import summary as run_summary
-from tenfold.engine.distributed import DistInfo, init_distributed, tighten_timeouts_after_first_step, world_size_from_env
+from tenfold.engine import run_shape
+from tenfold.engine.distributed import DistInfo, init_distributed, launched_by_torchrun, tighten_timeouts_after_first_step
 from tenfold.engine.metrics import MetricsWriter, peak_memory_bytes
 from tenfold.engine.steady import StepTime
 from tenfold.techniques.compile import CompileClock, compile_failures
@@ -120,7 +121,8 @@ class Trainer:
     def setup(self) -> None:
         """Validate everything and build model, data, optimizer. Writes nothing to disk."""
         cfg = self.cfg
-        self.run: ResolvedRun = resolve_run(cfg, world_size_from_env(), own_model=self.user_model is not None)
+        world = run_shape.world_size(cfg) if launched_by_torchrun() else 1  # checks a multi-node plan's size
+        self.run: ResolvedRun = resolve_run(cfg, world, own_model=self.user_model is not None)
         from tenfold.engine.wandb_log import check_available
 
         check_available(cfg.log.wandb)
