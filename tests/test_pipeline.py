@@ -91,6 +91,24 @@ def test_manual_split_and_description():
     assert total == param_count(CFG)
 
 
+@pytest.mark.parametrize("layout", [
+    dict(pp=2), dict(pp=4, grad_accum=4), dict(pp=2, pp_schedule="interleaved", grad_accum=2),
+    dict(pp=2, pp_split=(3, 1)), dict(pp=2, pp_schedule="interleaved", virtual_stages=3, grad_accum=2, n_layers=10),
+])
+def test_the_planner_prices_the_parameters_each_rank_really_holds(layout):
+    """One split for both: the resolved run's `stage_layers` cut the real model (split_model)
+    and give the planner's per-rank parameters (tenfold.plan.shape.run_rank_params)."""
+    from tenfold.plan.shape import run_rank_params, shape_of
+
+    cfg = CFG.with_overrides(n_layers=layout.pop("n_layers", CFG.n_layers))
+    run = resolve(cfg, layout["pp"], check=False, **layout)
+    model = GPT(cfg)
+    for rank in range(run.pp):
+        split = pp.split_model(model, rank, run.pp, run.stage_layers)
+        held = sum(p.numel() for stage in split.modules for p in stage.parameters())
+        assert run_rank_params(shape_of(cfg), run, rank) == held, (rank, run.stage_layers)
+
+
 def test_predicted_bubble():
     assert pipeline_runner.predicted_bubble(2, 4) == 0.25
     assert pipeline_runner.predicted_bubble(4, 8, 2) == 3 / 16

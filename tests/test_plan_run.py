@@ -16,7 +16,7 @@ import torch
 from tenfold import capabilities
 from tenfold.cli import build_parser, main
 from tenfold.run_args import config_from_args, train_argv
-from tenfold.config import ParallelSection, PrecisionSection, TrainSection, build_config
+from tenfold.config import ParallelSection, PrecisionSection, TrainSection, build_config, config_toml
 from tenfold.engine.memory import predicted_memory
 from tenfold.errors import UserError
 from tenfold.plan import advice
@@ -57,6 +57,20 @@ TRAIN_FLAGS = [
     ["--config", "{toml}", "--set", "parallel.zero_stage=1", "--ac", "none"],
     ["--deepspeed", str(DATA / "ds_seed.json"), "--nproc", "2", "--micro-batch", "2"],
     ["--hf-config", str(DATA / "llama-tiny" / "config.json"), "--nproc", "2", "--zero", "3", "--seq-len", "64"],
+    ["--hf-config", str(DATA / "llama-tiny" / "config.json"), "--nproc", "2", "--tp", "2", "--seq-len", "64"],
+    ["--hf-config", str(DATA / "llama-tiny" / "config.json"), "--ac", "every:1", "--grad-accum", "2", "--seq-len", "64"],
+    ["--hf-config", str(DATA / "gpt2-tiny" / "config.json"), "--nproc", "2", "--zero", "1", "--ac", "selective:mlp"],
+    ["--nproc", "2", "--tp", "2"],
+    ["--nproc", "4", "--tp", "2", "--zero", "1", "--micro-batch", "2"],
+    ["--nproc", "4", "--tp", "2", "--no-sequence-parallel", "--ac", "full"],
+    ["--nproc", "8", "--tp", "2", "--pp", "2", "--zero", "3", "--grad-accum", "2"],
+    ["--nproc", "8", "--pp", "4", "--zero", "3", "--grad-accum", "4", "--set", "model.n_layers=6"],
+    ["--nproc", "2", "--pp", "2", "--pp-schedule", "interleaved", "--virtual-stages", "3", "--grad-accum", "4",
+     "--set", "model.n_layers=10"],
+    ["--nproc", "4", "--pp", "2", "--pp-split", "3,1", "--zero", "2", "--grad-accum", "2", "--ac", "every:2"],
+    ["--nproc", "3", "--global-batch", "24", "--precision", "fp32"],
+    ["--nproc", "2", "--zero", "2", "--set", "parallel.reduce_bucket_size=1000000", "--grad-accum", "3"],
+    ["--model", "small", "--nproc", "4", "--zero", "3", "--ac", "segments:3", "--seq-len", "512", "--micro-batch", "1"],
 ]
 
 
@@ -73,25 +87,42 @@ def plan_json(capsys, *argv) -> dict:
     return json.loads(capsys.readouterr().out)
 
 
-def train_prediction(argv: list[str]) -> tuple[dict, dict]:
+def train_prediction(argv: list[str]) -> tuple[dict, dict, dict]:
     """What `tenfold train <argv>` prints at its start, through the code train runs: its parser,
-    `config_from_args`, `resolve_run` on the processes it starts, and the prediction RunMemory
-    makes with the precision the device runs."""
+    `config_from_args`, `resolve_run` on the processes it starts, the prediction RunMemory makes
+    with the precision the device runs, and the layout summary.json records."""
     args = build_parser(["train", *argv]).parse_args(["train", *argv])
     cfg = config_from_args(args)
-    run = resolve_run(cfg, cfg.parallel.nproc)
+    run = resolve_run(cfg, cfg.parallel.nnodes * cfg.parallel.nproc)
     cpu = torch.device("cpu")
-    return predicted_memory(run, cpu, build_precision(cfg.precision, cpu).name), run.batch_summary()
+    return predicted_memory(run, cpu, build_precision(cfg.precision, cpu).name), run.batch_summary(), run.layout()
+
+
+def _flags(flags, run_toml) -> list[str]:
+    return [run_toml if f == "{toml}" else f for f in flags]
 
 
 @pytest.mark.parametrize("flags", TRAIN_FLAGS, ids=lambda f: " ".join(Path(x).name for x in f) or "defaults")
 def test_plan_predicts_the_run_train_announces(capsys, run_toml, flags):
-    flags = [run_toml if f == "{toml}" else f for f in flags]
-    memory, batch = train_prediction(flags)
+    flags = _flags(flags, run_toml)
+    memory, batch, layout = train_prediction(flags)
     run = plan_json(capsys, *flags)["run"]
     assert run["memory_predicted"] == memory
     assert run["batch"] == batch
+    assert run["layout"] == layout  # processes, ZeRO as it runs, recompute, schedule, blocks per stage, ...
     assert run["unsupported"] == [] and run["other_stack"] == []
+
+
+@pytest.mark.parametrize("flags", TRAIN_FLAGS, ids=lambda f: " ".join(Path(x).name for x in f) or "defaults")
+def test_plan_config_file_predicts_train_config_file(tmp_path, capsys, run_toml, flags):
+    """The same runs as one config file: `tenfold plan --config X` and `tenfold train --config X`."""
+    cfg = config_from_args(build_parser(["train"]).parse_args(["train", *_flags(flags, run_toml)]))
+    path = tmp_path / "x.toml"
+    path.write_text(config_toml(cfg))
+    memory, batch, layout = train_prediction(["--config", str(path)])
+    run = plan_json(capsys, "--config", str(path))["run"]
+    assert (run["memory_predicted"], run["batch"], run["layout"]) == (memory, batch, layout)
+    assert len(TRAIN_FLAGS) >= 30
 
 
 def _summary(out: Path) -> dict:
@@ -244,6 +275,50 @@ def test_emit_refuses_what_train_cannot_run(tmp_path, capsys, extra, needle):
     assert main(["plan", *argv, "--emit", str(toml)]) == 2
     err = capsys.readouterr().err
     assert needle in err and err.count("\n") == 1 and not toml.exists()
+
+
+@pytest.mark.parametrize("model,gpu,gpus,extra,nodes", [
+    ("llama-70b", "h100-sxm", 64, [], 8),
+    ("gpt3-175b", "a100-80gb", 1024, ["--global-batch", "1536"], 128),
+])
+def test_a_fleet_plan_emits_a_config_train_accepts_on_that_fleet(tmp_path, capsys, monkeypatch, model, gpu, gpus,
+                                                                 extra, nodes):
+    """`plan --search --emit` for a multi-node fleet writes nodes x processes per node and the
+    torchrun line; `train --config FILE --dry-run` on a rank of that job (torchrun's environment)
+    accepts it and prints the plan's memory line; one command cannot start it."""
+    toml = tmp_path / "fleet.toml"
+    d = plan_json(capsys, "--model", model, "--gpu", gpu, "--gpus", str(gpus), *extra, "--search", "--emit", str(toml))
+    assert d["launch"].startswith(f"torchrun --nnodes {nodes} --nproc-per-node {gpus // nodes} ")
+    emitted = config_from_args(build_parser(["train"]).parse_args(["train", "--config", str(toml)]))
+    assert (emitted.parallel.nnodes, emitted.parallel.nproc) == (nodes, gpus // nodes)
+    planned_line = next(x for x in toml.read_text().splitlines() if x.startswith("# memory per rank"))[2:]
+    best = d["best"][0]
+    assert planned_line == memory_line(memory_by_category_of(best))
+    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": str(gpus), "LOCAL_WORLD_SIZE": str(gpus // nodes),
+                       "MASTER_ADDR": "head", "MASTER_PORT": "29500"}.items():
+        monkeypatch.setenv(key, value)
+    assert main(["train", "--config", str(toml), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert planned_line.removeprefix("memory ") in out and f"{gpus} = pp" in out
+    monkeypatch.setenv("WORLD_SIZE", str(gpus // 2))  # half the planned processes: refused, named
+    assert main(["train", "--config", str(toml), "--dry-run"]) == 2
+    assert f"{gpus} processes planned, but torchrun started {gpus // 2}" in capsys.readouterr().err
+    for key in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(key)
+    assert main(["train", "--config", str(toml), "--dry-run"]) == 0  # nnodes x nproc without torchrun
+    assert planned_line.removeprefix("memory ") in capsys.readouterr().out
+    assert main(["train", "--config", str(toml), "--out", str(tmp_path / "never")]) == 2
+    assert f"start it on every node with: torchrun --nnodes {nodes}" in capsys.readouterr().err
+    assert not (tmp_path / "never").exists()
+
+
+def memory_by_category_of(plan: dict) -> dict:
+    """`tenfold.plan.for_run.memory_by_category` of a plan as `--json` prints it."""
+    from tenfold.plan.api import MemoryBreakdown
+    from tenfold.plan.for_run import memory_by_category
+
+    fields = {k: v for k, v in plan["memory"].items() if k != "peak_bytes"}
+    return memory_by_category(MemoryBreakdown(**fields))
 
 
 def test_emit_never_overwrites_a_file_it_did_not_write(tmp_path, capsys):

@@ -24,6 +24,8 @@ class RunFacts:
     peak_flops_per_device: float | None
     batch: dict  # micro_batch, grad_accum, global_batch, seq_len
     mfu_note: str | None = None  # why no MFU is reported (a dtype without fast kernels here)
+    layout: dict | None = None  # the resolved run's layout (tenfold.run.ResolvedRun.layout), as `tenfold plan` prices it
+    layout_line: str = ""
 
 
 def header_line(facts: RunFacts, steps: int, dp: int, device_type: str, tp: int = 1) -> str:
@@ -33,7 +35,7 @@ def header_line(facts: RunFacts, steps: int, dp: int, device_type: str, tp: int 
         f"[bold]tenfold train[/] {facts.model_label} ({facts.params / 1e6:.2f}M params) | {facts.dtype} | "
         f"batch {b['global_batch']} = {b['micro_batch']} x {b['grad_accum']} x dp {dp}{split} "
         f"| seq {b['seq_len']} | {steps} steps | {facts.world_size} process(es) on {device_type}"
-    )
+    ) + (f"\nlayout: {facts.layout_line}" if facts.layout_line else "")
 
 
 def mfu(flops_per_token: float, tokens_per_s: float | None, peak: float | None,
@@ -70,6 +72,7 @@ def build_summary(facts: RunFacts, history: list, totals: dict, last: dict, wall
         "hardware": {"device": facts.device, "world_size": facts.world_size,
                      "peak_flops_per_device": facts.peak_flops_per_device, "dtype": facts.dtype},
         "batch": dict(facts.batch),
+        "layout": facts.layout,
         "final": {
             "steps": totals["steps"], "tokens": tokens, "skipped_steps": totals["skipped_steps"],
             "first_loss": history[0][1] if history else None, "loss": last.get("loss"),

@@ -486,7 +486,7 @@ class Trainer:
             blocks=f"{len(self.adapter.blocks)} x {self.adapter.block_class}", params=self.param_count,
             flops_per_token=self.flops_per_token, device=str(self.dist.device), world_size=self.dist.world_size,
             dtype=self.dtype_name, peak_flops_per_device=peak, mfu_note=mfu_note,
-            batch=r.batch_summary(),
+            batch=r.batch_summary(), layout=r.layout(), layout_line=r.layout_line(),
         )
 
     def _totals(self) -> dict:  # the counters summary.json reports

@@ -291,8 +291,8 @@ def _run_section(t: Target, plan, advice: Advice | None) -> dict | None:
 
     run = advice.run if advice else t.run
     return {
-        "processes": plan.gpus, "dp": plan.dp, "batch": run.batch_summary(), "layout": run.layout_line(),
-        "stage_layers": list(run.stage_layers), "memory_predicted": memory_by_category(plan.memory),
+        "processes": plan.gpus, "dp": plan.dp, "batch": run.batch_summary(), "layout": run.layout(),
+        "layout_line": run.layout_line(), "memory_predicted": memory_by_category(plan.memory),
         "steps": t.cfg.train.steps, "steps_time_s": t.cfg.train.steps * plan.step_time_s,
         "unsupported": plan.unsupported, "other_stack": run.stack.departures(),
         "launch": advice.launch if advice else None, "emitted": advice.emitted if advice else None,

@@ -120,6 +120,8 @@ def _layouts(base: ResolvedRun, hw: Hardware, sequence_parallel: bool | None, gp
         for (sched, v), zero, ac in itertools.product(_schedules(pp, m, cfg.n_layers), (0, 1, 2, 3), AC_CHOICES):
             if zero and dp == 1:
                 continue  # nothing to partition
+            if zero == 1 and tp > 1 and pp > 1:
+                continue  # runs as ZeRO-2 (tenfold.terms.zero_runs_as), which a pipeline reduces once per step too
             try:
                 yield base.with_(check=False, world_size=gpus, tp=tp, pp=pp, micro_batch=mb, pp_schedule=sched,
                                  virtual_stages=v, global_batch=glob,
