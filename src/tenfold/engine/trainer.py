@@ -28,6 +28,7 @@ from tenfold.engine import summary as run_summary
 from tenfold.engine import run_shape
 from tenfold.engine.distributed import DistInfo, init_distributed, launched_by_torchrun, tighten_timeouts_after_first_step
 from tenfold.engine.metrics import MetricsWriter, peak_memory_bytes
+from tenfold.engine.peak import peak_source
 from tenfold.engine.steady import StepTime
 from tenfold.techniques.compile import CompileClock, compile_failures
 from tenfold.engine.step_log import StepLog
@@ -220,7 +221,7 @@ class Trainer:
         if self.dist.device.type == "cpu":
             from tenfold.engine.peak import mfu_peak
 
-            return mfu_peak(self.dtype_name)
+            return mfu_peak(self.dtype_name, ranks=self.dist.world_size)  # the ranks share this machine's peak
         from tenfold.plan.hardware import gpu_peak_flops_for_device  # the planner's catalog
 
         return gpu_peak_flops_for_device(torch.cuda.get_device_name(self.dist.device), self.dtype_name), None
@@ -485,7 +486,7 @@ class Trainer:
             config=self.cfg.to_dict(), model_label=self._model_label(),
             blocks=f"{len(self.adapter.blocks)} x {self.adapter.block_class}", params=self.param_count,
             flops_per_token=self.flops_per_token, device=str(self.dist.device), world_size=self.dist.world_size,
-            dtype=self.dtype_name, peak_flops_per_device=peak, mfu_note=mfu_note,
+            dtype=self.dtype_name, peak_flops_per_device=peak, mfu_note=mfu_note, peak_source=peak_source(self.dist.device.type),
             batch=r.batch_summary(), layout=r.layout(), layout_line=r.layout_line(),
         )
 

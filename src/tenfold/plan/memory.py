@@ -245,10 +245,24 @@ def _tenfold_terms(cfg: ModelConfig, h: int, f: int, a: int, B: float, half: boo
     return tuple(terms)
 
 
+def params_16bit_in_compute(run: ResolvedRun) -> bool:
+    """Whether the layers compute with 16-bit parameters: a 16-bit stack's own (master weights
+    kept apart), or FSDP2's all-gathered copies (MixedPrecisionPolicy param_dtype: ZeRO-2/3, and
+    `replicate` under tensor parallelism, with data parallelism). With fp32 parameters under
+    autocast (DDP, one rank) the embedding's output and so the residual stream are fp32."""
+    if run.precision == "fp32":
+        return False
+    return run.stack.master_weights or (run.dp > 1 and (run.zero_runs_as >= 2 or run.tp > 1))
+
+
 def layer_input_bytes_per_token(cfg: ModelConfig, run: ResolvedRun) -> float:
-    """What a fully recomputed layer keeps: its input. Korthikanti Table 2 'full activation
-    recomputation': sbh(2) for a 16-bit residual; tenfold's residual stream is fp32 (4 bytes)."""
-    if run.stack.activation_style == "tenfold" or run.precision == "fp32":
+    """What a fully recomputed layer keeps: its input, one element of the residual stream per
+    channel. Korthikanti Table 2 'full activation recomputation': sbh(2) for a 16-bit residual;
+    under autocast with fp32 parameters tenfold's residual stream is fp32 (4 bytes), with 16-bit
+    parameters in compute 16-bit (measured: tiny, ZeRO-3 on 2 ranks, full recompute)."""
+    if run.precision == "fp32":
+        return 4.0 * cfg.d_model
+    if run.stack.activation_style == "tenfold" and not params_16bit_in_compute(run):
         return 4.0 * cfg.d_model
     return 2.0 * cfg.d_model
 

@@ -52,8 +52,9 @@ class MicroBatch:
 
 
 def compute_share(hw: Hardware, gpus: int) -> float:
-    """Ranks on one CPU share its cores (the measured peak is for the whole machine)."""
-    return 1.0 / min(gpus, hw.gpus_per_node) if hw.shared_compute else 1.0
+    """Ranks on one CPU share its cores: the measured peak is the whole machine's, and each of
+    `gpus` ranks gets its share of it (as `tenfold train` divides it, tenfold.engine.peak)."""
+    return 1.0 / gpus if hw.shared_compute else 1.0
 
 
 def recomputed_blocks(run: ResolvedRun) -> int:

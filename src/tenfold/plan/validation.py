@@ -61,12 +61,10 @@ def llama3(n_layers: int, d_model: int, n_heads: int, d_ff: int, max_seq_len: in
 
 MPT = {"7b": mpt(32, 4096, 32), "13b": mpt(40, 5120, 40), "30b": mpt(48, 7168, 64), "70b": mpt(80, 8192, 64)}
 LLAMA3_8B = llama3(32, 4096, 32, 14336, max_seq_len=131072)
-# 405B has 126 layers; the paper balances 16 pipeline stages by giving the first and last one
-# layer fewer (the embedding and output layer take their place), i.e. 128 layer slots. The
-# planner's interleaved schedule needs layers divisible by p x v, so the run is modelled with
-# 128 layers and compared in TFLOP/s per GPU (the 2 extra layers add 1.6% of the FLOPs and
-# nothing to the per-layer efficiency).
-LLAMA3_405B = llama3(128, 16384, 128, 53248)
+# 405B: 126 layers. The paper balances its 16 pipeline stages by giving the first and the last one
+# layer fewer (the embedding and the output layer take their place): tenfold's default split
+# (tenfold.terms.layer_counts, embedding and head weighted as a layer each) is that layout.
+LLAMA3_405B = llama3(126, 16384, 128, 53248)
 
 # Grand Teton H100 as torchtitan describes it: 96 GB HBM2e at 2.4 TB/s, 400 Gb/s per GPU, 500 W
 # (its peak is "between SXM and NVL"; the SXM 989 TFLOP/s is kept, as torchtitan's MFU does).
@@ -120,8 +118,8 @@ def _llama405(gpus: int, dp: int, tflops: float) -> PublishedRun:
     return PublishedRun(
         f"Llama 3 405B x{gpus} (TP 8, PP 16, DP {dp})", LLAMA3, run, CATALOG["h100-sxm"],
         "tflops_per_gpu", tflops, 0.25, "llama-h100",
-        assumed="interleaved schedule with v = 4 (the paper gives no v: v = 2 predicts 353 / 293, v = 8 "
-                "400 / 372); 128 layer slots (see LLAMA3_405B); "
+        assumed="interleaved schedule with v = 4 (the paper gives no v: v = 2 predicts 410 / 340, v = 6 "
+                "459 / 419); the first and last pipeline rank one layer fewer (see LLAMA3_405B); "
                 "FSDP without resharding after forward = ZeRO-2, fp32 gradient reduction as stated",
     )
 
