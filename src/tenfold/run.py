@@ -67,7 +67,7 @@ class ResolvedRun:
             model=self.model, world_size=self.world_size, pp=self.pp, zero=self.zero_stage, recompute=self.recompute,
             precision=self.precision, micro_batches=self.grad_accum, schedule=self.pp_schedule,
             virtual_stages=self.virtual_stages, model_kind=self.model_kind, pp_split=tuple(split) if split else None,
-            tp=self.tp, hf_model_type=hf_model_type(self.config) if self.tp > 1 else "",
+            tp=self.tp, hf_model_type=hf_model_type(self.config) if self.tp > 1 or self.pp > 1 else "",
             compile=self.config.train.compile,
         )
 
