@@ -284,11 +284,13 @@ class PipelinedModel(nn.Module):
     rank cannot run the whole forward.
     """
 
-    def __init__(self, split: PipelineSplit, parts: Sequence[nn.Module], runner: PipelineRunner):
+    def __init__(self, split: PipelineSplit, parts: Sequence[nn.Module], runner: PipelineRunner, dist_info=None):
         super().__init__()
         for stage_id, m in zip(split.stage_ids, split.modules):
             for fqn in split.fqns[stage_id]:
                 _register(self, fqn, m.get_submodule(fqn))
+        self.config = getattr(split.modules[0], "config", None)  # a Hugging Face model's (save_pretrained)
+        self.dist_info = dist_info
         self.split = split
         self.parts = list(parts)  # plain list: the parts' modules are registered above
         self.runner = runner
@@ -314,6 +316,24 @@ class PipelinedModel(nn.Module):
 
     def eval_loss_sum(self, batches: list[dict]) -> float:
         return self.runner.eval_loss_sum(*_concat(batches))
+
+    def full_state_dict(self) -> dict | None:
+        """The whole model's unsharded state dict (CPU) on global rank 0, None elsewhere. Each
+        stage's tensors are gathered over dp and tp (ZeRO-3 shards, tp splits) on its own ranks,
+        then the stages' first dp/tp ranks, which form global rank 0's pp group, send them to
+        rank 0. Collective: every rank calls it."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state = get_model_state_dict(self, options=StateDictOptions(full_state_dict=True))
+        state = {k: v.detach().cpu() for k, v in state.items()}
+        d = self.dist_info
+        if d is None or not dist.is_initialized():
+            return state
+        if d.dp_rank or d.tp_rank:
+            return None
+        parts: list | None = [None] * d.pp_size if d.rank == 0 else None
+        dist.gather_object(state, parts, dst=0, group=d.mesh["pp"].get_group())
+        return {k: v for part in parts for k, v in part.items()} if parts is not None else None
 
     def step_metrics(self, tokens_per_s: float, world_size: int) -> dict:
         """metrics.jsonl fields of the last step: tokens/s per device (torchtitan's tps is
@@ -382,7 +402,7 @@ def build_pipelined_model(split: PipelineSplit, parts: Sequence[nn.Module], run,
         autocast_dtype=compute_dtype or torch.float32, stage_io=io, tp_size=dist_info.tp_size, seq_len=run.seq_len,
         with_positions=split.kind == "hf",
     )
-    return PipelinedModel(split, parts, runner)
+    return PipelinedModel(split, parts, runner, dist_info)
 
 
 def gather_per_rank(value) -> list:
