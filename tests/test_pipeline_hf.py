@@ -110,6 +110,10 @@ def test_models_the_split_cannot_cut_are_refused_in_one_line(tmp_path):
     cfg = build_config({"model": {"hf_config": tied}, "train": {"grad_accum": 2}, "parallel": {"pp_degree": 2}})
     with pytest.raises(UserError, match="tie_word_embeddings=true in the Hugging Face config.json cannot be pipelined"):
         resolve_run(cfg, 2)
+    tied_model = build_hf_model(hf_config=tied)  # handed over through the Python API: caught at the split
+    with pytest.raises(UserError, match=r"model.embed_tokens.weight \(pipeline stage 0\) and lm_head.weight \(stage 1\) "
+                                        r"are one tied weight"):
+        pp.split_model(tied_model, 0, 2)
     assert pipeline_model_problem(2, "hf", "qwen2") is None
     assert "a user's own model cannot be split" in pipeline_model_problem(2, "user")
 

@@ -182,6 +182,7 @@ def split_model(
     layout = stage_layout(n_layers, n, pp_split, kind, has_pos_emb)
     stage_cls = GPTStage if kind == "tenfold" else HFStage
     every = [stage_cls(model, layout.fqns[s], s, n) for s in range(n)]
+    _check_untied(every)
     ids = local_stage_ids(pp_rank, pp_size, n)
     return PipelineSplit(
         stage_ids=ids, modules=[every[s] for s in ids], n_stages=n, pp_size=pp_size, counts=layout.counts,
@@ -205,6 +206,22 @@ def _model_facts(model: nn.Module) -> tuple[str, int, bool, int, int]:
         f"parallel.pp_degree > 1 splits tenfold's GPT or a Hugging Face Llama-family model into stages; "
         f"{type(model).__name__} is neither (use --pp 1, or pipeline it with torch.distributed.pipelining directly)"
     )
+
+
+def _check_untied(stages: Sequence[nn.Module]) -> None:
+    """No parameter on two stages: a tied weight (embedding = output head) would be trained as
+    two copies on different ranks. The run's config is checked for ties before (capabilities);
+    this catches a model handed over through the Python API."""
+    owner: dict[int, tuple[int, str]] = {}
+    for s, stage in enumerate(stages):
+        for name, p in stage.named_parameters():
+            first = owner.setdefault(id(p), (s, name))
+            if first[0] != s:
+                raise UserError(
+                    f"{first[1]} (pipeline stage {first[0]}) and {name} (stage {s}) are one tied weight, which "
+                    "pipeline stages on different ranks cannot share; untie them (model.tie_embeddings=false, "
+                    "tie_word_embeddings=false) or use --pp 1"
+                )
 
 
 def describe_split(split: PipelineSplit) -> list[str]:
