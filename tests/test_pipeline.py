@@ -394,7 +394,18 @@ DP_CASES = [  # ZeRO 1 = DDP + ZeroRedundancyOptimizer, 2/3 = FSDP2 (techniques/
     {"pp": 2, "schedule": "gpipe", "m": 2, "zero": 3},
     {"pp": 2, "schedule": "interleaved", "v": 2, "m": 2, "zero": 0},  # DDP, 2 stages per rank
     {"pp": 2, "schedule": "zero-bubble", "v": 2, "m": 2, "zero": 2, "ac": "full"},
+    {"pp": 2, "schedule": "1f1b", "m": 2, "zero": 3, "dtype": "bf16"},  # 16-bit residual stream between stages
 ]
+# FSDP2's bf16 parameters (norm weights and embedding too) against autocast's fp32 ones: the loss
+# curve within 1e-3 (measured 2e-4), the gradients only ~1.5% alike, so not compared. Stages
+# that sent bf16 bytes into fp32 p2p buffers were off by 2e-3 at the first step (NaN on
+# Hugging Face Llama).
+FSDP_BF16_RTOL = 1e-3
+
+
+def assert_matches_fsdp_bf16(res: dict, bf16_reference: dict, what: str) -> None:
+    assert_close_curve(res["loss"], bf16_reference["loss"], FSDP_BF16_RTOL, f"{what} loss")
+    assert math.isclose(res["eval_sum"], bf16_reference["eval_sum"], rel_tol=FSDP_BF16_RTOL), what
 
 
 @pytest.mark.multiprocess
@@ -403,6 +414,9 @@ def test_pp2_dp2_zero_matches_one_process(reference, tmp_path):
     results = launch(4, DP_CASES, tmp_path)
     assert len(results) == len(DP_CASES), results[-1]
     for case, res in zip(DP_CASES, results):
+        if case.get("dtype") == "bf16":
+            assert_matches_fsdp_bf16(res, reference_run(torch.bfloat16), str(case))
+            continue
         assert_close_curve(res["loss"], reference["loss"], 1e-5, f"{case} loss")
         assert_close_curve(res["grad_norm"], reference["grad_norm"], 1e-5, f"{case} grad norm")
         assert math.isclose(res["eval_sum"], reference["eval_sum"], rel_tol=1e-5), case

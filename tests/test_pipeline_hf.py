@@ -21,7 +21,9 @@ import torch
 
 pytest.importorskip("transformers", reason="Hugging Face tests need the hf extra: pip install 'tenfold[hf]'")
 
-from test_pipeline import SEQ, assert_close_curve, assert_same_grads, launch, load_full_grads, reference_run  # noqa: E402
+from test_pipeline import (  # noqa: E402
+    SEQ, assert_close_curve, assert_matches_fsdp_bf16, assert_same_grads, launch, load_full_grads, reference_run,
+)
 
 from tenfold.errors import UserError  # noqa: E402
 from tenfold.models.hf import build_hf_model  # noqa: E402
@@ -177,6 +179,7 @@ DP_TP_CASES = [  # pp 2 x dp 2: ZeRO-1 (DDP + ZeroRedundancyOptimizer), ZeRO-3 (
     {"hf": LLAMA, "pp": 2, "schedule": "1f1b", "m": 2, "zero": 1},
     {"hf": LLAMA, "pp": 2, "schedule": "gpipe", "m": 2, "zero": 3},
     {"hf": LLAMA, "pp": 2, "schedule": "1f1b", "m": 2, "tp": 2},
+    {"hf": LLAMA, "pp": 2, "schedule": "1f1b", "m": 2, "zero": 3, "dtype": "bf16"},  # bf16 between stages
 ]
 
 
@@ -188,7 +191,10 @@ def test_pp2_with_zero_on_dp2_or_tp2_matches_one_process(tmp_path):
     ref = reference_run(hf=LLAMA)
     for case, res in zip(DP_TP_CASES, results):
         res["case"] = str(case)
-        assert_matches(res, ref, load_full_grads(tmp_path, case))
+        if case.get("dtype") == "bf16":
+            assert_matches_fsdp_bf16(res, reference_run(torch.bfloat16, hf=LLAMA), str(case))
+        else:
+            assert_matches(res, ref, load_full_grads(tmp_path, case))
 
 
 # --------------------------------------------------------------------------- trainer, checkpoints, export

@@ -224,6 +224,17 @@ def _check_untied(stages: Sequence[nn.Module]) -> None:
                 )
 
 
+def _send_as(dtype: torch.dtype):
+    """A forward hook giving a stage's output the dtype its p2p metadata names: gloo and NCCL
+    move raw bytes, so a tensor of another dtype would arrive as garbage. A no-op when the
+    prediction holds (always, in the tested layouts); a cast (exact, differentiable) otherwise."""
+
+    def hook(module, args, output):
+        return output.to(dtype)
+
+    return hook
+
+
 def describe_split(split: PipelineSplit) -> list[str]:
     """One line per stage: its modules and parameter count."""
     lines = []
@@ -252,6 +263,15 @@ def split_for_rank(model: nn.Module, run, dist_info, compute_dtype: torch.dtype 
     autocast dtype (None for fp32)."""
     split = split_model(model, dist_info.pp_rank, dist_info.pp_size, run.pp_schedule,
                         run.virtual_stages, run.config.parallel.pp_split, compute_dtype or torch.float32)
+    from tenfold.techniques.zero import casts_parameters
+
+    if compute_dtype is not None and casts_parameters(run.zero_stage, dist_info.dp_size, dist_info.tp_size):
+        # FSDP2's 16-bit parameters make the residual stream 16-bit too (the embedding's output,
+        # every block's): what the stages really send, not the fp32 of the unwrapped model
+        split.dtypes = [compute_dtype] * (split.n_stages - 1) + split.dtypes[-1:]
+    for sid, module in zip(split.stage_ids, split.modules):
+        if sid < split.n_stages - 1:
+            module.register_forward_hook(_send_as(split.dtypes[sid]))
     if dist_info.is_main:
         print(f"pipeline: {split.n_stages} stages on {dist_info.pp_size} ranks, schedule "
               f"{run.pp_schedule}, {run.grad_accum} micro-batches/step")

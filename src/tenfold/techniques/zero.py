@@ -78,8 +78,7 @@ def apply_zero(
     if dist.dp_size <= 1:
         return model
     _warn_unmapped_knobs(parallel_cfg, stage, dist)
-    tensor_parallel = getattr(dist, "tp_size", 1) > 1
-    if stage <= 1 and not tensor_parallel:
+    if not casts_parameters(stage, dist.dp_size, getattr(dist, "tp_size", 1)):
         wrapped = _wrap_ddp(model, parallel_cfg, dist)  # DDP broadcasts rank 0's weights itself
     else:
         _broadcast_from_dp_rank0(model, dist)
@@ -89,6 +88,13 @@ def apply_zero(
             wrapped = _wrap_fsdp2(model, parallel_cfg, dist, max(stage, 2), param_dtype, blocks)
     setattr(wrapped, _STAGE_ATTR, stage)
     return wrapped
+
+
+def casts_parameters(zero_stage: int, dp_size: int, tp_size: int = 1) -> bool:
+    """Whether apply_zero wraps with FSDP2 (or replicate under TP), whose MixedPrecisionPolicy
+    runs the forward in 16-bit parameters and casts each unit's floating inputs to them; DDP
+    (ZeRO 0/1 without TP) and a single dp rank keep fp32 parameters under autocast."""
+    return dp_size > 1 and (zero_stage >= 2 or tp_size > 1)
 
 
 def dp_group(dist: Any):
