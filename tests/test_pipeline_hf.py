@@ -120,6 +120,14 @@ def test_models_the_split_cannot_cut_are_refused_in_one_line(tmp_path):
     assert "a user's own model cannot be split" in pipeline_model_problem(2, "user")
 
 
+def test_an_older_transformers_is_refused_in_one_line(monkeypatch):
+    import transformers
+
+    monkeypatch.setattr(transformers, "__version__", "4.57.1")
+    with pytest.raises(UserError, match=r"needs transformers>=5, found 4.57.1; upgrade it .* or use --pp 1"):
+        pp.split_model(build_hf_model(hf_config=LLAMA), 0, 2)
+
+
 # --------------------------------------------------------------------------- multi-process
 
 FP32_RTOL = 1e-6  # loss, gradient norm and eval loss curves

@@ -20,7 +20,6 @@ checkpoints and the save_pretrained export keep the Hugging Face names.
 
 from __future__ import annotations
 
-import inspect
 from typing import Sequence
 
 import torch
@@ -30,6 +29,7 @@ from tenfold.errors import UserError
 from tenfold.pipeline_layout import block_index
 
 MASK_KINDS = ("full_attention", "sliding_attention")
+MIN_TRANSFORMERS = 5  # major version
 
 
 class HFStage(nn.Module):
@@ -46,6 +46,7 @@ class HFStage(nn.Module):
                 f"parallel.pp_degree > 1: {type(model).__name__} does not have the Llama layout "
                 "(model.embed_tokens, model.layers, model.norm, lm_head); use --pp 1"
             )
+        check_transformers_version()
         self.config = model.config
         self.stage_id, self.n_stages = stage_id, n_stages
         owned = set(fqns)
@@ -81,9 +82,8 @@ class HFStage(nn.Module):
             masks = {kind: causal_mask(self.config, like, position_ids, kind) for kind in set(self.mask_kinds.values())}
             rotary = self.model.rotary_emb(h, position_ids)
             for key, layer in self.model.layers.items():
-                out = layer(h, attention_mask=masks[self.mask_kinds[int(key)]], position_ids=position_ids,
-                            position_embeddings=rotary)
-                h = out[0] if isinstance(out, tuple) else out  # transformers < 4.54 returns a tuple
+                h = layer(h, attention_mask=masks[self.mask_kinds[int(key)]], position_ids=position_ids,
+                          position_embeddings=rotary)
         if self.is_last:
             h = self.lm_head(self.model.norm(h))
         return h
@@ -102,20 +102,24 @@ def mask_kind(config, layer: int) -> str:
     return kind
 
 
+def check_transformers_version() -> None:
+    """The stages call transformers' mask functions and decoder layers as transformers 5 defines
+    them (keyword `inputs_embeds`, no cache_position; a layer returns a tensor)."""
+    import transformers
+
+    major = int(transformers.__version__.split(".")[0])
+    if major < MIN_TRANSFORMERS:
+        raise UserError(
+            f"pipelining a Hugging Face model (--pp > 1) needs transformers>={MIN_TRANSFORMERS}, found "
+            f"{transformers.__version__}; upgrade it (pip install -U 'transformers>={MIN_TRANSFORMERS}') or use --pp 1"
+        )
+
+
 def causal_mask(config, like: torch.Tensor, position_ids: torch.Tensor, kind: str):
     """transformers' own mask for `kind` (None where sdpa's is_causal suffices), from the
     position ids alone: no padding mask (tenfold ignores padded targets in the loss) and no cache.
     Restarting position ids (packed fine-tuning rows) give the block-diagonal mask."""
-    try:
-        from transformers import masking_utils
-    except ImportError:
-        raise UserError("pipelining a Hugging Face model needs transformers>=4.53 (transformers.masking_utils); "
-                        "upgrade it or use --pp 1") from None
+    from transformers import masking_utils
+
     fn = masking_utils.create_causal_mask if kind == "full_attention" else masking_utils.create_sliding_window_causal_mask
-    params = inspect.signature(fn).parameters
-    kwargs = {"attention_mask": None, "position_ids": position_ids}
-    kwargs["inputs_embeds" if "inputs_embeds" in params else "input_embeds"] = like
-    kwargs["cache" if "cache" in params else "past_key_values"] = None
-    if "cache_position" in params:  # transformers < 5
-        kwargs["cache_position"] = torch.arange(like.shape[1], device=like.device)
-    return fn(config, **kwargs)
+    return fn(config, inputs_embeds=like, attention_mask=None, cache=None, position_ids=position_ids)
