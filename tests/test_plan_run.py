@@ -164,8 +164,10 @@ def test_nothing_unsupported_is_ranked_by_default(capsys):
         assert (run.pp, run.tp, run.zero_stage, run.micro_batch) == (
             p.strategy["pp"], p.strategy["tp"], p.strategy["zero"], p.micro_batch)
     every = plan_json(capsys, *argv, "--include-unsupported")
-    marked = [p for p in every["best"] if p["unsupported"]]
-    assert marked and all(p["strategy"]["offload"] != "none" for p in marked)
+    offloaded = [p for p in every["best"] if p["strategy"]["offload"] != "none"]
+    assert offloaded and all(p["strategy"]["offload"] != "none" for p in every["best"] if p["unsupported"])
+    # train offloads through FSDP2 (ZeRO-2/3): those run, an offloaded ZeRO-1 is marked
+    assert all(bool(p["unsupported"]) == (p["strategy"]["zero"] < 2) for p in offloaded)
 
 
 def test_tied_embeddings_are_never_pipelined_by_the_advice(capsys):
@@ -272,7 +274,8 @@ def test_the_table_is_what_the_config_accepts():
     # Tensor parallelism is runnable exactly when tenfold train has a tensor-parallel degree.
     assert capabilities.ENGINE.tensor_parallel == ("tp_degree" in ParallelSection.model_fields)
     assert capabilities.ENGINE.compile == ("compile" in TrainSection.model_fields)
-    assert capabilities.ENGINE.offload == ("none",) and not any("offload" in k for k in ParallelSection.model_fields)
+    assert set(capabilities.ENGINE.offload) == set(typing.get_args(ParallelSection.model_fields["offload"].annotation))
+    assert capabilities.ENGINE.hybrid_shard == ("shard_group_size" in ParallelSection.model_fields)
 
 
 def test_train_refuses_what_the_table_refuses(tmp_path, capsys):
@@ -287,8 +290,10 @@ def test_train_refuses_what_the_table_refuses(tmp_path, capsys):
     hf = capabilities.Layout(model=resolve_run(build_config({}), 2).model, world_size=2, pp=2, zero=0, micro_batches=2,
                              recompute=RecomputePolicy("selective", target="attention"), precision="bf16", model_kind="hf")
     assert len(capabilities.problems(hf)) == 2
-    for argv, needle in ((["--offload", "optimizer"], "unrecognized arguments: --offload"),
-                         (["--set", "parallel.offload=optimizer"], "unknown config key 'parallel.offload'"),
+    for argv, needle in ((["--offload", "optimizer"], "parallel.offload 'optimizer' (--offload) runs through FSDP2"),
+                         (["--set", "parallel.offload=nvme"], "invalid value 'nvme' for parallel.offload"),
+                         (["--nproc", "4", "--zero", "3", "--shard-group", "3"], "must divide the 4 data-parallel ranks"),
+                         (["--nproc", "4", "--zero", "1", "--shard-group", "2"], "needs --zero 2 or 3, got 1"),
                          (["--nproc", "2", "--pp", "2", "--grad-accum", "2", "--set", "model.tie_embeddings=true"],
                           "cannot be pipelined")):
         try:

@@ -35,6 +35,8 @@ class Capabilities:
     tensor_parallel: bool
     tensor_parallel_hf_types: tuple[str, ...]  # Hugging Face model_types with a built-in tensor-parallel plan
     offload: tuple[str, ...]  # ZeRO-Offload of optimizer states / parameters to host memory
+    offload_zero_stages: tuple[int, ...]  # the stages an offload runs with (FSDP2's CPUOffloadPolicy)
+    hybrid_shard: bool  # HSDP: ZeRO-2/3 shard inside groups of dp ranks, replicate across them
     pipeline_models: tuple[str, ...]  # model kinds the pipeline split can cut
     attention_core_models: tuple[str, ...]  # model kinds with a module selective:attention can wrap
     compile: bool  # torch.compile per transformer block (train.compile)
@@ -50,7 +52,12 @@ ENGINE = Capabilities(
     # by their module names (q/k/v/o_proj, gate/up/down_proj, embed_tokens, lm_head)
     tensor_parallel=True,
     tensor_parallel_hf_types=("llama", "mistral", "qwen2"),
-    offload=("none",),
+    # FSDP2's CPUOffloadPolicy (techniques/zero.py): sharded parameters, gradients and the
+    # optimizer step on the host; "optimizer+params" is DeepSpeed's offload_param (ZeRO-3 only).
+    offload=("none", "optimizer", "optimizer+params"),
+    offload_zero_stages=(2, 3),
+    # FSDP2 on a 2-D (replicate, shard) device mesh (techniques/zero.py, parallel.shard_group_size)
+    hybrid_shard=True,
     # The split cuts tenfold's GPT by parameter name (tok_emb, layers.N, norm, output).
     pipeline_models=("tenfold",),
     # selective:attention wraps `block.attn.core`; Hugging Face blocks compute attention in a function.
@@ -80,6 +87,7 @@ class Layout:
     virtual_stages: int = 1
     tp: int = 1
     offload: str = "none"
+    shard_group: int | None = None  # dp ranks sharding together (HSDP); None: every dp rank
     model_kind: str = "tenfold"
     pp_split: tuple[int, ...] | None = None
     hf_model_type: str = ""  # a Hugging Face model's config.json model_type
@@ -135,8 +143,32 @@ def _technique_problems(layout: Layout, caps: Capabilities) -> list[str]:
             f"tensor-parallel plan; built in: {', '.join(caps.tensor_parallel_hf_types)} (and tenfold's own "
             "models); use --tp 1, or train it through the Python API with Trainer(tp_plan={FQN: ParallelStyle})"
         )
-    if layout.offload not in caps.offload:
-        out.append(f"offload {layout.offload!r}: tenfold train keeps optimizer states and parameters on the device")
+    return out + _sharding_problems(layout, caps)
+
+
+def _sharding_problems(layout: Layout, caps: Capabilities) -> list[str]:
+    """Hybrid sharding and offload: both are FSDP2 options, so both need ZeRO-2/3."""
+    out = []
+    dp = layout.world_size // max(1, layout.pp * layout.tp)
+    n = layout.shard_group
+    if n is not None and not caps.hybrid_shard:
+        out.append(f"parallel.shard_group_size {n} (--shard-group): tenfold train has no hybrid sharding")
+    elif n is not None:
+        if layout.zero not in (2, 3):
+            out.append(f"parallel.shard_group_size {n} (--shard-group): hybrid sharding (FSDP2 on a (replicate, "
+                       f"shard) mesh) needs --zero 2 or 3, got {layout.zero}")
+        if n < 2 or dp % n:
+            out.append(f"parallel.shard_group_size {n} (--shard-group) must divide the {dp} data-parallel ranks "
+                       f"(world / (pp x tp)) and be at least 2; allowed: {', '.join(map(str, divisors(dp)[1:])) or 'none'}")
+    off = layout.offload
+    if off not in caps.offload:
+        out.append(f"parallel.offload {off!r} (--offload): tenfold train runs {', '.join(caps.offload)}")
+    elif off != "none" and layout.zero not in caps.offload_zero_stages:
+        out.append(f"parallel.offload {off!r} (--offload) runs through FSDP2's CPUOffloadPolicy: needs --zero "
+                   f"{' or '.join(map(str, caps.offload_zero_stages))}, got {layout.zero}")
+    elif off == "optimizer+params" and layout.zero != 3:
+        out.append("parallel.offload 'optimizer+params' (--offload) needs --zero 3 (only stage 3 partitions parameters); "
+                   "use --offload optimizer with --zero 2")
     return out
 
 

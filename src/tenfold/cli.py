@@ -103,6 +103,11 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    help="torch.compile each transformer block (compile time reported on its own; default off: "
                    "see docs/compile.md for where it pays)")
     x.add_argument("--zero", type=int, help="ZeRO stage 0-3 across data-parallel ranks")
+    x.add_argument("--shard-group", type=int, metavar="N", help="hybrid sharding (HSDP) with --zero 2/3: shard inside "
+                   "groups of N data-parallel ranks (e.g. one node), replicate across groups (default: all dp ranks)")
+    x.add_argument("--offload", choices=("none", "optimizer", "optimizer+params"), help="ZeRO-Offload with --zero 2/3: "
+                   "none (default) | optimizer | optimizer+params "
+                   "(sharded weights, gradients and the optimizer step in host memory: docs/zero.md)")
     x.add_argument("--nproc", type=int, help="start N local ranks (a torchrun shortcut)")
     x.add_argument("--watchdog", type=float, metavar="FACTOR", help="multi-process runs: a step that runs past FACTOR x "
                    "the median step (and parallel.watchdog_min_s, 30 s) stops the job, naming the rank that stalled "
@@ -130,6 +135,7 @@ _TRAIN_FLAGS = {
     "global_batch": ("train", "global_batch"), "lr": ("train", "lr"), "seed": ("train", "seed"),
     "eval_every": ("train", "eval_every"), "on_nan": ("train", "on_nan"), "compile": ("train", "compile"), "precision": ("precision", "dtype"),
     "ac": ("recompute", "policy"), "zero": ("parallel", "zero_stage"), "nproc": ("parallel", "nproc"),
+    "shard_group": ("parallel", "shard_group_size"), "offload": ("parallel", "offload"),
     "pp": ("parallel", "pp_degree"), "pp_schedule": ("parallel", "pp_schedule"),
     "tp": ("parallel", "tp_degree"), "sequence_parallel": ("parallel", "sequence_parallel"),
     "virtual_stages": ("parallel", "virtual_stages"), "pp_split": ("parallel", "pp_split"),

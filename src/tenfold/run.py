@@ -38,6 +38,8 @@ class ResolvedRun:
     virtual_stages: int  # stages per pipeline rank (1 unless the schedule interleaves)
     tp: int = 1  # tensor-parallel ranks: each layer's matrices split over them
     sequence_parallel: bool = False  # norms and the residual stream split by sequence over the tp ranks
+    shard_group: int | None = None  # dp ranks that shard together (HSDP); None: every dp rank
+    offload: str = "none"  # ZeRO-Offload: "none" | "optimizer" | "optimizer+params"
 
     @property
     def micro_batch(self) -> int:
@@ -68,7 +70,7 @@ class ResolvedRun:
             precision=self.precision, micro_batches=self.grad_accum, schedule=self.pp_schedule,
             virtual_stages=self.virtual_stages, model_kind=self.model_kind, pp_split=tuple(split) if split else None,
             tp=self.tp, hf_model_type=hf_model_type(self.config) if self.tp > 1 else "",
-            compile=self.config.train.compile,
+            compile=self.config.train.compile, shard_group=self.shard_group, offload=self.offload,
         )
 
     def batch_summary(self) -> dict:
@@ -115,7 +117,7 @@ def resolve_run(cfg: TenfoldConfig, world_size: int, check: bool = True, own_mod
         recompute=parse_recompute(cfg.recompute.policy), zero_stage=par.zero_stage,
         pp_schedule=par.pp_schedule,
         virtual_stages=virtual_stages_for(par.pp_schedule, par.virtual_stages) if pp > 1 else 1,
-        tp=tp, sequence_parallel=sequence_parallel,
+        tp=tp, sequence_parallel=sequence_parallel, shard_group=par.shard_group_size, offload=par.offload,
     )
     if check:
         capabilities.check(run.layout)

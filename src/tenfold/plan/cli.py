@@ -6,7 +6,7 @@ the recipe's path.
 `--deepspeed`, `--set`, resolved by the same code), plus the fleet (`--gpu`, `--gpus` =
 train's `--nproc` unless given, `--gpus-per-node`, `--hardware-file`), shape flags for a model
 without a config (`--params`, `--layers/--hidden/...`) and what-ifs train does not run
-(`--offload`, other stacks' bookkeeping).
+(other stacks' bookkeeping).
 
 `register(subparsers)` plugs into tenfold's CLI; `main(argv)` runs standalone
 (`python -m tenfold.plan.cli ...`). Bad input raises `UserError` (exit status 2)."""
@@ -29,7 +29,7 @@ DIMENSIONS = ("layers", "hidden", "heads", "vocab")  # a whole shape; with --kv-
 SHAPE_KEYS = {"layers": "n_layers", "hidden": "d_model", "heads": "n_heads", "kv_heads": "n_kv_heads",
               "ffn": "d_ff", "vocab": "vocab_size", "mlp": "mlp", "norm": "norm"}
 # Planner flags that change the strategy or the stack the prediction describes.
-WHAT_IFS = ("offload", "master_weights", "grads_fp32", "dropout", "flash_attention",
+WHAT_IFS = ("master_weights", "grads_fp32", "dropout", "flash_attention",
             "overlap_comm", "activation_style", "tokens", "achieved_tflops")
 
 
@@ -86,7 +86,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _add_what_ifs(p: argparse.ArgumentParser) -> None:
     w = p.add_argument_group("what-ifs (the planner prices them; tenfold train does not run them)")
-    w.add_argument("--offload", choices=("none", "optimizer", "optimizer+params"), default="none")
     w.add_argument("--master-weights", action=argparse.BooleanOptionalAction, default=False,
                    help="16-bit params + fp32 master copy (DeepSpeed, Megatron); default: fp32 params under autocast, as tenfold trains")
     w.add_argument("--grads-fp32", action="store_true", help="fp32 gradients (Megatron main grads)")

@@ -26,7 +26,7 @@ def strategy_for_run(run: ResolvedRun, precision: str | None = None) -> Strategy
         precision=precision or run.precision, micro_batch=run.micro_batch, grad_accum=run.grad_accum,
         global_batch=run.global_batch, seq_len=run.seq_len, ac=str(run.recompute), zero=engine_zero_stage(run),
         pp=run.pp, pp_schedule=run.pp_schedule, virtual_stages=run.virtual_stages, tp=run.tp,
-        sequence_parallel=run.sequence_parallel, **ENGINE_STACK,
+        sequence_parallel=run.sequence_parallel, offload=run.offload, **ENGINE_STACK,
     )
 
 
@@ -38,7 +38,7 @@ def strategy_for_config(cfg: TenfoldConfig, seq_len: int | None) -> Strategy:
         precision=cfg.precision.dtype, micro_batch=t.micro_batch, grad_accum=t.grad_accum, global_batch=t.global_batch,
         seq_len=seq_len, ac=cfg.recompute.policy, zero=par.zero_stage, pp=par.pp_degree, pp_schedule=par.pp_schedule,
         virtual_stages=par.virtual_stages, tp=par.tp_degree,
-        sequence_parallel=sequence_parallel_for(par.tp_degree, par.sequence_parallel), **ENGINE_STACK,
+        sequence_parallel=sequence_parallel_for(par.tp_degree, par.sequence_parallel), offload=par.offload, **ENGINE_STACK,
     )
 
 
