@@ -44,6 +44,14 @@ class DistInfo:
     tp_size: int = 1
     tp_rank: int = 0
     mesh: object | None = None  # torch DeviceMesh ("pp", "dp", "tp") when world_size > 1
+    shard_size: int = 0  # dp ranks that shard together: dp_size, or the HSDP group (0: one process)
+    hybrid_mesh: object | None = None  # ("dp_replicate", "dp_shard") under hybrid sharding (`hybrid_mesh`)
+
+    @property
+    def hybrid(self) -> bool:
+        """Hybrid sharding: the dp ranks form groups of `shard_size` that shard, replicated
+        across groups."""
+        return self.hybrid_mesh is not None
 
     @property
     def is_main(self) -> bool:
@@ -65,9 +73,15 @@ def pick_device(local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def backend_for(device: torch.device) -> str:
-    """NCCL for CUDA ranks, gloo otherwise (the only CPU backend that ships with torch)."""
-    return "nccl" if device.type == "cuda" else "gloo"
+def backend_for(device: torch.device, host_collectives: bool = False) -> str:
+    """NCCL for CUDA ranks, gloo otherwise (the only CPU backend that ships with torch).
+    `host_collectives`: CUDA ranks also reduce tensors that live in host memory (ZeRO-Offload:
+    FSDP2's offloaded gradients are CPU DTensors, and their global norm is an all-reduce of a
+    CPU tensor, which NCCL cannot do), so CPU tensors go over gloo (torch's per-device backend
+    string; torchtitan's fix for clipping under CPU offload, pytorch/torchtitan#622)."""
+    if device.type != "cuda":
+        return "gloo"
+    return "cuda:nccl,cpu:gloo" if host_collectives else "nccl"
 
 
 # `tenfold train --nproc`: the launcher creates this file when it gets SIGTERM/SIGINT; every
@@ -86,9 +100,11 @@ def world_size_from_env() -> int:
     return int(os.environ["WORLD_SIZE"]) if launched_by_torchrun() else 1
 
 
-def init_distributed(pp_size: int = 1, timeout_s: float = 600.0, tp_size: int = 1) -> DistInfo:
+def init_distributed(pp_size: int = 1, timeout_s: float = 600.0, tp_size: int = 1, shard_size: int | None = None,
+                     host_collectives: bool = False) -> DistInfo:
     """Join the job's process group and build the (pp, dp, tp) device mesh. The sizes come
-    from the resolved run (tenfold.run.resolve_run has checked that pp x tp divides the world)."""
+    from the resolved run (tenfold.run.resolve_run has checked that pp x tp divides the world
+    and that `shard_size`, the HSDP group, divides dp). `host_collectives`: see `backend_for`."""
     if not launched_by_torchrun() or int(os.environ["WORLD_SIZE"]) == 1:
         return DistInfo(device=pick_device(0))
     from tenfold.errors import UserError
@@ -103,25 +119,43 @@ def init_distributed(pp_size: int = 1, timeout_s: float = 600.0, tp_size: int = 
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device = pick_device(local_rank)
     if not dist.is_initialized():
-        kwargs: dict[str, Any] = {"backend": backend_for(device), "timeout": timedelta(seconds=timeout_s)}
+        kwargs: dict[str, Any] = {"backend": backend_for(device, host_collectives), "timeout": timedelta(seconds=timeout_s)}
         if device.type == "cuda":
             kwargs["device_id"] = device  # eager NCCL init, one communicator per device
         dist.init_process_group(**kwargs)
     dp_size = world // (pp_size * tp_size)
+    shard = shard_size if shard_size and shard_size < dp_size else dp_size
+    mesh = build_mesh(device.type, pp_size, dp_size, tp_size)
+    return DistInfo(
+        rank=rank, world_size=world, local_rank=local_rank, device=device,
+        dp_size=dp_size, dp_rank=mesh["dp"].get_local_rank(),
+        pp_size=pp_size, pp_rank=mesh["pp"].get_local_rank(),
+        tp_size=tp_size, tp_rank=mesh["tp"].get_local_rank(), mesh=mesh, shard_size=shard,
+        hybrid_mesh=hybrid_mesh(mesh, dp_size, shard) if shard < dp_size else None,
+    )
+
+
+def build_mesh(device_type: str, pp_size: int, dp_size: int, tp_size: int):
+    """The ("pp", "dp", "tp") device mesh."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh(device.type, (pp_size, dp_size, tp_size), mesh_dim_names=("pp", "dp", "tp"))
+    mesh = init_device_mesh(device_type, (pp_size, dp_size, tp_size), mesh_dim_names=("pp", "dp", "tp"))
     if dp_size > 1 and tp_size > 1:
         # FSDP2 on the dp axis of tp-split parameters gives 2-D (dp, tp) DTensors; a reduction
         # over both (the gradient norm) is then one all-reduce on this flattened group instead
         # of two in a row (torchtitan flattens its data-parallel dims the same way).
         mesh["dp", "tp"]._flatten("dp_tp")
-    return DistInfo(
-        rank=rank, world_size=world, local_rank=local_rank, device=device,
-        dp_size=dp_size, dp_rank=mesh["dp"].get_local_rank(),
-        pp_size=pp_size, pp_rank=mesh["pp"].get_local_rank(),
-        tp_size=tp_size, tp_rank=mesh["tp"].get_local_rank(), mesh=mesh,
-    )
+    return mesh
+
+
+def hybrid_mesh(mesh, dp_size: int, shard_size: int):
+    """Hybrid sharding: the "dp" dimension split into ("dp_replicate", "dp_shard"), a group of
+    `shard_size` neighbouring dp ranks that shard, the groups replicating. "dp_shard" is the
+    inner dimension, so when a node holds shard_size x tp ranks the sharding collectives stay
+    on the node and only the replicas' gradient all-reduce crosses nodes (PyTorch HSDP;
+    torchtitan's dp_replicate x dp_shard). The (pp, dp, tp) mesh stays as it is: whatever
+    reduces over every data-parallel rank (loss, token count, data order) reads "dp"."""
+    return mesh["dp"]._unflatten(0, (dp_size // shard_size, shard_size), ("dp_replicate", "dp_shard"))
 
 
 # --------------------------------------------------------------------------- timeouts
@@ -132,6 +166,8 @@ def _all_groups(info: DistInfo) -> list:
     if info.mesh is not None:
         for name in ("pp", "dp", "tp"):
             groups.append(info.mesh[name].get_group())
+    if info.hybrid_mesh is not None:
+        groups += [info.hybrid_mesh[name].get_group() for name in ("dp_replicate", "dp_shard")]
     return groups
 
 
