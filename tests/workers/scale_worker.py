@@ -59,10 +59,12 @@ def layout_of(cfg: dict) -> dict:
     t.setup()
     p = t.model.layers["0"].attn.wq.weight if hasattr(t.model.layers["0"].attn, "wq") else next(t.model.layers["0"].parameters())
     opt_devices = sorted({str(v.device) for s in t.optimizer.state.values() for v in s.values() if torch.is_tensor(v)})
+    local = lambda q: q.to_local() if hasattr(q, "to_local") else q  # noqa: E731
+    mesh = getattr(p, "device_mesh", None)
     return {
-        "mesh": p.device_mesh.mesh.tolist(), "mesh_dims": list(p.device_mesh.mesh_dim_names),
-        "placements": [str(x) for x in p.placements], "local_share": p.to_local().numel() / p.numel(),
-        "offloaded": offloaded(t.model), "param_devices": sorted({str(q.to_local().device) for q in t.model.parameters()}),
+        "mesh": mesh.mesh.tolist() if mesh else None, "mesh_dims": list(mesh.mesh_dim_names) if mesh else [],
+        "placements": [str(x) for x in getattr(p, "placements", ())], "local_share": local(p).numel() / p.numel(),
+        "offloaded": offloaded(t.model), "param_devices": sorted({str(local(q).device) for q in t.model.parameters()}),
         "optimizer_devices": opt_devices,
     }
 
@@ -99,12 +101,12 @@ def ckpt_config(out: Path, steps: int, **parallel) -> dict:
 
 
 def checkpoints(root: Path) -> dict:
-    """HSDP (4 ranks, groups of 2): 4 steps uninterrupted; 2 steps, then resumed to 4 on the
-    same layout and on plain ZeRO-3 over all 4 ranks (another shard group size). The 2-rank
-    resume of the same checkpoint runs in mode `resume2`."""
+    """HSDP (4 ranks, groups of 2): 4 steps uninterrupted, saving at steps 2 and 4; a new
+    Trainer resumes its step-2 checkpoint to step 4 on the same layout, and on plain ZeRO-3
+    over all 4 ranks (another shard group size). The 2-rank resume of the same checkpoint runs
+    in mode `resume2`."""
     out = {"full": _fit(ckpt_config(root / "hsdp_full", 4, shard_group_size=2))}
-    _fit(ckpt_config(root / "hsdp_split", 2, shard_group_size=2))
-    step2 = str(root / "hsdp_split" / "checkpoints" / "step_2")
+    step2 = str(root / "hsdp_full" / "checkpoints" / "step_2")
     out["resumed_hsdp"] = _fit({**ckpt_config(root / "resumed_hsdp", 4, shard_group_size=2),
                                 "checkpoint": {"every": 2, "resume": step2}})
     out["resumed_shard4"] = _fit({**ckpt_config(root / "resumed_shard4", 4), "checkpoint": {"every": 2, "resume": step2}})
@@ -114,7 +116,7 @@ def checkpoints(root: Path) -> dict:
 def mode_resume2(out_dir: str) -> dict:
     """2 ranks (plain ZeRO-3) resume the 4-rank HSDP checkpoint that mode `hsdp` left in OUT's folder."""
     root = Path(out_dir)
-    step2 = str(root / "hsdp_split" / "checkpoints" / "step_2")
+    step2 = str(root / "hsdp_full" / "checkpoints" / "step_2")
     return {"resumed_2ranks": _fit({**ckpt_config(root / "resumed_2ranks", 4), "checkpoint": {"every": 2, "resume": step2}})}
 
 
@@ -132,10 +134,21 @@ def mode_offload(out_dir: str) -> dict:
     return res
 
 
+def mode_offload1(out_dir: str) -> dict:
+    """One process (no torchrun): ZeRO-Offload's single-device case runs FSDP2 on a mesh of one."""
+    res = {}
+    for stage, offload in ((2, "optimizer"), (3, "optimizer+params")):
+        cfg = fixed_batch(config(stage, "fp32", 1, 2, out_dir), offload=offload)
+        res[f"{stage}-{offload}"] = run_steps(cfg, measure_at=None)[1]
+        res[f"{stage}-{offload}-layout"] = layout_of(cfg)
+    return res
+
+
 def main() -> None:
     mode, out_path = sys.argv[1], sys.argv[2]
     out_dir = os.path.dirname(out_path)
-    result = {"hsdp": mode_hsdp, "resume2": mode_resume2, "offload": mode_offload}[mode](out_dir)
+    modes = {"hsdp": mode_hsdp, "resume2": mode_resume2, "offload": mode_offload, "offload1": mode_offload1}
+    result = modes[mode](out_dir)
     from tenfold.engine.distributed import gather_to_main, init_distributed
 
     info = init_distributed()

@@ -101,12 +101,13 @@ def world_size_from_env() -> int:
 
 
 def init_distributed(pp_size: int = 1, timeout_s: float = 600.0, tp_size: int = 1, shard_size: int | None = None,
-                     host_collectives: bool = False) -> DistInfo:
+                     offload: bool = False) -> DistInfo:
     """Join the job's process group and build the (pp, dp, tp) device mesh. The sizes come
     from the resolved run (tenfold.run.resolve_run has checked that pp x tp divides the world
-    and that `shard_size`, the HSDP group, divides dp). `host_collectives`: see `backend_for`."""
+    and that `shard_size`, the HSDP group, divides dp). `offload`: ZeRO-Offload, which runs on
+    FSDP2 even on one process (`_one_process_group`) and reduces host tensors (`backend_for`)."""
     if not launched_by_torchrun() or int(os.environ["WORLD_SIZE"]) == 1:
-        return DistInfo(device=pick_device(0))
+        return _one_process_group(timeout_s) if offload else DistInfo(device=pick_device(0))
     from tenfold.errors import UserError
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -119,7 +120,7 @@ def init_distributed(pp_size: int = 1, timeout_s: float = 600.0, tp_size: int = 
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device = pick_device(local_rank)
     if not dist.is_initialized():
-        kwargs: dict[str, Any] = {"backend": backend_for(device, host_collectives), "timeout": timedelta(seconds=timeout_s)}
+        kwargs: dict[str, Any] = {"backend": backend_for(device, offload), "timeout": timedelta(seconds=timeout_s)}
         if device.type == "cuda":
             kwargs["device_id"] = device  # eager NCCL init, one communicator per device
         dist.init_process_group(**kwargs)
@@ -133,6 +134,21 @@ def init_distributed(pp_size: int = 1, timeout_s: float = 600.0, tp_size: int = 
         tp_size=tp_size, tp_rank=mesh["tp"].get_local_rank(), mesh=mesh, shard_size=shard,
         hybrid_mesh=hybrid_mesh(mesh, dp_size, shard) if shard < dp_size else None,
     )
+
+
+def _one_process_group(timeout_s: float) -> DistInfo:
+    """One process that offloads (ZeRO-Offload's single-GPU case): FSDP2 shards over a device
+    mesh, so the process joins a process group of one, over an in-memory store (no network);
+    FSDP2's collectives over one rank are copies."""
+    device = pick_device(int(os.environ.get("LOCAL_RANK", 0)))
+    if not dist.is_initialized():
+        kwargs: dict[str, Any] = {"backend": backend_for(device, True), "store": dist.HashStore(), "rank": 0,
+                                  "world_size": 1, "timeout": timedelta(seconds=timeout_s)}
+        if device.type == "cuda":
+            kwargs["device_id"] = device
+        dist.init_process_group(**kwargs)
+        _register_exit_shutdown()
+    return DistInfo(device=device, mesh=build_mesh(device.type, 1, 1, 1), shard_size=1)
 
 
 def build_mesh(device_type: str, pp_size: int, dp_size: int, tp_size: int):

@@ -41,9 +41,13 @@ def offload_policy(parallel_cfg: Any, device: torch.device):
     return CPUOffloadPolicy(pin_memory=device.type == "cuda")
 
 
+def offloads(parallel_cfg: Any) -> bool:
+    return _value(parallel_cfg) != "none"
+
+
 def optimizer_device(parallel_cfg: Any, device: torch.device) -> torch.device:
     """Where the optimizer's parameters (and so its states and step) live."""
-    return torch.device("cpu") if _value(parallel_cfg) != "none" else device
+    return torch.device("cpu") if offloads(parallel_cfg) else device
 
 
 def offloaded(model: nn.Module) -> bool:

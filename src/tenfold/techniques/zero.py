@@ -71,12 +71,15 @@ def apply_zero(
     them for any model, tenfold.models.adapter); default `model.layers` (tenfold's GPT).
 
     One data-parallel rank: there is nothing to shard or reduce, the model is returned as is
-    for every stage (a single-process run is the reference the stages are tested against).
+    for every stage (a single-process run is the reference the stages are tested against),
+    unless it offloads (ZeRO-Offload's single-GPU case: FSDP2 on a mesh of one rank).
     """
+    from tenfold.techniques.offload import offloads
+
     stage = int(parallel_cfg.zero_stage)
     if stage not in ENGINES:
         raise UserError(f"parallel.zero_stage must be 0, 1, 2 or 3, got {stage}")
-    if dist.dp_size <= 1:
+    if dist.dp_size <= 1 and not (offloads(parallel_cfg) and getattr(dist, "mesh", None) is not None):
         return model
     _warn_unmapped_knobs(parallel_cfg, stage, dist)
     tensor_parallel = getattr(dist, "tp_size", 1) > 1
