@@ -66,6 +66,22 @@ def test_hsdp_on_four_ranks_matches_one_process(hsdp_runs, reference, stage):
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
+def test_hsdp_with_offload_matches_one_process(hsdp_runs, reference):
+    """HSDP + ZeRO-Offload (CPUOffloadPolicy on the 2-D mesh): same curve, policy applied, and
+    each rank's host memory is 16 B per parameter over its group of 2, not over all 4."""
+    for rank in map(str, range(4)):
+        run = hsdp_runs["four"][rank]["3-fp32-offload"]
+        assert rel_err(run["losses"], reference["fp32"]["losses"]) < RTOL
+        layout = hsdp_runs["four"][rank]["offload-layout"]
+        assert layout["offloaded"] and layout["placements"] == ["R", "S(0)"]
+        b = run["state_bytes"]
+        host = b["params_bytes"] + b["grads_bytes"] + b["optimizer_bytes"]
+        n = sum(g.numel() for g in reference["grads"].values())
+        assert host == pytest.approx(16 * n / 2, rel=0.01)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_hsdp_bf16_matches_one_process(hsdp_runs, reference):
     for rank in map(str, range(4)):
         assert rel_err(hsdp_runs["four"][rank]["3-bf16"]["losses"], reference["bf16"]["losses"]) < BF16_RTOL

@@ -75,14 +75,17 @@ def save_grads(out_dir: str, key: str, grads: dict) -> None:
 
 
 def mode_hsdp(out_dir: str) -> dict:
-    """4 ranks, shard groups of 2: equivalence (fp32 ZeRO-2/3, bf16 ZeRO-3), layout, first
-    gradients, and checkpoints: stop at step 2, resume on HSDP and on plain ZeRO-3 (shard 4)."""
+    """4 ranks, shard groups of 2: equivalence (fp32 ZeRO-2/3, bf16 ZeRO-3, with offload), layout,
+    first gradients, and checkpoints: stop at step 2, resume on HSDP and on plain ZeRO-3 (shard 4)."""
     res: dict = {}
     for stage in (2, 3):
         res[f"{stage}-fp32"] = run_steps(fixed_batch(config(stage, "fp32", 1, 2, out_dir), shard_group_size=2), measure_at=None)[1]
     res["3-bf16"] = run_steps(fixed_batch(config(3, "bf16", 1, 2, out_dir), shard_group_size=2), measure_at=None)[1]
     res["3-fp32-full-shard"] = run_steps(fixed_batch(config(3, "fp32", 1, 2, out_dir)), measure_at=None)[1]
     res["layout"] = layout_of(fixed_batch(config(3, "fp32", 1, 2, out_dir), shard_group_size=2))
+    offloaded_hsdp = fixed_batch(config(3, "fp32", 1, 2, out_dir), shard_group_size=2, offload="optimizer")
+    res["3-fp32-offload"] = run_steps(offloaded_hsdp, measure_at=None)[1]
+    res["offload-layout"] = layout_of(offloaded_hsdp)
     save_grads(out_dir, "hsdp", first_step_grads(fixed_batch(config(3, "fp32", 1, 2, out_dir), shard_group_size=2)))
     res.update(checkpoints(Path(out_dir)))
     return res
