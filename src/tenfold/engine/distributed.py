@@ -1,10 +1,12 @@
 """Process-group setup: one process or many under torchrun; gloo on CPU, NCCL on GPU.
 
-* `init_distributed(pp_size, timeout_s, tp_size)`: reads torchrun's env:// variables, picks
-  the backend from the device (NCCL with one GPU per rank, else gloo), builds the
-  ("pp", "dp", "tp") device mesh (pipeline stages x data-parallel replicas x tensor-parallel
-  ranks). tp is the innermost, contiguous dimension: its collectives run in every layer, so
-  its ranks must share a node (NVLink), then dp, then pp (Megatron-LM's and torchtitan's order).
+* `init_distributed(pp_size, timeout_s, tp_size, shard_size, offload)`: reads torchrun's
+  env:// variables, picks the backend from the device (NCCL with one GPU per rank, else
+  gloo), builds the ("pp", "dp", "tp") device mesh (pipeline stages x data-parallel replicas
+  x tensor-parallel ranks). tp is the innermost, contiguous dimension: its collectives run in
+  every layer, so its ranks must share a node (NVLink), then dp, then pp (Megatron-LM's and
+  torchtitan's order). Hybrid sharding splits dp into ("dp_replicate", "dp_shard")
+  (`hybrid_mesh`); ZeRO-Offload on one process joins a process group of one.
 * Failures: every rank's stderr lines are prefixed with `[rank k]`, an uncaught exception is
   recorded in torchelastic's error file (torchrun's failure summary then shows the rank and
   its error), and `tighten_timeouts` shortens the collective timeout after the first step, so
