@@ -194,3 +194,12 @@ def test_the_mesh_splits_dp_into_replicate_x_shard():
 
     assert not DistInfo(dp_size=4, shard_size=4).hybrid and not DistInfo().hybrid
     assert DistInfo(dp_size=4, shard_size=2, hybrid_mesh=object()).hybrid
+
+
+def test_dry_run_names_the_shard_groups_and_the_offload(capsys):
+    from tenfold.cli import main
+
+    assert main(["train", "--nproc", "8", "--zero", "3", "--shard-group", "4", "--offload", "optimizer", "--dry-run"]) == 0
+    assert "ZeRO 3 in shard groups of 4, offload optimizer;" in capsys.readouterr().out
+    assert main(["train", "--nproc", "8", "--zero", "3", "--shard-group", "8", "--dry-run"]) == 0
+    assert "ZeRO 3; recompute" in capsys.readouterr().out  # a group of every dp rank is plain ZeRO-3

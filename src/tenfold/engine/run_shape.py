@@ -41,8 +41,9 @@ def describe(run, predicted: dict[str, int]) -> list[str]:
         f"  precision  {run.precision}" + (" (fp32 where the device has no bf16)" if run.precision == "bf16" else ""),
         f"  batch      {run.global_batch} = {run.micro_batch} x {run.grad_accum} x dp {run.dp} sequences of "
         f"{run.seq_len} tokens ({run.tokens_per_step:,} tokens per step), {c.train.steps} steps",
-        f"  processes  {run.world_size} = pp {run.pp} x dp {run.dp} x tp {run.tp}; ZeRO {run.zero_stage}; "
-        f"recompute {run.recompute}"
+        f"  processes  {run.world_size} = pp {run.pp} x dp {run.dp} x tp {run.tp}; ZeRO {run.zero_stage}"
+        + (f" in shard groups of {run.shard_group}" if run.shard_group and run.shard_group < run.dp else "")
+        + (f", offload {run.offload}" if run.offload != "none" else "") + f"; recompute {run.recompute}"
         + (f"; schedule {run.pp_schedule}, {run.virtual_stages} stage(s) per rank" if run.pp > 1 else "")
         + ("; sequence parallel" if run.sequence_parallel else ""),
         "  memory     " + memory_line(predicted).removeprefix("memory "),
