@@ -142,7 +142,7 @@ def test_plot_writes_png(tmp_path, capsys):
     (["--model", "gpt3-175b", "--seq-len", "4096"], "above the model's context model.max_seq_len (2048)"),
     (["--model", "llama-7b", "--micro-batch", "2", "--grad-accum", "2", "--global-batch", "8", "--gpus", "4"],
      "must equal --micro-batch x --grad-accum x data-parallel size"),
-    (["--model", "tiny", "--set", "parallel.offload=1"], "unknown config key 'parallel.offload'"),
+    (["--model", "tiny", "--set", "parallel.offload=1"], "invalid value 1 for parallel.offload"),
     (["--config", "/nonexistent/run.toml"], "config file not found"),
 ])
 def test_bad_input_exits_2_with_one_line(capsys, argv, message):
