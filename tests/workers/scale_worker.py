@@ -10,7 +10,6 @@ rank saw, and the first step's full gradients to OUT-MODE-grads.pt files.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
@@ -18,7 +17,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from zero_worker import config, run_steps, token_array  # noqa: E402
+from zero_worker import config, run_steps, token_array, write_per_rank  # noqa: E402
 
 GLOBAL_BATCH = 8  # sequences per step on every layout (micro 1 x accum 8 / dp)
 
@@ -151,14 +150,7 @@ def main() -> None:
     mode, out_path = sys.argv[1], sys.argv[2]
     out_dir = os.path.dirname(out_path)
     modes = {"hsdp": mode_hsdp, "resume2": mode_resume2, "offload": mode_offload, "offload1": mode_offload1}
-    result = modes[mode](out_dir)
-    from tenfold.engine.distributed import gather_to_main, init_distributed
-
-    info = init_distributed()
-    per_rank = gather_to_main(result, info)
-    if info.is_main:
-        with open(out_path, "w") as f:
-            json.dump({str(r): v for r, v in enumerate(per_rank)}, f)
+    write_per_rank(modes[mode](out_dir), out_path)
 
 
 if __name__ == "__main__":
