@@ -107,7 +107,7 @@ def test_unsupported_keys_are_all_reported_in_one_warning(tmp_path):
     ds = {
         "fp16": {"enabled": True, "auto_cast": True, "fp16_master_weights_and_grads": False},
         "zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": 5e7, "reduce_scatter": True,
-                              "offload_param": {"device": "cpu"}},
+                              "offload_param": {"device": "cpu", "pin_memory": False}},
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "amsgrad": True}},
         "activation_checkpointing": {"partition_activations": True},
         "wandb": {"enabled": True},
@@ -118,7 +118,7 @@ def test_unsupported_keys_are_all_reported_in_one_warning(tmp_path):
     assert set(unsupported) == {
         "fp16.auto_cast=true",
         "zero_optimization.stage3_prefetch_bucket_size",
-        'zero_optimization.offload_param.device="cpu"',
+        "zero_optimization.offload_param.pin_memory=false",
         "optimizer.params.amsgrad=true",
         "activation_checkpointing.partition_activations=true",
         "wandb",
@@ -221,6 +221,43 @@ def test_a_binary_file_is_one_line(tmp_path):
 def test_bad_values_name_the_deepspeed_key(tmp_path, ds, match):
     with pytest.raises(UserError, match=match):
         load_deepspeed_json(_write(tmp_path, ds))
+
+
+@pytest.mark.parametrize("zero, offload", [
+    ({"offload_optimizer": {"device": "cpu", "pin_memory": True}}, "optimizer"),
+    ({"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu", "nvme_path": "/x", "buffer_count": 5}},
+     "optimizer+params"),
+    ({"offload_param": {"device": "cpu"}}, "optimizer+params"),  # FSDP2 moves the optimizer with them
+    ({"cpu_offload": True}, "optimizer"),
+    ({"cpu_offload": True, "cpu_offload_param": True}, "optimizer+params"),
+    ({"offload_optimizer": {"device": "none"}, "cpu_offload": False}, None),
+])
+def test_offload_keys_set_parallel_offload(tmp_path, zero, offload):
+    layer, unsupported, notices = load_deepspeed_json(_write(tmp_path, {"zero_optimization": {"stage": 3, **zero}}))
+    assert unsupported == [] and notices == []
+    assert layer["parallel"].get("offload") == offload
+    assert build_config(layer).parallel.offload == (offload or "none")
+
+
+def test_nvme_offload_is_refused_in_one_line(tmp_path):
+    ds = {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/local_nvme"}}}
+    with pytest.raises(UserError, match=r"'zero_optimization.offload_param.device'.*allowed: none, cpu") as e:
+        load_deepspeed_json(_write(tmp_path, ds))
+    assert "\n" not in str(e.value)
+
+
+def test_shard_group_keys(tmp_path):
+    read = lambda zero: load_deepspeed_json(_write(tmp_path, {"zero_optimization": {"stage": 3, **zero}}))  # noqa: E731
+    layer, unsupported, notices = read({"mics_shard_size": 8})
+    assert layer["parallel"]["shard_group_size"] == 8 and unsupported == notices == []
+    for off in ({"mics_shard_size": -1}, {"zero_hpz_partition_size": 1}):  # DeepSpeed's defaults: off
+        layer, unsupported, notices = read(off)
+        assert "shard_group_size" not in layer["parallel"] and unsupported == notices == []
+    layer, unsupported, notices = read({"zero_hpz_partition_size": 8})
+    assert layer["parallel"]["shard_group_size"] == 8 and unsupported == []
+    assert len(notices) == 1 and "zero_hpz_partition_size=8" in notices[0] and "not over every rank" in notices[0]
+    with pytest.raises(UserError, match="give one"):
+        read({"mics_shard_size": 4, "zero_hpz_partition_size": 8})
 
 
 def test_missing_file(tmp_path):

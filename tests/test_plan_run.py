@@ -190,15 +190,16 @@ def test_plan_and_a_real_pipeline_run_agree(tmp_path, capsys):
 def test_nothing_unsupported_is_ranked_by_default(capsys):
     argv = ["--search", "--model", "llama-7b", "--gpu", "h100-sxm", "--gpus", "16", "--global-batch", "256", "--top", "50"]
     d = plan_json(capsys, *argv)
-    assert d["best"]  # (tensor parallelism runs now; the default search prices no offload)
-    assert all(p["unsupported"] == [] and p["strategy"]["offload"] == "none" for p in d["best"])
+    assert d["best"] and all(p["unsupported"] == [] for p in d["best"])
     base = build_config({"model": {"name": "llama-7b"}, "train": {"global_batch": 256}})
     for p in search(resolve_run(base, 16, check=False), "h100-sxm", top_k=20).best:
         cfg, run = advice.config_for_plan(base, p.run, 8)  # resolved with the engine's own check
         assert run.layout() == p.run.layout() == p.strategy
     every = plan_json(capsys, *argv, "--include-unsupported")
-    marked = [p for p in every["best"] if p["unsupported"]]
-    assert marked and all(p["strategy"]["offload"] != "none" for p in marked)
+    offloaded = [p for p in every["best"] if p["strategy"]["offload"] != "none"]
+    assert offloaded and all(p["strategy"]["offload"] != "none" for p in every["best"] if p["unsupported"])
+    # train offloads through FSDP2 (ZeRO-2/3): those run, an offloaded ZeRO-1 is marked
+    assert all(bool(p["unsupported"]) == (p["strategy"]["zero_stage"] < 2) for p in offloaded)
 
 
 def test_tied_embeddings_are_never_pipelined_by_the_advice(capsys):
@@ -349,7 +350,8 @@ def test_the_table_is_what_the_config_accepts():
     # Tensor parallelism is runnable exactly when tenfold train has a tensor-parallel degree.
     assert capabilities.ENGINE.tensor_parallel == ("tp_degree" in ParallelSection.model_fields)
     assert capabilities.ENGINE.compile == ("compile" in TrainSection.model_fields)
-    assert set(capabilities.ENGINE.offload) <= set(typing.get_args(ParallelSection.model_fields["offload"].annotation))
+    assert set(capabilities.ENGINE.offload) == set(typing.get_args(ParallelSection.model_fields["offload"].annotation))
+    assert capabilities.ENGINE.hybrid_shard == ("shard_group_size" in ParallelSection.model_fields)
 
 
 def test_train_refuses_what_the_table_refuses(tmp_path, capsys):
@@ -365,9 +367,10 @@ def test_train_refuses_what_the_table_refuses(tmp_path, capsys):
                                    "recompute": {"policy": "selective:attention"}}), 2, check=False)
     hf = replace(hf, model_kind="hf")
     assert len(capabilities.problems(hf)) == 2
-    refused_offload = [] if "optimizer" in capabilities.ENGINE.offload else [
-        (["--offload", "optimizer", "--zero", "1", "--nproc", "2"], "parallel.offload 'optimizer' (--offload)")]
-    for argv, needle in (*refused_offload,
+    for argv, needle in ((["--offload", "optimizer"], "parallel.offload 'optimizer' (--offload) runs through FSDP2"),
+                         (["--set", "parallel.offload=nvme"], "invalid value 'nvme' for parallel.offload"),
+                         (["--nproc", "4", "--zero", "3", "--shard-group", "3"], "must divide the 4 data-parallel ranks"),
+                         (["--nproc", "4", "--zero", "1", "--shard-group", "2"], "needs --zero 2 or 3, got 1"),
                          (["--nproc", "2", "--pp", "2", "--grad-accum", "2", "--set", "model.tie_embeddings=true"],
                           "cannot be pipelined")):
         try:

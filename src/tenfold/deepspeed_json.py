@@ -25,6 +25,11 @@ its rows together (`SECTIONS`):
   calls. `cpu_checkpointing: true` -> recompute.policy "offload"; `number_checkpoints: K`
   -> "segments:K" (K checkpointed segments; DeepSpeed sizes its contiguous buffers by K).
 * `pipeline.activation_checkpoint_interval: N > 0` -> recompute.policy "every:N".
+* zero_optimization: `offload_param` / `offload_optimizer` with device cpu (or the older
+  `cpu_offload_param` / `cpu_offload`) -> parallel.offload "optimizer+params" / "optimizer";
+  device nvme is refused. `mics_shard_size: N` -> parallel.shard_group_size N (hybrid
+  sharding); `zero_hpz_partition_size: N` too, with a notice: ZeRO++ hpZ shards gradients and
+  optimizer states over every rank, tenfold's hybrid sharding within the group.
 Reading the file (comments, trailing commas, Python's True/False/None) is
 `tenfold.deepspeed_text`.
 """
@@ -49,6 +54,7 @@ class _Reader:
     def __init__(self, path: Path):
         self.path = path
         self.unsupported: list[str] = []
+        self.notes: list[str] = []  # keys read with a meaning that differs from DeepSpeed's, one line each
 
     def bad(self, key: str, value: Any, allowed: str) -> UserError:
         return UserError(f"invalid value {value!r} for DeepSpeed key {key!r} in {self.path}: {allowed}")
@@ -110,11 +116,37 @@ def integer(minimum: int | None = None, maximum: int | None = None) -> Convert:
     return convert
 
 
-def _offload_device(r: _Reader, key: str, v: Any) -> None:
-    """ZeRO-Offload: tenfold keeps optimizer states and parameters on the accelerator."""
-    device = r.section(key, v).get("device", "none")
-    if device not in (None, "none"):
-        r.unsupported.append(f"{key}.device={json.dumps(device)}")
+# Keys of DeepSpeed's offload_optimizer / offload_param objects that configure only its NVMe
+# swapper or its own CPU Adam, and so mean nothing for a CPU offload through FSDP2.
+_OFFLOAD_QUIET = ("nvme_path", "buffer_count", "buffer_size", "max_in_cpu", "fast_init", "pipeline", "pipeline_read",
+                  "pipeline_write")
+
+
+def _offload_device(r: _Reader, key: str, v: Any) -> bool:
+    """ZeRO-Offload (`device`: none | cpu | nvme) -> True when it offloads to host memory. FSDP2
+    offloads to host memory only: NVMe (ZeRO-Infinity) is refused. `pin_memory: false` and a
+    partial `ratio` are reported: FSDP2 pins on CUDA and offloads every shard."""
+    section = r.section(key, v)
+    device = section.get("device", "none")
+    if device in (None, "none"):
+        return False
+    if device != "cpu":
+        raise r.bad(f"{key}.device", device, "tenfold offloads to host memory through FSDP2's CPUOffloadPolicy; "
+                    "allowed: none, cpu (NVMe offload is not available)")
+    for k, value in section.items():
+        quiet = k in ("device", *_OFFLOAD_QUIET) or (k == "pin_memory" and value is True) or (k == "ratio" and value == 1)
+        if not quiet and not _is_auto(value):
+            r.unsupported.append(f"{key}.{k}={json.dumps(value)}")
+    return True
+
+
+def _disabled_below(limit: int) -> Convert:
+    """An integer for which DeepSpeed's values below `limit` (its defaults -1 and 1) mean off."""
+    def convert(r: _Reader, key: str, v: Any) -> int | None:
+        n = integer()(r, key, v)
+        return n if n >= limit else None
+
+    return convert
 
 
 def _optimizer_type(r: _Reader, key: str, v: Any) -> str:
@@ -195,13 +227,18 @@ KEYS: dict[str, Key] = {
     "zero_optimization.stage3_gather_fp16_weights_on_model_save": Key("checkpoint.export_16bit", flag),
     "zero_optimization.offload_optimizer": Key(None, _offload_device),
     "zero_optimization.offload_param": Key(None, _offload_device),
+    # hybrid sharding: MiCS shards inside groups of N ranks and replicates across them, as
+    # parallel.shard_group_size does (-1: off); ZeRO++ hpZ (1: off) is read the same way, with a note
+    "zero_optimization.mics_shard_size": Key("parallel.shard_group_size", _disabled_below(1)),
+    "zero_optimization.mics_hierarchical_params_gather": Key(quiet_at=False),
+    "zero_optimization.zero_hpz_partition_size": Key(None, _disabled_below(2)),
     "zero_optimization.reduce_scatter": Key(quiet_at=True),
     "zero_optimization.allgather_partitions": Key(quiet_at=True),
     "zero_optimization.load_from_fp32_weights": Key(quiet_at=True),
     "zero_optimization.ignore_unused_parameters": Key(quiet_at=True),
     "zero_optimization.round_robin_gradients": Key(quiet_at=False),
-    "zero_optimization.cpu_offload": Key(quiet_at=False),
-    "zero_optimization.cpu_offload_param": Key(quiet_at=False),
+    "zero_optimization.cpu_offload": Key(None, flag),  # DeepSpeed's older spelling of offload_optimizer cpu
+    "zero_optimization.cpu_offload_param": Key(None, flag),  # ... and of offload_param cpu
     "zero_optimization.elastic_checkpoint": Key(quiet_at=False),
     # optimizer: values checked here, defaults and decay form in _finish_optimizer
     "optimizer.type": Key(None, _optimizer_type),
@@ -275,6 +312,29 @@ def _finish_activation_checkpointing(r: _Reader, seen: dict, layer: dict) -> Non
         _put(layer, "recompute.policy", f"segments:{number}")
 
 
+def _finish_zero(r: _Reader, seen: dict, layer: dict) -> None:
+    """Offload: offload_param (ZeRO-3) -> "optimizer+params", else offload_optimizer -> "optimizer"
+    (FSDP2 offloads parameters and optimizer together: techniques/offload.py). hpZ -> the shard group."""
+    z = "zero_optimization."
+    if seen.get(z + "offload_param") or seen.get(z + "cpu_offload_param"):
+        _put(layer, "parallel.offload", "optimizer+params")
+    elif seen.get(z + "offload_optimizer") or seen.get(z + "cpu_offload"):
+        _put(layer, "parallel.offload", "optimizer")
+    hpz = seen.get(z + "zero_hpz_partition_size")
+    if hpz is None:
+        return
+    mics = layer.get("parallel", {}).get("shard_group_size")
+    if mics is not None and mics != hpz:
+        raise UserError(f"{r.path}: zero_optimization.mics_shard_size ({mics}) and zero_hpz_partition_size ({hpz}) "
+                        "both set tenfold's shard group (parallel.shard_group_size); give one")
+    _put(layer, "parallel.shard_group_size", hpz)
+    r.notes.append(
+        f"{r.path}: zero_optimization.zero_hpz_partition_size={hpz} is read as hybrid sharding "
+        f"(parallel.shard_group_size={hpz}, DeepSpeed's mics_shard_size): gradients and optimizer states are "
+        f"sharded within groups of {hpz} ranks too, not over every rank as ZeRO++ hpZ does (more memory per rank)"
+    )
+
+
 def _finish_precision(r: _Reader, seen: dict, layer: dict) -> None:
     fp16, bf16 = seen.get("fp16.enabled", False), seen.get("bf16.enabled", False)
     if fp16 and bf16:
@@ -287,7 +347,7 @@ def _finish_precision(r: _Reader, seen: dict, layer: dict) -> None:
 # The scheduler and the precision are finished after the whole file (`translate`): the
 # scheduler may take the optimizer's lr, and fp16/bf16 are two sections.
 SECTIONS: dict[str, Callable[[_Reader, dict, dict], None] | None] = {
-    "fp16": None, "bf16": None, "zero_optimization": None, "optimizer": _finish_optimizer,
+    "fp16": None, "bf16": None, "zero_optimization": _finish_zero, "optimizer": _finish_optimizer,
     "optimizer.params": None, "scheduler": None,
     "activation_checkpointing": _finish_activation_checkpointing, "pipeline": None, "tensorboard": None,
 }
@@ -343,6 +403,11 @@ def _walk(r: _Reader, obj: dict, prefix: str, seen: dict, layer: dict) -> None:
 
 def translate(config: dict, path: str | Path = "<config>") -> tuple[dict, list[str]]:
     """A parsed DeepSpeed config -> (config layer for `build_config`, unsupported keys)."""
+    layer, r = _translate(config, path)
+    return layer, r.unsupported
+
+
+def _translate(config: dict, path: str | Path) -> tuple[dict, _Reader]:
     r = _Reader(Path(path))
     seen: dict[str, Any] = {}
     layer: dict = {}
@@ -350,13 +415,13 @@ def translate(config: dict, path: str | Path = "<config>") -> tuple[dict, list[s
     if "scheduler" in seen:
         _finish_scheduler(r, seen, layer)
     _finish_precision(r, seen, layer)
-    return layer, r.unsupported
+    return layer, r
 
 
 class DeepSpeedConfig(NamedTuple):
     layer: dict  # tenfold's sections, for `build_config`
     unsupported: list[str]  # keys tenfold does not honour, as the user wrote them
-    notices: list[str]  # what was read leniently (Python's True/False/None), one line each
+    notices: list[str]  # what was read leniently (Python's True/False/None) or with another meaning, one line each
 
 
 def load_deepspeed_json(path: str | Path) -> DeepSpeedConfig:
@@ -364,8 +429,8 @@ def load_deepspeed_json(path: str | Path) -> DeepSpeedConfig:
     from tenfold.deepspeed_text import read_deepspeed_text
 
     config, notices = read_deepspeed_text(Path(path))
-    layer, unsupported = translate(config, path)
-    return DeepSpeedConfig(layer, unsupported, notices)
+    layer, r = _translate(config, path)
+    return DeepSpeedConfig(layer, r.unsupported, [*notices, *r.notes])
 
 
 def unsupported_warning(path: str | Path, unsupported: list[str]) -> str | None:

@@ -73,6 +73,7 @@ class ResolvedRun:
     stage_layers: tuple[int, ...]  # blocks per pipeline stage, pp x virtual_stages entries (one without pp)
     sequence_parallel: bool = False  # norms and the residual stream split by sequence over the tp ranks
     offload: str = "none"  # ZeRO-Offload: tenfold.terms.OFFLOADS
+    shard_group: int | None = None  # dp ranks that shard together (HSDP); None: every dp rank
     pp_split_given: bool = False  # stage_layers came from parallel.pp_split, not the default rule
     model_kind: str = "tenfold"  # tenfold.capabilities.MODEL_KINDS
     hf_model_type: str = ""  # a Hugging Face model's config.json model_type
@@ -100,7 +101,7 @@ class ResolvedRun:
     @property
     def zero_runs_as(self) -> int:
         """The stage whose memory and traffic the engine really has (tenfold.terms.zero_runs_as)."""
-        return zero_runs_as(self.zero_stage, self.tp, self.dp)
+        return zero_runs_as(self.zero_stage, self.tp, self.dp, self.offload)
 
     @property
     def n_stages(self) -> int:
@@ -132,7 +133,8 @@ class ResolvedRun:
             "world_size": self.world_size, "pp": self.pp, "dp": self.dp, "tp": self.tp,
             "precision": self.precision, "micro_batch": self.micro_batch, "grad_accum": self.grad_accum,
             "global_batch": self.global_batch, "seq_len": self.seq_len, "recompute": str(self.recompute),
-            "zero_stage": self.zero_stage, "zero_runs_as": self.zero_runs_as, "offload": self.offload,
+            "zero_stage": self.zero_stage, "zero_runs_as": self.zero_runs_as, "shard_group": self.shard_group,
+            "offload": self.offload,
             "pp_schedule": self.pp_schedule, "virtual_stages": self.virtual_stages,
             "stage_layers": list(self.stage_layers), "sequence_parallel": self.sequence_parallel,
             "stack": asdict(self.stack),
@@ -179,8 +181,8 @@ class ResolvedRun:
         return {
             "precision": self.precision, "micro_batch": self.micro_batch, "grad_accum": self.grad_accum,
             "global_batch": self.global_batch, "seq_len": self.seq_len, "recompute": self.recompute,
-            "zero_stage": self.zero_stage, "offload": self.offload, "pp": self.pp, "tp": self.tp,
-            "pp_schedule": self.pp_schedule, "virtual_stages": self.virtual_stages,
+            "zero_stage": self.zero_stage, "offload": self.offload, "shard_group": self.shard_group,
+            "pp": self.pp, "tp": self.tp, "pp_schedule": self.pp_schedule, "virtual_stages": self.virtual_stages,
             "pp_split": self.stage_layers if self.pp_split_given else None,
             "sequence_parallel": self.sequence_parallel, "model_kind": self.model_kind,
             "hf_model_type": self.hf_model_type, "compile": self.compile, "stack": self.stack,
@@ -194,14 +196,17 @@ class ResolvedRun:
 # The user's choices `resolve` takes (keyword names), with their defaults.
 CHOICES = {
     "precision": "bf16", "micro_batch": None, "grad_accum": None, "global_batch": None, "seq_len": None,
-    "recompute": "none", "zero_stage": 0, "offload": "none", "pp": 1, "tp": 1, "pp_schedule": "1f1b",
+    "recompute": "none", "zero_stage": 0, "offload": "none", "shard_group": None, "pp": 1, "tp": 1, "pp_schedule": "1f1b",
     "virtual_stages": None, "pp_split": None, "sequence_parallel": None, "model_kind": "tenfold",
     "hf_model_type": "", "compile": False, "stack": ENGINE_STACK,
 }
 
 
 def zero_text(run: ResolvedRun) -> str:
-    """`ZeRO-3`, or how a stage runs where the engine maps it onto another."""
+    """`ZeRO-3`, `ZeRO-3 in shard groups of 8`, or how a stage runs where the engine maps it
+    onto another."""
+    if run.shard_group:
+        return f"ZeRO-{run.zero_stage} in shard groups of {run.shard_group}"
     if run.zero_runs_as == run.zero_stage:
         return f"ZeRO-{run.zero_stage}"
     if run.dp <= 1:
@@ -235,6 +240,7 @@ def resolve(model: ModelConfig | None, world_size: int, *, params: float | None 
         )
     dp = world_size // (pp * tp)
     sequence_parallel = sequence_parallel_for(tp, c["sequence_parallel"])
+    shard_group = None if c["shard_group"] in (None, dp) else c["shard_group"]  # one group of every dp rank: plain ZeRO
     seq_len = check_sequence_split(_seq_len(model, c["seq_len"]), tp, sequence_parallel)
     v = virtual_stages_for(c["pp_schedule"], c["virtual_stages"]) if pp > 1 else 1
     n_layers = model.n_layers if model is not None else pp * v
@@ -245,7 +251,8 @@ def resolve(model: ModelConfig | None, world_size: int, *, params: float | None 
         seq_len=seq_len, precision=c["precision"], recompute=parse_recompute(c["recompute"]),
         zero_stage=c["zero_stage"], pp_schedule=c["pp_schedule"], virtual_stages=v,
         stage_layers=stage_layer_counts(n_layers, stages, c["pp_split"] if pp > 1 else None),
-        sequence_parallel=sequence_parallel, offload=c["offload"], pp_split_given=pp > 1 and c["pp_split"] is not None,
+        sequence_parallel=sequence_parallel, offload=c["offload"], shard_group=shard_group,
+        pp_split_given=pp > 1 and c["pp_split"] is not None,
         model_kind=c["model_kind"], hf_model_type=c["hf_model_type"], compile=c["compile"], stack=c["stack"],
         config=config,
     )
@@ -270,11 +277,6 @@ def _check_choices(world_size: int, c: dict) -> None:
         raise UserError(f"parallel.pp_schedule (--pp-schedule) {c['pp_schedule']!r}; allowed: {', '.join(PIPELINE_SCHEDULES)}")
     if c["offload"] not in OFFLOADS:
         raise UserError(f"parallel.offload (--offload) {c['offload']!r}; allowed: {', '.join(OFFLOADS)}")
-    if c["offload"] != "none" and c["zero_stage"] == 0:
-        raise UserError(f"parallel.offload {c['offload']} needs --zero 1, 2 or 3 (ZeRO-Offload moves the "
-                        "partitioned states)")
-    if c["offload"] == "optimizer+params" and c["zero_stage"] != 3:
-        raise UserError("parallel.offload optimizer+params needs --zero 3 (only stage 3 partitions parameters)")
     if c["stack"].activation_style not in ACTIVATION_STYLES:
         raise UserError(f"activation_style {c['stack'].activation_style!r}; allowed: {', '.join(ACTIVATION_STYLES)}")
     if c["seq_len"] is not None and (isinstance(c["seq_len"], bool) or not isinstance(c["seq_len"], int)
@@ -303,7 +305,8 @@ def choices_from_config(cfg) -> dict:
     return {
         "precision": cfg.precision.dtype, "micro_batch": t.micro_batch, "grad_accum": t.grad_accum,
         "global_batch": t.global_batch, "seq_len": cfg.seq_len(), "recompute": cfg.recompute.policy,
-        "zero_stage": par.zero_stage, "offload": par.offload, "pp": par.pp_degree, "tp": par.tp_degree,
+        "zero_stage": par.zero_stage, "offload": par.offload, "shard_group": par.shard_group_size,
+        "pp": par.pp_degree, "tp": par.tp_degree,
         "pp_schedule": par.pp_schedule, "virtual_stages": par.virtual_stages,
         "pp_split": tuple(par.pp_split) if par.pp_split else None, "sequence_parallel": par.sequence_parallel,
         "model_kind": model_kind(cfg), "hf_model_type": hf_model_type(cfg), "compile": t.compile,
@@ -325,6 +328,7 @@ def config_for_run(base, run: ResolvedRun):
         virtual_stages=run.virtual_stages if run.pp_schedule in MULTI_STAGE_SCHEDULES and run.pp > 1 else None,
         sequence_parallel=None if run.sequence_parallel == (run.tp > 1) else run.sequence_parallel,
         pp_split=list(run.stage_layers) if run.pp_split_given else None, offload=run.offload,
+        shard_group_size=run.shard_group,
     )
     d["train"].update(micro_batch=run.micro_batch, global_batch=run.global_batch, grad_accum=None)
     d["data"]["seq_len"] = run.seq_len

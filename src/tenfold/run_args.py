@@ -58,8 +58,11 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     x.add_argument("--watchdog", type=float, metavar="FACTOR", help="multi-process runs: a step that runs past FACTOR x "
                    "the median step (and parallel.watchdog_min_s, 30 s) stops the job, naming the rank that stalled "
                    "(default 10; 0: off)")
-    x.add_argument("--offload", help="ZeRO-Offload: none | optimizer (optimizer states in host memory) | "
-                   "optimizer+params (parameters too; --zero 3)")
+    x.add_argument("--shard-group", type=int, metavar="N", help="hybrid sharding (HSDP) with --zero 2/3: shard inside "
+                   "groups of N data-parallel ranks (e.g. one node), replicate across groups (default: all dp ranks)")
+    x.add_argument("--offload", choices=("none", "optimizer", "optimizer+params"), help="ZeRO-Offload with --zero 2/3: "
+                   "none (default) | optimizer | optimizer+params "
+                   "(sharded weights, gradients and the optimizer step in host memory: docs/zero.md)")
     x.add_argument("--pp", type=int, help="pipeline stages")
     x.add_argument("--tp", type=int, help="tensor-parallel ranks: each layer's matrices split over N ranks (must divide the heads)")
     x.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None,
@@ -82,7 +85,7 @@ _TRAIN_FLAGS = {
     "steps": ("train", "steps"), "micro_batch": ("train", "micro_batch"), "grad_accum": ("train", "grad_accum"),
     "global_batch": ("train", "global_batch"), "lr": ("train", "lr"), "seed": ("train", "seed"),
     "eval_every": ("train", "eval_every"), "on_nan": ("train", "on_nan"), "compile": ("train", "compile"), "precision": ("precision", "dtype"),
-    "ac": ("recompute", "policy"), "zero": ("parallel", "zero_stage"), "offload": ("parallel", "offload"), "nproc": ("parallel", "nproc"),
+    "ac": ("recompute", "policy"), "zero": ("parallel", "zero_stage"), "offload": ("parallel", "offload"), "shard_group": ("parallel", "shard_group_size"), "nproc": ("parallel", "nproc"),
     "pp": ("parallel", "pp_degree"), "pp_schedule": ("parallel", "pp_schedule"),
     "tp": ("parallel", "tp_degree"), "sequence_parallel": ("parallel", "sequence_parallel"),
     "virtual_stages": ("parallel", "virtual_stages"), "pp_split": ("parallel", "pp_split"),

@@ -303,23 +303,25 @@ ZERO_STAGES = (0, 1, 2, 3)  # Rajbhandari et al. 2020: P_os (1), P_os+g (2), P_o
 OFFLOADS = ("none", "optimizer", "optimizer+params")
 
 
-def zero_runs_as(zero_stage: int, tp: int, dp: int) -> int:
+def zero_runs_as(zero_stage: int, tp: int, dp: int, offload: str = "none") -> int:
     """The ZeRO stage whose memory and traffic a run really has. Under tensor parallelism the
     parameters are DTensors, which DDP and ZeroRedundancyOptimizer do not take, so ZeRO-1 runs
     on FSDP2 like stage 2 (reducing once per step): its gradients are 1/N at the optimizer
-    step too. With one data-parallel rank nothing is sharded at any stage."""
-    if dp <= 1:
+    step too. With one data-parallel rank nothing is sharded at any stage, unless it offloads
+    (FSDP2 on a mesh of one rank moves the states to the host: ZeRO-Offload's one-GPU case)."""
+    if dp <= 1 and offload == "none":
         return 0
     return 2 if zero_stage == 1 and tp > 1 else zero_stage
 
 
-def runs_on_fsdp2(zero_stage: int, tp: int, dp: int) -> bool:
+def runs_on_fsdp2(zero_stage: int, tp: int, dp: int, offload: str = "none") -> bool:
     """Whether the engine wraps the model with FSDP2's machinery (ZeRO-2/3; every stage under
     tensor parallelism, `replicate` at ZeRO-0), whose MixedPrecisionPolicy runs the forward on
     16-bit copies of the parameters: the embedding's output and so the residual stream, the
     pipeline's boundary tensors and the checkpointed block inputs are 16-bit. DDP (ZeRO-0/1
     without TP) and one data-parallel rank keep fp32 parameters under autocast."""
-    return dp > 1 and (zero_runs_as(zero_stage, tp, dp) >= 2 or tp > 1)
+    wrapped = dp > 1 or offload != "none"
+    return wrapped and (zero_runs_as(zero_stage, tp, dp, offload) >= 2 or tp > 1)
 
 
 # --------------------------------------------------------------------------- tensor parallelism

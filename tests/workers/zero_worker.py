@@ -220,6 +220,11 @@ def main() -> None:
         with open(out_path, "w") as f:
             json.dump({"0": result}, f)
         os._exit(0)
+    write_per_rank(result, out_path)
+
+
+def write_per_rank(result: dict, out_path: str) -> None:
+    """Rank 0 writes every rank's `result` as {rank: result} (a collective: every rank calls it)."""
     from tenfold.engine.distributed import gather_to_main, init_distributed
 
     info = init_distributed()

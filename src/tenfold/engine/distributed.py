@@ -1,10 +1,12 @@
 """Process-group setup: one process or many under torchrun; gloo on CPU, NCCL on GPU.
 
-* `init_distributed(pp_size, timeout_s, tp_size)`: reads torchrun's env:// variables, picks
-  the backend from the device (NCCL with one GPU per rank, else gloo), builds the
-  ("pp", "dp", "tp") device mesh (pipeline stages x data-parallel replicas x tensor-parallel
-  ranks). tp is the innermost, contiguous dimension: its collectives run in every layer, so
-  its ranks must share a node (NVLink), then dp, then pp (Megatron-LM's and torchtitan's order).
+* `init_distributed(pp_size, timeout_s, tp_size, shard_size, offload)`: reads torchrun's
+  env:// variables, picks the backend from the device (NCCL with one GPU per rank, else
+  gloo), builds the ("pp", "dp", "tp") device mesh (pipeline stages x data-parallel replicas
+  x tensor-parallel ranks). tp is the innermost, contiguous dimension: its collectives run in
+  every layer, so its ranks must share a node (NVLink), then dp, then pp (Megatron-LM's and
+  torchtitan's order). Hybrid sharding splits dp into ("dp_replicate", "dp_shard")
+  (`hybrid_mesh`); ZeRO-Offload on one process joins a process group of one.
 * Failures: every rank's stderr lines are prefixed with `[rank k]`, an uncaught exception is
   recorded in torchelastic's error file (torchrun's failure summary then shows the rank and
   its error), and `tighten_timeouts` shortens the collective timeout after the first step, so
@@ -44,6 +46,14 @@ class DistInfo:
     tp_size: int = 1
     tp_rank: int = 0
     mesh: object | None = None  # torch DeviceMesh ("pp", "dp", "tp") when world_size > 1
+    shard_size: int = 0  # dp ranks that shard together: dp_size, or the HSDP group (0: one process)
+    hybrid_mesh: object | None = None  # ("dp_replicate", "dp_shard") under hybrid sharding (`hybrid_mesh`)
+
+    @property
+    def hybrid(self) -> bool:
+        """Hybrid sharding: the dp ranks form groups of `shard_size` that shard, replicated
+        across groups."""
+        return self.hybrid_mesh is not None
 
     @property
     def is_main(self) -> bool:
@@ -65,9 +75,15 @@ def pick_device(local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def backend_for(device: torch.device) -> str:
-    """NCCL for CUDA ranks, gloo otherwise (the only CPU backend that ships with torch)."""
-    return "nccl" if device.type == "cuda" else "gloo"
+def backend_for(device: torch.device, host_collectives: bool = False) -> str:
+    """NCCL for CUDA ranks, gloo otherwise (the only CPU backend that ships with torch).
+    `host_collectives`: CUDA ranks also reduce tensors that live in host memory (ZeRO-Offload:
+    FSDP2's offloaded gradients are CPU DTensors, and their global norm is an all-reduce of a
+    CPU tensor, which NCCL cannot do), so CPU tensors go over gloo (torch's per-device backend
+    string; torchtitan's fix for clipping under CPU offload, pytorch/torchtitan#622)."""
+    if device.type != "cuda":
+        return "gloo"
+    return "cuda:nccl,cpu:gloo" if host_collectives else "nccl"
 
 
 # `tenfold train --nproc`: the launcher creates this file when it gets SIGTERM/SIGINT; every
@@ -86,11 +102,14 @@ def world_size_from_env() -> int:
     return int(os.environ["WORLD_SIZE"]) if launched_by_torchrun() else 1
 
 
-def init_distributed(pp_size: int = 1, timeout_s: float = 600.0, tp_size: int = 1) -> DistInfo:
+def init_distributed(pp_size: int = 1, timeout_s: float = 600.0, tp_size: int = 1, shard_size: int | None = None,
+                     offload: bool = False) -> DistInfo:
     """Join the job's process group and build the (pp, dp, tp) device mesh. The sizes come
-    from the resolved run (tenfold.run.resolve_run has checked that pp x tp divides the world)."""
+    from the resolved run (tenfold.run.resolve_run has checked that pp x tp divides the world
+    and that `shard_size`, the HSDP group, divides dp). `offload`: ZeRO-Offload, which runs on
+    FSDP2 even on one process (`_one_process_group`) and reduces host tensors (`backend_for`)."""
     if not launched_by_torchrun() or int(os.environ["WORLD_SIZE"]) == 1:
-        return DistInfo(device=pick_device(0))
+        return _one_process_group(timeout_s) if offload else DistInfo(device=pick_device(0))
     from tenfold.errors import UserError
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -103,25 +122,58 @@ def init_distributed(pp_size: int = 1, timeout_s: float = 600.0, tp_size: int = 
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device = pick_device(local_rank)
     if not dist.is_initialized():
-        kwargs: dict[str, Any] = {"backend": backend_for(device), "timeout": timedelta(seconds=timeout_s)}
+        kwargs: dict[str, Any] = {"backend": backend_for(device, offload), "timeout": timedelta(seconds=timeout_s)}
         if device.type == "cuda":
             kwargs["device_id"] = device  # eager NCCL init, one communicator per device
         dist.init_process_group(**kwargs)
     dp_size = world // (pp_size * tp_size)
+    shard = shard_size if shard_size and shard_size < dp_size else dp_size
+    mesh = build_mesh(device.type, pp_size, dp_size, tp_size)
+    return DistInfo(
+        rank=rank, world_size=world, local_rank=local_rank, device=device,
+        dp_size=dp_size, dp_rank=mesh["dp"].get_local_rank(),
+        pp_size=pp_size, pp_rank=mesh["pp"].get_local_rank(),
+        tp_size=tp_size, tp_rank=mesh["tp"].get_local_rank(), mesh=mesh, shard_size=shard,
+        hybrid_mesh=hybrid_mesh(mesh, dp_size, shard) if shard < dp_size else None,
+    )
+
+
+def _one_process_group(timeout_s: float) -> DistInfo:
+    """One process that offloads (ZeRO-Offload's single-GPU case): FSDP2 shards over a device
+    mesh, so the process joins a process group of one, over an in-memory store (no network);
+    FSDP2's collectives over one rank are copies."""
+    device = pick_device(int(os.environ.get("LOCAL_RANK", 0)))
+    if not dist.is_initialized():
+        kwargs: dict[str, Any] = {"backend": backend_for(device, True), "store": dist.HashStore(), "rank": 0,
+                                  "world_size": 1, "timeout": timedelta(seconds=timeout_s)}
+        if device.type == "cuda":
+            kwargs["device_id"] = device
+        dist.init_process_group(**kwargs)
+        _register_exit_shutdown()
+    return DistInfo(device=device, mesh=build_mesh(device.type, 1, 1, 1), shard_size=1)
+
+
+def build_mesh(device_type: str, pp_size: int, dp_size: int, tp_size: int):
+    """The ("pp", "dp", "tp") device mesh."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh(device.type, (pp_size, dp_size, tp_size), mesh_dim_names=("pp", "dp", "tp"))
+    mesh = init_device_mesh(device_type, (pp_size, dp_size, tp_size), mesh_dim_names=("pp", "dp", "tp"))
     if dp_size > 1 and tp_size > 1:
         # FSDP2 on the dp axis of tp-split parameters gives 2-D (dp, tp) DTensors; a reduction
         # over both (the gradient norm) is then one all-reduce on this flattened group instead
         # of two in a row (torchtitan flattens its data-parallel dims the same way).
         mesh["dp", "tp"]._flatten("dp_tp")
-    return DistInfo(
-        rank=rank, world_size=world, local_rank=local_rank, device=device,
-        dp_size=dp_size, dp_rank=mesh["dp"].get_local_rank(),
-        pp_size=pp_size, pp_rank=mesh["pp"].get_local_rank(),
-        tp_size=tp_size, tp_rank=mesh["tp"].get_local_rank(), mesh=mesh,
-    )
+    return mesh
+
+
+def hybrid_mesh(mesh, dp_size: int, shard_size: int):
+    """Hybrid sharding: the "dp" dimension split into ("dp_replicate", "dp_shard"), a group of
+    `shard_size` neighbouring dp ranks that shard, the groups replicating. "dp_shard" is the
+    inner dimension, so when a node holds shard_size x tp ranks the sharding collectives stay
+    on the node and only the replicas' gradient all-reduce crosses nodes (PyTorch HSDP;
+    torchtitan's dp_replicate x dp_shard). The (pp, dp, tp) mesh stays as it is: whatever
+    reduces over every data-parallel rank (loss, token count, data order) reads "dp"."""
+    return mesh["dp"]._unflatten(0, (dp_size // shard_size, shard_size), ("dp_replicate", "dp_shard"))
 
 
 # --------------------------------------------------------------------------- timeouts
@@ -132,6 +184,8 @@ def _all_groups(info: DistInfo) -> list:
     if info.mesh is not None:
         for name in ("pp", "dp", "tp"):
             groups.append(info.mesh[name].get_group())
+    if info.hybrid_mesh is not None:
+        groups += [info.hybrid_mesh[name].get_group() for name in ("dp_replicate", "dp_shard")]
     return groups
 
 

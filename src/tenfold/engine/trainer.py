@@ -127,7 +127,8 @@ class Trainer:
         from tenfold.engine.wandb_log import check_available
 
         check_available(cfg.log.wandb)
-        self.dist: DistInfo = init_distributed(self.run.pp, cfg.parallel.timeout_s, self.run.tp)
+        self.dist: DistInfo = init_distributed(self.run.pp, cfg.parallel.timeout_s, self.run.tp, self.run.shard_group,
+                                               offload=self.run.offload != "none")
         self.precision: Precision = build_precision(cfg.precision, self.dist.device)
         if self.dist.device.type == "cpu":  # before the model and data take their memory
             from tenfold.engine.host_malloc import tune_malloc

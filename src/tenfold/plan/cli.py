@@ -6,7 +6,7 @@ the recipe's path.
 `--deepspeed`, `--set`, resolved by the same code), plus the fleet (`--gpu`, `--gpus` =
 train's `--nproc` unless given, `--gpus-per-node`, `--hardware-file`), shape flags for a model
 without a config (`--params`, `--layers/--hidden/...`) and what-ifs train does not run
-(`--offload`, other stacks' bookkeeping).
+(other stacks' bookkeeping).
 
 `register(subparsers)` plugs into tenfold's CLI; `main(argv)` runs standalone
 (`python -m tenfold.plan.cli ...`). Bad input raises `UserError` (exit status 2)."""

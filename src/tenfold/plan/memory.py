@@ -252,7 +252,7 @@ def params_16bit_in_compute(run: ResolvedRun) -> bool:
     autocast (DDP, one rank) the embedding's output and so the residual stream are fp32."""
     if run.precision == "fp32":
         return False
-    return run.stack.master_weights or runs_on_fsdp2(run.zero_stage, run.tp, run.dp)
+    return run.stack.master_weights or runs_on_fsdp2(run.zero_stage, run.tp, run.dp, run.offload)
 
 
 def layer_input_bytes_per_token(cfg: ModelConfig, run: ResolvedRun) -> float:

@@ -124,13 +124,19 @@ def _llama405(gpus: int, dp: int, tflops: float) -> PublishedRun:
     )
 
 
-def _titan_memory(gpus: int, seq: int, mb: int, ac: str, gib: float, style: str = "tenfold") -> PublishedRun:
+RESERVED = ("reserved = total - CUDA context (torchtitan logs the allocator's peak reserved memory, an upper "
+            "bound of what is allocated: the same file's context-parallel rows hold 84-85 GiB for 2 to 8 times the "
+            "tokens per rank)")
+
+
+def _titan_memory(gpus: int, seq: int, mb: int, ac: str, gib: float, style: str = "tenfold",
+                  tolerance: float | None = 0.20, note: str = "") -> PublishedRun:
     run = resolve(LLAMA3_8B, gpus, precision="bf16", zero_stage=3, recompute=ac, seq_len=seq, micro_batch=mb,
                   grad_accum=1, stack=Stack(activation_style=style), check=False)
     return PublishedRun(
         f"Llama 3.1 8B FSDP x{gpus}, seq {seq}, {ac} AC ({style} style)", TITAN, run, GRAND_TETON,
-        "reserved_gib", gib, 0.10 if style == "tenfold" else None, "memory",
-        assumed="reserved = total - CUDA context (torchtitan logs the allocator's peak reserved memory)",
+        "reserved_gib", gib, tolerance if style == "tenfold" else None, "memory",
+        assumed=RESERVED + (f"; {note}" if note else ""),
     )
 
 
@@ -152,7 +158,8 @@ CASES: list[PublishedRun] = [
     _titan(8, 5762), _titan(128, 5605),
     _llama405(8192, 64, 430), _llama405(16384, 128, 400),
     # Memory: a PyTorch FSDP run at 32k tokens, where the fp32 loss tensors matter.
-    _titan_memory(8, 32768, 1, "full", 83.9), _titan_memory(8, 32768, 1, "full", 83.9, style="megatron"),
+    _titan_memory(8, 32768, 1, "full", 83.9, note="with torch.compile and float8, which the planner does not model"),
+    _titan_memory(8, 32768, 1, "full", 83.9, style="megatron"),
 ]
 
 

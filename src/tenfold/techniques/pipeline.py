@@ -258,7 +258,7 @@ def split_for_rank(model: nn.Module, run, dist_info, compute_dtype: torch.dtype 
     split = split_model(model, dist_info.pp_rank, dist_info.pp_size, run.stage_layers, compute_dtype or torch.float32)
     from tenfold.terms import runs_on_fsdp2
 
-    if compute_dtype is not None and runs_on_fsdp2(run.zero_stage, dist_info.tp_size, dist_info.dp_size):
+    if compute_dtype is not None and runs_on_fsdp2(run.zero_stage, dist_info.tp_size, dist_info.dp_size, run.offload):
         # FSDP2's 16-bit parameters make the residual stream 16-bit too (the embedding's output,
         # every block's): what the stages really send, not the fp32 of the unwrapped model
         split.dtypes = [compute_dtype] * (split.n_stages - 1) + split.dtypes[-1:]

@@ -56,6 +56,7 @@ ENGINES_TP = {
     3: ENGINES[3],
 }
 _STAGE_ATTR = "_tenfold_zero_stage"
+_HYBRID_ATTR = "_tenfold_hybrid_shard"
 
 
 # --------------------------------------------------------------------------- wrapping
@@ -71,17 +72,20 @@ def apply_zero(
     them for any model, tenfold.models.adapter); default `model.layers` (tenfold's GPT).
 
     One data-parallel rank: there is nothing to shard or reduce, the model is returned as is
-    for every stage (a single-process run is the reference the stages are tested against).
+    for every stage (a single-process run is the reference the stages are tested against),
+    unless it offloads (ZeRO-Offload's single-GPU case: FSDP2 on a mesh of one rank).
     """
+    from tenfold.techniques.offload import offloads
+
     stage = int(parallel_cfg.zero_stage)
     if stage not in ZERO_STAGES:
         raise UserError(f"parallel.zero_stage must be one of {', '.join(map(str, ZERO_STAGES))}, got {stage}")
-    if dist.dp_size <= 1:
+    if dist.dp_size <= 1 and not (offloads(parallel_cfg) and getattr(dist, "mesh", None) is not None):
         return model
     _warn_unmapped_knobs(parallel_cfg, stage, dist)
-    tp = getattr(dist, "tp_size", 1)
-    runs_as = zero_runs_as(stage, tp, dist.dp_size)  # the rule the planner prices too
-    if not runs_on_fsdp2(stage, tp, dist.dp_size):
+    tp, off = getattr(dist, "tp_size", 1), parallel_cfg.offload
+    runs_as = zero_runs_as(stage, tp, dist.dp_size, off)  # the rule the planner prices too
+    if not runs_on_fsdp2(stage, tp, dist.dp_size, off):
         wrapped = _wrap_ddp(model, parallel_cfg, dist)  # DDP broadcasts rank 0's weights itself
     else:
         _broadcast_from_dp_rank0(model, dist)
@@ -137,19 +141,36 @@ def _wrap_ddp(model: nn.Module, parallel_cfg: Any, dist: Any) -> nn.Module:
 def _wrap_fsdp2(model: nn.Module, parallel_cfg: Any, dist: Any, stage: int, param_dtype, blocks=None) -> nn.Module:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    mesh = dist.mesh["dp"]
+    from tenfold.techniques.offload import offload_policy
+
+    mesh = shard_mesh(dist)
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    offload = offload_policy(parallel_cfg, dist.device)
     threshold = int(parallel_cfg.param_persistence_threshold)
     if blocks is None:
         blocks = list(model.layers.values()) if hasattr(model, "layers") else []
     for unit in fsdp_units(blocks, stage, unit_bucket(parallel_cfg, dist.device.type)):
-        fully_shard(unit if len(unit) > 1 else unit[0], mesh=mesh, mp_policy=mp,
+        fully_shard(unit if len(unit) > 1 else unit[0], mesh=mesh, mp_policy=mp, offload_policy=offload,
                     reshard_after_forward=_reshard_after_forward(stage, sum(map(_numel, unit)), threshold))
     block_params = {id(p) for b in blocks for p in b.parameters()}
     root_numel = sum(p.numel() for p in model.parameters() if id(p) not in block_params)
-    fully_shard(model, mesh=mesh, mp_policy=mp,
+    fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload,
                 reshard_after_forward=_reshard_after_forward(stage, root_numel, threshold))
+    setattr(model, _HYBRID_ATTR, mesh.ndim == 2)
     return model
+
+
+def shard_mesh(dist: Any):
+    """The mesh FSDP2 shards over. Plain ZeRO-2/3: the 1-D "dp" mesh, every dp rank holds
+    1/dp. Hybrid sharding (`parallel.shard_group_size` N < dp): the 2-D ("dp_replicate",
+    "dp_shard") mesh, which `fully_shard` reads as HSDP: parameters are DTensors placed
+    (Replicate(), Shard(0)), each rank holds 1/N, all-gathers and reduce-scatters run inside
+    its group of N, and each group's reduced gradient shard is all-reduced across the dp/N
+    groups (PyTorch FSDP2's HSDP; DeepSpeed's MiCS, Zhang et al. 2022, shards the same way).
+    The average over all dp ranks is kept: FSDP2 divides by N in the reduce-scatter and by
+    dp/N in the all-reduce."""
+    hybrid = getattr(dist, "hybrid_mesh", None)
+    return hybrid if hybrid is not None else dist.mesh["dp"]
 
 
 CPU_UNIT_BUCKET = 25 * 2**20 // 4  # torch DDP's default bucket (bucket_cap_mb=25) in fp32 gradient elements
@@ -251,10 +272,11 @@ def build_optimizer_for(model: nn.Module, train_cfg: Any, parallel_cfg: Any, dis
     one dp rank, the same optimizer inside `ZeroRedundancyOptimizer`, which gives each rank
     the states of ~1/N of the parameters (whole tensors, largest first, greedy) and broadcasts
     the updated parameters after each step."""
+    from tenfold.techniques.offload import optimizer_device
     from tenfold.techniques.optimizer import allocate_states, build_optimizer
 
-    optimizer = build_optimizer(unwrap(model), train_cfg, dist.device)
-    if zero_runs_as(int(parallel_cfg.zero_stage), getattr(dist, "tp_size", 1), dist.dp_size) == 1:
+    optimizer = build_optimizer(unwrap(model), train_cfg, optimizer_device(parallel_cfg, dist.device))
+    if zero_runs_as(int(parallel_cfg.zero_stage), getattr(dist, "tp_size", 1), dist.dp_size, parallel_cfg.offload) == 1:
         optimizer = _zero_redundancy(optimizer, dist)
     allocate_states(local_optimizer(optimizer))  # this rank's states only, no collective
     return optimizer
@@ -304,6 +326,8 @@ def grad_sync(model: nn.Module, enabled: bool):
     parameters from one micro-step to the next and reshards them only after the last backward
     (`_keep_gathered`)."""
     stage = zero_stage_of(model)
+    if getattr(model, _HYBRID_ATTR, False):
+        return _hybrid_accumulate(model, stage, last=enabled)
     if stage == 2:
         return _keep_gathered(model, last=enabled)
     if enabled or stage is None or stage >= 2:
@@ -326,6 +350,21 @@ def _keep_gathered(model: nn.Module, last: bool):
         yield
     finally:
         model.set_reshard_after_backward(True)
+
+
+@contextlib.contextmanager
+def _hybrid_accumulate(model: nn.Module, stage: int, last: bool):
+    """Hybrid sharding: every micro-step reduce-scatters inside the shard group (1/N of the
+    gradients stay alive, as ZeRO-2/3 want), but only the last one all-reduces across the
+    groups: FSDP2's `set_requires_all_reduce(False)` accumulates the group-reduced shards
+    and all-reduces their sum once per step, so the inter-group links (the slow, inter-node
+    ones) carry one gradient shard per step whatever the accumulation."""
+    with _keep_gathered(model, last) if stage == 2 else contextlib.nullcontext():
+        model.set_requires_all_reduce(last)
+        try:
+            yield
+        finally:
+            model.set_requires_all_reduce(True)
 
 
 @contextlib.contextmanager
