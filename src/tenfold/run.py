@@ -99,6 +99,16 @@ class ResolvedRun:
         return self.global_batch * self.seq_len
 
     @property
+    def shard_size(self) -> int:
+        """Ranks a ZeRO-2/3 state is split over: the shard group under hybrid sharding, else dp."""
+        return self.shard_group or self.dp
+
+    @property
+    def replicas(self) -> int:
+        """Copies of each shard: dp / shard group under hybrid sharding, else 1."""
+        return self.dp // self.shard_size if self.dp % self.shard_size == 0 else 1
+
+    @property
     def zero_runs_as(self) -> int:
         """The stage whose memory and traffic the engine really has (tenfold.terms.zero_runs_as)."""
         return zero_runs_as(self.zero_stage, self.tp, self.dp, self.offload)

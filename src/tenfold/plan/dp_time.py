@@ -78,16 +78,37 @@ def layer_pipelined_exposed(layers: int, compute: float, first: float, per_layer
     return first + (layers - 1) * max(0.0, per_layer - compute) + last
 
 
-def dp_step_comm(stage: int, w: StageWork, hw: Hardware, g: comm.Group, overlap: bool) -> DpComm:
-    """Per-step DP/ZeRO communication of one rank and the part of it not hidden by compute."""
-    if g.size <= 1:
+def dp_step_comm(stage: int, w: StageWork, hw: Hardware, g: comm.Group, overlap: bool,
+                 replicas: comm.Group | None = None) -> DpComm:
+    """Per-step DP/ZeRO communication of one rank and the part of it not hidden by compute.
+    `g`: the group a ZeRO state is split over (the shard group under hybrid sharding);
+    `replicas`: with hybrid sharding, the group of ranks holding the same shard."""
+    if g.size <= 1 and (replicas is None or replicas.size <= 1):
         return DpComm(0.0, 0.0, "one data-parallel rank: nothing to reduce")
     if stage <= 1:
         total, exposed, formula = _ddp(stage, w, hw, g, overlap)
     else:
         total, exposed, formula = _fsdp(stage, w, hw, g, overlap)
+    if replicas is not None and replicas.size > 1:
+        t, e, f = _across_replicas(w, hw, g.size, replicas, overlap)
+        total, exposed, formula = total + t, exposed + e, formula + f
     exposed += OVERLAP_CONTENTION * max(0.0, total - exposed)
     return DpComm(total, exposed, formula)
+
+
+def _across_replicas(w: StageWork, hw: Hardware, shard: int, replicas: comm.Group,
+                     overlap: bool) -> tuple[float, float, str]:
+    """Hybrid sharding (FSDP2 on a (replicate, shard) mesh, PyTorch HSDP; MiCS, Zhang et al.
+    2022): after each unit's reduce-scatter inside its shard group, the 1/shard gradient shard is
+    all-reduced across the replicas, once per step (the engine defers it to the last
+    micro-batch), under the last backward."""
+    ar = comm.all_reduce_time(w.layer_grad_bytes / shard, hw, replicas)
+    ar_root = comm.all_reduce_time(w.root_grad_bytes / shard, hw, replicas)
+    L = w.layers
+    total = L * ar + ar_root
+    exposed = total if not overlap else (layer_pipelined_exposed(L, w.layer_bwd_s, 0.0, ar, ar + ar_root)
+                                         - layer_pipelined_exposed(L, w.layer_bwd_s, 0.0, 0.0))
+    return total, min(total, exposed), f"; across {replicas.size} replicas: all-reduce of each 1/{shard} shard once per step"
 
 
 def _ddp(stage: int, w: StageWork, hw: Hardware, g: comm.Group, overlap: bool) -> tuple[float, float, str]:

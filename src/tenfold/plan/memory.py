@@ -73,7 +73,7 @@ def model_states(n_params: float, run: ResolvedRun) -> ModelStates:
     estimate_zero2/3_model_states_mem_needs): optimizer states live on the CPU, gradients as
     below; `optimizer+params` moves parameters too."""
     b = bytes_per_param(run)
-    z, dp = run.zero_runs_as, run.dp
+    z, dp = run.zero_runs_as, run.shard_size  # hybrid sharding: the states are split over one shard group
     opt_div = dp if z >= 1 else 1
     # Under pipeline parallelism torch.distributed.pipelining turns FSDP2's gradient sync and
     # resharding after backward off until the last micro-batch: every rank holds its stage's
@@ -88,6 +88,16 @@ def model_states(n_params: float, run: ResolvedRun) -> ModelStates:
         grad_copy_bytes=b.grad_copy * n_params / opt_div,
         cpu_bytes=0.0,
     )
+    if run.offload != "none" and not run.stack.master_weights:
+        # tenfold's engine: FSDP2's CPUOffloadPolicy (techniques/offload.py) keeps this rank's
+        # fp32 parameter shard, its fp32 gradient shard and the Adam moments on the host, for
+        # either offload value (16 B/param / N; measured: 16 x params / dp bytes per rank, tests/
+        # test_offload.py); the device holds only gathered units (buffers, and ZeRO-2's gathered
+        # 16-bit copies under activations).
+        st.cpu_bytes = 16.0 * n_params / dp
+        st.params_bytes = st.grads_bytes = 0.0
+        st.master_weights_bytes = st.optimizer_moments_bytes = st.grad_copy_bytes = 0.0
+        return st
     if run.offload in ("optimizer", "optimizer+params"):
         # ZeRO-Offload (Ren et al. 2021 §4; DeepSpeed estimate_zero2/3 with cpu_offload): the
         # fp32 master, moments and an fp32 gradient accumulator live on the host, partitioned
@@ -407,7 +417,7 @@ def comm_buffer_bytes(run: ResolvedRun, largest_unit: float, tp_seq_bytes: float
     b = bytes_per_param(run)
     unit_param_bytes = element_bytes(run.precision)
     z = run.zero_runs_as
-    if run.dp <= 1:
+    if run.dp <= 1 and run.offload == "none":
         n, why = 0.0, "no gradient buffers (no data parallelism)"
     elif z == 3:
         n = largest_unit * (2 * unit_param_bytes + max(b.grads, unit_param_bytes))

@@ -95,11 +95,17 @@ def step_time(shape: ModelShape, hw: Hardware, r: ResolvedRun, tr,
     mb = microbatch(shape, hw, r, peak)
     t_mb = mb.fwd + mb.bwd + mb.rc + mb.tpc + mb.host + mb.ppc + hw.microbatch_overhead_s
     bubble = (r.pp - 1) / r.virtual_stages * t_mb * bubble_factor(r.pp_schedule) if r.pp > 1 else 0.0
-    dp = dp_time.dp_step_comm(z, stage_work(shape, r, mb), hw,
-                              comm.group_layout(r.dp, r.tp, hw.gpus_per_node), r.stack.overlap_comm)
+    # Tensor-parallel ranks are the fastest mesh dim, then the shard group, then its replicas
+    # (the engine's (pp, dp_replicate, dp_shard, tp) mesh).
+    gpn = hw.gpus_per_node
+    replicas = comm.group_layout(r.replicas, r.tp * r.shard_size, gpn) if r.shard_group else None
+    dp = dp_time.dp_step_comm(z, stage_work(shape, r, mb), hw, comm.group_layout(r.shard_size, r.tp, gpn),
+                              r.stack.overlap_comm, replicas)
     n_params = max(run_rank_params(shape, r, rank) for rank in r.busiest_ranks())
-    on_rank = n_params / (r.dp if z >= 1 else 1)
-    pcie = (4.0 if z == 1 else 2.0) if r.offload != "none" else 0.0  # 16-bit grads down (ZeRO-1) + params up
+    on_rank = n_params / (r.shard_size if z >= 1 else 1)
+    # What crosses the host link at the step: DeepSpeed's ZeRO-Offload sends 16-bit grads down
+    # (ZeRO-1) and the updated params up; FSDP2's CPU offload steps on the host shard in place.
+    pcie = ((4.0 if z == 1 else 2.0) if r.stack.master_weights else 0.0) if r.offload != "none" else 0.0
     opt = tm.optimizer_step_time(on_rank, hw, r.offload != "none", min(r.world_size, hw.gpus_per_node), pcie)
     overhead = m * hw.microbatch_overhead_s + hw.step_overhead_s
     step = m * t_mb + bubble + dp.exposed_s + opt + hw.step_overhead_s
@@ -206,20 +212,27 @@ def microbatch(shape: ModelShape, hw: Hardware, r: ResolvedRun, peak: float) -> 
 def host_transfer_exposed(shape: ModelShape, hw: Hardware, r: ResolvedRun, fwd: float, bwd: float) -> float:
     """Host-link traffic per micro-batch that compute does not hide.
     `--ac offload` (save_on_cpu): every saved activation goes to the host in forward and back
-    in backward. `--offload optimizer+params` (ZeRO-Infinity): the rank's 16-bit parameter shard
-    comes up from the host for forward and again for backward. `--offload` at ZeRO-2/3
-    (ZeRO-Offload, Ren et al. 2021 §4): each micro-batch's reduced gradient partition goes down
-    to the host, where it is accumulated in fp32, during that micro-batch's backward. (ZeRO-1
-    keeps its full 16-bit gradients on the GPU until the step, memory.model_states.)"""
+    in backward. tenfold's `--offload` (FSDP2's CPUOffloadPolicy): the rank's fp32 parameter
+    shard comes up from the host for every all-gather (forward and backward at ZeRO-3, once per
+    step at ZeRO-2) and its fp32 gradient shard goes down after each micro-batch's
+    reduce-scatter. DeepSpeed's stack: `optimizer+params` (ZeRO-Infinity) brings the 16-bit
+    parameter shard up for forward and backward; ZeRO-Offload at ZeRO-2/3 (Ren et al. 2021 §4)
+    sends each micro-batch's reduced gradient partition down during its backward (ZeRO-1 keeps
+    its full 16-bit gradients on the GPU until the step, memory.model_states)."""
     cfg = shape.cfg
     moved = 0.0
-    on_first = run_rank_params(shape, r, 0)
+    shard = run_rank_params(shape, r, 0) / r.shard_size
     if r.recompute.kind == "offload" and cfg is not None:
         moved += 2 * r.rank_layers(0) * memory.activation_bytes_per_layer(cfg, r)
+    if r.offload != "none" and not r.stack.master_weights:
+        gathers = 2.0 if r.zero_runs_as == 3 else 1.0 / r.grad_accum  # ZeRO-2: once per step
+        up, down = gathers * 4.0 * shard, 4.0 * shard
+        return max(0.0, up / hw.host_link_bw - fwd) + max(0.0, down / hw.host_link_bw - bwd) + \
+            max(0.0, moved / hw.host_link_bw - (fwd + bwd))
     if r.offload == "optimizer+params":
-        moved += 2 * 2.0 * on_first / r.dp
+        moved += 2 * 2.0 * shard
     exposed = max(0.0, moved / hw.host_link_bw - (fwd + bwd))
     if r.offload != "none" and r.zero_runs_as >= 2:
-        grads = memory.bytes_per_param(r).grads * on_first / r.dp
+        grads = memory.bytes_per_param(r).grads * shard
         exposed += max(0.0, grads / hw.host_link_bw - bwd)
     return exposed
