@@ -68,7 +68,7 @@ class ResolvedRun:
             precision=self.precision, micro_batches=self.grad_accum, schedule=self.pp_schedule,
             virtual_stages=self.virtual_stages, model_kind=self.model_kind, pp_split=tuple(split) if split else None,
             tp=self.tp, hf_model_type=hf_model_type(self.config) if self.tp > 1 else "",
-            compile=self.config.train.compile,
+            compile=self.config.train.compile, fp8=self.config.precision.fp8,
         )
 
     def batch_summary(self) -> dict:

@@ -199,6 +199,8 @@ class Trainer:
 
         cfg = self.cfg
         self.optimizer = zero.build_optimizer_for(self.model, cfg.train, cfg.parallel, self.dist)
+        from tenfold.techniques.fp8 import precompute_scales_after_steps  # --fp8 under FSDP2: scales in one all-reduce
+        precompute_scales_after_steps(self.optimizer, self.model)
         tighten_timeouts_after_first_step(self.optimizer, cfg.parallel.timeout_s, self.dist)
         self.scheduler = build_scheduler(self.optimizer, cfg.train, cfg.train.steps)
 
