@@ -238,3 +238,36 @@ def test_zero3_gathers_float8_weights_with_precomputed_scales(two_rank_fp8):
     scale precomputed in the optimizer's post-step hook; DDP (ZeRO-0) has neither."""
     assert two_rank_fp8["3"]["float8_all_gather"] and two_rank_fp8["3"]["precomputed_scales"] == 14
     assert not two_rank_fp8["0"]["float8_all_gather"] and two_rank_fp8["0"]["precomputed_scales"] == 0
+
+
+# --------------------------------------------------------------------------- the planner's figures
+
+
+@pytest.mark.parametrize("gpu, dense_tflops", [("h100-sxm", 1979), ("h100-pcie", 1513), ("h200", 1979), ("b200", 4500)])
+def test_fp8_matmul_peaks_are_the_datasheets_dense_figures(gpu, dense_tflops):
+    """Datasheets print FP8 'with sparsity'; the catalog keeps the dense half, which on these
+    GPUs is twice their dense bf16 peak (to the datasheets' rounding: 1979 vs 2 x 989)."""
+    from tenfold.plan.hardware import get_hardware
+
+    hw = get_hardware(gpu)
+    assert hw.peak("fp8") == dense_tflops * 1e12
+    assert hw.peak("fp8") == pytest.approx(2 * hw.peak("bf16"), rel=2e-3)
+    assert "sparsity" in hw.sources["fp8"]
+
+
+@pytest.mark.parametrize("gpu", ["a100", "a100-40gb", "v100"])
+def test_gpus_without_float8_tensor_cores_have_no_fp8_peak(gpu):
+    from tenfold.errors import UserError
+    from tenfold.plan.hardware import get_hardware, gpu_peak_flops_for_device
+
+    with pytest.raises(UserError, match=r"^--fp8: .* has no float8 matmul peak .*GPUs with one: h100-sxm"):
+        get_hardware(gpu).peak("fp8")
+    assert gpu_peak_flops_for_device(f"NVIDIA {gpu.upper()}", "fp8") is None
+
+
+def test_a_hardware_file_carries_the_fp8_peak(tmp_path):
+    from tenfold.plan.hardware import get_hardware, hardware_toml, load_hardware_toml
+
+    path = tmp_path / "h200.toml"
+    path.write_text(hardware_toml(get_hardware("h200")))
+    assert load_hardware_toml(path).peak("fp8") == 1979e12
