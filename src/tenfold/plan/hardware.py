@@ -346,7 +346,8 @@ def load_hardware_toml(path: str | os.PathLike) -> Hardware:
             raise UserError(f"--hardware-file {path}: {key} must be a positive number, got {data[key]!r}")
     return Hardware(
         name=str(data["name"]),
-        peak_flops={d: (float(peaks[d]) * TFLOPS if peaks.get(d) else None) for d in PEAK_DTYPES},
+        peak_flops={d: (float(peaks[d]) * TFLOPS if peaks.get(d) else None) for d in PEAK_DTYPES
+                    if d != "fp8" or peaks.get(d)},  # fp8 only where given (most files predate it)
         memory_bytes=float(data["memory_gb"]) * GB, hbm_bw=float(data["hbm_gbs"]) * GB,
         intra_node_bw=float(data["intra_node_gbs"]) * GB, nic_bw=float(data["nic_gbs"]) * GB,
         sources={"file": str(p), **{k: str(v) for k, v in data.get("sources", {}).items()}}, **_optional_keys(data, path),
