@@ -64,3 +64,23 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if MULTIPROCESS_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.multiprocess)
+
+
+def planned(model, gpus: int = 1, **choices):
+    """A run for the planner alone (`tenfold.run.resolve` with check=False: priced even where
+    tenfold train would refuse it). `model`: a preset name, a ModelConfig, or a parameter count."""
+    from tenfold.models.presets import ModelConfig, get_preset
+    from tenfold.run import resolve
+
+    if isinstance(model, (int, float)):
+        return resolve(None, gpus, params=float(model), check=False, **choices)
+    cfg = model if isinstance(model, ModelConfig) else get_preset(model)
+    return resolve(cfg, gpus, check=False, **choices)
+
+
+def deepspeed_stack(**kw):
+    """DeepSpeed's / Megatron's bookkeeping: 16-bit parameters and gradients with fp32 master
+    weights (ZeRO's 2 + 2 + 12 bytes per parameter)."""
+    from tenfold.run import Stack
+
+    return Stack(master_weights=True, **kw)

@@ -103,7 +103,7 @@ def test_dry_run_prints_the_resolved_run_and_writes_nothing(tmp_path, capsys):
                           "--micro-batch", "8", "--zero", "1", "--ac", "every:2", "--precision", "fp16")
     assert code == 0, err
     assert "32 = 8 x 2 x dp 2 sequences of 256 tokens (8,192 tokens per step)" in out
-    assert "4 = pp 2 x dp 2 x tp 1; ZeRO 1; recompute every:2" in out and "precision  fp16" in out
+    assert "4 = pp 2 x dp 2 x tp 1; ZeRO-1; recompute every:2; schedule 1f1b" in out and "precision  fp16" in out
     assert "memory     per rank, predicted (planner): params " in out
     assert not (tmp_path / "never").exists()
 

@@ -293,7 +293,8 @@ def test_adam_weight_decay_follows_deepspeed(tmp_path, optimizer, weight_decay, 
 
 
 def test_the_cli_warns_about_adam_with_l2_weight_decay(tmp_path, capsys):
-    from tenfold.cli import config_from_args, build_parser
+    from tenfold.cli import build_parser
+    from tenfold.run_args import config_from_args
 
     ds = _write(tmp_path, {"optimizer": {"type": "Adam", "params": {"adam_w_mode": False, "weight_decay": 0.1}}})
     args = build_parser(["train"]).parse_args(["train", "--deepspeed", str(ds)])

@@ -80,11 +80,46 @@ def test_fp16_on_this_cpu_reports_no_mfu_above_100_percent(tmp_path):
     assert all(r["mfu"] is None or r["mfu"] <= 1.0 for r in read_metrics(tmp_path / "run"))
 
 
-def test_a_stale_low_peak_gives_no_mfu_and_says_why(tmp_path, monkeypatch):
-    monkeypatch.setattr(peak_mod, "mfu_peak", lambda dtype: (1.0, None))  # 1 FLOP/s: any run exceeds it
+def test_a_stale_low_peak_gives_no_mfu_says_why_and_is_measured_again(tmp_path, monkeypatch):
+    monkeypatch.setenv("TENFOLD_CACHE_DIR", str(tmp_path))
+    key = peak_mod.cpu_key()
+    low = {"method": peak_mod.METHOD, "fp32": 1.0, "bf16": 1.0, "fp16": 1.0,
+           "load_per_core": {"fp32": 0.1, "bf16": 0.1, "fp16": 0.1}}  # 1 FLOP/s, "measured quiet"
+    (tmp_path / "cpu_peak.json").write_text(json.dumps({key: low}))
     summary = Trainer(build_config(small_config(tmp_path, train={"steps": 2}))).fit()
-    assert summary["final"]["mfu"] is None and "remeasure" in summary["final"]["mfu_note"]
+    assert summary["final"]["mfu"] is None and "measured again at the next start" in summary["final"]["mfu_note"]
     assert all(r["mfu"] is None for r in read_metrics(tmp_path / "run"))
+    entry = json.loads((tmp_path / "cpu_peak.json").read_text())[key]
+    assert entry["exceeded"]["fp32"] > 1.0  # the run's rate: the cached figure is known to be too low
+    monkeypatch.setattr(peak_mod, "load_per_core", lambda: 3.0)  # even on a busy machine
+    monkeypatch.setattr(peak_mod, "sweep_peak", lambda dtype: 5e10)
+    assert peak_mod.cpu_peak_flops("fp32") == 5e10
+    entry = json.loads((tmp_path / "cpu_peak.json").read_text())[key]
+    assert "fp32" not in entry["exceeded"] and entry["fp32"] == 5e10
+    monkeypatch.setattr(peak_mod, "sweep_peak", lambda dtype: 1e9)  # not measured again: nothing says so
+    assert peak_mod.cpu_peak_flops("fp32") == 5e10
+
+
+def test_plan_and_train_use_one_peak_for_the_same_run(tmp_path, monkeypatch):
+    """The machine's peak (all cores), shared by its ranks: `tenfold plan --gpu cpu` prices N
+    ranks against it as `tenfold train` with N ranks divides it, whatever the thread count."""
+    import torch
+
+    from tenfold.plan.hardware import get_hardware
+    from tenfold.plan.step_time import compute_share
+
+    monkeypatch.setenv("TENFOLD_CACHE_DIR", str(tmp_path))
+    rates = {"fp32": 90e9, "bf16": 300e9, "fp16": 2e9}
+    monkeypatch.setattr(peak_mod, "sweep_peak", lambda dtype: rates[dtype])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)  # a rank of a 2-process run
+        trained = {n: peak_mod.mfu_peak("bf16", ranks=n)[0] for n in (1, 2, 4)}
+    finally:
+        torch.set_num_threads(threads)
+    hw = get_hardware("cpu")
+    assert {n: hw.peak("bf16") * compute_share(hw, n) for n in (1, 2, 4)} == trained
+    assert trained[2] == 150e9 and str(tmp_path) in peak_mod.peak_source("cpu") and str(tmp_path) in hw.sources["peak"]
 
 
 def test_a_16_bit_format_without_fast_kernels_gets_no_mfu(monkeypatch):

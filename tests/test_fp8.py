@@ -164,9 +164,9 @@ def test_tensor_parallel_fp8_is_outside_the_capability_table():
     from tenfold.run import resolve_run
 
     cfg = build_config({"precision": {"fp8": True}, "parallel": {"tp_degree": 2}})
-    found = capabilities.problems(resolve_run(cfg, 2, check=False).layout)
+    found = capabilities.problems(resolve_run(cfg, 2, check=False))
     assert len(found) == 1 and "torchao's float8 tensor-parallel styles" in found[0]
-    assert capabilities.problems(resolve_run(build_config({"precision": {"fp8": True}}), 1).layout) == []
+    assert capabilities.problems(resolve_run(build_config({"precision": {"fp8": True}}), 1)) == []
 
 
 # --------------------------------------------------------------------------- training

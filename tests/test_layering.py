@@ -13,15 +13,20 @@ import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "tenfold"
 
-# package -> what its modules must never import
+# package -> what its modules must never import. The command line (tenfold.cli) sits on top:
+# the flags that make a run's config are tenfold.run_args, below every library package.
+CLI = "tenfold.cli"
 FORBIDDEN = {
-    "models": ("tenfold.techniques", "tenfold.engine", "tenfold.plan", "tenfold.ladder"),
-    "techniques": ("tenfold.engine", "tenfold.plan", "tenfold.ladder"),
-    "plan": ("torch", "tenfold.engine", "tenfold.techniques", "tenfold.ladder"),
-    "data": ("tenfold.engine", "tenfold.techniques", "tenfold.plan", "tenfold.ladder"),
+    "models": ("tenfold.techniques", "tenfold.engine", "tenfold.plan", "tenfold.ladder", CLI),
+    "techniques": ("tenfold.engine", "tenfold.plan", "tenfold.ladder", CLI),
+    "plan": ("torch", "tenfold.engine", "tenfold.techniques", "tenfold.ladder", "tenfold.tune", CLI),
+    "data": ("tenfold.engine", "tenfold.techniques", "tenfold.plan", "tenfold.ladder", CLI),
+    "engine": ("tenfold.ladder", "tenfold.tune", CLI),
+    "ladder": ("tenfold.tune", CLI),
+    "tune": (CLI,),  # a tune measures its trials with the ladder's runner
 }
 # single modules every layer may import: they must stay torch-free and import no layer above
-TORCH_FREE = ("terms.py", "run.py", "config.py", "errors.py", "capabilities.py")
+TORCH_FREE = ("terms.py", "run.py", "run_args.py", "config.py", "errors.py", "capabilities.py")
 
 
 def imports_of(path: Path) -> list[str]:
@@ -46,14 +51,17 @@ def test_layers_import_only_downwards(package):
 
 @pytest.mark.parametrize("name", TORCH_FREE)
 def test_shared_modules_are_torch_free(name):
-    forbidden = ("torch", "tenfold.engine", "tenfold.techniques", "tenfold.plan", "tenfold.ladder", "tenfold.data")
+    forbidden = ("torch", "tenfold.engine", "tenfold.techniques", "tenfold.plan", "tenfold.ladder", "tenfold.data",
+                 "tenfold.tune", CLI)
     assert not _hits(SRC / name, forbidden)
 
 
 def test_the_rule_catches_a_violation(tmp_path):
     bad = tmp_path / "bad.py"
-    bad.write_text("def f():\n    from tenfold.engine.trainer import Trainer\n    import torch.nn\n")
-    assert _hits(bad, FORBIDDEN["plan"]) == ["tenfold.engine.trainer", "torch.nn"]
+    bad.write_text("def f():\n    from tenfold.engine.trainer import Trainer\n    import torch.nn\n"
+                   "    from tenfold.cli import main\n")
+    assert _hits(bad, FORBIDDEN["plan"]) == ["tenfold.engine.trainer", "torch.nn", "tenfold.cli"]
+    assert _hits(bad, FORBIDDEN["tune"]) == ["tenfold.cli"]
 
 
 def test_planner_and_resolved_run_load_without_torch():

@@ -18,14 +18,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tenfold.capabilities import validate_pipeline
 from tenfold.engine.distributed import shutdown
 from tenfold.errors import UserError
 from tenfold.models.gpt import GPT
 from tenfold.models.presets import get_preset, param_count
 from tenfold.techniques import pipeline as pp
 from tenfold.techniques import pipeline_runner
-from tenfold.terms import IGNORE_INDEX
+from tenfold.run import resolve
+from tenfold.terms import IGNORE_INDEX, layer_counts
 
 # A narrow `tiny` (same 4 layers, byte vocabulary) so the multi-process runs take seconds.
 CFG = get_preset("tiny").with_overrides(d_model=64, n_heads=4, d_ff=128, max_seq_len=16)
@@ -37,7 +37,7 @@ SEQ, ROWS, STEPS, SEED, LR = 16, 8, 3, 7, 1e-2  # ROWS: sequences per global bat
 
 @pytest.mark.parametrize("n_layers,stages", [(4, 2), (4, 4), (8, 3), (12, 4), (5, 2), (3, 3)])
 def test_layer_counts_cover_every_layer_once(n_layers, stages):
-    counts = pp.layer_counts(n_layers, stages)
+    counts = layer_counts(n_layers, stages)
     assert len(counts) == stages and sum(counts) == n_layers and min(counts) >= 0
     # Embedding and head weigh one layer each: the effective loads differ by at most one.
     loads = [c + (s == 0) + (s == stages - 1) for s, c in enumerate(counts)]
@@ -47,10 +47,10 @@ def test_layer_counts_cover_every_layer_once(n_layers, stages):
 def test_layer_counts_match_torchtitan_examples():
     # torchtitan generate_llm_fqn_per_model_part: L + 2 effective layers cut evenly,
     # the remainder going to the earliest stages.
-    assert pp.layer_counts(4, 2) == [2, 2]
-    assert pp.layer_counts(4, 4) == [1, 2, 1, 0]
-    assert pp.layer_counts(8, 3) == [3, 3, 2]
-    assert pp.layer_counts(6, 1) == [6]
+    assert layer_counts(4, 2) == [2, 2]
+    assert layer_counts(4, 4) == [1, 2, 1, 0]
+    assert layer_counts(8, 3) == [3, 3, 2]
+    assert layer_counts(6, 1) == [6]
 
 
 def test_split_keeps_parameter_names_and_tensors():
@@ -59,7 +59,7 @@ def test_split_keeps_parameter_names_and_tensors():
     full = model.state_dict()
     seen: dict[str, torch.Tensor] = {}
     for rank in range(2):
-        split = pp.split_model(model, rank, 2, "interleaved", 2)
+        split = pp.split_model(model, rank, 2, layer_counts(CFG.n_layers, 4))
         assert split.stage_ids == [rank, rank + 2]
         for stage in split.modules:
             for name, t in stage.state_dict().items():
@@ -74,7 +74,7 @@ def test_chained_stages_compute_the_full_forward():
     torch.manual_seed(0)
     model = GPT(CFG)
     ids = torch.randint(0, CFG.vocab_size, (2, SEQ))
-    split = pp.split_model(model, 0, 1, "interleaved", 3)  # all 3 stages on one "rank"
+    split = pp.split_model(model, 0, 1, layer_counts(CFG.n_layers, 3))  # all 3 stages on one "rank"
     h = ids
     for stage in split.modules:
         h = stage(h)
@@ -83,12 +83,30 @@ def test_chained_stages_compute_the_full_forward():
 
 def test_manual_split_and_description():
     model = GPT(CFG)
-    split = pp.split_model(model, 1, 2, "1f1b", 1, pp_split=[1, 3])
+    split = pp.split_model(model, 1, 2, [1, 3])
     assert list(split.modules[0].layers) == ["1", "2", "3"] and split.modules[0].is_last
     lines = pp.describe_split(split, CFG)
     assert lines[0].startswith("stage 0 (pp rank 0): layer 0 + tok_emb")
     total = sum(int(line.rsplit("; ", 1)[1].split()[0].replace(",", "")) for line in lines)
     assert total == param_count(CFG)
+
+
+@pytest.mark.parametrize("layout", [
+    dict(pp=2), dict(pp=4, grad_accum=4), dict(pp=2, pp_schedule="interleaved", grad_accum=2),
+    dict(pp=2, pp_split=(3, 1)), dict(pp=2, pp_schedule="interleaved", virtual_stages=3, grad_accum=2, n_layers=10),
+])
+def test_the_planner_prices_the_parameters_each_rank_really_holds(layout):
+    """One split for both: the resolved run's `stage_layers` cut the real model (split_model)
+    and give the planner's per-rank parameters (tenfold.plan.shape.run_rank_params)."""
+    from tenfold.plan.shape import run_rank_params, shape_of
+
+    cfg = CFG.with_overrides(n_layers=layout.pop("n_layers", CFG.n_layers))
+    run = resolve(cfg, layout["pp"], check=False, **layout)
+    model = GPT(cfg)
+    for rank in range(run.pp):
+        split = pp.split_model(model, rank, run.pp, run.stage_layers)
+        held = sum(p.numel() for stage in split.modules for p in stage.parameters())
+        assert run_rank_params(shape_of(cfg), run, rank) == held, (rank, run.stage_layers)
 
 
 def test_predicted_bubble():
@@ -100,28 +118,31 @@ def test_predicted_bubble():
 
 
 def _check(**overrides):
-    kw = dict(n_layers=4, world_size=2, pp_size=2, schedule="1f1b", virtual_stages=1, n_microbatches=4)
+    """A pipelined run of `tiny` resolved as train resolves it (tenfold.run.resolve: the split's
+    rules; tenfold.capabilities: the schedules')."""
+    kw = dict(n_layers=4, world_size=2, pp=2, pp_schedule="1f1b", virtual_stages=None, grad_accum=4)
     kw.update(overrides)
-    validate_pipeline(**kw)
+    model = get_preset("tiny").with_overrides(n_layers=kw.pop("n_layers"), tie_embeddings=kw.pop("tie_embeddings", False))
+    resolve(model, kw.pop("world_size"), **kw)
 
 
 @pytest.mark.parametrize(
     "overrides,needle",
     [
-        ({"n_microbatches": 1}, "train.grad_accum=1 < parallel.pp_degree=2"),
-        ({"world_size": 3}, "parallel.pp_degree (2) must divide the number of processes (3)"),
-        ({"pp_size": 4, "world_size": 4, "schedule": "interleaved", "virtual_stages": 2, "n_microbatches": 8},
+        ({"grad_accum": 1}, "train.grad_accum=1 < parallel.pp_degree=2"),
+        ({"world_size": 3}, "= 2 must divide the number of processes (3)"),
+        ({"pp": 4, "world_size": 4, "pp_schedule": "interleaved", "virtual_stages": 2, "grad_accum": 8},
          "8 pipeline stages"),
         ({"n_layers": 1}, "more than the model's 1 layers"),
-        ({"schedule": "interleaved", "virtual_stages": 2, "n_microbatches": 5}, "multiple of parallel.pp_degree"),
+        ({"pp_schedule": "interleaved", "virtual_stages": 2, "grad_accum": 5}, "multiple of parallel.pp_degree"),
         ({"virtual_stages": 2}, "needs an interleaved schedule"),
-        ({"schedule": "dualpipe"}, "parallel.pp_schedule must be one of"),
+        ({"pp_schedule": "dualpipe"}, "parallel.pp_schedule (--pp-schedule) 'dualpipe'; allowed"),
         ({"tie_embeddings": True}, "model.tie_embeddings=true cannot be pipelined"),
         ({"pp_split": [4]}, "parallel.pp_split has 1 entries but there are 2 stages"),
         ({"pp_split": [3, 3]}, "summing to model.n_layers (4)"),
-        ({"world_size": 4, "schedule": "zero-bubble", "virtual_stages": 2, "zero_stage": 1},
+        ({"world_size": 4, "pp_schedule": "zero-bubble", "virtual_stages": 2, "zero_stage": 1},
          "zero-bubble schedule with data parallelism needs parallel.zero_stage 2 or 3"),
-        ({"pp_split": [2, 0, 2], "schedule": "interleaved", "virtual_stages": 3, "pp_size": 1},
+        ({"pp_split": [2, 0, 2], "pp_schedule": "interleaved", "virtual_stages": 3, "pp": 1},
          None),  # pp=1: nothing to check
     ],
 )
@@ -136,10 +157,11 @@ def test_validation_names_the_problem(overrides, needle):
 
 def test_valid_configs_pass():
     _check()
-    _check(schedule="gpipe", n_microbatches=2)
-    _check(schedule="zero-bubble", virtual_stages=2, n_microbatches=4)
+    _check(pp_schedule="gpipe", grad_accum=2)
+    _check(pp_schedule="zero-bubble", virtual_stages=2, grad_accum=4)
     _check(pp_split=[0, 4])
-    _check(world_size=4, schedule="zero-bubble", virtual_stages=2, zero_stage=2)
+    _check(world_size=4, pp_schedule="zero-bubble", virtual_stages=2, zero_stage=2)
+    _check(n_layers=10, pp_schedule="interleaved", grad_accum=2)  # 10 layers on 4 stages: 3/3/2/2 (uneven is fine)
 
 
 # --------------------------------------------------------------------------- multi-process

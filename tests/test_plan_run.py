@@ -14,16 +14,16 @@ import pytest
 import torch
 
 from tenfold import capabilities
-from tenfold.cli import build_parser, config_from_args, main, train_argv
-from tenfold.config import ParallelSection, PrecisionSection, TrainSection, build_config
+from tenfold.cli import build_parser, main
+from tenfold.run_args import config_from_args, train_argv
+from tenfold.config import ParallelSection, PrecisionSection, TrainSection, build_config, config_toml
 from tenfold.engine.memory import predicted_memory
 from tenfold.errors import UserError
 from tenfold.plan import advice
-from tenfold.plan.for_run import memory_line, strategy_for_config
+from tenfold.plan.for_run import memory_line
 from tenfold.plan.search import search
 from tenfold.run import resolve_run
 from tenfold.techniques.precision import build_precision
-from tenfold.terms import RecomputePolicy
 
 from conftest import SMALL_FLAGS
 
@@ -57,6 +57,20 @@ TRAIN_FLAGS = [
     ["--config", "{toml}", "--set", "parallel.zero_stage=1", "--ac", "none"],
     ["--deepspeed", str(DATA / "ds_seed.json"), "--nproc", "2", "--micro-batch", "2"],
     ["--hf-config", str(DATA / "llama-tiny" / "config.json"), "--nproc", "2", "--zero", "3", "--seq-len", "64"],
+    ["--hf-config", str(DATA / "llama-tiny" / "config.json"), "--nproc", "2", "--tp", "2", "--seq-len", "64"],
+    ["--hf-config", str(DATA / "llama-tiny" / "config.json"), "--ac", "every:1", "--grad-accum", "2", "--seq-len", "64"],
+    ["--hf-config", str(DATA / "gpt2-tiny" / "config.json"), "--nproc", "2", "--zero", "1", "--ac", "selective:mlp"],
+    ["--nproc", "2", "--tp", "2"],
+    ["--nproc", "4", "--tp", "2", "--zero", "1", "--micro-batch", "2"],
+    ["--nproc", "4", "--tp", "2", "--no-sequence-parallel", "--ac", "full"],
+    ["--nproc", "8", "--tp", "2", "--pp", "2", "--zero", "3", "--grad-accum", "2"],
+    ["--nproc", "8", "--pp", "4", "--zero", "3", "--grad-accum", "4", "--set", "model.n_layers=6"],
+    ["--nproc", "2", "--pp", "2", "--pp-schedule", "interleaved", "--virtual-stages", "3", "--grad-accum", "4",
+     "--set", "model.n_layers=10"],
+    ["--nproc", "4", "--pp", "2", "--pp-split", "3,1", "--zero", "2", "--grad-accum", "2", "--ac", "every:2"],
+    ["--nproc", "3", "--global-batch", "24", "--precision", "fp32"],
+    ["--nproc", "2", "--zero", "2", "--set", "parallel.reduce_bucket_size=1000000", "--grad-accum", "3"],
+    ["--model", "small", "--nproc", "4", "--zero", "3", "--ac", "segments:3", "--seq-len", "512", "--micro-batch", "1"],
 ]
 
 
@@ -73,25 +87,42 @@ def plan_json(capsys, *argv) -> dict:
     return json.loads(capsys.readouterr().out)
 
 
-def train_prediction(argv: list[str]) -> tuple[dict, dict]:
+def train_prediction(argv: list[str]) -> tuple[dict, dict, dict]:
     """What `tenfold train <argv>` prints at its start, through the code train runs: its parser,
-    `config_from_args`, `resolve_run` on the processes it starts, and the prediction RunMemory
-    makes with the precision the device runs."""
+    `config_from_args`, `resolve_run` on the processes it starts, the prediction RunMemory makes
+    with the precision the device runs, and the layout summary.json records."""
     args = build_parser(["train", *argv]).parse_args(["train", *argv])
     cfg = config_from_args(args)
-    run = resolve_run(cfg, cfg.parallel.nproc)
+    run = resolve_run(cfg, cfg.parallel.nnodes * cfg.parallel.nproc)
     cpu = torch.device("cpu")
-    return predicted_memory(run, cpu, build_precision(cfg.precision, cpu).name), run.batch_summary()
+    return predicted_memory(run, cpu, build_precision(cfg.precision, cpu).name), run.batch_summary(), run.layout()
+
+
+def _flags(flags, run_toml) -> list[str]:
+    return [run_toml if f == "{toml}" else f for f in flags]
 
 
 @pytest.mark.parametrize("flags", TRAIN_FLAGS, ids=lambda f: " ".join(Path(x).name for x in f) or "defaults")
 def test_plan_predicts_the_run_train_announces(capsys, run_toml, flags):
-    flags = [run_toml if f == "{toml}" else f for f in flags]
-    memory, batch = train_prediction(flags)
+    flags = _flags(flags, run_toml)
+    memory, batch, layout = train_prediction(flags)
     run = plan_json(capsys, *flags)["run"]
     assert run["memory_predicted"] == memory
     assert run["batch"] == batch
+    assert run["layout"] == layout  # processes, ZeRO as it runs, recompute, schedule, blocks per stage, ...
     assert run["unsupported"] == [] and run["other_stack"] == []
+
+
+@pytest.mark.parametrize("flags", TRAIN_FLAGS, ids=lambda f: " ".join(Path(x).name for x in f) or "defaults")
+def test_plan_config_file_predicts_train_config_file(tmp_path, capsys, run_toml, flags):
+    """The same runs as one config file: `tenfold plan --config X` and `tenfold train --config X`."""
+    cfg = config_from_args(build_parser(["train"]).parse_args(["train", *_flags(flags, run_toml)]))
+    path = tmp_path / "x.toml"
+    path.write_text(config_toml(cfg))
+    memory, batch, layout = train_prediction(["--config", str(path)])
+    run = plan_json(capsys, "--config", str(path))["run"]
+    assert (run["memory_predicted"], run["batch"], run["layout"]) == (memory, batch, layout)
+    assert len(TRAIN_FLAGS) >= 30
 
 
 def _summary(out: Path) -> dict:
@@ -132,7 +163,7 @@ def test_done_when_search_emit_then_train(tmp_path, capsys):
     assert run["memory_predicted"] == s["memory"]["predicted"] and run["batch"] == s["batch"]
     best = d["best"][0]
     assert (s["batch"]["micro_batch"], s["batch"]["global_batch"]) == (best["micro_batch"], best["global_batch"])
-    assert s["config"]["parallel"]["zero_stage"] == best["strategy"]["zero"]
+    assert s["config"]["parallel"]["zero_stage"] == best["strategy"]["zero_stage"]
 
 
 @pytest.mark.multiprocess
@@ -157,12 +188,10 @@ def test_nothing_unsupported_is_ranked_by_default(capsys):
     d = plan_json(capsys, *argv)
     assert d["best"]  # (tensor parallelism runs now; the default search prices no offload)
     assert all(p["unsupported"] == [] and p["strategy"]["offload"] == "none" for p in d["best"])
-    base = build_config({"model": {"name": "llama-7b"}})
-    strategy = strategy_for_config(base, 4096)
-    for p in search("llama-7b", "h100-sxm", 16, replace(strategy, global_batch=256), top_k=20).best:
-        cfg, run = advice.config_for_plan(base, p, 8)  # resolved with the engine's own check
-        assert (run.pp, run.tp, run.zero_stage, run.micro_batch) == (
-            p.strategy["pp"], p.strategy["tp"], p.strategy["zero"], p.micro_batch)
+    base = build_config({"model": {"name": "llama-7b"}, "train": {"global_batch": 256}})
+    for p in search(resolve_run(base, 16, check=False), "h100-sxm", top_k=20).best:
+        cfg, run = advice.config_for_plan(base, p.run, 8)  # resolved with the engine's own check
+        assert run.layout() == p.run.layout() == p.strategy
     every = plan_json(capsys, *argv, "--include-unsupported")
     marked = [p for p in every["best"] if p["unsupported"]]
     assert marked and all(p["strategy"]["offload"] != "none" for p in marked)
@@ -181,7 +210,8 @@ def test_a_hugging_face_model_is_not_pipelined_nor_attention_recomputed(capsys):
     argv = ["--search", "--hf-config", str(DATA / "llama-tiny" / "config.json"), "--gpu", "a100-80gb", "--gpus", "4",
             "--seq-len", "64", "--top", "200"]
     d = plan_json(capsys, *argv)
-    assert d["best"] and all(p["strategy"]["pp"] == 1 and p["strategy"]["ac"] != "selective:attention" for p in d["best"])
+    assert d["best"] and all(p["strategy"]["pp"] == 1 and p["strategy"]["recompute"] != "selective:attention"
+                             for p in d["best"])
     assert "--hf-config" in d["launch"]
 
 
@@ -189,10 +219,9 @@ def test_single_plan_prints_its_launch_line_or_why_not(capsys):
     run = plan_json(capsys, "--model", "llama-7b", "--gpu", "h100-sxm", "--gpus", "16", "--zero", "3", "--ac", "full")["run"]
     assert run["launch"].startswith("torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d")
     assert "-m tenfold train --model llama-7b" in run["launch"] and "--zero 3 --pp 1" in run["launch"]
-    run = plan_json(capsys, "--model", "llama-7b", "--gpus", "8", "--zero", "1", "--offload", "optimizer")["run"]
-    assert run["launch"] is None and "offload 'optimizer'" in run["unsupported"][0]
     run = plan_json(capsys, "--model", "llama-7b", "--gpus", "8", "--master-weights")["run"]
-    assert run["other_stack"] == ["master_weights=True"] and run["launch"]
+    assert run["other_stack"] == ["master_weights=True"] and run["launch"] is None
+    assert "priced as another training stack" in run["unsupported"][0]
 
 
 @pytest.mark.parametrize("gpus,per_node,expected", [(1, 8, (1, 1)), (8, 8, (1, 8)), (16, 8, (2, 8)), (12, 8, (2, 6)),
@@ -248,6 +277,50 @@ def test_emit_refuses_what_train_cannot_run(tmp_path, capsys, extra, needle):
     assert needle in err and err.count("\n") == 1 and not toml.exists()
 
 
+@pytest.mark.parametrize("model,gpu,gpus,extra,nodes", [
+    ("llama-70b", "h100-sxm", 64, [], 8),
+    ("gpt3-175b", "a100-80gb", 1024, ["--global-batch", "1536"], 128),
+])
+def test_a_fleet_plan_emits_a_config_train_accepts_on_that_fleet(tmp_path, capsys, monkeypatch, model, gpu, gpus,
+                                                                 extra, nodes):
+    """`plan --search --emit` for a multi-node fleet writes nodes x processes per node and the
+    torchrun line; `train --config FILE --dry-run` on a rank of that job (torchrun's environment)
+    accepts it and prints the plan's memory line; one command cannot start it."""
+    toml = tmp_path / "fleet.toml"
+    d = plan_json(capsys, "--model", model, "--gpu", gpu, "--gpus", str(gpus), *extra, "--search", "--emit", str(toml))
+    assert d["launch"].startswith(f"torchrun --nnodes {nodes} --nproc-per-node {gpus // nodes} ")
+    emitted = config_from_args(build_parser(["train"]).parse_args(["train", "--config", str(toml)]))
+    assert (emitted.parallel.nnodes, emitted.parallel.nproc) == (nodes, gpus // nodes)
+    planned_line = next(x for x in toml.read_text().splitlines() if x.startswith("# memory per rank"))[2:]
+    best = d["best"][0]
+    assert planned_line == memory_line(memory_by_category_of(best))
+    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": str(gpus), "LOCAL_WORLD_SIZE": str(gpus // nodes),
+                       "MASTER_ADDR": "head", "MASTER_PORT": "29500"}.items():
+        monkeypatch.setenv(key, value)
+    assert main(["train", "--config", str(toml), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert planned_line.removeprefix("memory ") in out and f"{gpus} = pp" in out
+    monkeypatch.setenv("WORLD_SIZE", str(gpus // 2))  # half the planned processes: refused, named
+    assert main(["train", "--config", str(toml), "--dry-run"]) == 2
+    assert f"{gpus} processes planned, but torchrun started {gpus // 2}" in capsys.readouterr().err
+    for key in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(key)
+    assert main(["train", "--config", str(toml), "--dry-run"]) == 0  # nnodes x nproc without torchrun
+    assert planned_line.removeprefix("memory ") in capsys.readouterr().out
+    assert main(["train", "--config", str(toml), "--out", str(tmp_path / "never")]) == 2
+    assert f"start it on every node with: torchrun --nnodes {nodes}" in capsys.readouterr().err
+    assert not (tmp_path / "never").exists()
+
+
+def memory_by_category_of(plan: dict) -> dict:
+    """`tenfold.plan.for_run.memory_by_category` of a plan as `--json` prints it."""
+    from tenfold.plan.api import MemoryBreakdown
+    from tenfold.plan.for_run import memory_by_category
+
+    fields = {k: v for k, v in plan["memory"].items() if k != "peak_bytes"}
+    return memory_by_category(MemoryBreakdown(**fields))
+
+
 def test_emit_never_overwrites_a_file_it_did_not_write(tmp_path, capsys):
     mine = tmp_path / "run.toml"
     mine.write_text('[model]\nname = "small"\n')
@@ -272,7 +345,7 @@ def test_the_table_is_what_the_config_accepts():
     # Tensor parallelism is runnable exactly when tenfold train has a tensor-parallel degree.
     assert capabilities.ENGINE.tensor_parallel == ("tp_degree" in ParallelSection.model_fields)
     assert capabilities.ENGINE.compile == ("compile" in TrainSection.model_fields)
-    assert capabilities.ENGINE.offload == ("none",) and not any("offload" in k for k in ParallelSection.model_fields)
+    assert set(capabilities.ENGINE.offload) <= set(typing.get_args(ParallelSection.model_fields["offload"].annotation))
 
 
 def test_train_refuses_what_the_table_refuses(tmp_path, capsys):
@@ -282,13 +355,15 @@ def test_train_refuses_what_the_table_refuses(tmp_path, capsys):
         resolve_run(tied, 2)
     assert resolve_run(tied, 2, check=False).pp == 2  # the planner prices it, marked
     narrow = replace(capabilities.ENGINE, zero_stages=(0, 1))
-    layout = resolve_run(build_config({"parallel": {"zero_stage": 3}}), 2).layout
-    assert capabilities.problems(layout) == [] and "ZeRO stage 3" in capabilities.problems(layout, narrow)[0]
-    hf = capabilities.Layout(model=resolve_run(build_config({}), 2).model, world_size=2, pp=2, zero=0, micro_batches=2,
-                             recompute=RecomputePolicy("selective", target="attention"), precision="bf16", model_kind="hf")
+    run = resolve_run(build_config({"parallel": {"zero_stage": 3}}), 2)
+    assert capabilities.problems(run) == [] and "ZeRO stage 3" in capabilities.problems(run, narrow)[0]
+    hf = resolve_run(build_config({"parallel": {"pp_degree": 2}, "train": {"grad_accum": 2},
+                                   "recompute": {"policy": "selective:attention"}}), 2, check=False)
+    hf = replace(hf, model_kind="hf")
     assert len(capabilities.problems(hf)) == 2
-    for argv, needle in ((["--offload", "optimizer"], "unrecognized arguments: --offload"),
-                         (["--set", "parallel.offload=optimizer"], "unknown config key 'parallel.offload'"),
+    refused_offload = [] if "optimizer" in capabilities.ENGINE.offload else [
+        (["--offload", "optimizer", "--zero", "1", "--nproc", "2"], "parallel.offload 'optimizer' (--offload)")]
+    for argv, needle in (*refused_offload,
                          (["--nproc", "2", "--pp", "2", "--grad-accum", "2", "--set", "model.tie_embeddings=true"],
                           "cannot be pipelined")):
         try:

@@ -22,9 +22,10 @@ from tenfold.plan.flops import (
 )
 from tenfold.plan.hardware import CATALOG, GEMM_SHARE_OF_MAMF
 from tenfold.plan.memory import activation_bytes_per_layer, largest_model_that_fits, stage_activations, zero_model_states_gb
-from tenfold.plan.strategy import Strategy
 from tenfold.plan.validation import CASES, check_all, predicted_value
-from tenfold.terms import parse_recompute
+from tenfold.run import Stack
+
+from conftest import deepspeed_stack, planned
 
 # ZeRO Table 1 verbatim: {psi: {dp: (P_os, P_os+g, P_os+g+p)}} in GB (1e9 bytes).
 ZERO_TABLE1 = {
@@ -57,7 +58,7 @@ def test_v2_full_zero_table1_grid_within_1pct(psi):
 
 def test_v2_through_predict_params_only():
     # The same cell through the public API, as `tenfold plan --params` computes it.
-    plan = predict(1e12, "a100-80gb", 1024, Strategy(precision="fp16", zero=3))
+    plan = predict(planned(1e12, 1024, precision="fp16", zero_stage=3, stack=deepspeed_stack()), "a100-80gb")
     assert plan.memory.model_states_bytes / 1e9 == pytest.approx(15.6, rel=0.01)
     assert plan.memory.activations_bytes is None
 
@@ -80,20 +81,27 @@ def test_v3_zero_table2_largest_model_that_fits(mp, gpus, sizes):
 
 @pytest.mark.parametrize("dp", [1, 8, 64])
 def test_v8_megatron_distributed_optimizer_bytes_per_param(dp):
-    def per_param(stage, **kw):
-        return memory.model_states(1.0, Strategy(zero=stage, **kw), dp).total
+    def per_param(stage, precision, **stack):
+        run = planned(1.0, dp, zero_stage=stage, precision=precision, stack=deepspeed_stack(**stack))
+        return memory.model_states(1.0, run).total
 
-    assert per_param(0, precision="bf16", grads_fp32=True) == pytest.approx(18)
-    assert per_param(1, precision="bf16", grads_fp32=True) == pytest.approx(6 + 12 / dp)
-    assert per_param(0, precision="fp16", fp32_grad_copy=True) == pytest.approx(20)
-    assert per_param(1, precision="fp16", fp32_grad_copy=True) == pytest.approx(4 + 16 / dp)
-    assert per_param(0, precision="fp32") == pytest.approx(16)
-    assert per_param(1, precision="fp32") == pytest.approx(8 + 8 / dp)
+    assert per_param(0, "bf16", grads_fp32=True) == pytest.approx(18)
+    assert per_param(1, "bf16", grads_fp32=True) == pytest.approx(6 + 12 / dp)
+    assert per_param(0, "fp16", fp32_grad_copy=True) == pytest.approx(20)
+    assert per_param(1, "fp16", fp32_grad_copy=True) == pytest.approx(4 + 16 / dp)
+    assert per_param(0, "fp32") == pytest.approx(16)
+    assert per_param(1, "fp32") == pytest.approx(8 + 8 / dp)
 
 
 GPT3 = ModelConfig(n_layers=96, d_model=12288, n_heads=96, vocab_size=51200, max_seq_len=2048, mlp="gelu",
                    norm="layernorm", pos="learned", bias=True, tie_embeddings=True)
-KORTHIKANTI = Strategy(precision="fp16", dropout=True, flash_attention=False, activation_style="megatron")
+KORTHIKANTI = deepspeed_stack(dropout=True, flash_attention=False, activation_style="megatron")
+
+
+def korthikanti(tp=1, sp=False, gpus=None, **choices):
+    """GPT-3 175B as Korthikanti et al. 2022 train it: fp16, dropout, no flash attention, one sequence of 2048."""
+    choices = {"micro_batch": 1, "seq_len": 2048, "precision": "fp16", **choices}
+    return planned(GPT3, gpus or tp * choices.get("pp", 1), tp=tp, sequence_parallel=sp, stack=KORTHIKANTI, **choices)
 
 
 @pytest.mark.parametrize("label,tp,sp,ac,expected", [
@@ -104,35 +112,34 @@ KORTHIKANTI = Strategy(precision="fp16", dropout=True, flash_attention=False, ac
     ("TP + SP + selective", 8, True, "selective", 1.07e8),
 ])
 def test_v9_korthikanti_table2_bytes_per_layer(label, tp, sp, ac, expected):
-    s = replace(KORTHIKANTI, sequence_parallel=sp, tp=tp)
     dropped = ("attn_core",) if ac == "selective" else ()
-    got = activation_bytes_per_layer(GPT3, s, 2048, 1, tp, dropped)
+    got = activation_bytes_per_layer(GPT3, korthikanti(tp, sp), dropped)
     assert got == pytest.approx(expected, rel=0.005), label
 
 
 def test_v9_eq1_is_34_plus_5as_over_h():
     s, b, h, a = 2048, 1, 12288, 96
-    assert activation_bytes_per_layer(GPT3, KORTHIKANTI, s, b, 1) == s * b * h * (34 + 5 * a * s / h)
-    full = memory.recompute_layer_bytes(GPT3, KORTHIKANTI, s, b, 8)
+    assert activation_bytes_per_layer(GPT3, korthikanti()) == s * b * h * (34 + 5 * a * s / h)
+    full = memory.recompute_layer_bytes(GPT3, korthikanti(8))
     assert full == pytest.approx(5.03e7, rel=0.005)  # sbh(2)
 
 
 def test_v9_selective_saves_70_and_65_percent():
     mtnlg = replace(GPT3, n_heads=128, d_model=20480, n_layers=105)
     for cfg, saving in ((GPT3, 0.70), (mtnlg, 0.65)):
-        none = activation_bytes_per_layer(cfg, KORTHIKANTI, 2048, 1, 1)
-        sel = activation_bytes_per_layer(cfg, KORTHIKANTI, 2048, 1, 1, ("attn_core",))
+        run = planned(cfg, precision="fp16", micro_batch=1, seq_len=2048, stack=KORTHIKANTI)
+        none = activation_bytes_per_layer(cfg, run)
+        sel = activation_bytes_per_layer(cfg, run, ("attn_core",))
         assert 1 - sel / none == pytest.approx(saving, abs=0.005)
 
 
 def test_v9_first_stage_total_eq6_and_interleave():
     # TP=8, SP, selective, p=8: the first stage holds p micro-batches x L/p layers = L layers.
-    s = replace(KORTHIKANTI, tp=8, pp=8, sequence_parallel=True, pp_schedule="1f1b")
-    pol = parse_recompute("selective")
-    sa = stage_activations(GPT3, s, pol, 2048, 1, 8, 8, 64, 1, 12, first=True, last=False)
+    s = korthikanti(8, True, pp=8, global_batch=64, recompute="selective")
+    sa = stage_activations(GPT3, s, (12,), first=True, last=False)
     assert sa.stored_bytes / 2**30 == pytest.approx(9.56, rel=0.005)
-    s3 = replace(s, pp_schedule="interleaved", virtual_stages=3)
-    sa3 = stage_activations(GPT3, s3, pol, 2048, 1, 8, 8, 64, 3, 12, first=True, last=False)
+    s3 = s.with_(pp_schedule="interleaved", virtual_stages=3, check=False)
+    sa3 = stage_activations(GPT3, s3, (4, 4, 4), first=True, last=False)
     assert sa3.stored_bytes / 2**30 == pytest.approx(12.35, rel=0.005)
 
 
@@ -153,8 +160,9 @@ def test_v10_korthikanti_table5_mfu_hfu(a, h, L, gpus, B, secs, mfu, hfu):
     # The planner's own MFU numerator for the same model agrees with Eq. (7) to 0.2 pt.
     cfg = ModelConfig(n_layers=L, d_model=h, n_heads=a, vocab_size=51200, max_seq_len=2048, mlp="gelu",
                       norm="layernorm", pos="learned", bias=True, tie_embeddings=True)
-    plan = predict(cfg, "a100-80gb", gpus, Strategy(precision="bf16", tp=8, pp=gpus // 8, global_batch=B, seq_len=2048,
-                                                    ac="selective", achieved_tflops=100))
+    run = planned(cfg, gpus, precision="bf16", tp=8, pp=gpus // 8, global_batch=B, seq_len=2048, recompute="selective",
+                  sequence_parallel=False, stack=deepspeed_stack())
+    plan = predict(run, "a100-80gb", achieved_tflops=100)
     assert 100 * plan.model_flops_per_step / (secs * gpus * peak) == pytest.approx(mfu, abs=0.2)
 
 
@@ -162,9 +170,9 @@ def test_v12_recompute_time_overheads_22b():
     # Korthikanti Table 4 (22B, TP=8, b=4): full recompute +39% (ideal +33%), selective +7%.
     cfg = ModelConfig(n_layers=48, d_model=6144, n_heads=64, vocab_size=51200, max_seq_len=2048, mlp="gelu",
                       norm="layernorm", pos="learned", bias=True, tie_embeddings=True)
-    base = Strategy(precision="fp16", tp=8, micro_batch=4, global_batch=4, seq_len=2048, dropout=True,
-                    flash_attention=False)
-    t = {ac: predict(cfg, "a100-80gb", 8, replace(base, ac=ac)).step_time_s for ac in ("none", "full", "selective")}
+    base = planned(cfg, 8, precision="fp16", tp=8, micro_batch=4, global_batch=4, seq_len=2048, sequence_parallel=False,
+                   stack=deepspeed_stack(dropout=True, flash_attention=False))
+    t = {ac: predict(base.with_(recompute=ac, check=False), "a100-80gb").step_time_s for ac in ("none", "full", "selective")}
     assert 0.28 <= t["full"] / t["none"] - 1 <= 0.42
     assert 0.0 < t["selective"] / t["none"] - 1 <= 0.10
 
@@ -183,22 +191,24 @@ def test_v15_narayanan_34_and_84_days():
 
 
 def test_v15_through_predict_with_achieved_tflops():
-    s = Strategy(precision="bf16", tp=8, pp=16, micro_batch=1, global_batch=1536, seq_len=2048, ac="full",
-                 tokens=300e9, achieved_tflops=140)
-    assert predict("gpt3-175b", "a100-80gb", 1024, s).train_days == pytest.approx(34, rel=0.05)
+    choices = dict(precision="bf16", tp=8, micro_batch=1, seq_len=2048, recompute="full", sequence_parallel=False,
+                   stack=deepspeed_stack())
+    s = planned("gpt3-175b", 1024, pp=16, global_batch=1536, **choices)
+    assert predict(s, "a100-80gb", tokens=300e9, achieved_tflops=140).train_days == pytest.approx(34, rel=0.05)
     cfg = ModelConfig(n_layers=128, d_model=25600, n_heads=160, vocab_size=51200, max_seq_len=2048, mlp="gelu",
                       norm="layernorm", pos="learned", bias=True, tie_embeddings=True)
-    s1t = replace(s, pp=64, global_batch=3072, tokens=450e9, achieved_tflops=163)
-    assert predict(cfg, "a100-80gb", 3072, s1t).train_days == pytest.approx(84, rel=0.05)
+    s1t = planned(cfg, 3072, pp=64, global_batch=3072, **choices)
+    assert predict(s1t, "a100-80gb", tokens=450e9, achieved_tflops=163).train_days == pytest.approx(84, rel=0.05)
 
 
 def test_v17_pipeline_bubble_and_memory_identities():
     cfg = replace(GPT3, n_layers=96)
-    base = Strategy(precision="bf16", tp=8, pp=8, micro_batch=1, global_batch=64, seq_len=2048, ac="full")
-    p = predict(cfg, "a100-80gb", 64, base)
+    base = planned(cfg, 64, precision="bf16", tp=8, pp=8, micro_batch=1, global_batch=64, seq_len=2048,
+                   recompute="full", sequence_parallel=False, stack=deepspeed_stack())
+    p = predict(base, "a100-80gb")
     assert p.grad_accum == 64
     assert p.time.bubble_fraction == pytest.approx(7 / 64)  # 10.9%
-    pi = predict(cfg, "a100-80gb", 64, replace(base, pp_schedule="interleaved", virtual_stages=3))
+    pi = predict(base.with_(pp_schedule="interleaved", virtual_stages=3, check=False), "a100-80gb")
     assert pi.time.bubble_fraction == pytest.approx(7 / 64 / 3, abs=1e-9)  # 3.6%
     assert memory.inflight_microbatches("1f1b", 8, 64, 1) == 8
     assert memory.inflight_microbatches("1f1b", 8, 4, 1) == 4
@@ -222,13 +232,13 @@ def test_v22_nanogpt_124m():
     # nanoGPT's N excludes the position embedding; its LayerNorms have no bias (ours do: +19,200).
     n = 124_337_664 - 1024 * 768
     assert palm_flops_per_token(n, 12, 12, 64, 1024) * 1024 == 875_062_886_400
-    plan = predict(cfg, "a100-80gb", 1, Strategy(precision="bf16", micro_batch=100, seq_len=1024, achieved_tflops=1))
+    plan = predict(planned(cfg, precision="bf16", micro_batch=100, seq_len=1024), "a100-80gb", achieved_tflops=1)
     per_seq = plan.model_flops_per_step / 100
     assert per_seq == pytest.approx(875_062_886_400, rel=2e-4)
     assert per_seq / 874_944_921_600 == pytest.approx(1.0001, abs=2e-4)  # vs the notebook's exact count
     assert 100 * per_seq * 100 / (0.755 * 312e12) == pytest.approx(37.14, abs=0.05)  # MFU at 0.755 s/iter
     # 6ND at 300B tokens on 8 A100 at 30% MFU: 3.46 days (params-only mode uses 6N).
-    p = predict(124_337_664, "a100-80gb", 8, Strategy(tokens=300e9, achieved_tflops=0.3 * 312))
+    p = predict(planned(124_337_664, 8), "a100-80gb", tokens=300e9, achieved_tflops=0.3 * 312)
     assert p.train_days == pytest.approx(3.46, abs=0.01)
 
 
@@ -239,9 +249,10 @@ def test_v27_ring_allreduce_and_zero3_volume():
     assert comm.all_reduce_time(S, hw, comm.Group(8, 8)) == pytest.approx(1.75 * S / hw.intra_node_bw)
     # ZeRO-3 moves 3Ψ where DP moves 2Ψ (one micro-batch, nothing overlapped).
     cfg = PRESETS["gpt3-1.3b"]
-    base = Strategy(precision="bf16", micro_batch=1, global_batch=8, seq_len=2048, overlap_comm=False)
-    t0 = predict(cfg, hw, 8, replace(base, zero=0)).time.dp_comm_s
-    t3 = predict(cfg, hw, 8, replace(base, zero=3)).time.dp_comm_s
+    base = planned(cfg, 8, precision="bf16", micro_batch=1, global_batch=8, seq_len=2048,
+                   stack=deepspeed_stack(overlap_comm=False))
+    t0 = predict(base.with_(zero_stage=0, check=False), hw).time.dp_comm_s
+    t3 = predict(base.with_(zero_stage=3, check=False), hw).time.dp_comm_s
     assert t3 / t0 == pytest.approx(1.5, rel=1e-6)
 
 
@@ -283,9 +294,10 @@ def test_published_run_within_its_tolerance(case):
 def test_validation_covers_zero3_scaling_and_llama_h100():
     rows = check_all()
     zero3 = [r for r in rows if r.case.group == "zero3-scaling"]
-    assert len(zero3) >= 20 and len({r.case.gpus for r in zero3}) >= 5
+    assert len(zero3) >= 20 and len({r.case.run.world_size for r in zero3}) >= 5
     assert sum(abs(r.error) <= 0.25 for r in zero3) >= len(zero3) - 1  # the one miss is explained in the case
     assert len([r for r in rows if r.case.group == "llama-h100"]) >= 4
     # The 32k-token FSDP run: the default (PyTorch) accounting within 10%, Megatron's ~40% low.
-    mem = {r.case.strategy.activation_style: r.error for r in rows if r.case.group == "memory" and r.case.strategy.seq_len == 32768}
+    mem = {r.case.run.stack.activation_style: r.error for r in rows
+           if r.case.group == "memory" and r.case.run.seq_len == 32768}
     assert abs(mem["tenfold"]) < 0.10 and mem["megatron"] < -0.30

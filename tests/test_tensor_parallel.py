@@ -221,23 +221,23 @@ def test_an_unmapped_hugging_face_block_is_named():
 
 
 def test_the_run_and_the_planner_share_the_tp_layout():
-    """dp = world / (pp x tp); sequence parallelism on by default; the planner's strategy for
-    the run carries both, so the memory printed at the start of a run is split by tp."""
-    from tenfold.plan.for_run import predict_run, strategy_for_run
+    """dp = world / (pp x tp); sequence parallelism on by default; the run the planner prices
+    carries both, so the memory printed at the start of a run is split by tp."""
+    from tenfold.plan.for_run import predict_run
 
     run = resolve_run(build_config({"parallel": {"tp_degree": 2, "pp_degree": 2}, "train": {"grad_accum": 2}}), 8)
     assert (run.dp, run.tp, run.sequence_parallel) == (2, 2, True)
-    s = strategy_for_run(run)
-    assert (s.tp, s.sequence_parallel) == (2, True)
     one = predict_run(resolve_run(build_config({}), 1), "cpu").memory
     two = predict_run(resolve_run(build_config({"parallel": {"tp_degree": 2}}), 2), "cpu").memory
     assert two.params_bytes < 0.6 * one.params_bytes
     off = resolve_run(build_config({"parallel": {"tp_degree": 2, "sequence_parallel": False}}), 2)
     assert not off.sequence_parallel
-    # ZeRO-1 under TP runs on FSDP2 (stage 2's engine): predicted as what it holds
+    # ZeRO-1 under TP runs on FSDP2 (stage 2's engine): predicted as what it holds, and said so
     zero1 = {"parallel": {"tp_degree": 2, "zero_stage": 1}}
-    assert strategy_for_run(resolve_run(build_config(zero1), 4)).zero == 2
-    assert strategy_for_run(resolve_run(build_config(zero1), 2)).zero == 1  # dp 1: nothing wrapped
+    four = resolve_run(build_config(zero1), 4)
+    assert four.zero_runs_as == 2 and "runs as ZeRO-2 on FSDP2" in four.layout_line()
+    assert predict_run(four, "cpu").memory.grads_bytes == predict_run(four.with_(zero_stage=2), "cpu").memory.grads_bytes
+    assert resolve_run(build_config(zero1), 2).zero_runs_as == 0  # dp 1: nothing wrapped
 
 
 def test_plan_prices_sequence_parallelism_as_train_runs_it(capsys):

@@ -13,10 +13,11 @@ from tenfold.config import build_config
 from tenfold.errors import UserError
 from tenfold.plan.flops import recomputed_layers
 from tenfold.plan.memory import _block_recompute_bytes
-from tenfold.plan.strategy import Strategy, resolve
 from tenfold.run import resolve_run
 from tenfold.techniques.recompute import apply_recompute
 from tenfold.terms import parse_recompute, resolve_batch, virtual_stages_for
+
+from conftest import planned
 
 POLICIES = ["full", *(f"every:{n}" for n in range(1, 7)), *(f"segments:{k}" for k in range(1, 7)),
             "selective", "selective:mlp", "none"]
@@ -104,8 +105,7 @@ def test_batch_triplet_refuses_what_does_not_add_up(args):
                                         ({"grad_accum": 4}, 2), ({}, 1)])
 def test_plan_and_train_resolve_the_same_triplet(train, gpus):
     run = resolve_run(build_config({"train": train}), gpus)
-    r = resolve(Strategy(micro_batch=train.get("micro_batch"), grad_accum=train.get("grad_accum"),
-                         global_batch=train.get("global_batch")), gpus, None, None, 2048)
+    r = planned(1e9, gpus, **train)  # a run the planner builds without a config (tenfold plan --params)
     assert (r.micro_batch, r.grad_accum, r.global_batch) == tuple(run.batch)
 
 
@@ -123,7 +123,7 @@ def test_virtual_stages_default_is_shared():
     assert virtual_stages_for("1f1b", None) == 1
     cfg = build_config({"parallel": {"pp_degree": 2, "pp_schedule": "interleaved"}, "train": {"grad_accum": 4}})
     assert resolve_run(cfg, 2).virtual_stages == 2
-    r = resolve(Strategy(pp=2, pp_schedule="interleaved", grad_accum=4), 2, 4, None, 2048)
-    assert r.v == 2
+    r = planned("tiny", 2, pp=2, pp_schedule="interleaved", grad_accum=4)
+    assert r.virtual_stages == 2 and r.stage_layers == resolve_run(cfg, 2).stage_layers == (1, 2, 1, 0)
     with pytest.raises(UserError, match="needs an interleaved schedule"):
         virtual_stages_for("1f1b", 3)

@@ -14,9 +14,9 @@ import pytest
 from tenfold.errors import UserError
 from tenfold.plan.api import predict
 from tenfold.plan.fit import Observation, constants_for, fit, leave_one_out, median_abs_error
-from tenfold.plan.for_run import ENGINE_STACK
 from tenfold.plan.hardware import CATALOG, Hardware, hardware_toml, load_hardware_toml
-from tenfold.plan.strategy import Strategy
+
+from conftest import planned
 
 # A CPU-like machine as the prior (the `cpu` entry measures this machine; a test needs fixed numbers).
 PRIOR = Hardware(name="box", peak_flops={"fp32": 2e10, "bf16": 6e10, "fp16": 1e9}, memory_bytes=16 * 2**30,
@@ -39,10 +39,10 @@ def synthetic(noise: float, seed: int = 0, gpus: int = 2, machine: Hardware = TR
                 for share, zero, ac, pp in LAYOUTS:
                     if gpus == 1 and (zero or pp > 1):
                         continue
-                    s = Strategy(precision=precision, micro_batch=max(1, int(glob * share)), global_batch=glob,
-                                 seq_len=seq, zero=zero, ac=ac, pp=pp, **ENGINE_STACK)
-                    rate = predict(model, machine, gpus, s).tokens_per_s * math.exp(rng.gauss(0, noise))
-                    out.append(Observation(f"t{len(out) + 1}", model, gpus, s, rate))
+                    run = planned(model, gpus, precision=precision, micro_batch=max(1, int(glob * share)),
+                                  global_batch=glob, seq_len=seq, zero_stage=zero, recompute=ac, pp=pp)
+                    rate = predict(run, machine).tokens_per_s * math.exp(rng.gauss(0, noise))
+                    out.append(Observation(f"t{len(out) + 1}", run, rate))
     return out
 
 
@@ -76,14 +76,14 @@ def test_each_constant_names_the_runs_it_governs():
     obs = synthetic(noise=0.01)
     f = fit(obs, PRIOR, noise=0.01, min_noise=0.01)
     got = {c.key: c for c in f.constants}
-    precision = {o.name: o.strategy.precision for o in obs}
+    precision = {o.name: o.run.precision for o in obs}
     for dtype in ("bf16", "fp32"):
         runs = [name for name, _ in got[f"matmul:{dtype}"].determined_by]
         assert runs and {precision[n] for n in runs} == {dtype}  # a dtype's matmul rate: its own runs only
     shares = dict(got["collective_bw"].determined_by)
     assert all(0.05 <= s <= 1 for s in shares.values())
     # the pipeline runs' p2p sends and the ZeRO/DDP collectives, not the single-rank...: every such run uses two ranks
-    assert all(o.gpus == 2 for o in obs if o.name in shares)
+    assert all(o.run.world_size == 2 for o in obs if o.name in shares)
 
 
 def test_constants_no_run_depends_on_stay_at_the_prior():
@@ -108,11 +108,11 @@ def test_calibration_with_realistic_noise_predicts_within_it():
 
 def test_a_prediction_for_an_untried_run_carries_its_uncertainty():
     obs = synthetic(noise=0.02)
-    f = fit([o for o in obs if o.strategy.precision == "bf16"], PRIOR, constants_for(["bf16", "fp32"]))
-    fp32 = next(o for o in obs if o.strategy.precision == "fp32")
-    bf16 = next(o for o in obs if o.strategy.precision == "bf16")
-    _, sigma_seen = f.predictive(bf16.model, 2, bf16.strategy)
-    _, sigma_unseen = f.predictive(fp32.model, 2, fp32.strategy)
+    f = fit([o for o in obs if o.run.precision == "bf16"], PRIOR, constants_for(["bf16", "fp32"]))
+    fp32 = next(o for o in obs if o.run.precision == "fp32")
+    bf16 = next(o for o in obs if o.run.precision == "bf16")
+    _, sigma_seen = f.predictive(bf16.run)
+    _, sigma_unseen = f.predictive(fp32.run)
     assert sigma_unseen > 3 * sigma_seen  # no fp32 run: its matmul rate is the prior's guess
 
 
@@ -120,9 +120,9 @@ def test_a_prediction_for_an_untried_run_carries_its_uncertainty():
 
 
 def test_overheads_add_to_the_step_as_documented():
-    s = Strategy(precision="bf16", micro_batch=2, global_batch=16, seq_len=128, **ENGINE_STACK)
-    plain = predict("tiny", PRIOR, 2, s)
-    with_overhead = predict("tiny", replace(PRIOR, step_overhead_s=0.05, microbatch_overhead_s=0.01), 2, s)
+    s = planned("tiny", 2, precision="bf16", micro_batch=2, global_batch=16, seq_len=128)
+    plain = predict(s, PRIOR)
+    with_overhead = predict(s, replace(PRIOR, step_overhead_s=0.05, microbatch_overhead_s=0.01))
     m = plain.grad_accum
     assert m == 4
     assert with_overhead.step_time_s == pytest.approx(plain.step_time_s + 0.05 + m * 0.01, rel=1e-9)
@@ -130,14 +130,14 @@ def test_overheads_add_to_the_step_as_documented():
 
 
 def test_an_achieved_matmul_rate_prices_the_gemms_and_leaves_mfu_against_the_peak():
-    s = Strategy(precision="bf16", micro_batch=8, global_batch=64, seq_len=4096, **ENGINE_STACK)  # GEMM-bound
+    s = planned("llama-7b", 8, precision="bf16", micro_batch=8, global_batch=64, seq_len=4096)  # GEMM-bound
     hw = CATALOG["h100-sxm"]
     rate = hw.peak("bf16") * hw.gemm_efficiency  # what the datasheet model assumes
 
     def at(share: float):
-        return predict("llama-7b", replace(hw, achieved_matmul_flops={"bf16": rate * share}), 8, s)
+        return predict(s, replace(hw, achieved_matmul_flops={"bf16": rate * share}))
 
-    base = predict("llama-7b", hw, 8, s)
+    base = predict(s, hw)
     assert at(1.0).step_time_s == pytest.approx(base.step_time_s, rel=1e-9)
     compute = {x: at(x).time.compute_s for x in (0.25, 0.125, 0.0625)}
     # once every GEMM is compute-bound (max(FLOPs / rate, bytes / bandwidth); at half the rate a
@@ -163,8 +163,8 @@ def test_a_calibrated_machine_survives_its_hardware_file(tmp_path):
             assert got == pytest.approx(value, rel=1e-12), key
         else:
             assert got == value, key
-    s = Strategy(precision="fp32", micro_batch=2, global_batch=8, seq_len=64, zero=3, **ENGINE_STACK)
-    assert predict("tiny", back, 2, s).tokens_per_s == pytest.approx(predict("tiny", f.hardware, 2, s).tokens_per_s)
+    s = planned("tiny", 2, precision="fp32", micro_batch=2, global_batch=8, seq_len=64, zero_stage=3)
+    assert predict(s, back).tokens_per_s == pytest.approx(predict(s, f.hardware).tokens_per_s)
 
 
 @pytest.mark.parametrize("line, message", [

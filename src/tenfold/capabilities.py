@@ -5,8 +5,8 @@ adds the others, each with the reason it cannot run), and the engine checks ever
 the same table before it starts (`tenfold.run.resolve_run`), so what the planner recommends is
 what train accepts, and what train refuses is refused for the reason written here.
 
-The pipeline's rules live here too (they were the engine's own checks): the planner needs them
-to skip a layout the schedule cannot run, and must not import torch to get them.
+The pipeline schedules' rules live here too: the planner needs them to skip a layout the
+schedule cannot run, and must not import torch to get them.
 
 No torch here: the planner reads this module on a laptop.
 """
@@ -14,11 +14,9 @@ No torch here: the planner reads this module on a laptop.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
 
 from tenfold.errors import UserError
-from tenfold.models.presets import ModelConfig
-from tenfold.terms import MULTI_STAGE_SCHEDULES, PIPELINE_SCHEDULES, PRECISIONS, RecomputePolicy
+from tenfold.terms import MULTI_STAGE_SCHEDULES, PIPELINE_SCHEDULES, PRECISIONS, ZERO_STAGES
 
 # Model kinds: tenfold's own GPT (a preset or a shape), a Hugging Face causal LM through the
 # adapter (tenfold.models.hf), or a user's own module (Python API only).
@@ -44,7 +42,7 @@ class Capabilities:
 
 
 ENGINE = Capabilities(
-    zero_stages=(0, 1, 2, 3),  # DDP, ZeroRedundancyOptimizer, FSDP2 (techniques/zero.py)
+    zero_stages=ZERO_STAGES,  # DDP, ZeroRedundancyOptimizer, FSDP2 (techniques/zero.py)
     pipeline_schedules=PIPELINE_SCHEDULES,  # torch.distributed.pipelining (techniques/pipeline.py)
     recompute=("none", "full", "every", "segments", "selective", "offload"),
     precisions=PRECISIONS,
@@ -75,101 +73,82 @@ ENGINE = Capabilities(
 )
 
 
-@dataclass(frozen=True)
-class Layout:
-    """A run as the table judges it: the model, the process layout and the techniques."""
-
-    model: ModelConfig
-    world_size: int
-    pp: int
-    zero: int
-    recompute: RecomputePolicy
-    precision: str
-    micro_batches: int  # per optimizer step (the pipeline schedule's m)
-    schedule: str = "1f1b"
-    virtual_stages: int = 1
-    tp: int = 1
-    offload: str = "none"
-    model_kind: str = "tenfold"
-    pp_split: tuple[int, ...] | None = None
-    hf_model_type: str = ""  # a Hugging Face model's config.json model_type
-    compile: bool = False  # train.compile
-    fp8: bool = False  # precision.fp8: float8 matmuls in the blocks
-
-
-def problems(layout: Layout, caps: Capabilities = ENGINE) -> list[str]:
-    """Every reason `tenfold train` cannot run `layout` (empty: it can)."""
-    out = _technique_problems(layout, caps)
-    if layout.pp > 1 and layout.model_kind not in caps.pipeline_models:
+def problems(run, caps: Capabilities = ENGINE) -> list[str]:
+    """Every reason `tenfold train` cannot do `run` (a tenfold.run.ResolvedRun); empty: it can."""
+    out = _technique_problems(run, caps)
+    if run.pp > 1 and run.model_kind not in caps.pipeline_models:
         out.append(
-            f"parallel.pp_degree {layout.pp} (--pp): the pipeline split cuts tenfold's GPT by parameter "
-            f"name (tok_emb, layers.N, norm, output); a {_KIND_NAMES[layout.model_kind]} model cannot be split. "
+            f"parallel.pp_degree {run.pp} (--pp): the pipeline split cuts tenfold's GPT by parameter "
+            f"name (tok_emb, layers.N, norm, output); a {_KIND_NAMES[run.model_kind]} model cannot be split. "
             "Use --pp 1 with --zero 0-3 and --ac"
         )
-    elif layout.schedule in caps.pipeline_schedules:
+    elif run.pp > 1 and run.pp_schedule in caps.pipeline_schedules:
+        tied = run.model is not None and run.model.tie_embeddings
         try:
-            validate_pipeline(
-                n_layers=layout.model.n_layers, world_size=layout.world_size // layout.tp, pp_size=layout.pp,
-                schedule=layout.schedule, virtual_stages=layout.virtual_stages, n_microbatches=layout.micro_batches,
-                pp_split=layout.pp_split, tie_embeddings=layout.model.tie_embeddings, zero_stage=layout.zero,
-            )
+            validate_pipeline(pp_size=run.pp, schedule=run.pp_schedule, n_microbatches=run.grad_accum,
+                              dp_size=run.dp, zero_stage=run.zero_stage, tie_embeddings=tied)
         except UserError as e:
             out.append(str(e))
+    departures = run.stack.departures()
+    if departures:
+        out.append(f"priced as another training stack ({', '.join(departures)}); tenfold train runs its own "
+                   "(fp32 parameters under autocast, no dropout, flash attention, overlapped reduction)")
     return out
 
 
-def _technique_problems(layout: Layout, caps: Capabilities) -> list[str]:
+def _technique_problems(run, caps: Capabilities) -> list[str]:
     out = []
-    if layout.zero not in caps.zero_stages:
-        out.append(f"ZeRO stage {layout.zero}: tenfold train runs stages {', '.join(map(str, caps.zero_stages))}")
-    if layout.pp > 1 and layout.schedule not in caps.pipeline_schedules:
-        out.append(f"pipeline schedule {layout.schedule!r}: tenfold train runs {', '.join(caps.pipeline_schedules)}")
-    policy = layout.recompute
+    if run.zero_stage not in caps.zero_stages:
+        out.append(f"ZeRO stage {run.zero_stage}: tenfold train runs stages {', '.join(map(str, caps.zero_stages))}")
+    if run.pp > 1 and run.pp_schedule not in caps.pipeline_schedules:
+        out.append(f"pipeline schedule {run.pp_schedule!r}: tenfold train runs {', '.join(caps.pipeline_schedules)}")
+    policy = run.recompute
     if policy.kind not in caps.recompute:
         out.append(f"recompute policy {policy.text!r}: tenfold train runs {', '.join(caps.recompute)}")
-    if policy.kind == "selective" and policy.target == "attention" and layout.model_kind not in caps.attention_core_models:
+    if policy.kind == "selective" and policy.target == "attention" and run.model_kind not in caps.attention_core_models:
         out.append(
             "recompute.policy selective:attention (--ac) needs tenfold's attention core module (attn.core); "
-            f"a {_KIND_NAMES[layout.model_kind]} model's blocks compute attention in a function: use selective:mlp, full, "
+            f"a {_KIND_NAMES[run.model_kind]} model's blocks compute attention in a function: use selective:mlp, full, "
             "every:N or segments:K"
         )
-    if layout.compile and layout.tp > 1 and not caps.compile_with_tp:
-        out.append(f"train.compile (--compile) with tensor parallelism (tp {layout.tp}): tenfold train does not "
+    if run.compile and run.tp > 1 and not caps.compile_with_tp:
+        out.append(f"train.compile (--compile) with tensor parallelism (tp {run.tp}): tenfold train does not "
                    "compile tensor-parallel blocks; run --tp 1 with --compile, or --tp without --compile")
-    if layout.precision not in caps.precisions:
-        out.append(f"precision {layout.precision!r}: tenfold train runs {', '.join(caps.precisions)}")
-    out += _fp8_problems(layout, caps)
-    if layout.tp > 1 and not caps.tensor_parallel:
-        out.append(f"tensor parallelism (tp {layout.tp}): tenfold train has no tensor parallelism")
-    elif layout.tp > 1 and layout.model_kind == "hf" and layout.hf_model_type not in caps.tensor_parallel_hf_types:
+    if run.precision not in caps.precisions:
+        out.append(f"precision {run.precision!r}: tenfold train runs {', '.join(caps.precisions)}")
+    out += _fp8_problems(run, caps)
+    if run.tp > 1 and not caps.tensor_parallel:
+        out.append(f"tensor parallelism (tp {run.tp}): tenfold train has no tensor parallelism")
+    elif run.tp > 1 and run.model_kind == "hf" and run.hf_model_type not in caps.tensor_parallel_hf_types:
         out.append(
-            f"parallel.tp_degree (--tp) {layout.tp}: Hugging Face model_type {layout.hf_model_type!r} has no "
+            f"parallel.tp_degree (--tp) {run.tp}: Hugging Face model_type {run.hf_model_type!r} has no "
             f"tensor-parallel plan; built in: {', '.join(caps.tensor_parallel_hf_types)} (and tenfold's own "
             "models); use --tp 1, or train it through the Python API with Trainer(tp_plan={FQN: ParallelStyle})"
         )
-    if layout.offload not in caps.offload:
-        out.append(f"offload {layout.offload!r}: tenfold train keeps optimizer states and parameters on the device")
+    if run.offload not in caps.offload:
+        out.append(f"parallel.offload {run.offload!r} (--offload): tenfold train keeps optimizer states and "
+                   "parameters on the device")
     return out
 
 
-def _fp8_problems(layout: Layout, caps: Capabilities) -> list[str]:
-    if not layout.fp8:
+def _fp8_problems(run, caps: Capabilities) -> list[str]:
+    if not run.fp8:
         return []
     out = []
-    if layout.precision not in caps.fp8_precisions:
+    if run.precision not in caps.fp8_precisions:
         out.append(f"precision.fp8 (--fp8) runs float8 matmuls inside {' or '.join(caps.fp8_precisions)} autocast "
-                   f"(torchao's float8 training recipe), not with precision {layout.precision!r}: use --precision "
+                   f"(torchao's float8 training recipe), not with precision {run.precision!r}: use --precision "
                    f"{caps.fp8_precisions[0]} --fp8")
-    if layout.tp > 1 and not caps.fp8_with_tp:
-        out.append(f"precision.fp8 (--fp8) with tensor parallelism (tp {layout.tp}): float8 layers need torchao's float8 "
+    if run.tp > 1 and not caps.fp8_with_tp:
+        out.append(f"precision.fp8 (--fp8) with tensor parallelism (tp {run.tp}): float8 layers need torchao's float8 "
                    "tensor-parallel styles, which tenfold's plans do not use; run --fp8 with --tp 1 (ZeRO and --pp "
                    "compose with it)")
     return out
 
 
-def check(layout: Layout, caps: Capabilities = ENGINE) -> None:
+def check(run, caps: Capabilities = ENGINE) -> None:
     """Refuse, as one line, a run `tenfold train` cannot do."""
-    found = problems(layout, caps)
+    found = problems(run, caps)
     if found:
         raise UserError("; ".join(found))
 
@@ -177,37 +156,11 @@ def check(layout: Layout, caps: Capabilities = ENGINE) -> None:
 # --------------------------------------------------------------------------- pipeline rules
 
 
-def num_stages(pp_size: int, schedule: str, virtual_stages: int) -> int:
-    """Total pipeline stages: P for single-stage schedules, P*V for interleaved ones."""
-    return pp_size * (virtual_stages if schedule in MULTI_STAGE_SCHEDULES else 1)
-
-
-def validate_pipeline(
-    *,
-    n_layers: int,
-    world_size: int,
-    pp_size: int,
-    schedule: str,
-    virtual_stages: int,
-    n_microbatches: int,
-    pp_split: Sequence[int] | None = None,
-    tie_embeddings: bool = False,
-    zero_stage: int = 0,
-) -> None:
-    """Every way a pipeline config can be wrong, as a `UserError` (exit 2) naming the field,
-    the value and what is allowed, before any process group or model is touched."""
-    if schedule not in PIPELINE_SCHEDULES:
-        raise UserError(
-            f"parallel.pp_schedule must be one of {', '.join(PIPELINE_SCHEDULES)}, got {schedule!r}"
-        )
-    check_pp_degree(pp_size, world_size)
-    if virtual_stages < 1:
-        raise UserError(f"parallel.virtual_stages must be >= 1, got {virtual_stages}")
-    if virtual_stages > 1 and schedule not in MULTI_STAGE_SCHEDULES:
-        raise UserError(
-            f"parallel.virtual_stages={virtual_stages} needs an interleaved schedule "
-            f"({' or '.join(MULTI_STAGE_SCHEDULES)}); parallel.pp_schedule is {schedule!r}"
-        )
+def validate_pipeline(*, pp_size: int, schedule: str, n_microbatches: int, dp_size: int = 1, zero_stage: int = 0,
+                      tie_embeddings: bool = False) -> None:
+    """What a pipelined run needs from torch.distributed.pipelining's schedules, as a UserError
+    (exit 2) naming the field, the value and what is allowed. (The split itself, stages against
+    layers and a given `pp_split`, is checked when the run is resolved: tenfold.terms.)"""
     if pp_size == 1:
         return
     if tie_embeddings:
@@ -216,16 +169,7 @@ def validate_pipeline(
             "output head (last stage) would share one weight across ranks; set "
             "model.tie_embeddings=false or use --pp 1"
         )
-    stages = num_stages(pp_size, schedule, virtual_stages)
-    if stages > n_layers:
-        raise UserError(
-            f"{stages} pipeline stages (parallel.pp_degree={pp_size} x virtual_stages="
-            f"{virtual_stages if schedule in MULTI_STAGE_SCHEDULES else 1}) is more than the "
-            f"model's {n_layers} layers; use fewer stages"
-        )
-    if pp_split is not None:
-        check_manual_split(pp_split, stages, n_layers)
-    _check_microbatches(schedule, pp_size, n_microbatches, world_size // pp_size, zero_stage)
+    _check_microbatches(schedule, pp_size, n_microbatches, dp_size, zero_stage)
 
 
 def _check_microbatches(schedule: str, pp_size: int, n_microbatches: int, dp_size: int, zero_stage: int) -> None:
@@ -252,36 +196,4 @@ def _check_microbatches(schedule: str, pp_size: int, n_microbatches: int, dp_siz
         raise UserError(
             f"the zero-bubble schedule with data parallelism needs parallel.zero_stage 2 or 3 "
             f"(FSDP2), got {zero_stage} (DDP); use --zero 2/3 or --pp-schedule interleaved"
-        )
-
-
-def check_pp_degree(pp_size: int, world_size: int) -> None:
-    if pp_size < 1:
-        raise UserError(f"parallel.pp_degree must be >= 1, got {pp_size}")
-    if world_size % pp_size:
-        raise UserError(
-            f"parallel.pp_degree ({pp_size}) must divide the number of processes ({world_size}); "
-            f"world = pp x dp, so use --pp in {divisors(world_size)} or change --nproc"
-        )
-
-
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def check_manual_split(pp_split: Sequence[int], stages: int, n_layers: int) -> None:
-    if len(pp_split) != stages:
-        raise UserError(
-            f"parallel.pp_split has {len(pp_split)} entries but there are {stages} stages; "
-            f"give one block count per stage"
-        )
-    if any(n < 0 for n in pp_split) or sum(pp_split) != n_layers:
-        raise UserError(
-            f"parallel.pp_split {list(pp_split)} must be non-negative block counts summing to "
-            f"model.n_layers ({n_layers})"
-        )
-    if any(n == 0 for n in pp_split[1:-1]):
-        raise UserError(
-            f"parallel.pp_split {list(pp_split)}: a middle stage with no blocks would do no "
-            f"work; only the first (embedding) and last (head) stage may have 0 blocks"
         )

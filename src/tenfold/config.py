@@ -185,13 +185,17 @@ class RecomputeSection(_Section):
 
 class ParallelSection(_Section):
     zero_stage: int = Field(0, ge=0, le=3)
-    nproc: int = Field(1, gt=0)  # `tenfold train --nproc N` starts N local ranks
+    nproc: int = Field(1, gt=0)  # processes per node: `tenfold train --nproc N` starts N local ranks
+    # nodes the run spans (torchrun --nnodes on each); the run has nnodes x nproc processes
+    nnodes: int = Field(1, gt=0)
     pp_degree: int = Field(1, gt=0)
     tp_degree: int = Field(1, gt=0)  # tensor parallelism: each layer's matrices split over tp ranks
     sequence_parallel: bool | None = None  # None: on when tp_degree > 1 (tenfold.run.sequence_parallel_for)
     pp_schedule: Literal["gpipe", "1f1b", "interleaved", "zero-bubble"] = "1f1b"  # tenfold.terms.PIPELINE_SCHEDULES
     virtual_stages: int | None = Field(None, gt=0)  # None: 2 for interleaved schedules, else 1
     pp_split: list[int] | None = None
+    # ZeRO-Offload (tenfold.terms.OFFLOADS): optimizer states, and with ZeRO-3 parameters, in host memory
+    offload: Literal["none", "optimizer", "optimizer+params"] = "none"
     param_persistence_threshold: int = Field(100_000, ge=0)  # stage3_param_persistence_threshold
     reduce_bucket_size: int | None = None
     overlap_comm: bool | None = None

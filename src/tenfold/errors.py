@@ -1,8 +1,10 @@
-"""The one exception type for bad user input.
+"""The exception types for bad input and failed runs, and the one-line form every message takes.
 
-The CLI turns a `UserError` into one line on stderr and exit status 2 (exit status 2 with one clear message for bad input; nothing
-half-written).
+The CLI turns a `UserError` into one line on stderr and exit status 2 (bad input; nothing
+half-written), a `RunError` into one line and exit status 1.
 """
+
+import sys
 
 
 class UserError(Exception):
@@ -17,3 +19,14 @@ class RunError(Exception):
     Not the user's input: the CLI prints the message and exits with status 1."""
 
     exit_code = 1
+
+
+def escaped(text: str) -> str:
+    """`text` with its control characters shown escaped (a key or path typed with a newline
+    in it stays on one line)."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+def say(kind: str, message: object) -> None:
+    """One line on stderr: `tenfold: <kind>: <message>`."""
+    print(f"tenfold: {kind}: {escaped(str(message))}", file=sys.stderr)

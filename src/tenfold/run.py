@@ -1,44 +1,87 @@
-"""A run resolved once: the config plus the number of processes, turned into the values every
-part of tenfold reads (batch triplet, sequence length, model shape, mesh sizes, recompute
-policy, pipeline schedule). The trainer, the launcher and the planner's view of a training
-run all start from `resolve_run`, so none of them derives these values a second time.
+"""A run resolved once: the model, the number of processes and the user's choices turned into
+the values every part of tenfold reads (batch triplet, sequence length, mesh sizes, pipeline
+split, recompute policy, ZeRO stage as it runs). `tenfold train` builds from it, `tenfold plan`
+prices it, `tenfold tune` and `tenfold plan --emit` write it back as a config: one resolver,
+one set of names.
 
-Every run is checked against the engine's capability table (tenfold.capabilities) as it is
-resolved, so `tenfold train` and `tenfold plan` refuse the same runs with the same message.
+`resolve` is the resolver; `resolve_run(cfg, world_size)` reads a config into it, and
+`ResolvedRun.with_(...)` derives another layout of the same run (the planner's search, the
+tune's candidates, the ladder's rungs) through the same rules. Every run is checked against the
+engine's capability table (tenfold.capabilities) as it is resolved, so train and plan refuse
+the same runs with the same message.
 
-No torch here: `tenfold plan` resolves the same run without it.
+No torch here: `tenfold plan` resolves runs without it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 
 from tenfold import capabilities
-from tenfold.config import TenfoldConfig
 from tenfold.errors import UserError
-from tenfold.models.presets import ModelConfig
+from tenfold.models.presets import ModelConfig, param_count
 from tenfold.terms import (
-    BatchTriplet, RecomputePolicy, check_tp_heads, parse_recompute, resolve_batch, virtual_stages_for,
+    MULTI_STAGE_SCHEDULES, OFFLOADS, PIPELINE_SCHEDULES, PRECISIONS, ZERO_STAGES, BatchTriplet, RecomputePolicy,
+    check_tp_heads, num_stages, parse_recompute, resolve_batch, stage_layer_counts, virtual_stages_for, zero_runs_as,
 )
+
+ACTIVATION_STYLES = ("tenfold", "megatron")
+
+
+@dataclass(frozen=True)
+class Stack:
+    """How the training software keeps its tensors, as the planner prices it. The defaults are
+    tenfold's engine; other values describe another stack (DeepSpeed's or Megatron's
+    bookkeeping, a model with dropout) so that published runs can be priced, and such a run is
+    one `tenfold train` does not do (tenfold.capabilities)."""
+
+    # True: 16-bit params/grads + an fp32 master copy (ZeRO paper, DeepSpeed, Megatron).
+    # False: fp32 params under torch.amp autocast (tenfold's engine).
+    master_weights: bool = False
+    grads_fp32: bool = False  # Megatron's fp32 "main grads"
+    fp32_grad_copy: bool = False  # Megatron fp16: an fp32 copy of the grads for the optimizer
+    overlap_comm: bool = True  # data-parallel reduction overlapped with backward
+    dropout: bool = False  # the model applies dropout (GPT-2/3, Megatron); tenfold's has none
+    flash_attention: bool = True  # no s^2 attention tensors
+    # "tenfold": eager PyTorch + autocast (fp32 residual stream, fp32 log-probabilities and
+    # their gradient); "megatron": fused kernels, 16-bit residual (Korthikanti et al. 2022).
+    activation_style: str = "tenfold"
+
+    def departures(self) -> list[str]:
+        """`key=value` for every choice that differs from tenfold's engine."""
+        return [f"{f.name}={getattr(self, f.name)}" for f in fields(self) if getattr(self, f.name) != f.default]
+
+
+ENGINE_STACK = Stack()
 
 
 @dataclass(frozen=True)
 class ResolvedRun:
-    config: TenfoldConfig
-    world_size: int
-    pp: int  # pipeline stages (ranks along the pipeline axis)
-    dp: int  # data-parallel ranks: world_size / (pp x tp)
+    model: ModelConfig | None  # the configured shape; None: only a parameter count (tenfold plan --params)
+    params: float  # parameters of the model
+    world_size: int  # processes (GPUs): pp x dp x tp
+    pp: int  # pipeline ranks
+    dp: int  # data-parallel ranks
+    tp: int  # tensor-parallel ranks: each layer's matrices split over them
     batch: BatchTriplet
     seq_len: int
     precision: str  # as configured; the engine may fall back to fp32 on a device without bf16
-    model: ModelConfig  # the configured shape (a user's own module brings its own)
     recompute: RecomputePolicy
-    zero_stage: int
+    zero_stage: int  # as configured (`zero_runs_as` is what runs)
     pp_schedule: str
     virtual_stages: int  # stages per pipeline rank (1 unless the schedule interleaves)
-    tp: int = 1  # tensor-parallel ranks: each layer's matrices split over them
+    stage_layers: tuple[int, ...]  # blocks per pipeline stage, pp x virtual_stages entries (one without pp)
     sequence_parallel: bool = False  # norms and the residual stream split by sequence over the tp ranks
+    offload: str = "none"  # ZeRO-Offload: tenfold.terms.OFFLOADS
+    pp_split_given: bool = False  # stage_layers came from parallel.pp_split, not the default rule
+    model_kind: str = "tenfold"  # tenfold.capabilities.MODEL_KINDS
+    hf_model_type: str = ""  # a Hugging Face model's config.json model_type
+    compile: bool = False
+    fp8: bool = False  # float8 matmuls in the blocks (precision.fp8), on top of `precision`
+    stack: Stack = ENGINE_STACK
+    config: object = field(default=None, compare=False)  # the TenfoldConfig it was read from (None: built by the planner)
 
+    # ------------------------------------------------------------------ derived values
     @property
     def micro_batch(self) -> int:
         return self.batch.micro_batch
@@ -56,49 +99,135 @@ class ResolvedRun:
         return self.global_batch * self.seq_len
 
     @property
-    def model_kind(self) -> str:
-        return model_kind(self.config)
+    def zero_runs_as(self) -> int:
+        """The stage whose memory and traffic the engine really has (tenfold.terms.zero_runs_as)."""
+        return zero_runs_as(self.zero_stage, self.tp, self.dp)
 
     @property
-    def layout(self) -> capabilities.Layout:
-        """The run as the capability table judges it."""
-        split = self.config.parallel.pp_split
-        return capabilities.Layout(
-            model=self.model, world_size=self.world_size, pp=self.pp, zero=self.zero_stage, recompute=self.recompute,
-            precision=self.precision, micro_batches=self.grad_accum, schedule=self.pp_schedule,
-            virtual_stages=self.virtual_stages, model_kind=self.model_kind, pp_split=tuple(split) if split else None,
-            tp=self.tp, hf_model_type=hf_model_type(self.config) if self.tp > 1 else "",
-            compile=self.config.train.compile, fp8=self.config.precision.fp8,
-        )
+    def n_stages(self) -> int:
+        return len(self.stage_layers)
+
+    def rank_layers(self, pp_rank: int) -> int:
+        """Blocks held by one pipeline rank (looped placement: stages r, r + pp, ...)."""
+        return sum(self.stage_layers[pp_rank::self.pp])
+
+    def busiest_ranks(self) -> list[int]:
+        """The pipeline ranks that can bound a step or hold the most: the first (embedding, the
+        most micro-batches in flight), the last (output layer and loss), and the one with the
+        most blocks."""
+        most = max(range(self.pp), key=self.rank_layers)
+        return sorted({0, self.pp - 1, most})
+
+    def rank_stage_layers(self, pp_rank: int) -> tuple[int, ...]:
+        """Blocks of each stage module one pipeline rank holds (recompute wraps each on its own)."""
+        return self.stage_layers[pp_rank::self.pp]
 
     def batch_summary(self) -> dict:
         """The batch as a run reports it (summary.json's `batch`, `tenfold plan --json`'s `run.batch`)."""
         return {"micro_batch": self.micro_batch, "grad_accum": self.grad_accum, "global_batch": self.global_batch,
                 "seq_len": self.seq_len}
 
+    def layout(self) -> dict:
+        """The run's layout with the names every output uses (`tenfold plan --json`'s `strategy`)."""
+        return {
+            "world_size": self.world_size, "pp": self.pp, "dp": self.dp, "tp": self.tp,
+            "precision": self.precision, "micro_batch": self.micro_batch, "grad_accum": self.grad_accum,
+            "global_batch": self.global_batch, "seq_len": self.seq_len, "recompute": str(self.recompute),
+            "zero_stage": self.zero_stage, "zero_runs_as": self.zero_runs_as, "offload": self.offload,
+            "pp_schedule": self.pp_schedule, "virtual_stages": self.virtual_stages,
+            "stage_layers": list(self.stage_layers), "sequence_parallel": self.sequence_parallel,
+            "stack": asdict(self.stack),
+        }
+
+    def layout_line(self) -> str:
+        """`pp 2 x dp 4 x tp 1; ZeRO-3; recompute full; ...`: the layout in one line, saying where
+        the engine runs one strategy as another."""
+        parts = [f"{self.world_size} = pp {self.pp} x dp {self.dp} x tp {self.tp}", zero_text(self)]
+        parts.append(f"recompute {self.recompute}")
+        if self.offload != "none":
+            parts.append(f"offload {self.offload}")
+        if self.pp > 1:
+            split = "/".join(map(str, self.stage_layers))
+            parts.append(f"schedule {self.pp_schedule}, {self.virtual_stages} stage(s) per rank, blocks per stage {split}")
+        if self.sequence_parallel:
+            parts.append("sequence parallel")
+        return "; ".join(parts)
+
+    # ------------------------------------------------------------------ other layouts
+    def with_(self, check: bool = True, **changes) -> "ResolvedRun":
+        """The same model, processes and global batch with other choices, resolved by the same
+        rules (`resolve`). A new micro-batch keeps the global batch (accumulation follows); a
+        new number of stages drops a given `pp_split`."""
+        unknown = sorted(set(changes) - set(CHOICES) - {"world_size"})
+        if unknown:
+            raise TypeError(f"unknown run choice(s): {', '.join(unknown)}")
+        now = self.choices()
+        if "micro_batch" in changes or {"pp", "tp", "world_size"} & set(changes):
+            now["grad_accum"] = None
+        if changes.get("pp_schedule", self.pp_schedule) not in MULTI_STAGE_SCHEDULES:
+            now["virtual_stages"] = None
+        merged = {**now, **changes}
+        if merged.get("pp_split") is not None:
+            pp, sched = merged["pp"], merged["pp_schedule"]
+            v = virtual_stages_for(sched, merged["virtual_stages"]) if pp > 1 else 1
+            if num_stages(pp, sched, v) != len(merged["pp_split"]):
+                merged["pp_split"] = None
+        world = merged.pop("world_size", self.world_size)
+        return resolve(self.model, world, params=self.params, check=check, config=self.config, **merged)
+
+    def choices(self) -> dict:
+        """The choices `resolve` would rebuild this run from."""
+        return {
+            "precision": self.precision, "micro_batch": self.micro_batch, "grad_accum": self.grad_accum,
+            "global_batch": self.global_batch, "seq_len": self.seq_len, "recompute": self.recompute,
+            "zero_stage": self.zero_stage, "offload": self.offload, "pp": self.pp, "tp": self.tp,
+            "pp_schedule": self.pp_schedule, "virtual_stages": self.virtual_stages,
+            "pp_split": self.stage_layers if self.pp_split_given else None,
+            "sequence_parallel": self.sequence_parallel, "model_kind": self.model_kind,
+            "hf_model_type": self.hf_model_type, "compile": self.compile, "fp8": self.fp8, "stack": self.stack,
+        }
+
     def with_seq_len(self, seq_len: int) -> "ResolvedRun":
         """The same run on sequences of another length (a user's own packed dataset)."""
         return replace(self, seq_len=check_sequence_split(seq_len, self.tp, self.sequence_parallel))
 
 
-def model_kind(cfg: TenfoldConfig) -> str:
-    """The configured model's kind (tenfold.capabilities.MODEL_KINDS): tenfold's GPT, or a
-    Hugging Face model."""
-    return "hf" if cfg.model.hf_config or cfg.model.hf_pretrained else "tenfold"
+# The user's choices `resolve` takes (keyword names), with their defaults.
+CHOICES = {
+    "precision": "bf16", "micro_batch": None, "grad_accum": None, "global_batch": None, "seq_len": None,
+    "recompute": "none", "zero_stage": 0, "offload": "none", "pp": 1, "tp": 1, "pp_schedule": "1f1b",
+    "virtual_stages": None, "pp_split": None, "sequence_parallel": None, "model_kind": "tenfold",
+    "hf_model_type": "", "compile": False, "fp8": False, "stack": ENGINE_STACK,
+}
 
 
-def resolve_run(cfg: TenfoldConfig, world_size: int, check: bool = True, own_model: bool = False) -> ResolvedRun:
-    """Check what depends on the number of processes, derive every shared value, and refuse
-    (UserError) a run the engine cannot do. `check=False`: do not refuse it (`tenfold plan`
-    prices such a run and says why train would refuse it). `own_model`: the model is the
-    user's own module (Python API), so the configured shape says nothing about its heads; its
-    tensor-parallel plan is checked when it is applied."""
-    if isinstance(world_size, bool) or world_size < 1:
-        raise UserError(f"the number of processes must be a positive integer, got {world_size!r}")
-    par = cfg.parallel
-    pp, tp = par.pp_degree, par.tp_degree
-    model = cfg.model.build()
-    if tp > 1 and not own_model:
+def zero_text(run: ResolvedRun) -> str:
+    """`ZeRO-3`, or how a stage runs where the engine maps it onto another."""
+    if run.zero_runs_as == run.zero_stage:
+        return f"ZeRO-{run.zero_stage}"
+    if run.dp <= 1:
+        return f"ZeRO-{run.zero_stage} (one data-parallel rank: nothing to shard, runs as ZeRO-0)"
+    return (f"ZeRO-{run.zero_stage} (runs as ZeRO-{run.zero_runs_as} on FSDP2 under tensor parallelism: "
+            "gradients 1/dp at the optimizer step)")
+
+
+# --------------------------------------------------------------------------- the resolver
+
+
+def resolve(model: ModelConfig | None, world_size: int, *, params: float | None = None, check: bool = True,
+            config: object = None, own_model: bool = False, **choices) -> ResolvedRun:
+    """Check the choices against each other, the model and the processes, derive every shared
+    value, and refuse (UserError) a run the engine cannot do. `check=False`: do not refuse for
+    the engine (tenfold plan prices such a run and says why train would refuse it); a run that
+    cannot exist at all is always refused. `own_model`: the model is the user's own module
+    (Python API), so the configured shape says nothing about its heads."""
+    unknown = sorted(set(choices) - set(CHOICES))
+    if unknown:
+        raise TypeError(f"unknown run choice(s): {', '.join(unknown)}")
+    c = {**CHOICES, **choices}
+    _check_choices(world_size, c)
+    pp, tp = c["pp"], c["tp"]
+    if model is not None and tp > 1 and not own_model:
         check_tp_heads(tp, model.n_heads, model.kv_heads, flag="parallel.tp_degree (--tp)")
     if world_size % (pp * tp):
         raise UserError(
@@ -106,20 +235,104 @@ def resolve_run(cfg: TenfoldConfig, world_size: int, check: bool = True, own_mod
             f"the number of processes ({world_size}); world = pp x dp x tp"
         )
     dp = world_size // (pp * tp)
-    sequence_parallel = sequence_parallel_for(tp, par.sequence_parallel)
-    seq_len = check_sequence_split(cfg.seq_len(), tp, sequence_parallel)
+    sequence_parallel = sequence_parallel_for(tp, c["sequence_parallel"])
+    seq_len = check_sequence_split(_seq_len(model, c["seq_len"]), tp, sequence_parallel)
+    v = virtual_stages_for(c["pp_schedule"], c["virtual_stages"]) if pp > 1 else 1
+    n_layers = model.n_layers if model is not None else pp * v
+    stages = num_stages(pp, c["pp_schedule"], v) if pp > 1 else 1
     run = ResolvedRun(
-        config=cfg, world_size=world_size, pp=pp, dp=dp,
-        batch=resolve_batch(cfg.train.micro_batch, cfg.train.grad_accum, cfg.train.global_batch, dp),
-        seq_len=seq_len, precision=cfg.precision.dtype, model=model,
-        recompute=parse_recompute(cfg.recompute.policy), zero_stage=par.zero_stage,
-        pp_schedule=par.pp_schedule,
-        virtual_stages=virtual_stages_for(par.pp_schedule, par.virtual_stages) if pp > 1 else 1,
-        tp=tp, sequence_parallel=sequence_parallel,
+        model=model, params=float(params if params is not None else param_count(model)), world_size=world_size,
+        pp=pp, dp=dp, tp=tp, batch=resolve_batch(c["micro_batch"], c["grad_accum"], c["global_batch"], dp),
+        seq_len=seq_len, precision=c["precision"], recompute=parse_recompute(c["recompute"]),
+        zero_stage=c["zero_stage"], pp_schedule=c["pp_schedule"], virtual_stages=v,
+        stage_layers=stage_layer_counts(n_layers, stages, c["pp_split"] if pp > 1 else None),
+        sequence_parallel=sequence_parallel, offload=c["offload"], pp_split_given=pp > 1 and c["pp_split"] is not None,
+        model_kind=c["model_kind"], hf_model_type=c["hf_model_type"], compile=c["compile"], fp8=c["fp8"], stack=c["stack"],
+        config=config,
     )
     if check:
-        capabilities.check(run.layout)
+        capabilities.check(run)
     return run
+
+
+def _check_choices(world_size: int, c: dict) -> None:
+    """The values each choice may take, whoever gives them (config, flags, the planner's search)."""
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise UserError(f"the number of processes must be a positive integer, got {world_size!r}")
+    for name in ("pp", "tp"):
+        v = c[name]
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise UserError(f"parallel.{name}_degree (--{name}) must be a positive integer, got {v!r}")
+    if c["precision"] not in PRECISIONS:
+        raise UserError(f"precision {c['precision']!r}; allowed: {', '.join(PRECISIONS)}")
+    if c["zero_stage"] not in ZERO_STAGES or isinstance(c["zero_stage"], bool):
+        raise UserError(f"parallel.zero_stage (--zero) {c['zero_stage']!r}; allowed: {', '.join(map(str, ZERO_STAGES))}")
+    if c["pp_schedule"] not in PIPELINE_SCHEDULES:
+        raise UserError(f"parallel.pp_schedule (--pp-schedule) {c['pp_schedule']!r}; allowed: {', '.join(PIPELINE_SCHEDULES)}")
+    if c["offload"] not in OFFLOADS:
+        raise UserError(f"parallel.offload (--offload) {c['offload']!r}; allowed: {', '.join(OFFLOADS)}")
+    if c["offload"] != "none" and c["zero_stage"] == 0:
+        raise UserError(f"parallel.offload {c['offload']} needs --zero 1, 2 or 3 (ZeRO-Offload moves the "
+                        "partitioned states)")
+    if c["offload"] == "optimizer+params" and c["zero_stage"] != 3:
+        raise UserError("parallel.offload optimizer+params needs --zero 3 (only stage 3 partitions parameters)")
+    if c["stack"].activation_style not in ACTIVATION_STYLES:
+        raise UserError(f"activation_style {c['stack'].activation_style!r}; allowed: {', '.join(ACTIVATION_STYLES)}")
+    if c["seq_len"] is not None and (isinstance(c["seq_len"], bool) or not isinstance(c["seq_len"], int)
+                                     or c["seq_len"] < 1):
+        raise UserError(f"--seq-len must be a positive integer, got {c['seq_len']!r}")
+
+
+def _seq_len(model: ModelConfig | None, requested: int | None) -> int:
+    if model is None:
+        return requested or 2048
+    seq = requested or model.max_seq_len
+    if seq > model.max_seq_len and model.pos == "learned":
+        raise UserError(f"--seq-len {seq} exceeds the model's learned positions ({model.max_seq_len})")
+    return seq
+
+
+def resolve_run(cfg, world_size: int, check: bool = True, own_model: bool = False) -> ResolvedRun:
+    """`cfg` (a TenfoldConfig) on `world_size` processes: the run `tenfold train` does."""
+    return resolve(cfg.model.build(), world_size, check=check, config=cfg, own_model=own_model,
+                   **choices_from_config(cfg))
+
+
+def choices_from_config(cfg) -> dict:
+    """A config's choices under the resolver's names."""
+    t, par = cfg.train, cfg.parallel
+    return {
+        "precision": cfg.precision.dtype, "micro_batch": t.micro_batch, "grad_accum": t.grad_accum,
+        "global_batch": t.global_batch, "seq_len": cfg.seq_len(), "recompute": cfg.recompute.policy,
+        "zero_stage": par.zero_stage, "offload": par.offload, "pp": par.pp_degree, "tp": par.tp_degree,
+        "pp_schedule": par.pp_schedule, "virtual_stages": par.virtual_stages,
+        "pp_split": tuple(par.pp_split) if par.pp_split else None, "sequence_parallel": par.sequence_parallel,
+        "model_kind": model_kind(cfg), "hf_model_type": hf_model_type(cfg), "compile": t.compile,
+        "fp8": cfg.precision.fp8,
+    }
+
+
+def config_for_run(base, run: ResolvedRun):
+    """`base` (a TenfoldConfig) with `run`'s layout written in: what `tenfold plan --emit` and a
+    tune's candidates hold. Values train derives itself (accumulation, sequence parallelism on
+    with tp, the default split) are left to it."""
+    from tenfold.config import build_config
+
+    if run.stack != ENGINE_STACK:
+        raise UserError(f"this run is priced as another training stack ({', '.join(run.stack.departures())}); "
+                        "tenfold train runs only its own")
+    d = base.model_dump(mode="json")
+    d["parallel"].update(
+        zero_stage=run.zero_stage, pp_degree=run.pp, tp_degree=run.tp, pp_schedule=run.pp_schedule,
+        virtual_stages=run.virtual_stages if run.pp_schedule in MULTI_STAGE_SCHEDULES and run.pp > 1 else None,
+        sequence_parallel=None if run.sequence_parallel == (run.tp > 1) else run.sequence_parallel,
+        pp_split=list(run.stage_layers) if run.pp_split_given else None, offload=run.offload,
+    )
+    d["train"].update(micro_batch=run.micro_batch, global_batch=run.global_batch, grad_accum=None)
+    d["data"]["seq_len"] = run.seq_len
+    d["precision"].update(dtype=run.precision, fp8=run.fp8, fp8_emulate=run.fp8 and d["precision"]["fp8_emulate"])
+    d["recompute"]["policy"] = str(run.recompute)
+    return build_config(d)
 
 
 def sequence_parallel_for(tp: int, requested: bool | None) -> bool:
@@ -141,7 +354,13 @@ def check_sequence_split(seq_len: int, tp: int, sequence_parallel: bool) -> int:
     return seq_len
 
 
-def hf_model_type(cfg: TenfoldConfig) -> str:
+def model_kind(cfg) -> str:
+    """The configured model's kind (tenfold.capabilities.MODEL_KINDS): tenfold's GPT, or a
+    Hugging Face model."""
+    return "hf" if cfg.model.hf_config or cfg.model.hf_pretrained else "tenfold"
+
+
+def hf_model_type(cfg) -> str:
     """A Hugging Face model's config.json `model_type` ("" for tenfold's own models)."""
     path = cfg.model.hf_pretrained or cfg.model.hf_config
     if not path:

@@ -28,6 +28,12 @@ TORCH_DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 BYTES_PER_ELEMENT = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
+def element_bytes(precision: str) -> float:
+    """Bytes of one activation or gathered-parameter element when computing in `precision`
+    (fp32, or the 16-bit autocast dtype): the one figure the planner's memory and time terms use."""
+    return float(BYTES_PER_ELEMENT[precision])
+
+
 def check_precision(name: str) -> str:
     if name not in PRECISIONS:
         raise UserError(f"invalid precision {name!r}; allowed: {', '.join(PRECISIONS)}")
@@ -205,6 +211,75 @@ def check_schedule(name: str) -> str:
     return name
 
 
+def num_stages(pp_size: int, schedule: str, virtual_stages: int) -> int:
+    """Total pipeline stages: P for single-stage schedules, P*V for interleaved ones."""
+    return pp_size * (virtual_stages if schedule in MULTI_STAGE_SCHEDULES else 1)
+
+
+def layer_counts(n_layers: int, stages: int, input_weight: int = 1, output_weight: int = 1) -> list[int]:
+    """Blocks per stage with the embedding and the head weighted as `input_weight` and
+    `output_weight` layers (torchtitan `generate_llm_fqn_per_model_part`): the
+    L + w_in + w_out "effective layers" are cut into equal parts, earlier stages taking
+    the remainder, and the first/last stage give up w_in/w_out of their share."""
+    if stages == 1:
+        return [n_layers]
+    effective = n_layers + input_weight + output_weight
+    per_stage, extra = divmod(effective, stages)
+    if per_stage < max(input_weight, output_weight):
+        raise UserError(
+            f"cannot split {n_layers} layers into {stages} stages with the embedding and head "
+            f"weighted as layers; use fewer stages or --pp-split"
+        )
+    counts, left = [], n_layers
+    for s in range(stages):
+        share = per_stage + (1 if s < extra else 0)
+        if s == 0:
+            share -= input_weight
+        if s == stages - 1:
+            share -= output_weight
+        take = min(share, left) if s < stages - 1 else left
+        counts.append(take)
+        left -= take
+    return counts
+
+
+def check_manual_split(pp_split, stages: int, n_layers: int) -> None:
+    if len(pp_split) != stages:
+        raise UserError(
+            f"parallel.pp_split has {len(pp_split)} entries but there are {stages} stages; "
+            f"give one block count per stage"
+        )
+    if any(n < 0 for n in pp_split) or sum(pp_split) != n_layers:
+        raise UserError(
+            f"parallel.pp_split {list(pp_split)} must be non-negative block counts summing to "
+            f"model.n_layers ({n_layers})"
+        )
+    if any(n == 0 for n in pp_split[1:-1]):
+        raise UserError(
+            f"parallel.pp_split {list(pp_split)}: a middle stage with no blocks would do no "
+            f"work; only the first (embedding) and last (head) stage may have 0 blocks"
+        )
+
+
+def stage_layer_counts(n_layers: int, stages: int, pp_split=None) -> tuple[int, ...]:
+    """Blocks per pipeline stage: `pp_split` when given (checked), else `layer_counts`. The
+    engine cuts the model by this list and the planner prices each rank's share of it."""
+    if stages > n_layers and stages > 1:
+        raise UserError(
+            f"{stages} pipeline stages is more than the model's {n_layers} layers; use fewer stages "
+            "(parallel.pp_degree x virtual_stages)"
+        )
+    if pp_split is not None:
+        check_manual_split(pp_split, stages, n_layers)
+        return tuple(pp_split)
+    return tuple(layer_counts(n_layers, stages))
+
+
+def local_stage_ids(pp_rank: int, pp_size: int, n_stages: int) -> list[int]:
+    """Looped placement: rank r runs stages r, r+P, ... (Megatron's interleaving)."""
+    return list(range(pp_rank, n_stages, pp_size))
+
+
 def virtual_stages_for(schedule: str, requested: int | None) -> int:
     """Stages per rank: 1 for single-stage schedules; for interleaved ones the requested number,
     2 when none is given (the least that interleaves)."""
@@ -218,6 +293,24 @@ def virtual_stages_for(schedule: str, requested: int | None) -> int:
     if requested is not None and (isinstance(requested, bool) or requested < 1):
         raise UserError(f"virtual_stages must be a positive integer, got {requested!r}")
     return requested or 2
+
+
+# --------------------------------------------------------------------------- ZeRO
+
+ZERO_STAGES = (0, 1, 2, 3)  # Rajbhandari et al. 2020: P_os (1), P_os+g (2), P_os+g+p (3)
+# ZeRO-Offload (Ren et al. 2021): what lives in host memory. "optimizer": optimizer states and
+# master weights (and the optimizer step runs on the host); "optimizer+params": parameters too.
+OFFLOADS = ("none", "optimizer", "optimizer+params")
+
+
+def zero_runs_as(zero_stage: int, tp: int, dp: int) -> int:
+    """The ZeRO stage whose memory and traffic a run really has. Under tensor parallelism the
+    parameters are DTensors, which DDP and ZeroRedundancyOptimizer do not take, so ZeRO-1 runs
+    on FSDP2 like stage 2 (reducing once per step): its gradients are 1/N at the optimizer
+    step too. With one data-parallel rank nothing is sharded at any stage."""
+    if dp <= 1:
+        return 0
+    return 2 if zero_stage == 1 and tp > 1 else zero_stage
 
 
 # --------------------------------------------------------------------------- tensor parallelism

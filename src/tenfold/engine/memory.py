@@ -404,20 +404,20 @@ def planner_hardware_name(device: torch.device) -> str:
 
 
 def predicted_memory(run, device: torch.device | None = None, dtype: str | None = None, plan=None,
-                     model=None) -> dict[str, int]:
+                     params: float | None = None) -> dict[str, int]:
     """The planner's per-rank prediction for a resolved run (tenfold.run), under the
     measurement's keys.
 
     `dtype`: the precision the engine actually runs (bf16 falls back to fp32 where the device
-    lacks it); default the configured one. `plan`: an already computed `Plan`. `model`: what the
-    planner is given instead of the run's shape (e.g. a parameter count for a user's own module:
-    then only model states are predicted, activations are 0). The categories are
+    lacks it); default the configured one. `plan`: an already computed `Plan`. `params`: the
+    parameter count of a user's own module, whose shape the config does not describe (then only
+    model states are predicted, activations are 0). The categories are
     `tenfold.plan.for_run.memory_by_category`'s, which `tenfold plan` reports too.
     """
     if plan is None:
         from tenfold.plan.for_run import predict_run
 
-        plan = predict_run(run, planner_hardware_name(device or torch.device("cpu")), dtype, model)
+        plan = predict_run(run, planner_hardware_name(device or torch.device("cpu")), dtype, params)
     return memory_by_category(plan.memory)
 
 
@@ -443,9 +443,9 @@ class RunMemory:
 
     def predict(self) -> dict | None:
         t = self.trainer
-        model = float(t.param_count) if t.user_model is not None else None
+        params = float(t.param_count) if t.user_model is not None else None
         try:
-            self.predicted = predicted_memory(t.run, t.dist.device, t.dtype_name, model=model)
+            self.predicted = predicted_memory(t.run, t.dist.device, t.dtype_name, params=params)
         except Exception as exc:  # noqa: BLE001 - the prediction must never stop a training run
             self.predicted, self.note = None, f"no prediction: {type(exc).__name__}: {exc}"
         return self.predicted

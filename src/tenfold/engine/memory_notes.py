@@ -27,19 +27,17 @@ def row_notes(predicted: dict | None, measured: dict | None, zero_stage: int, dp
     if user_module:
         notes["activations_bytes"] = "not predicted for your own module: the planner knows only its parameter count"
     notes["total_bytes"] = "states at the optimizer step + activations at their high: an upper bound of the peak"
-    notes["peak_bytes"] = _peak_note(p, measured, zero_stage)
+    notes["peak_bytes"] = _peak_note(p, measured)
     return notes
 
 
-def _peak_note(predicted: dict, measured: dict, zero_stage: int) -> str:
+def _peak_note(predicted: dict, measured: dict) -> str:
     parts = []
     if measured.get("peak_bytes", 0) <= measured.get("total_bytes", 0):
         parts.append("measured: the step's highest moment, below the sum")
     other = predicted.get("other_bytes") or 0
     if other:
-        # The planner prices DDP's two 25 MiB gradient buckets wherever gradients are reduced
-        # (dp > 1); ZeRO-2 runs on FSDP2 here, which reduce-scatters without them.
-        extra = " this run lacks (FSDP2 at ZeRO-2)" if zero_stage == 2 else ""
-        what = "DDP buckets" if zero_stage < 3 else "communication buffers"
-        parts.append(f"predicted: the sum + {fmt_bytes(other)} {what}{extra}")
+        # What the planner prices for the engine that runs: DDP's two 25 MiB gradient buckets
+        # (ZeRO-0/1), FSDP2's unsharded gradient unit (and at ZeRO-3 two gathered units).
+        parts.append(f"predicted: the sum + {fmt_bytes(other)} of communication buffers")
     return "; ".join(parts)

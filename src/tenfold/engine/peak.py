@@ -1,14 +1,20 @@
 """Peak dense matmul FLOP/s of this machine, the denominator of MFU.
 
 On a GPU the catalog's datasheet peak is used (tenfold.plan.hardware). A CPU has no
-datasheet figure, so we measure it once per (CPU model, thread count) and cache it in
-~/.cache/tenfold/cpu_peak.json (override with TENFOLD_CACHE_DIR), with the load it was measured
-at: a peak measured on a busy machine (load above 0.5 per core) is measured again the first
-time the machine is quiet, keeping the higher figure.
+datasheet figure, so we measure it and cache it per CPU model in ~/.cache/tenfold/cpu_peak.json
+(override with TENFOLD_CACHE_DIR). The figure is the whole machine's: measured with every core,
+and shared by the ranks that run on it, so `tenfold train` with N local ranks divides it by N
+per rank and `tenfold plan --gpu cpu` prices N ranks against the same figure.
+
+A load cannot lower the figure for long: each entry keeps the load it was measured at and the
+highest figure ever measured; one measured on a busy machine (load above 0.5 per core) is
+measured again the first time the machine is quiet, and a run whose model FLOP/s beat the
+cached peak marks it to be measured again at the next start (`note_exceeded`). Only one process
+measures at a time (a lock beside the cache): the ranks of one run wait for the first.
 
 How a peak is measured (`sweep_peak`): square GEMMs of growing size n = 256, 512, 1024, 2048,
 each through both `torch.mm` and `F.linear` (the call a model's Linear layers make; on some
-CPUs the two reach different kernels), best of three short windows. The size grows until the
+CPUs the two reach different kernels), best of five short windows. The size grows until the
 rate stops rising by more than 5% (the peak is reached) or one more size would take over a
 second per GEMM. A GEMM too small to fill the machine under-states the peak, and an MFU
 against it comes out above 100%.
@@ -23,6 +29,7 @@ in a subprocess so that the planner itself never imports torch.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -44,19 +51,32 @@ def cache_path() -> Path:
 
 
 def cpu_key() -> str:
-    import torch
-
+    """The cache entry of this machine: its CPU model, all its cores (the planner reads the same
+    entry, tenfold.plan.hardware)."""
     from tenfold.plan.hardware import cpu_model_name  # torch-free, shared with the planner
 
-    return f"{cpu_model_name()}|threads={torch.get_num_threads()}"
+    return f"{cpu_model_name()}|threads={os.cpu_count() or 1}"
+
+
+@contextlib.contextmanager
+def _all_cores():
+    """The machine's peak is measured with every core, whatever this process's thread count."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(os.cpu_count() or 1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _rate(fn, flops: float, seconds: float) -> float:
-    """FLOP/s of `fn`, best of three windows of at least `seconds` and two calls each: a
+    """FLOP/s of `fn`, best of five windows of at least `seconds` and two calls each: a
     peak is what the machine does when not disturbed."""
     fn()  # warm-up: thread pool, kernel selection
     best = 0.0
-    for _ in range(3):
+    for _ in range(5):
         iters, start = 0, time.perf_counter()
         while True:
             fn()
@@ -122,43 +142,101 @@ def load_per_core() -> float:
         return 0.0
 
 
+@contextlib.contextmanager
+def _measuring_alone(path: Path):
+    """One measuring process at a time: a rank that waits reads what the first one cached."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(path.with_suffix(".lock"), "a")  # noqa: SIM115 - held for the block
+    except OSError:
+        yield
+        return
+    import fcntl
+
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+    finally:
+        fcntl.flock(lock, fcntl.LOCK_UN)
+        lock.close()
+
+
 def cpu_peak_flops(dtype_name: str) -> float:
-    """Measured dense GEMM FLOP/s for `dtype_name` on this CPU (cached per machine).
+    """Measured dense GEMM FLOP/s of the whole machine for `dtype_name` (cached per CPU model).
 
     A peak measured while the machine was busy is low, and every MFU against it too high, for
-    as long as it stays cached. So each entry records the load it was measured at; one measured
-    busy is measured again the first time the machine is quiet (load at most BUSY per core),
-    keeping the higher figure. A machine that stays busy measures nothing again: each process
-    of a run re-measuring would slow every run it is part of."""
+    as long as it stays cached. So each entry records the load it was measured at and keeps the
+    highest figure measured; one measured busy is measured again the first time the machine is
+    quiet (load at most BUSY per core), and one a run has beaten (`note_exceeded`) at the next
+    start. A machine that stays busy measures nothing again otherwise: each process of a run
+    re-measuring would slow every run it is part of."""
     if dtype_name not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype_name!r}")
     path, key = cache_path(), cpu_key()
-    cache = _read_cache(path)
-    entry = cache.get(key, {})
-    if entry.get("method") != METHOD:  # measured by an older rule (fp16 at 256 only): redo all
-        entry = {"method": METHOD}
-    loads, load = entry.setdefault("load_per_core", {}), load_per_core()
-    busy_then = loads.get(dtype_name, BUSY + 1) > BUSY  # a figure without its load predates the rule
-    if dtype_name not in entry or (busy_then and load <= BUSY):  # busy then, quiet now: once
-        entry[dtype_name] = max(sweep_peak(dtype_name), float(entry.get(dtype_name, 0.0)))
-        loads[dtype_name] = round(load, 2)
-        cache[key] = entry
-        _write_cache(path, cache)
+    entry = _read_cache(path).get(key, {})
+    if not _wants_measuring(entry, dtype_name):
+        return float(entry[dtype_name])
+    with _measuring_alone(path):
+        cache = _read_cache(path)  # another process may have measured while this one waited
+        entry = cache.get(key, {})
+        if entry.get("method") != METHOD:  # measured by an older rule: redo all
+            entry = {"method": METHOD}
+        if _wants_measuring(entry, dtype_name):
+            with _all_cores():
+                measured = sweep_peak(dtype_name)
+            entry[dtype_name] = max(measured, float(entry.get(dtype_name, 0.0)))
+            entry.setdefault("load_per_core", {})[dtype_name] = round(load_per_core(), 2)
+            exceeded = entry.setdefault("exceeded", {})
+            if exceeded.get(dtype_name, 0.0) <= entry[dtype_name]:
+                exceeded.pop(dtype_name, None)
+            cache[key] = entry
+            _write_cache(path, cache)
     return float(entry[dtype_name])
 
 
-def mfu_peak(dtype_name: str) -> tuple[float | None, str | None]:
-    """(peak FLOP/s for MFU, None) or (None, why no MFU is reported) for this CPU."""
+def _wants_measuring(entry: dict, dtype_name: str) -> bool:
+    if entry.get("method") != METHOD or dtype_name not in entry:
+        return True
+    if dtype_name in entry.get("exceeded", {}):  # a run did more than this figure allows
+        return True
+    busy_then = entry.get("load_per_core", {}).get(dtype_name, BUSY + 1) > BUSY  # no load: predates the rule
+    return busy_then and load_per_core() <= BUSY  # busy then, quiet now: once
+
+
+def note_exceeded(dtype_name: str, achieved_flops: float) -> None:
+    """A run's model FLOP/s on this machine were above the cached peak: the figure is too low
+    (measured while something else ran). Mark it to be measured again at the next start."""
+    path, key = cache_path(), cpu_key()
+    with _measuring_alone(path):
+        cache = _read_cache(path)
+        entry = cache.get(key)
+        if not isinstance(entry, dict) or float(entry.get(dtype_name, 0.0)) >= achieved_flops:
+            return
+        entry.setdefault("exceeded", {})[dtype_name] = float(achieved_flops)
+        _write_cache(path, cache)
+
+
+def mfu_peak(dtype_name: str, ranks: int = 1) -> tuple[float | None, str | None]:
+    """(peak FLOP/s for MFU of one of `ranks` processes sharing this CPU, None) or (None, why no
+    MFU is reported)."""
     peak = cpu_peak_flops(dtype_name)
     if dtype_name == "fp32":
-        return peak, None
+        return peak / ranks, None
     fp32 = cpu_peak_flops("fp32")
     if peak < SLOW_FRACTION * fp32:
         return None, (
             f"{dtype_name} matmuls have no fast kernels on this CPU ({peak / 1e9:,.1f} GFLOP/s against "
             f"{fp32 / 1e9:,.1f} in fp32); bf16 or fp32 train faster here"
         )
-    return peak, None
+    return peak / ranks, None
+
+
+def peak_source(device_type: str = "cpu") -> str:
+    """Where a run's MFU peak comes from, as the run reports it."""
+    if device_type != "cpu":
+        return "the GPU's datasheet dense peak (tenfold.plan.hardware catalog)"
+    return (f"this machine's measured GEMM peak (all {os.cpu_count() or 1} cores, shared by its ranks), "
+            f"cached in {cache_path()}")
 
 
 def main() -> None:

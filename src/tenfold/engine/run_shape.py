@@ -22,10 +22,21 @@ from tenfold.plan.for_run import memory_by_category, memory_line
 
 
 def world_size(cfg) -> int:
-    """The processes this run has: torchrun's WORLD_SIZE when launched by it, else --nproc."""
+    """The processes this run has: torchrun's WORLD_SIZE when launched by it, else the config's
+    nnodes x nproc. A config planned for several nodes (`parallel.nnodes`) must be started with
+    that many processes."""
+    par = cfg.parallel
+    planned = par.nnodes * par.nproc
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        return int(os.environ["WORLD_SIZE"])
-    return cfg.parallel.nproc
+        world = int(os.environ["WORLD_SIZE"])
+        if par.nnodes > 1 and world != planned:
+            from tenfold.errors import UserError
+
+            raise UserError(f"parallel.nnodes {par.nnodes} x parallel.nproc {par.nproc} = {planned} processes planned, "
+                            f"but torchrun started {world} (WORLD_SIZE); start {par.nnodes} nodes with "
+                            f"--nproc-per-node {par.nproc}, or change the config")
+        return world
+    return planned
 
 
 def describe(run, predicted: dict[str, int]) -> list[str]:
@@ -41,10 +52,8 @@ def describe(run, predicted: dict[str, int]) -> list[str]:
         f"  precision  {run.precision}" + (" (fp32 where the device has no bf16)" if run.precision == "bf16" else ""),
         f"  batch      {run.global_batch} = {run.micro_batch} x {run.grad_accum} x dp {run.dp} sequences of "
         f"{run.seq_len} tokens ({run.tokens_per_step:,} tokens per step), {c.train.steps} steps",
-        f"  processes  {run.world_size} = pp {run.pp} x dp {run.dp} x tp {run.tp}; ZeRO {run.zero_stage}; "
-        f"recompute {run.recompute}"
-        + (f"; schedule {run.pp_schedule}, {run.virtual_stages} stage(s) per rank" if run.pp > 1 else "")
-        + ("; sequence parallel" if run.sequence_parallel else ""),
+        f"  processes  {run.layout_line()}" + (f" ({c.parallel.nnodes} nodes x {c.parallel.nproc})"
+                                                      if c.parallel.nnodes > 1 else ""),
         "  memory     " + memory_line(predicted).removeprefix("memory "),
         f"  output     {c.log.out}",
     ]

@@ -24,6 +24,9 @@ class RunFacts:
     peak_flops_per_device: float | None
     batch: dict  # micro_batch, grad_accum, global_batch, seq_len
     mfu_note: str | None = None  # why no MFU is reported (a dtype without fast kernels here)
+    layout: dict | None = None  # the resolved run's layout (tenfold.run.ResolvedRun.layout), as `tenfold plan` prices it
+    peak_source: str = ""  # where the MFU peak comes from (a datasheet, or this CPU's cached measurement)
+    layout_line: str = ""
 
 
 def header_line(facts: RunFacts, steps: int, dp: int, device_type: str, tp: int = 1) -> str:
@@ -34,7 +37,7 @@ def header_line(facts: RunFacts, steps: int, dp: int, device_type: str, tp: int 
         f"[bold]tenfold train[/] {facts.model_label} ({facts.params / 1e6:.2f}M params) | {facts.dtype}{fp8} | "
         f"batch {b['global_batch']} = {b['micro_batch']} x {b['grad_accum']} x dp {dp}{split} "
         f"| seq {b['seq_len']} | {steps} steps | {facts.world_size} process(es) on {device_type}"
-    )
+    ) + (f"\nlayout: {facts.layout_line}" if facts.layout_line else "")
 
 
 def mfu(flops_per_token: float, tokens_per_s: float | None, peak: float | None,
@@ -48,7 +51,8 @@ def mfu(flops_per_token: float, tokens_per_s: float | None, peak: float | None,
     value = flops_per_token * tokens_per_s / (peak * devices)
     if value > 1.0:
         return None, (f"the run's {flops_per_token * tokens_per_s / devices / 1e9:,.1f} GFLOP/s per device exceed "
-                      f"the peak used for MFU ({peak / 1e9:,.1f}); remeasure it (delete the cached cpu_peak.json)")
+                      f"the peak used for MFU ({peak / 1e9:,.1f}): the peak was measured while the machine was "
+                      "busy; on a CPU it is measured again at the next start")
     return value, None
 
 
@@ -64,13 +68,19 @@ def build_summary(facts: RunFacts, history: list, totals: dict, last: dict, wall
     steady = steady_state(step_times or [])
     tps = steady["tokens_per_s"]
     value, note = mfu(facts.flops_per_token, tps, facts.peak_flops_per_device, facts.world_size)
+    if note and facts.device.startswith("cpu"):  # a run beat the cached CPU peak: it is too low
+        from tenfold.engine.peak import note_exceeded
+
+        note_exceeded(facts.dtype, facts.flops_per_token * tps)
     return {
         "config": facts.config,
         "model": {"name": facts.model_label, "blocks": facts.blocks, "params": facts.params,
                   "flops_per_token": facts.flops_per_token},
         "hardware": {"device": facts.device, "world_size": facts.world_size,
-                     "peak_flops_per_device": facts.peak_flops_per_device, "dtype": facts.dtype},
+                     "peak_flops_per_device": facts.peak_flops_per_device, "peak_source": facts.peak_source,
+                     "dtype": facts.dtype},
         "batch": dict(facts.batch),
+        "layout": facts.layout,
         "final": {
             "steps": totals["steps"], "tokens": tokens, "skipped_steps": totals["skipped_steps"],
             "first_loss": history[0][1] if history else None, "loss": last.get("loss"),
@@ -112,7 +122,8 @@ def summary_table(summary: dict, out_dir: Path):
     if f.get("compile_s") is not None:
         t.add_row("torch.compile", f"{f['compile_s']:.1f} s compiling (not in the warm-up or tokens/s)")
     if f["mfu"] is not None:
-        t.add_row("MFU", f"{f['mfu']:.1%}")
+        peak = summary["hardware"].get("peak_flops_per_device") or 0.0
+        t.add_row("MFU", f"{f['mfu']:.1%} of {peak / 1e9:,.1f} GFLOP/s per rank: {summary['hardware'].get('peak_source', '')}")
     elif f.get("mfu_note"):
         t.add_row("MFU", f"not reported: {f['mfu_note']}")
     add_summary_rows(t, summary.get("memory", {}))

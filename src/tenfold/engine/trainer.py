@@ -25,8 +25,10 @@ import torch.nn as nn
 from tenfold.config import TenfoldConfig, build_config
 from tenfold.data.arrays import bundle_from_array
 from tenfold.engine import summary as run_summary
-from tenfold.engine.distributed import DistInfo, init_distributed, tighten_timeouts_after_first_step, world_size_from_env
+from tenfold.engine import run_shape
+from tenfold.engine.distributed import DistInfo, init_distributed, launched_by_torchrun, tighten_timeouts_after_first_step
 from tenfold.engine.metrics import MetricsWriter, peak_memory_bytes
+from tenfold.engine.peak import peak_source
 from tenfold.engine.steady import StepTime
 from tenfold.techniques.compile import CompileClock, compile_failures
 from tenfold.engine.step_log import StepLog
@@ -120,7 +122,8 @@ class Trainer:
     def setup(self) -> None:
         """Validate everything and build model, data, optimizer. Writes nothing to disk."""
         cfg = self.cfg
-        self.run: ResolvedRun = resolve_run(cfg, world_size_from_env(), own_model=self.user_model is not None)
+        world = run_shape.world_size(cfg) if launched_by_torchrun() else 1  # checks a multi-node plan's size
+        self.run: ResolvedRun = resolve_run(cfg, world, own_model=self.user_model is not None)
         from tenfold.engine.wandb_log import check_available
 
         check_available(cfg.log.wandb)
@@ -195,12 +198,11 @@ class Trainer:
 
     def _build_optimizer(self) -> None:
         from tenfold.engine.schedule import build_scheduler
-        from tenfold.techniques import zero
+        from tenfold.techniques import fp8, zero
 
         cfg = self.cfg
         self.optimizer = zero.build_optimizer_for(self.model, cfg.train, cfg.parallel, self.dist)
-        from tenfold.techniques.fp8 import precompute_scales_after_steps  # --fp8 under FSDP2: scales in one all-reduce
-        precompute_scales_after_steps(self.optimizer, self.model)
+        fp8.precompute_scales_after_steps(self.optimizer, self.model)  # --fp8 under FSDP2: scales in one all-reduce
         tighten_timeouts_after_first_step(self.optimizer, cfg.parallel.timeout_s, self.dist)
         self.scheduler = build_scheduler(self.optimizer, cfg.train, cfg.train.steps)
 
@@ -220,7 +222,7 @@ class Trainer:
         if self.dist.device.type == "cpu":
             from tenfold.engine.peak import mfu_peak
 
-            return mfu_peak(self.dtype_name)
+            return mfu_peak(self.dtype_name, ranks=self.dist.world_size)  # the ranks share this machine's peak
         from tenfold.plan.hardware import gpu_peak_flops_for_device  # the planner's catalog
 
         return gpu_peak_flops_for_device(torch.cuda.get_device_name(self.dist.device), self.dtype_name), None
@@ -485,8 +487,8 @@ class Trainer:
             config=self.cfg.to_dict(), model_label=self._model_label(),
             blocks=f"{len(self.adapter.blocks)} x {self.adapter.block_class}", params=self.param_count,
             flops_per_token=self.flops_per_token, device=str(self.dist.device), world_size=self.dist.world_size,
-            dtype=self.dtype_name, peak_flops_per_device=peak, mfu_note=mfu_note,
-            batch=r.batch_summary(),
+            dtype=self.dtype_name, peak_flops_per_device=peak, mfu_note=mfu_note, peak_source=peak_source(self.dist.device.type),
+            batch=r.batch_summary(), layout=r.layout(), layout_line=r.layout_line(),
         )
 
     def _totals(self) -> dict:  # the counters summary.json reports

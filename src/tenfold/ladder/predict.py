@@ -1,7 +1,7 @@
 """The planner's forecast for a rung, and the micro-batch the memory budget allows.
 
 The prediction uses the same config the rung trains with: `build_config(user layers, rung
-overrides)` -> `tenfold.plan.for_run.strategy_for_run` (how tenfold's engine runs it: fp32
+overrides)` -> `tenfold.run.resolve_run` (the run the engine builds: fp32
 parameters under autocast, eager activations) -> `tenfold.plan.api.predict` on the planner's
 hardware entry for this device (`cpu`: peak FLOP/s measured by `tenfold.engine.peak`).
 """

@@ -13,17 +13,17 @@ import os
 import shlex
 from pathlib import Path
 
-from tenfold.capabilities import num_stages
-from tenfold.config import TenfoldConfig, build_config, config_toml
+from tenfold.config import TenfoldConfig, config_toml
 from tenfold.errors import UserError
 from tenfold.plan.api import Plan
-from tenfold.run import ResolvedRun, resolve_run
-from tenfold.terms import MULTI_STAGE_SCHEDULES, virtual_stages_for
+from tenfold.plan.for_run import memory_by_category, memory_line
+from tenfold.run import ResolvedRun, config_for_run, resolve_run
 
 # What a strategy sets, written into an emitted file even at its default value.
 STRATEGY_KEYS = {
     "model": ("name",), "data": ("seq_len",), "train": ("micro_batch", "global_batch"),
-    "precision": ("dtype",), "recompute": ("policy",), "parallel": ("zero_stage", "pp_degree", "tp_degree", "nproc"),
+    "precision": ("dtype",), "recompute": ("policy",),
+    "parallel": ("zero_stage", "pp_degree", "tp_degree", "nproc", "nnodes"),
 }
 EMIT_MARK = "# Written by tenfold plan"
 RENDEZVOUS = ("--rdzv-backend", "c10d", "--rdzv-endpoint", "HEAD:29500", "--rdzv-id", "JOB")
@@ -38,39 +38,26 @@ def nodes_for(gpus: int, gpus_per_node: int) -> tuple[int, int]:
     return nodes, gpus // nodes
 
 
-def config_for_plan(base: TenfoldConfig, plan: Plan, gpus_per_node: int) -> tuple[TenfoldConfig, ResolvedRun]:
-    """`base` with `plan`'s strategy written in, resolved as `tenfold train` resolves it (a
-    UserError if train would refuse it). One node: `parallel.nproc` is the GPU count, so
-    `tenfold train --config FILE` starts every rank; several nodes: torchrun starts them."""
-    if plan.unsupported:
-        raise UserError(f"tenfold train cannot run this strategy: {'; '.join(plan.unsupported)}")
-    s, d = plan.strategy, base.model_dump(mode="json")
-    par = d["parallel"]
-    before = num_stages(par["pp_degree"], par["pp_schedule"], virtual_stages_for(par["pp_schedule"], par["virtual_stages"]))
-    keep_split = before == num_stages(s["pp"], s["pp_schedule"], s["virtual_stages"])  # blocks per stage still apply
-    par.update(zero_stage=s["zero"], pp_degree=s["pp"], pp_schedule=s["pp_schedule"], tp_degree=s["tp"],
-               # train's default (on with tp > 1) unless the plan says otherwise
-               sequence_parallel=None if s["sequence_parallel"] == (s["tp"] > 1) else s["sequence_parallel"],
-               virtual_stages=s["virtual_stages"] if s["pp_schedule"] in MULTI_STAGE_SCHEDULES else None,
-               pp_split=par["pp_split"] if keep_split else None,
-               nproc=plan.gpus if plan.gpus <= gpus_per_node else 1)
-    d["train"].update(micro_batch=plan.micro_batch, global_batch=plan.global_batch, grad_accum=None)
-    d["data"]["seq_len"] = plan.seq_len
-    d["precision"]["dtype"] = s["precision"]
-    d["recompute"]["policy"] = s["ac"]
-    cfg = build_config(d)
-    return cfg, resolve_run(cfg, plan.gpus)
+def config_for_plan(base: TenfoldConfig, run: ResolvedRun, gpus_per_node: int) -> tuple[TenfoldConfig, ResolvedRun]:
+    """`base` with `run`'s layout written in (tenfold.run.config_for_run) and its processes as
+    nodes x processes per node, resolved again as `tenfold train` resolves it (a UserError if
+    train would refuse it): `tenfold train --config FILE` starts every rank of a one-node run,
+    and torchrun on every node starts a run of several (`parallel.nnodes`)."""
+    nodes, per_node = nodes_for(run.world_size, gpus_per_node)
+    cfg = config_for_run(base, run).model_copy(deep=True)
+    cfg.parallel.nproc, cfg.parallel.nnodes = per_node, nodes
+    return cfg, resolve_run(cfg, run.world_size)
 
 
 def launch_line(cfg: TenfoldConfig, gpus: int, gpus_per_node: int, config_file: str | None = None) -> str:
     """The command that starts this run: `tenfold train --nproc N ...` on one node, `torchrun
     --nnodes ... -m tenfold train ...` (run on every node, HEAD = the first node) on several."""
-    from tenfold.cli import train_argv  # the inverse of the flags train reads
+    from tenfold.run_args import train_argv  # the inverse of the flags train reads
 
-    args = ["--config", config_file] if config_file else train_argv(cfg, STRATEGY_KEYS)
-    if gpus <= gpus_per_node:
-        return shlex.join(["tenfold", "train", *(["--nproc", str(gpus)] if gpus > 1 else []), *args])
     nodes, per_node = nodes_for(gpus, gpus_per_node)
+    args = ["--config", config_file] if config_file else train_argv(cfg, STRATEGY_KEYS)
+    if nodes == 1:
+        return shlex.join(["tenfold", "train", *(["--nproc", str(gpus)] if gpus > 1 else []), *args])
     return shlex.join(["torchrun", "--nnodes", str(nodes), "--nproc-per-node", str(per_node), *RENDEZVOUS,
                        "-m", "tenfold", "train", *args])
 
@@ -80,8 +67,12 @@ def emitted_toml(cfg: TenfoldConfig, plan: Plan, launch: str, replan: str) -> st
     m = plan.memory
     header = [
         f"{EMIT_MARK} for {plan.model} on {plan.gpus} x {plan.hardware}: a strategy tenfold train runs.",
-        f"# predicted per GPU: {m.total_bytes / 2**30:,.2f} GiB of {m.capacity_bytes / 2**30:,.1f} GiB, step "
-        f"{plan.step_time_s:,.3g} s, {plan.tokens_per_s:,.0f} tokens/s, MFU {plan.mfu:.1%}",
+        f"# layout: {plan.layout_line}",
+        f"# predicted per GPU on {plan.hardware}: {m.total_bytes / 2**30:,.2f} GiB of {m.capacity_bytes / 2**30:,.1f} GiB "
+        f"(with allocator reserve and runtime), step {plan.step_time_s:,.3g} s, {plan.tokens_per_s:,.0f} tokens/s, "
+        f"MFU {plan.mfu:.1%}",
+        f"# {memory_line(memory_by_category(m))}",
+        "# (`tenfold train --config THIS_FILE --dry-run` prints the same line)",
         "# run it:" + ("  (on every node; HEAD = the first node's hostname)" if launch.startswith("torchrun") else ""),
         f"#   {launch}",
         "# predict it again:",

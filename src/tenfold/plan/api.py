@@ -1,4 +1,5 @@
-"""`predict(model, hardware, gpus, strategy) -> Plan`: the planner's one entry point.
+"""`predict(run, hardware) -> Plan`: the planner's one entry point. `run` is the resolved run
+(tenfold.run.ResolvedRun) that `tenfold train` builds, so what is priced is what trains.
 
 The training engine calls it on every run (predicted vs measured memory) and the ladder per
 rung; the CLI prints it. Every figure carries the formula and source it came from
@@ -9,14 +10,14 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 
 from tenfold.errors import UserError
-from tenfold.models.presets import ModelConfig
 from tenfold.plan import memory
 from tenfold.plan.hardware import Hardware, get_hardware, with_gpus_per_node
-from tenfold.plan.shape import ModelShape, largest_unit_params, layers_on_stage, shape_of, stage_params
+from tenfold.plan.shape import ModelShape, largest_unit_params, run_rank_params, shape_of
 from tenfold.plan.step_time import TimeBreakdown, compute_share, step_time
-from tenfold.plan.strategy import Resolved, Strategy, resolve
+from tenfold.run import ResolvedRun
+from tenfold.terms import element_bytes
 
-__all__ = ["Plan", "MemoryBreakdown", "TimeBreakdown", "Strategy", "predict", "predict_memory", "largest_micro_batch"]
+__all__ = ["Plan", "MemoryBreakdown", "TimeBreakdown", "predict", "predict_memory", "largest_micro_batch"]
 
 
 @dataclass
@@ -63,7 +64,8 @@ class Plan:
     hardware: str
     gpus: int
     gpus_per_node: int
-    strategy: dict
+    strategy: dict  # the run's layout (tenfold.run.ResolvedRun.layout)
+    layout_line: str  # the same in one line, saying where the engine runs one strategy as another
     dp: int
     micro_batch: int
     grad_accum: int
@@ -89,13 +91,15 @@ class Plan:
     unsupported: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     explain: list[Explained] = field(default_factory=list)
+    run: ResolvedRun | None = field(default=None, repr=False, compare=False)  # what was priced
 
     @property
     def step_time_s(self) -> float:
         return self.time.step_s
 
     def to_dict(self) -> dict:
-        d = asdict(self)
+        d = asdict(replace(self, run=None))
+        d.pop("run")
         d["step_time_s"] = self.time.step_s
         d["memory"]["peak_bytes"] = self.memory.peak_bytes
         return d
@@ -114,46 +118,44 @@ class _Trace:
         return value
 
 
-def _prepare(model, hardware, gpus, strategy, gpus_per_node):
-    s = strategy or Strategy()
-    shape = shape_of(model)
+def _prepare(run: ResolvedRun, hardware, gpus_per_node, name):
+    if not isinstance(run, ResolvedRun):
+        raise TypeError(f"predict takes a tenfold.run.ResolvedRun, got {type(run).__name__}")
+    shape = shape_of(run.model if run.model is not None else run.params, name=name)
     hw = with_gpus_per_node(get_hardware(hardware), gpus_per_node)
-    cfg = shape.cfg
-    r = resolve(s, gpus, cfg.n_layers if cfg else None, cfg.n_heads if cfg else None, cfg.max_seq_len if cfg else None,
-                cfg.kv_heads if cfg else None)
-    if cfg is not None and r.seq_len > cfg.max_seq_len and cfg.pos == "learned":
-        raise UserError(f"--seq-len {r.seq_len} exceeds the model's learned positions ({cfg.max_seq_len})")
-    return s, shape, hw, r
+    return shape, hw
 
 
-def predict_memory(model: "ModelConfig | str | float | ModelShape", hardware: "str | Hardware", gpus: int,
-                   strategy: Strategy | None = None, gpus_per_node: int | None = None) -> MemoryBreakdown:
+def predict_memory(run: ResolvedRun, hardware: "str | Hardware", gpus_per_node: int | None = None,
+                   name: str | None = None) -> MemoryBreakdown:
     """Only the memory side of `predict` (what `--search` checks first)."""
-    s, shape, hw, r = _prepare(model, hardware, gpus, strategy, gpus_per_node)
-    return _memory(shape, hw, r, _no_trace, [])
+    shape, hw = _prepare(run, hardware, gpus_per_node, name)
+    return _memory(shape, hw, run, _no_trace, [])
 
 
-def predict(model: "ModelConfig | str | float | ModelShape", hardware: "str | Hardware", gpus: int,
-            strategy: Strategy | None = None, gpus_per_node: int | None = None) -> Plan:
-    """Predict memory, step time, throughput and days for one strategy on one fleet.
+def predict(run: ResolvedRun, hardware: "str | Hardware", *, gpus_per_node: int | None = None, name: str | None = None,
+            tokens: float | None = None, achieved_tflops: float | None = None) -> Plan:
+    """Predict memory, step time, throughput and days of `run` on `run.world_size` GPUs.
 
-    model: preset name, ModelConfig, parameter count or ModelShape; hardware: catalog name,
-    "cpu", a .toml path or a Hardware; strategy: see tenfold.plan.strategy.Strategy."""
-    return _predict(model, hardware, gpus, strategy, gpus_per_node)
+    hardware: catalog name, "cpu", a .toml path or a Hardware; tokens: the training budget (for
+    days and GPU-hours); achieved_tflops: per-GPU hardware TFLOP/s (Narayanan's X) instead of the
+    time model; name: the model's label in the report."""
+    return _predict(run, hardware, gpus_per_node, name=name, tokens=tokens, achieved_tflops=achieved_tflops)
 
 
-def _predict(model, hardware, gpus, strategy, gpus_per_node=None, trace: bool = True,
-             mem: MemoryBreakdown | None = None) -> Plan:
+def _predict(run: ResolvedRun, hardware, gpus_per_node=None, trace: bool = True, mem: MemoryBreakdown | None = None,
+             name: str | None = None, tokens: float | None = None, achieved_tflops: float | None = None) -> Plan:
     """`predict`, optionally without the explanations and with memory already computed
     (what `--search` uses for its thousands of candidates)."""
-    s, shape, hw, r = _prepare(model, hardware, gpus, strategy, gpus_per_node)
+    shape, hw = _prepare(run, hardware, gpus_per_node, name)
+    gpus = run.world_size
     tr = _Trace() if trace else _no_trace
     notes: list[str] = []
     if mem is None or trace:
-        mem = _memory(shape, hw, r, tr, notes)
-    t, flops_model, flops_hw = step_time(shape, hw, r, tr)
-    tokens_step = r.global_batch * r.seq_len
-    peak = hw.peak(s.precision) * compute_share(hw, gpus)
+        mem = _memory(shape, hw, run, tr, notes)
+    t, flops_model, flops_hw = step_time(shape, hw, run, tr, achieved_tflops)
+    tokens_step = run.tokens_per_step
+    peak = hw.peak(run.precision) * compute_share(hw, gpus)
     tps = tokens_step / t.step_s
     tflops = flops_model / t.step_s / gpus
     hw_tflops = flops_hw / t.step_s / gpus
@@ -163,12 +165,12 @@ def _predict(model, hardware, gpus, strategy, gpus_per_node=None, trace: bool = 
     tr("mfu", mfu, "model FLOPs per step / (step_time x gpus x peak)", "PaLM (Chowdhery et al. 2022) §4.1, no recompute, no causal halving")
     tr("hfu", hfu, "(model + recompute FLOPs) / (step_time x gpus x peak)", "Korthikanti et al. 2022 App. A")
     days = hours = None
-    if s.tokens is not None:
-        if s.tokens <= 0:
-            raise UserError(f"--tokens must be positive, got {s.tokens}")
-        days = tr("train_days", s.tokens / tps / 86400, "tokens / tokens_per_s / 86400", "definition")
+    if tokens is not None:
+        if not tokens > 0:
+            raise UserError(f"--tokens must be positive, got {tokens}")
+        days = tr("train_days", tokens / tps / 86400, "tokens / tokens_per_s / 86400", "definition")
         hours = days * 24 * gpus
-    tp_bytes = _tp_bytes_per_step(shape, r)
+    tp_bytes = _tp_bytes_per_step(shape, run)
     if tp_bytes:
         tr("tp_bytes_per_step", tp_bytes, "per layer 8 (t-1)/t b s h x m, + embedding, head, loss, norm gradients, "
            "clip (docs/tensor_parallel.md)", "Narayanan et al. 2021 §3.2; Korthikanti et al. 2022 §4.2.2")
@@ -184,53 +186,52 @@ def _predict(model, hardware, gpus, strategy, gpus_per_node=None, trace: bool = 
         notes.append("only --params given: activations unknown (null); FLOPs = 6 x params per token; no TP/PP shapes")
     return Plan(
         model=shape.name, params=shape.params, hardware=hw.name, gpus=gpus, gpus_per_node=hw.gpus_per_node,
-        strategy={**vars(s), "ac": r.policy.text, "virtual_stages": r.v}, dp=r.dp, micro_batch=r.micro_batch,
-        grad_accum=r.grad_accum, global_batch=r.global_batch, seq_len=r.seq_len, memory=mem, time=t, fits=fits,
+        strategy=run.layout(), layout_line=run.layout_line(), dp=run.dp, micro_batch=run.micro_batch,
+        grad_accum=run.grad_accum, global_batch=run.global_batch, seq_len=run.seq_len, memory=mem, time=t, fits=fits,
         tokens_per_step=tokens_step, model_flops_per_step=flops_model, hardware_flops_per_step=flops_hw,
         tokens_per_s=tps, tflops_per_gpu=tflops / 1e12, hardware_tflops_per_gpu=hw_tflops / 1e12, mfu=mfu, hfu=hfu,
-        tokens=s.tokens, train_days=days, gpu_hours=hours, notes=notes, explain=tr.items if trace else [],
-        tp_bytes_per_step=tp_bytes,
+        tokens=tokens, train_days=days, gpu_hours=hours, notes=notes, explain=tr.items if trace else [],
+        tp_bytes_per_step=tp_bytes, run=run,
     )
 
 
-def _tp_bytes_per_step(shape: ModelShape, r: Resolved) -> float:
+def _tp_bytes_per_step(shape: ModelShape, run: ResolvedRun) -> float:
     """Bytes one rank sends on its tensor-parallel group per step, on the busier of the first
-    and last pipeline stage (tenfold.plan.tp_traffic); 0 without TP or a model shape."""
-    s, cfg = r.s, shape.cfg
-    if s.tp <= 1 or cfg is None:
+    and last pipeline rank (tenfold.plan.tp_traffic); 0 without TP or a model shape."""
+    cfg = shape.cfg
+    if run.tp <= 1 or cfg is None:
         return 0.0
     from tenfold.plan.tp_traffic import tp_traffic
 
     out = 0.0
-    for stage in sorted({0, s.pp - 1}):
-        layers = layers_on_stage(cfg.n_layers, s.pp, stage)
-        traffic = tp_traffic(cfg, tp=s.tp, sequence_parallel=s.sequence_parallel, precision=s.precision,
-                             micro_batch=r.micro_batch, seq_len=r.seq_len, grad_accum=r.grad_accum, layers=layers,
-                             recompute_groups=r.policy.checkpointed_blocks(layers), first=stage == 0,
-                             last=stage == s.pp - 1, dp=r.dp, zero=s.zero)
+    for rank in run.busiest_ranks():
+        groups = [g for n in run.rank_stage_layers(rank) for g in run.recompute.checkpointed_blocks(n)]
+        traffic = tp_traffic(cfg, tp=run.tp, sequence_parallel=run.sequence_parallel, precision=run.precision,
+                             micro_batch=run.micro_batch, seq_len=run.seq_len, grad_accum=run.grad_accum,
+                             layers=run.rank_layers(rank), recompute_groups=groups, first=rank == 0,
+                             last=rank == run.pp - 1, dp=run.dp, zero=run.zero_runs_as)
         out = max(out, traffic.total)
     return out
 
 
 # --------------------------------------------------------------------------- memory
-def _memory(shape: ModelShape, hw: Hardware, r: Resolved, tr: _Trace, notes: list[str]) -> MemoryBreakdown:
-    s = r.s
-    stages = [0] if s.pp == 1 else [0, s.pp - 1]
+def _memory(shape: ModelShape, hw: Hardware, run: ResolvedRun, tr: _Trace, notes: list[str]) -> MemoryBreakdown:
     best: MemoryBreakdown | None = None
-    for stage in stages:
-        m = _stage_memory(shape, hw, r, stage)
+    for rank in run.busiest_ranks():
+        m = _stage_memory(shape, hw, run, rank)
         if best is None or m.total_bytes > best.total_bytes:
             best = m
     assert best is not None
-    b = memory.bytes_per_param(s)
-    pipelined = " (unsharded: pipelining reduces once per step)" if s.pp > 1 and s.zero >= 2 else ""
+    b = memory.bytes_per_param(run)
+    z, pp = run.zero_runs_as, run.pp
+    pipelined = " (unsharded: pipelining reduces once per step)" if pp > 1 and z >= 2 else ""
     tr("params_bytes", best.params_bytes, f"{b.params:g} B/param x stage params"
-       f"{' / N_d' if s.zero >= 3 and s.pp == 1 else ''}", "ZeRO §5 (Rajbhandari et al. 2020); Megatron first-stage layout")
-    tr("grads_bytes", best.grads_bytes, f"{b.grads:g} B/param x stage params{' / N_d' if s.zero >= 2 and s.pp == 1 else ''}"
+       f"{' / N_d' if z >= 3 and pp == 1 else ''}", "ZeRO §5 (Rajbhandari et al. 2020); Megatron first-stage layout")
+    tr("grads_bytes", best.grads_bytes, f"{b.grads:g} B/param x stage params{' / N_d' if z >= 2 and pp == 1 else ''}"
        f"{pipelined}", "ZeRO §5; torch.distributed.pipelining + FSDP2")
-    tr("master_weights_bytes", best.master_weights_bytes, f"{b.master:g} B/param (fp32 copy){' / N_d' if s.zero >= 1 else ''}",
+    tr("master_weights_bytes", best.master_weights_bytes, f"{b.master:g} B/param (fp32 copy){' / N_d' if z >= 1 else ''}",
        "ZeRO §3.1: K = 12 = fp32 params + momentum + variance")
-    tr("optimizer_moments_bytes", best.optimizer_moments_bytes, f"{b.optimizer:g} B/param (Adam m, v){' / N_d' if s.zero >= 1 else ''}", "ZeRO §3.1")
+    tr("optimizer_moments_bytes", best.optimizer_moments_bytes, f"{b.optimizer:g} B/param (Adam m, v){' / N_d' if z >= 1 else ''}", "ZeRO §3.1")
     tr("model_states_bytes", best.model_states_bytes, "stage 0: 16Ψ; 1: 4Ψ + 12Ψ/N_d; 2: 2Ψ + 14Ψ/N_d; 3: 16Ψ/N_d",
        "ZeRO Table 1 / §5.1-5.3")
     if best.activations_bytes is not None:
@@ -240,17 +241,17 @@ def _memory(shape: ModelShape, hw: Hardware, r: Resolved, tr: _Trace, notes: lis
         tr("inflight_microbatches", best.inflight_microbatches,
            "none: 1; GPipe: m; 1F1B: min(p, m); interleaved: p (1 + (p-1)/(p v))", "Narayanan §2.2; Korthikanti §4.2.3")
         tr("activations_bytes", best.activations_bytes,
-           f"layers x per-layer({r.policy.text}) x in-flight + working layer + embedding/logits extras",
+           f"layers x per-layer({run.recompute.text}) x in-flight + working layer + embedding/logits extras",
            "Korthikanti Table 2 and §4.3; torch.utils.checkpoint semantics")
-    tr("comm_buffers_bytes", best.comm_buffers_bytes, "ZeRO-3: 2 gathered units + 1 grad unit; else 2 x 25 MiB buckets (none at dp 1)",
-       "PyTorch FSDP notes / PR #128884; DDP bucket_cap_mb")
+    tr("comm_buffers_bytes", best.comm_buffers_bytes, "DDP: 2 x 25 MiB buckets; FSDP2: 1 unsharded grad unit, "
+       "ZeRO-3 + 2 gathered units; none at dp 1", "PyTorch FSDP notes / PR #128884; DDP bucket_cap_mb")
     tr("allocator_reserve_bytes", best.allocator_reserve_bytes,
        f"{memory.ALLOCATOR_RESERVE_FRACTION:.0%} x (activations + buffers)", "assumption (ZeRO §3.2: fragmentation)")
     tr("total_bytes", best.total_bytes, "model states + activations + buffers + reserve + runtime overhead", "sum")
-    if not _host_fits(best, hw, r.gpus):
-        notes.append(f"does not fit: offloaded host memory {best.cpu_bytes * min(r.gpus, hw.gpus_per_node) / 2**30:,.0f} GiB "
+    if not _host_fits(best, hw, run.world_size):
+        notes.append(f"does not fit: offloaded host memory {best.cpu_bytes * min(run.world_size, hw.gpus_per_node) / 2**30:,.0f} GiB "
                      f"per node > {hw.host_memory_bytes / 2**30:,.0f} GiB of host RAM")
-    if s.pp > 1:
+    if pp > 1:
         notes.append(f"memory shown for the most loaded pipeline stage ({best.stage})")
     return best
 
@@ -266,24 +267,22 @@ def _fits(m: MemoryBreakdown, hw: Hardware, gpus: int) -> bool:
     return m.total_bytes <= m.capacity_bytes and _host_fits(m, hw, gpus)
 
 
-def _stage_memory(shape: ModelShape, hw: Hardware, r: Resolved, stage: int) -> MemoryBreakdown:
-    s, cfg = r.s, shape.cfg
-    n_params = stage_params(shape, s.pp, stage, s.tp)
-    st = memory.model_states(n_params, s, r.dp)
-    first, last = stage == 0, stage == s.pp - 1
+def _stage_memory(shape: ModelShape, hw: Hardware, run: ResolvedRun, rank: int) -> MemoryBreakdown:
+    cfg = shape.cfg
+    n_params = run_rank_params(shape, run, rank)
+    st = memory.model_states(n_params, run)
+    first, last = rank == 0, rank == run.pp - 1
     act = act_work = per_layer = inflight = None
     cpu = st.cpu_bytes
     tp_seq_bytes = 0.0
     if cfg is not None:
-        layers = layers_on_stage(cfg.n_layers, s.pp, stage)
-        sa = memory.stage_activations(cfg, s, r.policy, r.seq_len, r.micro_batch, s.tp, s.pp, r.grad_accum, r.v,
-                                      layers, first, last)
+        sa = memory.stage_activations(cfg, run, run.rank_stage_layers(rank), first, last, rank)
         act, act_work, per_layer, inflight = sa.total, sa.working_bytes, sa.layer_full_bytes, sa.inflight
         cpu += sa.cpu_bytes
-        tp_seq_bytes = r.micro_batch * r.seq_len * cfg.d_model * (2.0 if s.precision != "fp32" else 4.0)
-    buffers, _ = memory.comm_buffer_bytes(s, largest_unit_params(shape, s.tp), tp_seq_bytes, r.dp)
-    autocast = memory.autocast_weight_copy_bytes(n_params, s, r.dp)
-    if autocast and act_work and r.policy.kind in ("full", "every", "segments"):
+        tp_seq_bytes = run.micro_batch * run.seq_len * cfg.d_model * element_bytes(run.precision)
+    buffers, _ = memory.comm_buffer_bytes(run, largest_unit_params(shape, run.tp), tp_seq_bytes)
+    autocast = memory.autocast_weight_copy_bytes(n_params, run)
+    if autocast and act_work and run.recompute.kind in ("full", "every", "segments"):
         # [recompute] torch.amp + recompute: autocast's cache holds every 16-bit weight copy
         # until the forward ends, but a checkpointed layer's copies are not saved, so in
         # backward only the recomputed layer's own copies coexist with its working set. The
@@ -295,7 +294,7 @@ def _stage_memory(shape: ModelShape, hw: Hardware, r: Resolved, stage: int) -> M
     allocated = st.total + (act or 0.0) + buffers + autocast
     reserve = memory.ALLOCATOR_RESERVE_FRACTION * ((act or 0.0) + buffers + autocast)
     total = allocated + reserve + hw.runtime_overhead_bytes
-    name = "only" if s.pp == 1 else ("first" if first else "last")
+    name = "only" if run.pp == 1 else ("first" if first else "last" if last else f"pp rank {rank}")
     return MemoryBreakdown(
         params_bytes=st.params_bytes, grads_bytes=st.grads_bytes, optimizer_bytes=st.optimizer_bytes,
         master_weights_bytes=st.master_weights_bytes, optimizer_moments_bytes=st.optimizer_moments_bytes,
@@ -307,22 +306,21 @@ def _stage_memory(shape: ModelShape, hw: Hardware, r: Resolved, stage: int) -> M
     )
 
 
-def largest_micro_batch(model, hardware, gpus: int, strategy: Strategy | None = None,
-                        memory_budget_bytes: float | None = None, limit: int = 4096,
+def largest_micro_batch(run: ResolvedRun, hardware, memory_budget_bytes: float | None = None, limit: int = 4096,
                         gpus_per_node: int | None = None) -> int:
     """The largest micro-batch whose predicted total memory fits the device (or
-    `memory_budget_bytes`), other settings as in `strategy` (grad_accum kept, global batch
+    `memory_budget_bytes`), other settings as in `run` (grad_accum kept, global batch
     derived); 0 when not even one sequence fits. Memory grows monotonically with the
     micro-batch, so a doubling then bisection search suffices."""
-    _, _, hw, r = _prepare(model, hardware, gpus, strategy, gpus_per_node)
-    s = replace(r.s, global_batch=None, grad_accum=r.grad_accum)  # keep the number of micro-batches
+    _, hw = _prepare(run, hardware, gpus_per_node, None)
     if memory_budget_bytes is not None:
         if memory_budget_bytes <= 0:
             raise UserError(f"memory budget must be positive, got {memory_budget_bytes}")
         hw = replace(hw, memory_bytes=float(memory_budget_bytes))
 
     def ok(b: int) -> bool:
-        return _fits(predict_memory(model, hw, gpus, replace(s, micro_batch=b)), hw, gpus)
+        other = run.with_(micro_batch=b, grad_accum=run.grad_accum, global_batch=None, check=False)
+        return _fits(predict_memory(other, hw), hw, run.world_size)
 
     if not ok(1):
         return 0

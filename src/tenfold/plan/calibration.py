@@ -42,16 +42,21 @@ def row_model(row) -> ModelConfig:
                        mlp="gelu", norm="layernorm", pos="learned", bias=True, tie_embeddings=True)
 
 
-def row_strategy(row):
-    from tenfold.plan.strategy import Strategy
+def row_run(row):
+    """Narayanan Table 1's run: Megatron's stack (fp16 with master weights, dropout, no flash
+    attention, no DP overlap), full recompute, interleaved where its layers per stage say so."""
+    from tenfold.run import Stack, resolve
 
-    _, _, _, layers, tp, pp, _, batch, mb, lpv, _ = row
+    _, _, _, layers, tp, pp, gpus, batch, mb, lpv, _ = row
     v = layers // pp // lpv if lpv else 1
-    return Strategy(
-        precision="fp16", micro_batch=mb, global_batch=batch, seq_len=SEQ, ac="full", tp=tp, pp=pp,
-        pp_schedule="interleaved" if v > 1 else "1f1b", virtual_stages=v, flash_attention=False,
-        dropout=True, overlap_comm=False, activation_style="megatron",
-    )
+    stack = Stack(master_weights=True, flash_attention=False, dropout=True, overlap_comm=False,
+                  activation_style="megatron")
+    stages = pp * v
+    even = (layers // stages,) * stages if pp > 1 else None  # Megatron splits the blocks evenly
+    return resolve(row_model(row), gpus, precision="fp16", micro_batch=mb, global_batch=batch, seq_len=SEQ,
+                   recompute="full", tp=tp, pp=pp, pp_schedule="interleaved" if v > 1 else "1f1b",
+                   virtual_stages=v if v > 1 else None, pp_split=even, sequence_parallel=False, stack=stack,
+                   check=False)
 
 
 def predicted_tflops(row, share_of_mamf: float) -> float:
@@ -59,7 +64,7 @@ def predicted_tflops(row, share_of_mamf: float) -> float:
 
     a100 = CATALOG["a100-80gb"]
     hw = replace(a100, gemm_efficiency=share_of_mamf * a100.matmul_fraction)
-    plan = _predict(row_model(row), hw, row[6], row_strategy(row), trace=False)
+    plan = _predict(row_run(row), hw, trace=False)
     _, _, h, L, *_ = row
     flops = narayanan_flops(plan.global_batch, L, SEQ, h, VOCAB)
     return flops / plan.step_time_s / row[6] / 1e12

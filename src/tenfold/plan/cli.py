@@ -28,9 +28,8 @@ GiB = 2**30
 DIMENSIONS = ("layers", "hidden", "heads", "vocab")  # a whole shape; with --kv-heads/--ffn/--mlp/--norm
 SHAPE_KEYS = {"layers": "n_layers", "hidden": "d_model", "heads": "n_heads", "kv_heads": "n_kv_heads",
               "ffn": "d_ff", "vocab": "vocab_size", "mlp": "mlp", "norm": "norm"}
-# Planner flags that change the strategy or the stack the prediction describes.
-WHAT_IFS = ("offload", "master_weights", "grads_fp32", "dropout", "flash_attention",
-            "overlap_comm", "activation_style", "tokens", "achieved_tflops")
+# Planner flags that price another training stack than tenfold's (tenfold.run.Stack).
+STACK_FLAGS = ("master_weights", "grads_fp32", "dropout", "flash_attention", "overlap_comm", "activation_style")
 
 
 def _number(text: str) -> float:
@@ -51,7 +50,7 @@ def _count(text: str) -> int:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from tenfold.cli import add_run_arguments
+    from tenfold.run_args import add_run_arguments
 
     add_run_arguments(p)  # train's own flags: the run to predict
     m = p.add_argument_group("a model without a preset or config.json (instead of --model / --hf-config)")
@@ -85,8 +84,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _add_what_ifs(p: argparse.ArgumentParser) -> None:
-    w = p.add_argument_group("what-ifs (the planner prices them; tenfold train does not run them)")
-    w.add_argument("--offload", choices=("none", "optimizer", "optimizer+params"), default="none")
+    w = p.add_argument_group("other training stacks (the planner prices them; tenfold train runs its own)")
     w.add_argument("--master-weights", action=argparse.BooleanOptionalAction, default=False,
                    help="16-bit params + fp32 master copy (DeepSpeed, Megatron); default: fp32 params under autocast, as tenfold trains")
     w.add_argument("--grads-fp32", action="store_true", help="fp32 gradients (Megatron main grads)")
@@ -96,8 +94,9 @@ def _add_what_ifs(p: argparse.ArgumentParser) -> None:
     w.add_argument("--activation-style", choices=("tenfold", "megatron"), default="tenfold",
                    help="tenfold: eager PyTorch + autocast, fp32 loss tensors (default); megatron: fused kernels "
                         "(Korthikanti et al. 2022)")
-    w.add_argument("--tokens", type=_number, help="training tokens, for days and GPU-hours")
-    w.add_argument("--achieved-tflops", type=_number, help="per-GPU hardware TFLOP/s (Narayanan's X) instead of the time model")
+    f = p.add_argument_group("forecast")
+    f.add_argument("--tokens", type=_number, help="training tokens: fills the days and GPU-hours columns")
+    f.add_argument("--achieved-tflops", type=_number, help="per-GPU hardware TFLOP/s (Narayanan's X) instead of the time model")
 
 
 def register(subparsers) -> argparse.ArgumentParser:
@@ -113,16 +112,16 @@ def register(subparsers) -> argparse.ArgumentParser:
 
 @dataclass
 class Target:
-    """What `tenfold plan` predicts: the config (train's), its resolved run (None for --params),
-    the model as the planner sees it, the fleet size and the strategy (what-ifs applied)."""
+    """What `tenfold plan` predicts: the config (train's), the run it resolves to on the fleet
+    (`tenfold.run.ResolvedRun`, the one train builds; model None for --params), the model's
+    label, and the user's sequence-parallel request (what --search keeps)."""
 
     cfg: Any
     run: Any
-    model: Any
+    name: str
     gpus: int
-    strategy: Any
-    model_kind: str = "tenfold"
-    hf_model_type: str = ""  # a Hugging Face model's model_type (which have a tensor-parallel plan)
+    from_params: bool = False  # --params: only a parameter count, no config model
+    sequence_parallel: bool | None = None
 
 
 def _shape_overrides(args) -> list[str]:
@@ -151,10 +150,12 @@ def _shape_overrides(args) -> list[str]:
 
 
 def resolve_target(args) -> Target:
-    """The run `tenfold train` would do with these flags, on `--gpus` (default train's --nproc)."""
-    from tenfold.cli import config_from_args
-    from tenfold.plan.for_run import strategy_for_config, strategy_for_run
-    from tenfold.run import hf_model_type, model_kind, resolve_run
+    """The run `tenfold train` would do with these flags, on `--gpus` (default: the config's
+    processes, nnodes x nproc)."""
+    from dataclasses import replace as dc_replace
+
+    from tenfold.run import Stack, resolve_run
+    from tenfold.run_args import config_from_args
 
     a = argparse.Namespace(**vars(args))
     seq_for_params = None
@@ -162,32 +163,43 @@ def resolve_target(args) -> Target:
         seq_for_params, a.seq_len = a.seq_len, None
     a.set = [*_shape_overrides(a), *a.set]  # the user's own --set still wins
     cfg = config_from_args(a)
-    gpus = a.gpus or cfg.parallel.nproc
-    what_ifs = {k: getattr(a, k) for k in WHAT_IFS}
+    gpus = a.gpus or cfg.parallel.nnodes * cfg.parallel.nproc
+    stack = Stack(**{k: getattr(a, k) for k in STACK_FLAGS})
+    if getattr(a, "search", False):
+        run = _search_base(cfg, gpus)
+    else:
+        run = resolve_run(cfg, gpus, check=False)  # priced even when train would refuse it (Plan.unsupported)
+    changes = {"stack": stack} if stack != run.stack else {}
     if a.params:
-        return Target(cfg, None, a.params, gpus, replace(strategy_for_config(cfg, seq_for_params), **what_ifs))
-    if a.search:
-        # The search varies the layout (tp, pp, ZeRO, recompute, micro-batch) at a fixed global
-        # batch: the one given, else the one train would use with these flags.
-        glob = cfg.train.global_batch or resolve_run(cfg, gpus, check=False).global_batch
-        # Sequence parallelism as train would run each tp > 1 layout: on unless switched off.
-        base = replace(strategy_for_config(cfg, cfg.seq_len()), global_batch=glob, micro_batch=None, grad_accum=None,
-                       sequence_parallel=cfg.parallel.sequence_parallel is not False, **what_ifs)
-        return Target(cfg, None, _shape(a, cfg, cfg.model.build()), gpus, base, model_kind(cfg), hf_model_type(cfg))
-    # Priced even when train would refuse it (marked, Plan.unsupported).
-    run = resolve_run(cfg, gpus, check=False)
-    return Target(cfg, run, _shape(a, cfg, run.model), gpus, replace(strategy_for_run(run), **what_ifs), run.model_kind,
-                  hf_model_type(cfg))
+        changes.update(seq_len=seq_for_params or 2048)
+    if changes:
+        run = run.with_(check=False, **changes)
+    if a.params:
+        run = dc_replace(run, model=None, params=float(a.params))
+    return Target(cfg, run, _label(a, cfg), gpus, bool(a.params), cfg.parallel.sequence_parallel)
 
 
-def _shape(args, cfg, model):
-    from tenfold.plan.shape import shape_of
+def _search_base(cfg, gpus: int):
+    """What --search varies the layout of: the config's model, precision and sequence length at
+    the global batch given (else the one train would use on `gpus`), on one process (the search
+    sets the processes, the layout and the micro-batch itself)."""
+    from tenfold.run import choices_from_config, resolve, resolve_run
 
+    glob = cfg.train.global_batch or resolve_run(cfg, gpus, check=False).global_batch
+    choices = {**choices_from_config(cfg), "pp": 1, "tp": 1, "pp_schedule": "1f1b", "virtual_stages": None,
+               "pp_split": None, "zero_stage": 0, "offload": "none", "sequence_parallel": None,
+               "micro_batch": None, "grad_accum": None, "global_batch": glob}
+    return resolve(cfg.model.build(), 1, config=cfg, check=False, **choices)
+
+
+def _label(args, cfg) -> str:
+    if args.params:
+        return f"{args.params:.3g} params"
     label = "custom" if args.layers else (cfg.model.hf_pretrained or cfg.model.hf_config or cfg.model.name)
     if not args.layers and set(cfg.model.model_dump(exclude_defaults=True,
                                                     exclude={"name", "blocks", "hf_config", "hf_pretrained"})):
         label += " (modified)"
-    return shape_of(model, name=label)
+    return label
 
 
 # --------------------------------------------------------------------------- running
@@ -208,23 +220,26 @@ def run(args) -> int:
     if args.ladder:
         return _run_ladder(args, hw)
     target = resolve_target(args)
+    other = target.run.stack.departures()
+    if args.emit and other:  # the file would describe another stack than the run it holds
+        raise UserError(f"--emit {args.emit}: this plan is priced as another training stack ({', '.join(other)}); "
+                        "drop those flags to write what tenfold train runs; nothing written")
     if args.search:
         return _run_search(args, target, hw)
     return _run_plan(args, target, hw)
 
 
 def _run_plan(args, t: Target, hw) -> int:
+    from tenfold import capabilities
     from tenfold.plan.api import largest_micro_batch, predict
-    from tenfold.plan.for_run import strategy_problems
 
-    plan = predict(t.model, hw, t.gpus, t.strategy)
-    if t.run is not None:
-        plan.unsupported = strategy_problems(t.strategy, t.run.model, t.gpus, t.run.grad_accum, t.model_kind,
-                                             t.hf_model_type)
-        plan.max_micro_batch = largest_micro_batch(t.model, hw, t.gpus, t.strategy)
-    if args.emit and t.run is None:
+    plan = predict(t.run, hw, name=t.name, tokens=args.tokens, achieved_tflops=args.achieved_tflops)
+    if not t.from_params:
+        plan.unsupported = capabilities.problems(t.run)
+        plan.max_micro_batch = largest_micro_batch(t.run, hw)
+    if args.emit and t.from_params:
         raise UserError("--emit writes a config tenfold train runs: give a model (--model, --hf-config or dimensions), not --params")
-    advice = _advise(args, t, plan, hw) if t.run is not None and not plan.unsupported else None
+    advice = _advise(args, t, t.run, plan, hw) if not t.from_params and not plan.unsupported else None
     if args.emit and advice is None:
         raise UserError(f"--emit {args.emit}: tenfold train cannot run this plan: {'; '.join(plan.unsupported)}; nothing written")
     if args.plot:
@@ -249,20 +264,15 @@ class Advice:
     emitted: str | None = None
 
 
-def _advise(args, t: Target, plan, hw) -> Advice:
-    """`plan` as train runs it: the config, the launch line, and the --emit file if asked for."""
+def _advise(args, t: Target, run, plan, hw) -> Advice:
+    """`run` as train runs it: the config, the launch line, and the --emit file if asked for."""
     from tenfold.plan import advice
-    from tenfold.plan.for_run import stack_departures
 
-    cfg, run = advice.config_for_plan(t.cfg, plan, hw.gpus_per_node)
+    cfg, run = advice.config_for_plan(t.cfg, run, hw.gpus_per_node)
     if not args.emit:
-        return Advice(cfg, run, advice.launch_line(cfg, plan.gpus, hw.gpus_per_node))
-    other = stack_departures(t.strategy)
-    if other:  # the file's predicted figures would describe another stack than the run it holds
-        raise UserError(f"--emit {args.emit}: this plan is priced as another training stack ({', '.join(other)}); "
-                        "drop those flags to write what tenfold train runs; nothing written")
-    launch = advice.launch_line(cfg, plan.gpus, hw.gpus_per_node, config_file=args.emit)
-    advice.write_emit(args.emit, advice.emitted_toml(cfg, plan, launch, _replan_line(args, plan.gpus)))
+        return Advice(cfg, run, advice.launch_line(cfg, run.world_size, hw.gpus_per_node))
+    launch = advice.launch_line(cfg, run.world_size, hw.gpus_per_node, config_file=args.emit)
+    advice.write_emit(args.emit, advice.emitted_toml(cfg, plan, launch, _replan_line(args, run.world_size)))
     return Advice(cfg, run, launch, args.emit)
 
 
@@ -275,17 +285,17 @@ def _replan_line(args, gpus: int) -> str:
 def _run_section(t: Target, plan, advice: Advice | None) -> dict | None:
     """The run as `tenfold train` reports it at its start (summary.json's `batch` and
     `memory.predicted`), how to launch it, or why train cannot."""
-    if t.run is None:
+    if t.from_params:
         return None
-    from tenfold.plan.for_run import memory_by_category, stack_departures
+    from tenfold.plan.for_run import memory_by_category
 
     run = advice.run if advice else t.run
     return {
-        "processes": plan.gpus, "dp": plan.dp, "batch": run.batch_summary(),
-        "memory_predicted": memory_by_category(plan.memory), "steps": t.cfg.train.steps,
-        "steps_time_s": t.cfg.train.steps * plan.step_time_s, "unsupported": plan.unsupported,
-        "other_stack": stack_departures(t.strategy), "launch": advice.launch if advice else None,
-        "emitted": advice.emitted if advice else None,
+        "processes": plan.gpus, "dp": plan.dp, "batch": run.batch_summary(), "layout": run.layout(),
+        "layout_line": run.layout_line(), "memory_predicted": memory_by_category(plan.memory),
+        "steps": t.cfg.train.steps, "steps_time_s": t.cfg.train.steps * plan.step_time_s,
+        "unsupported": plan.unsupported, "other_stack": run.stack.departures(),
+        "launch": advice.launch if advice else None, "emitted": advice.emitted if advice else None,
     }
 
 
@@ -297,17 +307,15 @@ def _json_default(o):
 
 def _run_search(args, t: Target, hw) -> int:
     from tenfold.plan import report
-    from tenfold.plan.search import search
+    from tenfold.plan.search import OFFLOAD_CHOICES, search
 
-    result = search(t.model, hw, t.gpus, t.strategy, top_k=args.top,
-                    offloads=("none", "optimizer") if args.include_unsupported else ("none",),
-                    include_unsupported=args.include_unsupported, model_kind=t.model_kind,
-                    hf_model_type=t.hf_model_type)
+    result = search(t.run, hw, top_k=args.top, offloads=OFFLOAD_CHOICES, include_unsupported=args.include_unsupported,
+                    name=t.name, sequence_parallel=t.sequence_parallel, gpus=t.gpus)
     best = next((p for p in result.best if not p.unsupported), None)
     if args.emit and best is None:
         raise UserError(f"--emit {args.emit}: no strategy tenfold train can run fits (see the search without --emit); "
                         "nothing written")
-    advice = _advise(args, t, best, hw) if best is not None else None
+    advice = _advise(args, t, best.run, best, hw) if best is not None else None
     if args.plot:
         from tenfold.plan.plot import plot_search
 
@@ -324,12 +332,13 @@ def _run_search(args, t: Target, hw) -> int:
 
 def _ladder_model(args):
     """The ladder's model: the one given (as `tenfold plan` reads it), else GPT-3 175B."""
+    from tenfold.plan.shape import shape_of
+
     if args.params:
         return args.params
     if not (args.model or args.hf_config or args.hf_pretrained or args.layers or args.config or args.set):
         return "gpt3-175b"
-    from tenfold.cli import config_from_args
-    from tenfold.plan.shape import shape_of
+    from tenfold.run_args import config_from_args
 
     a = argparse.Namespace(**vars(args))
     a.set = [*_shape_overrides(a), *a.set]

@@ -8,9 +8,10 @@ What each stage moves (ZeRO §7 volumes; the engines tenfold runs, techniques/ze
   stage 1  DDP + ZeroRedundancyOptimizer: the same once-per-step reduce, then every rank
            sends its updated shard to the others (an all-gather of the 16-bit parameters),
            after the step, with nothing to overlap it.
-  stage 2  FSDP2, reshard_after_forward=False: per micro-batch, each layer's parameters are
-           all-gathered before its forward and its gradients reduce-scattered after its
-           backward (FSDP2 reshards after backward, so the next micro-batch gathers again).
+  stage 2  FSDP2, reshard_after_forward=False: each layer's parameters are all-gathered
+           before its first forward of the step and kept to the last backward (resharding
+           after backward is switched off until the last micro-batch); its gradients are
+           reduce-scattered after each micro-batch's backward.
   stage 3  FSDP2, reshard_after_forward=True: per micro-batch, each layer is all-gathered for
            its forward, all-gathered again for its backward, and reduce-scattered.
            A layer recomputed inside a checkpointed segment of several blocks
@@ -59,6 +60,7 @@ class StageWork:
     regathered_layers: float  # layers gathered a third time for recompute, per micro-batch
     micro_batches: int
     pp: int
+    reduce_once: bool = False  # FSDP2 reducing at the last micro-batch only (ZeRO-1 under TP)
 
 
 @dataclass(frozen=True)
@@ -106,27 +108,34 @@ def _fsdp(stage: int, w: StageWork, hw: Hardware, g: comm.Group, overlap: bool) 
     ag_root = comm.all_gather_time(w.root_param_bytes, hw, g)
     rs_root = comm.reduce_scatter_time(w.root_grad_bytes, hw, g)
     L, m = w.layers, w.micro_batches
-    pipelined = w.pp > 1  # gather once (first forward) and reduce once per step
-    # Gathers per layer per micro-batch in forward and in backward; reduce-scatters per micro-batch.
-    fwd_ag = 0.0 if pipelined else 1.0
+    pipelined = w.pp > 1
+    # ZeRO-1 under tensor parallelism (FSDP2 without gradient sync until the last micro-batch)
+    # reduce-scatters once per step and gathers every micro-batch (it reshards after backward).
+    once = w.reduce_once and not pipelined
+    # Forward gathers per micro-batch: stage 3 (reshards after forward) and ZeRO-1 under TP.
+    # Stage 2 keeps its gathered units across micro-batches (techniques/zero.py `_keep_gathered`)
+    # and a pipeline gathers at its first forward: once per step.
+    fwd_ag = 1.0 if (stage == 3 or once) and not pipelined else 0.0
+    ag_once = 1.0 - fwd_ag
     bwd_ag = (1.0 + (w.regathered_layers / L if L else 0.0)) if stage == 3 else 0.0
-    rs_mb = 0.0 if pipelined else 1.0
+    rs_mb = 0.0 if pipelined or once else 1.0
     per_mb = L * (fwd_ag + bwd_ag) * ag + fwd_ag * ag_root + (ag_root if stage == 3 else 0.0) + rs_mb * (L * rs + rs_root)
-    per_step = (L * ag + ag_root + L * rs + rs_root) if pipelined else 0.0
+    per_step = ag_once * (L * ag + ag_root) + (1.0 - rs_mb) * (L * rs + rs_root)
     total = m * per_mb + per_step
-    what = f"FSDP2 stage {stage}: " + ("all-gather fwd" if not pipelined else "all-gather once per step")
-    what += (" + all-gather bwd" if stage == 3 else "") + " per layer per micro-batch"
-    what += ", reduce-scatter once per step (pipelining)" if pipelined else " + reduce-scatter per layer per micro-batch"
+    what = f"FSDP2 stage {stage}: all-gather fwd " + ("per layer per micro-batch" if fwd_ag else "once per step")
+    what += " + all-gather bwd per layer per micro-batch" if stage == 3 else ""
+    what += (" + reduce-scatter per layer per micro-batch" if rs_mb else
+             f", reduce-scatter once per step ({'pipelining' if pipelined else 'gradient sync at the last micro-batch'})")
     if not overlap:
         return total, total, what + ", not overlapped"
     bwd_root = ag_root if stage == 3 else 0.0
     fwd_exposed = layer_pipelined_exposed(L, w.layer_fwd_s, fwd_ag * (ag_root + ag), fwd_ag * ag)
     bwd_exposed = layer_pipelined_exposed(L, w.layer_bwd_s, bwd_root + bwd_ag * ag, bwd_ag * ag + rs_mb * rs,
                                           rs_mb * (rs + rs_root))
-    step_exposed = 0.0
-    if pipelined:  # the one gather hides under the first forward, the one reduce under the last backward
-        step_exposed = layer_pipelined_exposed(L, w.layer_fwd_s, ag_root + ag, ag) + (
-            layer_pipelined_exposed(L, w.layer_bwd_s, 0.0, bwd_ag * ag + rs, rs + rs_root)
-            - layer_pipelined_exposed(L, w.layer_bwd_s, 0.0, bwd_ag * ag))
+    # The one gather hides under the first forward, the one reduce under the last backward.
+    step_exposed = ag_once * layer_pipelined_exposed(L, w.layer_fwd_s, ag_root + ag, ag)
+    if not rs_mb:
+        step_exposed += (layer_pipelined_exposed(L, w.layer_bwd_s, 0.0, bwd_ag * ag + rs, rs + rs_root)
+                         - layer_pipelined_exposed(L, w.layer_bwd_s, 0.0, bwd_ag * ag))
     exposed = m * (fwd_exposed + bwd_exposed) + step_exposed
     return total, min(total, exposed), what + ", each hidden under one layer's compute"

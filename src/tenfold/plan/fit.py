@@ -44,7 +44,7 @@ from typing import Callable
 
 from tenfold.plan.api import _predict, predict_memory
 from tenfold.plan.hardware import Hardware
-from tenfold.plan.strategy import Strategy
+from tenfold.run import ResolvedRun
 
 NOISE = 0.10  # run-to-run spread of a measured rate assumed by the fit (ln units), before it is estimated
 MIN_NOISE = 0.05  # the estimate's floor: a few runs agreeing by chance do not make the model exact
@@ -61,9 +61,7 @@ class Observation:
     """One measured run: what ran and its measured tokens/s."""
 
     name: str
-    model: object  # what `tenfold.plan.api.predict` takes: a ModelConfig, preset name or ModelShape
-    gpus: int
-    strategy: Strategy
+    run: ResolvedRun  # what ran, as the planner prices it (the precision the engine ran)
     tokens_per_s: float
 
 
@@ -159,14 +157,14 @@ class Fit:
     _x: list[float] = field(repr=False, default_factory=list)
     _covariance: list[list[float]] = field(repr=False, default_factory=list)
 
-    def predictive(self, model, gpus: int, strategy: Strategy, mem=None) -> tuple[float, float]:
+    def predictive(self, run: ResolvedRun, mem=None) -> tuple[float, float]:
         """(tokens/s, spread of its ln) for a run that was not measured: the calibrated model's
         prediction and the posterior uncertainty it carries, plus the noise of one run."""
         import numpy as np
 
-        mem = mem if mem is not None else predict_memory(model, self.prior, gpus, strategy)
-        base = _ln_rate(model, gpus, strategy, self.hardware, mem)
-        grad = np.array([(_ln_rate(model, gpus, strategy, self._space.machine(_bump(self._x, k)), mem) - base) / STEP
+        mem = mem if mem is not None else predict_memory(run, self.prior)
+        base = _ln_rate(run, self.hardware, mem)
+        grad = np.array([(_ln_rate(run, self._space.machine(_bump(self._x, k)), mem) - base) / STEP
                          for k in range(len(self._x))])
         var = float(grad @ np.array(self._covariance) @ grad) if len(grad) else 0.0
         return math.exp(base), math.sqrt(max(0.0, var) + self.noise**2)
@@ -178,8 +176,8 @@ def _bump(x, k: int) -> list[float]:
     return out
 
 
-def _ln_rate(model, gpus: int, strategy: Strategy, hw: Hardware, mem) -> float:
-    return math.log(_predict(model, hw, gpus, strategy, trace=False, mem=mem).tokens_per_s)
+def _ln_rate(run: ResolvedRun, hw: Hardware, mem) -> float:
+    return math.log(_predict(run, hw, trace=False, mem=mem).tokens_per_s)
 
 
 def fit(observations: list[Observation], prior: Hardware, consts: list[Constant] | None = None,
@@ -190,8 +188,8 @@ def fit(observations: list[Observation], prior: Hardware, consts: list[Constant]
 
     if not observations:
         raise ValueError("fit needs at least one measured run")
-    consts = consts if consts is not None else constants_for(o.strategy.precision for o in observations)
-    plans = [_predict(o.model, prior, o.gpus, o.strategy, trace=False) for o in observations]
+    consts = consts if consts is not None else constants_for(o.run.precision for o in observations)
+    plans = [_predict(o.run, prior, trace=False) for o in observations]
     mems = [p.memory for p in plans]
     space = _Space(prior, consts, _starts(consts, prior, observations, plans))
     measured = np.log([o.tokens_per_s for o in observations])
@@ -199,7 +197,7 @@ def fit(observations: list[Observation], prior: Hardware, consts: list[Constant]
 
     def data_residuals(x) -> np.ndarray:
         hw = space.machine(x)
-        return np.array([_ln_rate(o.model, o.gpus, o.strategy, hw, m) for o, m in zip(observations, mems)]) - measured
+        return np.array([_ln_rate(o.run, hw, m) for o, m in zip(observations, mems)]) - measured
 
     def jacobian(x, r0) -> np.ndarray:
         cols = [(data_residuals(_bump(x, k)) - r0) / STEP for k in range(len(consts))]
@@ -282,12 +280,12 @@ def _constant_fit(space: _Space, k: int, x, J, names: list[str], cov) -> Constan
 
 def leave_one_out(observations: list[Observation], prior: Hardware, consts: list[Constant] | None = None) -> dict[str, float]:
     """Each run's tokens/s as predicted by a fit to the other runs (an honest, out-of-sample check)."""
-    consts = consts if consts is not None else constants_for(o.strategy.precision for o in observations)
+    consts = consts if consts is not None else constants_for(o.run.precision for o in observations)
     out: dict[str, float] = {}
     for i, o in enumerate(observations):
         rest = observations[:i] + observations[i + 1:]
         if rest:
-            out[o.name] = fit(rest, prior, consts).predictive(o.model, o.gpus, o.strategy)[0]
+            out[o.name] = fit(rest, prior, consts).predictive(o.run)[0]
     return out
 
 

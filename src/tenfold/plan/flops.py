@@ -91,12 +91,15 @@ def regathered_layers(policy: RecomputePolicy, n_layers: int) -> float:
     return float(sum(len(group) - 1 for group in policy.checkpointed_blocks(n_layers)))
 
 
-def recompute_flops_per_token(cfg: ModelConfig, seq_len: int, policy: RecomputePolicy) -> float:
+def recompute_flops_per_token(cfg: ModelConfig, seq_len: int, policy: RecomputePolicy,
+                              recomputed: float | None = None) -> float:
     """Extra forward FLOPs per token. Full: one more forward of each block (Narayanan Eq. 3's
     96 = 72 + 24). Selective (attention): QK^T and PV again, 4 s h per layer (Korthikanti Eq. 8:
-    s/(6h) of the forward). Selective (mlp): the MLP matmuls again."""
+    s/(6h) of the forward). Selective (mlp): the MLP matmuls again. `recomputed`: blocks wrapped
+    whole (default: those of one unpipelined stack of `cfg.n_layers`)."""
     if policy.kind in ("full", "every", "segments"):
-        return recomputed_layers(policy, cfg.n_layers) * layer_forward_flops_per_token(cfg, seq_len)
+        n = recomputed_layers(policy, cfg.n_layers) if recomputed is None else recomputed
+        return n * layer_forward_flops_per_token(cfg, seq_len)
     if policy.kind == "selective":
         per = attention_core_forward_flops_per_token(cfg, seq_len) if policy.target == "attention" else mlp_forward_flops_per_token(cfg)
         return cfg.n_layers * per

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 from tenfold.plan.api import Plan, predict
 from tenfold.plan.hardware import get_hardware
 from tenfold.plan.shape import shape_of
-from tenfold.plan.strategy import Strategy
+from tenfold.run import ResolvedRun, Stack, resolve
 
 GiB = 2**30
 
@@ -45,39 +45,51 @@ SEED_CLAIMS = [
 @dataclass
 class Rung:
     name: str
-    gpus: int
-    strategy: Strategy
+    run: ResolvedRun
     plan: Plan | None = None
     factor: float | None = None  # planner's time multiplier vs previous rung (step time per token)
     seed: SeedClaim | None = None
     notes: list[str] = field(default_factory=list)
 
 
-def seed_rungs(gpus_node: int = 8, gpus_final: int = 64, pp: int = 8, tokens: float = 300e9, seq_len: int = 2048,
-               n_layers: int = 96, half: str = "fp16", device: str = "GPU") -> list[Rung]:
-    """The recipe's rungs, scaled to a model with `n_layers`: its 'checkpoint every 12 layers' of
-    96 is checkpoint_sequential with L/12 segments (8 for GPT-3), its 'every 24' L/24 (4)."""
+    @property
+    def gpus(self) -> int:
+        return self.run.world_size
+
+
+def seed_rungs(model, gpus_node: int = 8, gpus_final: int = 64, pp: int = 8, seq_len: int = 2048,
+               half: str = "fp16", device: str = "GPU") -> list[Rung]:
+    """The recipe's rungs for `model` (a ModelConfig, or a parameter count): its 'checkpoint
+    every 12 layers' of 96 is checkpoint_sequential with L/12 segments (8 for GPT-3), its
+    'every 24' L/24 (4)."""
+    shape = shape_of(model)
+    n_layers = shape.cfg.n_layers if shape.cfg else 96
     seg_a = max(2, min(n_layers, round(n_layers / 12)))
     seg_b = max(2, min(n_layers, round(n_layers / 24)))
-    # The recipe trains GPT-3 with DeepSpeed (Megatron-style fused kernels, 16-bit activations).
-    base = Strategy(precision="fp32", micro_batch=1, grad_accum=1, seq_len=seq_len, tokens=tokens, flash_attention=True,
-                    activation_style="megatron")
-    mp = replace(base, precision=half)
-    acc = replace(mp, grad_accum=8)
-    ckpt = replace(acc, ac=f"segments:{seg_a}")
-    zero3 = replace(ckpt, zero=3)
-    pipe = replace(zero3, pp=pp)
-    final = replace(pipe, ac=f"segments:{seg_b}", grad_accum=None,
-                    global_batch=4096)  # recipe §5: effective batch 4096, a checkpoint every 24 layers
+    # The recipe trains GPT-3 with DeepSpeed (16-bit params + fp32 master weights, Megatron-style
+    # fused kernels, 16-bit activations).
+    stack = Stack(master_weights=True, activation_style="megatron")
+
+    def run(gpus: int, **choices) -> ResolvedRun:
+        return resolve(shape.cfg, gpus, params=shape.params, seq_len=seq_len, stack=stack, check=False, **choices)
+
+    base = dict(precision="fp32", micro_batch=1, grad_accum=1)
+    mp = {**base, "precision": half}
+    acc = {**mp, "grad_accum": 8}
+    ckpt = {**acc, "recompute": f"segments:{seg_a}"}
+    zero3 = {**ckpt, "zero_stage": 3}
+    pipe = {**zero3, "pp": pp}
+    # recipe §5: effective batch 4096, a checkpoint every 24 layers
+    final = {**pipe, "recompute": f"segments:{seg_b}", "grad_accum": None, "global_batch": 4096}
     plural = "s" if gpus_node > 1 else ""
     return [
-        Rung(f"1 {device}, fp32, batch 1", 1, base),
-        Rung(f"+ {half} mixed precision", 1, mp),
-        Rung("+ grad accumulation x8", 1, acc),
-        Rung(f"+ checkpoint every {n_layers // seg_a} layers", 1, ckpt),
-        Rung(f"+ {gpus_node} {device}{plural}, ZeRO-3", gpus_node, zero3),
-        Rung(f"+ pipeline {pp} stages", gpus_final, pipe),
-        Rung(f"recipe §5: batch 4096, ckpt/{n_layers // seg_b}", gpus_final, final),
+        Rung(f"1 {device}, fp32, batch 1", run(1, **base)),
+        Rung(f"+ {half} mixed precision", run(1, **mp)),
+        Rung("+ grad accumulation x8", run(1, **acc)),
+        Rung(f"+ checkpoint every {n_layers // seg_a} layers", run(1, **ckpt)),
+        Rung(f"+ {gpus_node} {device}{plural}, ZeRO-3", run(gpus_node, **zero3)),
+        Rung(f"+ pipeline {pp} stages", run(gpus_final, **pipe)),
+        Rung(f"recipe §5: batch 4096, ckpt/{n_layers // seg_b}", run(gpus_final, **final)),
     ]
 
 
@@ -89,13 +101,12 @@ def run_ladder(model="gpt3-175b", hardware="a100-80gb", gpus_node: int = 8, gpus
     if with_seed is None:
         with_seed = (shape.name == "gpt3-175b" and hw.name == "a100-80gb" and gpus_final == 64
                      and gpus_node == 8 and pp == 8)
-    n_layers = shape.cfg.n_layers if shape.cfg else 96
     # The recipe says fp16; elsewhere use bf16 where the hardware runs it at least as fast.
     half = "fp16" if with_seed or (hw.peak_flops.get("bf16") or 0) < (hw.peak_flops.get("fp16") or 0) else "bf16"
-    rungs = seed_rungs(gpus_node, gpus_final, pp, tokens, seq, n_layers, half, "rank" if hw.shared_compute else "GPU")
+    rungs = seed_rungs(shape, gpus_node, gpus_final, pp, seq, half, "rank" if hw.shared_compute else "GPU")
     prev = None
     for i, rung in enumerate(rungs):
-        rung.plan = predict(shape, hw, rung.gpus, rung.strategy)
+        rung.plan = predict(rung.run, hw, name=shape.name, tokens=tokens)
         if prev is not None and i < len(rungs) - 1:
             rung.factor = (rung.plan.train_days or 0) / (prev.plan.train_days or 1)
         if with_seed:
@@ -147,7 +158,7 @@ def _notes(i: int, rung: Rung, prev: Rung | None) -> list[str]:
     elif i == 6:
         seed_states = 5.5 + 5.5 + 22
         held = ""
-        if p.strategy["pp"] > 1 and p.strategy["zero"] >= 2:
+        if p.strategy["pp"] > 1 and p.strategy["zero_runs_as"] >= 2:
             held = ("; and under pipelining each rank keeps its stage's unreduced gradients and unsharded 16-bit "
                     "parameters from micro-batch to micro-batch (torch.distributed.pipelining reduces once per step), "
                     "so ZeRO-3 shards only the optimizer states")

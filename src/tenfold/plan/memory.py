@@ -10,8 +10,8 @@ import functools
 from dataclasses import dataclass
 
 from tenfold.models.presets import ModelConfig
-from tenfold.plan.strategy import Strategy
-from tenfold.terms import MULTI_STAGE_SCHEDULES, RecomputePolicy
+from tenfold.run import ResolvedRun, Stack, resolve
+from tenfold.terms import MULTI_STAGE_SCHEDULES, RecomputePolicy, element_bytes
 
 MiB = 2**20
 
@@ -32,8 +32,9 @@ class BytesPerParam:
         return self.params + self.grads + self.master + self.optimizer + self.grad_copy
 
 
-def bytes_per_param(s: Strategy) -> BytesPerParam:
-    return _bytes_per_param(s.precision, s.master_weights, s.grads_fp32, s.fp32_grad_copy)
+def bytes_per_param(run: ResolvedRun) -> BytesPerParam:
+    st = run.stack
+    return _bytes_per_param(run.precision, st.master_weights, st.grads_fp32, st.fp32_grad_copy)
 
 
 @functools.lru_cache(maxsize=64)
@@ -65,20 +66,20 @@ class ModelStates:
         return self.params_bytes + self.grads_bytes + self.optimizer_bytes
 
 
-def model_states(n_params: float, s: Strategy, dp: int) -> ModelStates:
+def model_states(n_params: float, run: ResolvedRun) -> ModelStates:
     """ZeRO §5 / Table 1 for one rank holding `n_params` (already divided by tp and pp):
     stage 0: (2+2+K)Ψ; stage 1 (P_os): 2Ψ + 2Ψ + KΨ/N_d; stage 2 (P_os+g): 2Ψ + (2+K)Ψ/N_d;
     stage 3 (P_os+g+p): (2+2+K)Ψ/N_d. Offload (ZeRO-Offload, Ren et al. 2021; DeepSpeed's
     estimate_zero2/3_model_states_mem_needs): optimizer states live on the CPU, gradients as
     below; `optimizer+params` moves parameters too."""
-    b = bytes_per_param(s)
-    z = s.zero
+    b = bytes_per_param(run)
+    z, dp = run.zero_runs_as, run.dp
     opt_div = dp if z >= 1 else 1
     # Under pipeline parallelism torch.distributed.pipelining turns FSDP2's gradient sync and
     # resharding after backward off until the last micro-batch: every rank holds its stage's
     # unreduced gradients and, after a backward, its unsharded parameters (stage 2's memory).
-    grad_div = dp if z >= 2 and s.pp == 1 else 1
-    param_div = dp if z >= 3 and s.pp == 1 else 1
+    grad_div = dp if z >= 2 and run.pp == 1 else 1
+    param_div = dp if z >= 3 and run.pp == 1 else 1
     st = ModelStates(
         params_bytes=b.params * n_params / param_div,
         grads_bytes=b.grads * n_params / grad_div,
@@ -87,7 +88,7 @@ def model_states(n_params: float, s: Strategy, dp: int) -> ModelStates:
         grad_copy_bytes=b.grad_copy * n_params / opt_div,
         cpu_bytes=0.0,
     )
-    if s.offload in ("optimizer", "optimizer+params"):
+    if run.offload in ("optimizer", "optimizer+params"):
         # ZeRO-Offload (Ren et al. 2021 §4; DeepSpeed estimate_zero2/3 with cpu_offload): the
         # fp32 master, moments and an fp32 gradient accumulator live on the host, partitioned
         # over dp (16 B/param / N_d, the estimators' CPU figure). ZeRO-2/3 send each
@@ -97,20 +98,26 @@ def model_states(n_params: float, s: Strategy, dp: int) -> ModelStates:
         st.cpu_bytes = st.optimizer_bytes + 4.0 * n_params / dp
         st.master_weights_bytes = st.optimizer_moments_bytes = st.grad_copy_bytes = 0.0
         st.grads_bytes = b.grads * n_params if z == 1 else 0.0
-    if s.offload == "optimizer+params":
+    if run.offload == "optimizer+params":
         st.cpu_bytes += st.params_bytes
         st.params_bytes = 0.0
     return st
 
 
+def _zero_paper_run(stage: int, dp: int) -> ResolvedRun:
+    """The ZeRO paper's setting: fp16 mixed precision with fp32 master weights, data parallel."""
+    return resolve(None, dp, params=1.0, precision="fp16", zero_stage=stage, stack=Stack(master_weights=True),
+                   check=False)
+
+
 def zero_model_states_gb(psi: float, stage: int, dp: int) -> float:
     """ZeRO Table 1 cell in GB (1e9 bytes): mixed-precision Adam (K = 12) at this stage."""
-    return model_states(psi, Strategy(precision="fp16", zero=stage), dp).total / 1e9
+    return model_states(psi, _zero_paper_run(stage, dp)).total / 1e9
 
 
 def largest_model_that_fits(memory_bytes: float, stage: int, dp: int) -> float:
     """ZeRO Table 2 'max theoretical model size': Ψ = M / (bytes per param at this stage)."""
-    return memory_bytes / model_states(1.0, Strategy(precision="fp16", zero=stage), dp).total
+    return memory_bytes / model_states(1.0, _zero_paper_run(stage, dp)).total
 
 
 # --------------------------------------------------------------------------- activations
@@ -129,13 +136,14 @@ class ActTerm:
     source: str = ""
 
 
-def layer_activation_terms(cfg: ModelConfig, s: Strategy) -> tuple[ActTerm, ...]:
+def layer_activation_terms(cfg: ModelConfig, run: ResolvedRun) -> tuple[ActTerm, ...]:
     """The per-layer saved activations of one micro-batch (cached; see _layer_terms)."""
-    return _layer_terms(cfg, s.precision != "fp32", s.activation_style, s.flash_attention, s.dropout)
+    st = run.stack
+    return _layer_terms(cfg, run.precision, st.activation_style, st.flash_attention, st.dropout)
 
 
 @functools.lru_cache(maxsize=256)
-def _layer_terms(cfg: ModelConfig, half: bool, style: str, flash: bool, drop: bool) -> tuple[ActTerm, ...]:
+def _layer_terms(cfg: ModelConfig, precision: str, style: str, flash: bool, drop: bool) -> tuple[ActTerm, ...]:
     """The per-layer saved activations of one micro-batch, per token (multiply by b*s).
 
     style "megatron" reproduces Korthikanti et al. 2022 §4.1, Eq. (1): sbh(34 + 5as/h) with
@@ -155,7 +163,8 @@ def _layer_terms(cfg: ModelConfig, half: bool, style: str, flash: bool, drop: bo
     h, f = cfg.d_model, cfg.ffn_dim
     kv = cfg.kv_heads * cfg.head_dim
     a = cfg.n_heads
-    B = 2.0 if half else 4.0  # bytes of one activation element
+    B = element_bytes(precision)  # bytes of one activation element
+    half = precision != "fp32"
     if style == "megatron":
         return _megatron_terms(cfg, h, f, kv, a, B, flash, drop)
     return _tenfold_terms(cfg, h, f, a, B, half, flash)
@@ -236,34 +245,48 @@ def _tenfold_terms(cfg: ModelConfig, h: int, f: int, a: int, B: float, half: boo
     return tuple(terms)
 
 
-def layer_input_bytes_per_token(cfg: ModelConfig, s: Strategy) -> float:
-    """What a fully recomputed layer keeps: its input. Korthikanti Table 2 'full activation
-    recomputation': sbh(2) for a 16-bit residual; tenfold's residual stream is fp32 (4 bytes)."""
-    if s.activation_style == "tenfold" or s.precision == "fp32":
+def params_16bit_in_compute(run: ResolvedRun) -> bool:
+    """Whether the layers compute with 16-bit parameters: a 16-bit stack's own (master weights
+    kept apart), or FSDP2's all-gathered copies (MixedPrecisionPolicy param_dtype: ZeRO-2/3, and
+    `replicate` under tensor parallelism, with data parallelism). With fp32 parameters under
+    autocast (DDP, one rank) the embedding's output and so the residual stream are fp32."""
+    if run.precision == "fp32":
+        return False
+    return run.stack.master_weights or (run.dp > 1 and (run.zero_runs_as >= 2 or run.tp > 1))
+
+
+def layer_input_bytes_per_token(cfg: ModelConfig, run: ResolvedRun) -> float:
+    """What a fully recomputed layer keeps: its input, one element of the residual stream per
+    channel. Korthikanti Table 2 'full activation recomputation': sbh(2) for a 16-bit residual;
+    under autocast with fp32 parameters tenfold's residual stream is fp32 (4 bytes), with 16-bit
+    parameters in compute 16-bit (measured: tiny, ZeRO-3 on 2 ranks, full recompute)."""
+    if run.precision == "fp32":
+        return 4.0 * cfg.d_model
+    if run.stack.activation_style == "tenfold" and not params_16bit_in_compute(run):
         return 4.0 * cfg.d_model
     return 2.0 * cfg.d_model
 
 
-def activation_bytes_per_layer(cfg: ModelConfig, s: Strategy, seq_len: int, micro_batch: int,
-                               tp: int = 1, drop_parts: tuple[str, ...] = ()) -> float:
+def activation_bytes_per_layer(cfg: ModelConfig, run: ResolvedRun, drop_parts: tuple[str, ...] = ()) -> float:
     """Korthikanti Table 2 generalised: sum of the saved tensors of one layer, one micro-batch.
     TP divides "shard" terms by t; sequence parallelism also divides the "replicated" ones
     (Eq. 4: sbh/t (34 + 5as/h)). `drop_parts` are the parts that selective recompute frees."""
     total = 0.0
-    for term in layer_activation_terms(cfg, s):
+    s, b, tp = run.seq_len, run.micro_batch, run.tp
+    for term in layer_activation_terms(cfg, run):
         if term.part in drop_parts:
             continue
-        n = term.bytes_per_token * micro_batch * seq_len * (seq_len if term.per_seq else 1)
-        if term.tp == "shard" or s.sequence_parallel:
+        n = term.bytes_per_token * b * s * (s if term.per_seq else 1)
+        if term.tp == "shard" or run.sequence_parallel:
             n /= tp
         total += n
     return total
 
 
-def recompute_layer_bytes(cfg: ModelConfig, s: Strategy, seq_len: int, micro_batch: int, tp: int) -> float:
+def recompute_layer_bytes(cfg: ModelConfig, run: ResolvedRun) -> float:
     """Bytes kept by a checkpointed layer: its input (divided by t only with SP)."""
-    n = layer_input_bytes_per_token(cfg, s) * micro_batch * seq_len
-    return n / tp if s.sequence_parallel else n
+    n = layer_input_bytes_per_token(cfg, run) * run.micro_batch * run.seq_len
+    return n / run.tp if run.sequence_parallel else n
 
 
 @dataclass
@@ -282,20 +305,21 @@ class StageActivations:
         return self.stored_bytes + self.working_bytes + self.extra_bytes
 
 
-def inflight_microbatches(schedule: str, pp: int, m: int, v: int) -> float:
-    """Micro-batches whose activations a first-stage rank keeps at once.
+def inflight_microbatches(schedule: str, pp: int, m: int, v: int, rank: int = 0) -> float:
+    """Micro-batches whose activations pipeline rank `rank` keeps at once.
     No pipeline: 1 (accumulation frees each micro-batch's activations in its backward).
     GPipe: m (all forwards before any backward; Huang et al. 2019, Narayanan §2.2.1).
-    1F1B: min(p, m) (Narayanan §2.2.1: 'at most p'); Korthikanti §4.2.3: so the first stage
-    holds L layers' worth regardless of p. Interleaved: p (1 + (p-1)/(p v)) (Korthikanti §4.2.3,
-    Megatron theoretical_memory_usage)."""
+    1F1B: min(p - rank, m) (Narayanan §2.2.1: the first stage 'at most p', each later stage one
+    fewer warm-up forward); Korthikanti §4.2.3: so the first stage holds L layers' worth
+    regardless of p. Interleaved, first rank: p (1 + (p-1)/(p v)) (Korthikanti §4.2.3, Megatron
+    theoretical_memory_usage); a later rank as 1F1B."""
     if pp == 1:
         return 1.0
     if schedule == "gpipe":
         return float(m)
-    if schedule in MULTI_STAGE_SCHEDULES and v > 1:
+    if schedule in MULTI_STAGE_SCHEDULES and v > 1 and rank == 0:
         return pp * (1 + (pp - 1) / (pp * v))
-    return float(min(pp, m))
+    return float(min(pp - rank, m))
 
 
 def _block_recompute_bytes(policy: RecomputePolicy, layers: int, full: float, ckpt: float) -> tuple[float, float]:
@@ -315,85 +339,96 @@ def _block_recompute_bytes(policy: RecomputePolicy, layers: int, full: float, ck
     return kept, max(0.0, peak - kept)
 
 
-def stage_activations(cfg: ModelConfig, s: Strategy, policy: RecomputePolicy, seq_len: int, micro_batch: int,
-                      tp: int, pp: int, m: int, v: int, layers: int, first: bool, last: bool) -> StageActivations:
-    full = activation_bytes_per_layer(cfg, s, seq_len, micro_batch, tp)
-    ckpt = recompute_layer_bytes(cfg, s, seq_len, micro_batch, tp)
-    inflight = inflight_microbatches(s.pp_schedule, pp, m, v) if first else 1.0
+def stage_activations(cfg: ModelConfig, run: ResolvedRun, modules: tuple[int, ...], first: bool,
+                      last: bool, rank: int | None = None) -> StageActivations:
+    """Activations of one pipeline rank at its peak. `modules`: the blocks of each stage module
+    the rank holds (one entry without interleaving); recompute wraps each module's blocks on its
+    own, as the engine applies it per stage (engine/parallelize.py). `rank`: the pipeline rank
+    (default 0 when `first`, else the last)."""
+    policy = run.recompute
+    full = activation_bytes_per_layer(cfg, run)
+    ckpt = recompute_layer_bytes(cfg, run)
+    layers = sum(modules)
+    rank = (0 if first else run.pp - 1) if rank is None else rank
+    inflight = inflight_microbatches(run.pp_schedule, run.pp, run.grad_accum, run.virtual_stages, rank)
     working, cpu = 0.0, 0.0
     k = policy.kind
     if k == "none":
         per_mb = layers * full
     elif k in ("full", "every", "segments"):
-        per_mb, working = _block_recompute_bytes(policy, layers, full, ckpt)
+        kept_working = [_block_recompute_bytes(policy, n, full, ckpt) for n in modules]
+        per_mb = sum(kw[0] for kw in kept_working)
+        working = max(kw[1] for kw in kept_working)
     elif k == "selective":
         dropped = ("attn_core",) if policy.target == "attention" else ("mlp",)
-        per_mb = layers * activation_bytes_per_layer(cfg, s, seq_len, micro_batch, tp, dropped)
-        working = full - activation_bytes_per_layer(cfg, s, seq_len, micro_batch, tp, dropped)
+        kept = activation_bytes_per_layer(cfg, run, dropped)
+        per_mb, working = layers * kept, full - kept
     elif k == "offload":
         # torch.autograd.graph.save_on_cpu: saved tensors go to pinned host memory; the GPU
         # keeps about one layer in flight while it is copied out / back in.
         per_mb = full
         cpu = layers * full * inflight
-        working = 0.0
     else:  # pragma: no cover - parse_recompute rejects anything else
         raise AssertionError(k)
     stored = per_mb if k == "offload" else per_mb * inflight
     extra = 0.0
-    if first:
+    tokens = run.micro_batch * run.seq_len
+    if first and run.stack.dropout:
         # Korthikanti §4.3: embedding dropout mask sbhp/t (p micro-batches in flight).
-        if s.dropout:
-            extra += micro_batch * seq_len * cfg.d_model * inflight / (tp if s.sequence_parallel else 1)
+        extra += tokens * cfg.d_model * inflight / (run.tp if run.sequence_parallel else 1)
     if last:
-        extra += final_layer_activation_bytes(cfg, s, seq_len, micro_batch, tp)
+        extra += final_layer_activation_bytes(cfg, run)
     return StageActivations(stored, working, extra, cpu, full, inflight)
 
 
-def final_layer_activation_bytes(cfg: ModelConfig, s: Strategy, seq_len: int, micro_batch: int, tp: int) -> float:
+def final_layer_activation_bytes(cfg: ModelConfig, run: ResolvedRun) -> float:
     """Korthikanti §4.3 (counted on the last stage): final norm input 2sbh/t, output projection
     input 2sbh/t, fp32 logits 4sbv/t. tenfold keeps fp32 log-probabilities for the loss and, at
     the start of backward, their fp32 gradient too: 8 bytes x b x s x V (the engine's loss)."""
-    bs = micro_batch * seq_len
-    h = cfg.d_model
-    if s.activation_style == "tenfold":
-        half = s.precision != "fp32"
-        norm = ((4.0 + 4.0) if cfg.norm == "rmsnorm" else 4.0) + (2.0 if half else 4.0)
+    bs = run.micro_batch * run.seq_len
+    h, tp = cfg.d_model, run.tp
+    B = element_bytes(run.precision)
+    if run.stack.activation_style == "tenfold":
+        norm = ((4.0 + 4.0) if cfg.norm == "rmsnorm" else 4.0) + B
         return bs * (norm * h + 8.0 * cfg.vocab_size / tp)
-    B = 2.0 if s.precision != "fp32" else 4.0
-    return bs * (2 * B * h / (tp if s.sequence_parallel else 1) + 4.0 * cfg.vocab_size / tp)
+    return bs * (2 * B * h / (tp if run.sequence_parallel else 1) + 4.0 * cfg.vocab_size / tp)
 
 
 # --------------------------------------------------------------------------- buffers
 DDP_BUCKET_BYTES = 25 * MiB  # torch DDP bucket_cap_mb default
 
 
-def comm_buffer_bytes(s: Strategy, largest_unit: float, tp_seq_bytes: float, dp: int) -> tuple[float, str]:
-    """Communication buffers.
-    ZeRO-0/1/2 (DDP / ZeroRedundancyOptimizer): two gradient buckets in flight (bucket_cap_mb=25),
-    none without data parallelism (dp = 1: nothing reduces the gradients, tp or pp alone).
-    ZeRO-3 (FSDP2): two all-gathered units alive at once in forward (PyTorch PR #128884, the
-    prefetch) plus one unsharded gradient unit for the reduce-scatter. PP: send/recv buffers."""
-    b = bytes_per_param(s)
-    unit_param_bytes = 2.0 if s.precision != "fp32" else 4.0
-    if s.zero == 3:
+def comm_buffer_bytes(run: ResolvedRun, largest_unit: float, tp_seq_bytes: float) -> tuple[float, str]:
+    """Communication buffers of the engine that runs (tenfold.terms.zero_runs_as).
+    ZeRO-0/1 on DDP (no tensor parallelism): two gradient buckets in flight (bucket_cap_mb=25).
+    FSDP2 (ZeRO-2/3, and every stage under tensor parallelism): a unit's unsharded gradients
+    before its reduce-scatter; ZeRO-3 also two all-gathered units alive at once in forward
+    (PyTorch PR #128884, the prefetch). Nothing without data parallelism. PP: send/recv buffers."""
+    b = bytes_per_param(run)
+    unit_param_bytes = element_bytes(run.precision)
+    z = run.zero_runs_as
+    if run.dp <= 1:
+        n, why = 0.0, "no gradient buffers (no data parallelism)"
+    elif z == 3:
         n = largest_unit * (2 * unit_param_bytes + max(b.grads, unit_param_bytes))
         why = "FSDP2: 2 gathered units + 1 unsharded grad unit"
-    elif dp == 1:
-        n, why = 0.0, "no gradient buckets (no data parallelism)"
+    elif z == 2 or run.tp > 1:
+        n = largest_unit * max(b.grads, unit_param_bytes)
+        why = "FSDP2: 1 unsharded grad unit"
     else:
         n = 2 * DDP_BUCKET_BYTES
         why = "2 x 25 MiB DDP gradient buckets"
-    if s.pp > 1:
+    if run.pp > 1:
         n += 2 * tp_seq_bytes
         why += " + 2 p2p activation buffers"
     return n, why
 
 
-def autocast_weight_copy_bytes(stage_params: float, s: Strategy, dp: int) -> float:
+def autocast_weight_copy_bytes(stage_params: float, run: ResolvedRun) -> float:
     """torch.amp with fp32 params (master_weights=False): each Linear saves the 16-bit cast of
     its weight for backward, so a full 16-bit copy of the rank's (gathered) matmul weights is
     alive from forward to backward (2 bytes/param; under ZeRO-3 FSDP2 casts per unit instead)."""
-    if s.precision == "fp32" or s.master_weights or s.zero == 3:
+    if run.precision == "fp32" or run.stack.master_weights or run.zero_runs_as == 3:
         return 0.0
     return 2.0 * stage_params
 

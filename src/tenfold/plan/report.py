@@ -34,11 +34,13 @@ def _duration(x: float) -> str:
 
 
 def _layout(p: Plan) -> str:
+    """The compact layout of a search row (`zero=1->2`: ZeRO-1 runs as ZeRO-2 there)."""
     s = p.strategy
     parts = [f"dp={p.dp}", f"tp={s['tp']}", f"pp={s['pp']}"]
     if s["pp"] > 1:
         parts.append(s["pp_schedule"] + (f"(v={s['virtual_stages']})" if s["virtual_stages"] > 1 else ""))
-    parts += [f"zero={s['zero']}", f"ac={s['ac']}", f"mb={p.micro_batch}", f"accum={p.grad_accum}", f"gb={p.global_batch}"]
+    zero = f"{s['zero_stage']}" + (f"->{s['zero_runs_as']}" if s["zero_runs_as"] != s["zero_stage"] and p.dp > 1 else "")
+    parts += [f"zero={zero}", f"ac={s['recompute']}", f"mb={p.micro_batch}", f"accum={p.grad_accum}", f"gb={p.global_batch}"]
     if s["offload"] != "none":
         parts.append(f"offload={s['offload']}")
     return " ".join(parts)
@@ -48,7 +50,8 @@ def print_plan(p: Plan, hw: Hardware, explain: bool = False, console: Console | 
     c = console or Console()
     c.print(f"[bold]{p.model}[/] ({p.params / 1e9:,.3g}B params) on {p.gpus} x {p.hardware} "
             f"({p.gpus_per_node}/node), {p.strategy['precision']}, seq {p.seq_len}")
-    c.print(f"layout: {_layout(p)}")
+    c.print(f"layout: {p.layout_line}; micro-batch {p.micro_batch} x {p.grad_accum} x dp {p.dp} = {p.global_batch}",
+            highlight=False)
     c.print(_memory_table(p))
     if p.max_micro_batch is not None:
         c.print(f"largest micro-batch that fits with these settings: {p.max_micro_batch}")
@@ -163,9 +166,6 @@ def print_run(run: dict | None, console: Console | None = None) -> None:
     c.print(f"the run: {batch_line(run['batch'], run['dp'])} | {run['steps']} steps "
             f"(about {_duration(run['steps_time_s'])}) | {run['processes']} process(es)")
     c.print(memory_line(run["memory_predicted"]), markup=False, highlight=False)
-    if run["other_stack"]:
-        c.print(f"[yellow]priced as another training stack[/] ({', '.join(run['other_stack'])}); tenfold train keeps fp32 "
-                "parameters under autocast, eager PyTorch activations")
     _print_launch(c, run["unsupported"], run["launch"], run["emitted"])
 
 

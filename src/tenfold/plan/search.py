@@ -2,12 +2,12 @@
 a model, fleet and global batch; the top k that fit, by predicted throughput.
 
 GPipe is never better than 1F1B (same bubble, more activations in flight) and is left out.
-Only strategies `tenfold train` can run are ranked (tenfold.capabilities: no tensor parallelism
-or offload in the engine today, no pipeline for a model with tied embeddings or fewer
-micro-batches than stages, ...); `include_unsupported=True` ranks the others too, marked.
-Optimizer offload is left out by default; with `offloads=("none", "optimizer")` (and
-`include_unsupported`) it is priced by its host-link traffic, and when a layout fits without
-offload its offloaded twin is skipped as dominated (counted, not evaluated).
+Every candidate is a `tenfold.run.ResolvedRun` derived from the user's run by `with_`, so the
+search uses the engine's own rules. Only runs `tenfold train` can do are ranked
+(tenfold.capabilities: no pipeline for a model with tied embeddings or fewer micro-batches than
+stages, ...); `include_unsupported=True` ranks the others too, marked. Optimizer offload is
+priced by its host-link traffic; when a layout fits without offload its offloaded twin is
+skipped as dominated (counted, not evaluated).
 Valid means: tp divides the query and key/value heads and stays inside a node (TP over the network is never
 worth it: 4 all-reduces per layer per micro-batch); tp x pp divides the GPUs; the micro-batch
 and data-parallel size divide the global batch; interleaving needs layers divisible by p x v
@@ -20,17 +20,17 @@ import itertools
 import math
 from dataclasses import dataclass, replace
 
+from tenfold import capabilities
 from tenfold.errors import UserError
 from tenfold.plan.api import Plan, _fits as fits, _predict, predict, predict_memory
-from tenfold.plan.for_run import strategy_problems
 from tenfold.plan.hardware import Hardware, get_hardware, with_gpus_per_node
-from tenfold.plan.shape import ModelShape, shape_of
-from tenfold.plan.strategy import Strategy, tp_choices
+from tenfold.run import ResolvedRun
+from tenfold.terms import tp_choices
 
 AC_CHOICES = ("none", "selective", "full")
-# tenfold's engine has no optimizer offload, so the default search leaves it out; pass
-# offloads=("none", "optimizer") to price it (host-link traffic per micro-batch, step_time.py).
-OFFLOAD_CHOICES = ("none",)
+# Optimizer offload is priced by its host-link traffic per micro-batch (step_time.py); it is in
+# the default search only where tenfold train runs it (tenfold.capabilities).
+OFFLOAD_CHOICES = ("none", "optimizer")
 
 
 @dataclass
@@ -57,60 +57,59 @@ def default_global_batch(seq_len: int, dp_max: int) -> int:
     return max(1, 2 ** round(math.log2(max(1, 4 * 2**20 / seq_len))))
 
 
-def search(model, hardware: "str | Hardware", gpus: int, base: Strategy, top_k: int = 5,
-           gpus_per_node: int | None = None, offloads: tuple[str, ...] = OFFLOAD_CHOICES,
-           include_unsupported: bool = False, model_kind: str = "tenfold", hf_model_type: str = "") -> SearchResult:
-    """The top `top_k` strategies that fit, fastest first. Only strategies `tenfold train` can run
-    (tenfold.capabilities, for a model of `model_kind`) unless `include_unsupported`: then the
-    others are ranked too, each with its reasons in `Plan.unsupported`."""
-    shape: ModelShape = shape_of(model)
-    if not shape.known:
+def search(base: ResolvedRun, hardware: "str | Hardware", top_k: int = 5, gpus_per_node: int | None = None,
+           offloads: tuple[str, ...] = OFFLOAD_CHOICES, include_unsupported: bool = False,
+           name: str | None = None, sequence_parallel: bool | None = None, gpus: int | None = None) -> SearchResult:
+    """The top `top_k` layouts of `base` (same model, global batch and precision) on `gpus`
+    processes (default: base's) that fit, fastest first. Only runs `tenfold train` can do
+    (tenfold.capabilities) unless `include_unsupported`: then the others are ranked too, each
+    with its reasons in `Plan.unsupported`. `sequence_parallel`: as the user asked for it (None:
+    train's default, on wherever tp > 1)."""
+    if base.model is None:
         raise UserError("--search needs a model shape (--model, dimensions or --hf-config), not only --params")
     hw = with_gpus_per_node(get_hardware(hardware), gpus_per_node)
-    seq = base.seq_len or shape.cfg.max_seq_len
-    glob = base.global_batch or default_global_batch(seq, gpus)
-    result = SearchResult([], 0, 0, [], global_batch=glob)
+    result = SearchResult([], 0, 0, [], global_batch=base.global_batch)
     plans: list[Plan] = []
-    for layout, m in _layouts(shape, hw, gpus, replace(base, seq_len=seq, global_batch=glob)):
+    for layout in _layouts(base, hw, sequence_parallel, gpus or base.world_size):
         fits_on_gpu = False
         for off in offloads:
-            if off != "none" and (layout.zero == 0 or fits_on_gpu):
+            if off != "none" and (layout.zero_stage == 0 or fits_on_gpu):
                 # Offload only adds host time to an identical layout: when the layout fits
                 # without it, the offloaded twin is dominated.
-                result.dominated += layout.zero > 0
+                result.dominated += layout.zero_stage > 0
                 continue
-            s = replace(layout, offload=off)
-            problems = strategy_problems(s, shape.cfg, gpus, m, model_kind, hf_model_type)
+            run = layout if off == "none" else layout.with_(offload=off, check=False)
+            problems = capabilities.problems(run)
             if problems and not include_unsupported:
                 result.unsupported += 1
                 continue
-            p = _evaluate(shape, hw, gpus, s, result)
+            p = _evaluate(run, hw, result, name)
             if p is not None:
                 fits_on_gpu = off == "none"
                 p.unsupported = problems
-                plans.append(p)
-    plans.sort(key=lambda p: -p.tokens_per_s)
+                plans.append((run, p))
+    plans.sort(key=lambda rp: -rp[1].tokens_per_s)
     result.fitting = len(plans)
-    result.best = [replace(predict(shape, hw, gpus, Strategy(**p.strategy)), unsupported=p.unsupported)
-                   for p in plans[:top_k]]
+    result.best = [replace(predict(run, hw, name=name), unsupported=p.unsupported) for run, p in plans[:top_k]]
     return result
 
 
-def _evaluate(shape: ModelShape, hw: Hardware, gpus: int, s: Strategy, result: SearchResult) -> Plan | None:
+def _evaluate(run: ResolvedRun, hw: Hardware, result: SearchResult, name: str | None) -> Plan | None:
     """Memory first (cheap); the time model only when it fits. Counted in `result`."""
     result.evaluated += 1
-    mem = predict_memory(shape, hw, gpus, s)
-    if not fits(mem, hw, gpus):
+    mem = predict_memory(run, hw, name=name)
+    if not fits(mem, hw, run.world_size):
         result.candidates.append((mem.total_bytes / 2**30, 0.0, False))
         return None
-    p = _predict(shape, hw, gpus, s, trace=False, mem=mem)
+    p = _predict(run, hw, trace=False, mem=mem, name=name)
     result.candidates.append((p.memory.total_bytes / 2**30, p.tokens_per_s, True))
     return p
 
 
-def _layouts(shape: ModelShape, hw: Hardware, gpus: int, base: Strategy):
-    """Every valid layout without offload, with its number of micro-batches per step."""
-    cfg, glob = shape.cfg, base.global_batch
+def _layouts(base: ResolvedRun, hw: Hardware, sequence_parallel: bool | None, gpus: int):
+    """Every valid layout of `base` on `gpus` processes without offload, resolved by the run's
+    own rules."""
+    cfg, glob = base.model, base.global_batch
     tps = [t for t in _powers_of_two_upto(min(hw.gpus_per_node, gpus)) if t in tp_choices(cfg.n_heads, cfg.kv_heads)]
     pps = [p for p in range(1, cfg.n_layers + 1) if gpus % p == 0 and cfg.n_layers % p == 0]
     for tp, pp, mb in itertools.product(tps, pps, _powers_of_two_upto(min(glob, 16))):
@@ -121,8 +120,15 @@ def _layouts(shape: ModelShape, hw: Hardware, gpus: int, base: Strategy):
         for (sched, v), zero, ac in itertools.product(_schedules(pp, m, cfg.n_layers), (0, 1, 2, 3), AC_CHOICES):
             if zero and dp == 1:
                 continue  # nothing to partition
-            yield replace(base, tp=tp, pp=pp, micro_batch=mb, grad_accum=None, pp_schedule=sched, virtual_stages=v,
-                          zero=zero, offload="none", ac=ac, sequence_parallel=base.sequence_parallel and tp > 1), m
+            if zero == 1 and tp > 1 and pp > 1:
+                continue  # runs as ZeRO-2 (tenfold.terms.zero_runs_as), which a pipeline reduces once per step too
+            try:
+                yield base.with_(check=False, world_size=gpus, tp=tp, pp=pp, micro_batch=mb, pp_schedule=sched,
+                                 virtual_stages=v, global_batch=glob,
+                                 zero_stage=zero, recompute=ac, offload="none", pp_split=None,
+                                 sequence_parallel=sequence_parallel if tp > 1 else None)
+            except UserError:  # a layout the run's rules refuse (e.g. sequence split by tp)
+                continue
 
 
 def _schedules(pp: int, m: int, layers: int) -> list[tuple[str, int]]:

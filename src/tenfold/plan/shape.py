@@ -43,29 +43,32 @@ def shape_of(model: "ModelConfig | str | float | int | ModelShape", name: str | 
 
 
 @functools.lru_cache(maxsize=4096)
-def stage_params(shape: ModelShape, pp: int, stage: int, tp: int) -> float:
-    """Parameters held by one rank of pipeline stage `stage` (0-based) before ZeRO sharding.
-
-    Megatron's layout: stage 0 holds the embedding, the last stage the final norm and output
-    layer (with tied embeddings the last stage keeps its own copy of the embedding matrix,
-    Narayanan et al. 2021 §2 / Megatron `setup_embeddings_and_output_layer`); blocks are split
-    evenly (the first stages take the remainder). TP shards matmul weights and the vocabulary
-    by t; norm weights are replicated. Without a shape: params / (tp * pp).
-    """
+def rank_params(shape: ModelShape, layers: int, first: bool, last: bool, tp: int, pp: int) -> float:
+    """Parameters held by one pipeline rank before ZeRO sharding: its `layers` blocks, the
+    embedding on the first rank, the final norm and output layer on the last (with tied
+    embeddings and pp > 1 the last rank keeps its own copy of the embedding matrix, Narayanan
+    et al. 2021 section 2 / Megatron `setup_embeddings_and_output_layer`). TP shards matmul
+    weights and the vocabulary by t; norm weights are replicated. Without a shape:
+    params / (tp x pp)."""
     if not shape.known:
         return shape.params / (tp * pp)
     cfg = shape.cfg
-    layers = layers_on_stage(cfg.n_layers, pp, stage)
     norm = cfg.d_model * (2 if cfg.norm == "layernorm" else 1)
     n = layers * layer_params(shape, tp)
-    if stage == 0:
+    if first:
         n += embedding_param_count(cfg) / tp
-    if stage == pp - 1:
+    if last:
         head = head_param_count(cfg) - norm
         if cfg.tie_embeddings and pp > 1:
             head = cfg.vocab_size * cfg.d_model
         n += head / tp + norm
     return n
+
+
+def run_rank_params(shape: ModelShape, run, pp_rank: int) -> float:
+    """`rank_params` of pipeline rank `pp_rank` of a resolved run (tenfold.run.ResolvedRun),
+    with the run's own split of the blocks."""
+    return rank_params(shape, run.rank_layers(pp_rank), pp_rank == 0, pp_rank == run.pp - 1, run.tp, run.pp)
 
 
 def layer_params(shape: ModelShape, tp: int) -> float:
@@ -75,11 +78,6 @@ def layer_params(shape: ModelShape, tp: int) -> float:
     cfg = shape.cfg
     norm = cfg.d_model * (2 if cfg.norm == "layernorm" else 1)
     return (_block_params(cfg) - 2 * norm) / tp + 2 * norm
-
-
-def layers_on_stage(n_layers: int, pp: int, stage: int) -> int:
-    base, extra = divmod(n_layers, pp)
-    return base + (1 if stage < extra else 0)
 
 
 @functools.lru_cache(maxsize=1024)

@@ -11,10 +11,11 @@ from dataclasses import dataclass
 from tenfold.errors import UserError
 from tenfold.plan import comm, dp_time, memory
 from tenfold.plan import time as tm
-from tenfold.plan.flops import model_flops_per_token, recompute_flops_per_token, recomputed_layers, regathered_layers
+from tenfold.plan.flops import model_flops_per_token, recompute_flops_per_token, regathered_layers
 from tenfold.plan.hardware import Hardware
-from tenfold.plan.shape import ModelShape, layer_params, layers_on_stage, stage_params
-from tenfold.plan.strategy import Resolved
+from tenfold.plan.shape import ModelShape, layer_params, run_rank_params
+from tenfold.run import ResolvedRun
+from tenfold.terms import element_bytes
 
 
 @dataclass
@@ -51,20 +52,27 @@ class MicroBatch:
 
 
 def compute_share(hw: Hardware, gpus: int) -> float:
-    """Ranks on one CPU share its cores (the measured peak is for the whole machine)."""
-    return 1.0 / min(gpus, hw.gpus_per_node) if hw.shared_compute else 1.0
+    """Ranks on one CPU share its cores: the measured peak is the whole machine's, and each of
+    `gpus` ranks gets its share of it (as `tenfold train` divides it, tenfold.engine.peak)."""
+    return 1.0 / gpus if hw.shared_compute else 1.0
 
 
-def step_flops(shape: ModelShape, r: Resolved, tr) -> tuple[float, float]:
+def recomputed_blocks(run: ResolvedRun) -> int:
+    """Blocks whose forward runs twice: the engine wraps each pipeline stage's blocks on its own
+    (tenfold.terms.RecomputePolicy.checkpointed_blocks per stage)."""
+    return sum(len(run.recompute.recomputed_blocks(n)) for n in run.stage_layers)
+
+
+def step_flops(shape: ModelShape, r: ResolvedRun, tr) -> tuple[float, float]:
     """(model FLOPs, model + recompute FLOPs) of one optimizer step."""
     cfg = shape.cfg
-    tokens_step = r.global_batch * r.seq_len
+    tokens_step = r.tokens_per_step
     if cfg is not None:
         model = model_flops_per_token(cfg, r.seq_len) * tokens_step
-        rc = recompute_flops_per_token(cfg, r.seq_len, r.policy) * tokens_step
+        rc = recompute_flops_per_token(cfg, r.seq_len, r.recompute, recomputed_blocks(r)) * tokens_step
     else:
         model = 6.0 * shape.params * tokens_step
-        rc = (2.0 * shape.params * tokens_step) if r.policy.kind == "full" else 0.0
+        rc = (2.0 * shape.params * tokens_step) if r.recompute.kind == "full" else 0.0
     tr("model_flops_per_step", model, "(6N + 12 L s d) x tokens (N = matmul params incl. output layer)",
        "Kaplan et al. 2020; PaLM App. B; nanoGPT estimate_mfu")
     tr("recompute_flops_per_step", rc, "full: +1 forward per layer; selective: +4 s h per layer; every:N / segments:K: their share",
@@ -72,26 +80,27 @@ def step_flops(shape: ModelShape, r: Resolved, tr) -> tuple[float, float]:
     return model, model + rc
 
 
-def step_time(shape: ModelShape, hw: Hardware, r: Resolved, tr) -> tuple[TimeBreakdown, float, float]:
-    s = r.s
+def step_time(shape: ModelShape, hw: Hardware, r: ResolvedRun, tr,
+              achieved_tflops: float | None = None) -> tuple[TimeBreakdown, float, float]:
     model_flops, hw_flops = step_flops(shape, r, tr)
-    if s.achieved_tflops is not None:
-        if s.achieved_tflops <= 0:
-            raise UserError(f"--achieved-tflops must be positive, got {s.achieved_tflops}")
-        step = hw_flops / (r.gpus * s.achieved_tflops * 1e12)
+    if achieved_tflops is not None:
+        if not achieved_tflops > 0:
+            raise UserError(f"--achieved-tflops must be positive, got {achieved_tflops}")
+        step = hw_flops / (r.world_size * achieved_tflops * 1e12)
         tr("step_time_s", step, "(model + recompute FLOPs) / (gpus x X)", "Narayanan et al. 2021 Eq. (4): 8TP/(nX)")
         return TimeBreakdown(step, 0, 0, 0, 0, 0, 0, 0, 0, step, 0, "achieved_tflops"), model_flops, hw_flops
-    peak = hw.gemm_peak(s.precision) * compute_share(hw, r.gpus)
+    peak = hw.gemm_peak(r.precision) * compute_share(hw, r.world_size)
     m = r.grad_accum
+    z = r.zero_runs_as
     mb = microbatch(shape, hw, r, peak)
     t_mb = mb.fwd + mb.bwd + mb.rc + mb.tpc + mb.host + mb.ppc + hw.microbatch_overhead_s
-    bubble = (s.pp - 1) / r.v * t_mb * bubble_factor(s.pp_schedule) if s.pp > 1 else 0.0
-    dp = dp_time.dp_step_comm(s.zero, stage_work(shape, r, mb), hw,
-                              comm.group_layout(r.dp, s.tp, hw.gpus_per_node), s.overlap_comm)
-    n_params = max(stage_params(shape, s.pp, st, s.tp) for st in {0, s.pp - 1})
-    on_rank = n_params / (r.dp if s.zero >= 1 else 1)
-    pcie = (4.0 if s.zero == 1 else 2.0) if s.offload != "none" else 0.0  # 16-bit grads down (ZeRO-1) + params up
-    opt = tm.optimizer_step_time(on_rank, hw, s.offload != "none", min(r.gpus, hw.gpus_per_node), pcie)
+    bubble = (r.pp - 1) / r.virtual_stages * t_mb * bubble_factor(r.pp_schedule) if r.pp > 1 else 0.0
+    dp = dp_time.dp_step_comm(z, stage_work(shape, r, mb), hw,
+                              comm.group_layout(r.dp, r.tp, hw.gpus_per_node), r.stack.overlap_comm)
+    n_params = max(run_rank_params(shape, r, rank) for rank in r.busiest_ranks())
+    on_rank = n_params / (r.dp if z >= 1 else 1)
+    pcie = (4.0 if z == 1 else 2.0) if r.offload != "none" else 0.0  # 16-bit grads down (ZeRO-1) + params up
+    opt = tm.optimizer_step_time(on_rank, hw, r.offload != "none", min(r.world_size, hw.gpus_per_node), pcie)
     overhead = m * hw.microbatch_overhead_s + hw.step_overhead_s
     step = m * t_mb + bubble + dp.exposed_s + opt + hw.step_overhead_s
     _trace_time(tr, r, hw, mb, bubble, dp, opt, step)
@@ -111,7 +120,7 @@ def bubble_factor(schedule: str) -> float:
     return 1.0 / 3.0 if schedule == "zero-bubble" else 1.0
 
 
-def _trace_time(tr, r: Resolved, hw: Hardware, mb: MicroBatch, bubble: float, dp: dp_time.DpComm, opt: float,
+def _trace_time(tr, r: ResolvedRun, hw: Hardware, mb: MicroBatch, bubble: float, dp: dp_time.DpComm, opt: float,
                 step: float) -> None:
     m = r.grad_accum
     tr("bubble_fraction", bubble / (m * (mb.fwd + mb.bwd + mb.rc + mb.tpc + mb.host + mb.ppc + hw.microbatch_overhead_s)),
@@ -121,7 +130,7 @@ def _trace_time(tr, r: Resolved, hw: Hardware, mb: MicroBatch, bubble: float, dp
        "+ attention + elementwise bytes/HBM; backward = 2 x forward",
        f"roofline (Williams et al. 2009); e_max = {hw.gemm_efficiency:.3f} of peak = "
        f"{hw.gemm_efficiency / hw.matmul_fraction:.3f} x measured best matmul ({hw.matmul_fraction:.3f} of peak)")
-    tr("recompute_s", m * mb.rc, f"forward of the recomputed part ({r.policy.text})", "torch.utils.checkpoint semantics")
+    tr("recompute_s", m * mb.rc, f"forward of the recomputed part ({r.recompute.text})", "torch.utils.checkpoint semantics")
     tr("tp_comm_s", m * mb.tpc, "4 all-reduces of b s h per layer (+2 per recomputed layer), not overlapped",
        "Narayanan §3.2: 8 b s h (t-1)/t elements per layer")
     tr("pp_comm_s", m * mb.ppc, "2 v sends of b s h / t per micro-batch", "Narayanan §4.1 (scatter/gather)")
@@ -139,16 +148,15 @@ def _trace_time(tr, r: Resolved, hw: Hardware, mb: MicroBatch, bubble: float, dp
        "tenfold time model (docs/planner.md)")
 
 
-def stage_work(shape: ModelShape, r: Resolved, mb: MicroBatch) -> dp_time.StageWork:
+def stage_work(shape: ModelShape, r: ResolvedRun, mb: MicroBatch) -> dp_time.StageWork:
     """What DP/ZeRO moves for the slowest stage, and the compute windows that can hide it."""
-    s = r.s
-    elem = 2.0 if s.precision != "fp32" else 4.0
-    grad_bytes = memory.bytes_per_param(s).grads
-    on_stage = stage_params(shape, s.pp, mb.stage, s.tp)
+    elem = element_bytes(r.precision)
+    grad_bytes = memory.bytes_per_param(r).grads
+    on_stage = run_rank_params(shape, r, mb.stage)
     if shape.known:
-        per_layer = layer_params(shape, s.tp)
+        per_layer = layer_params(shape, r.tp)
         layers = mb.layers
-        regathered = regathered_layers(r.policy, shape.cfg.n_layers) * layers / shape.cfg.n_layers
+        regathered = sum(regathered_layers(r.recompute, n) for n in r.rank_stage_layers(mb.stage))
         fwd_w, bwd_w = mb.layer_fwd, mb.layer_bwd
     else:  # --params only: the whole stage is one unit, nothing to prefetch it behind
         per_layer, layers, regathered = on_stage, 1, 0.0
@@ -158,44 +166,44 @@ def stage_work(shape: ModelShape, r: Resolved, mb: MicroBatch) -> dp_time.StageW
         layers=layers, layer_fwd_s=fwd_w, layer_bwd_s=bwd_w, bwd_s=mb.bwd + mb.rc,
         layer_param_bytes=elem * per_layer, layer_grad_bytes=grad_bytes * per_layer,
         root_param_bytes=elem * root, root_grad_bytes=grad_bytes * root,
-        regathered_layers=regathered, micro_batches=r.grad_accum, pp=s.pp,
+        regathered_layers=regathered, micro_batches=r.grad_accum, pp=r.pp,
+        reduce_once=r.zero_stage == 1 and r.zero_runs_as == 2,
     )
 
 
-def microbatch(shape: ModelShape, hw: Hardware, r: Resolved, peak: float) -> MicroBatch:
-    s, cfg = r.s, shape.cfg
+def microbatch(shape: ModelShape, hw: Hardware, r: ResolvedRun, peak: float) -> MicroBatch:
+    cfg, tp = shape.cfg, r.tp
     if cfg is None:  # --params only: 6N FLOPs per token at the large-GEMM efficiency, no shapes
-        flops_mb = 6.0 * shape.params * r.micro_batch * r.seq_len / (s.tp * s.pp)
+        flops_mb = 6.0 * shape.params * r.micro_batch * r.seq_len / (tp * r.pp)
         fwd = flops_mb / 3 / (peak * hw.gemm_efficiency)
-        return MicroBatch(fwd, 2 * fwd, fwd if r.policy.kind == "full" else 0.0, 0.0, 0.0, 0.0)
-    elem = 2.0 if s.precision != "fp32" else 4.0
-    act_bytes = r.micro_batch * r.seq_len * cfg.d_model * elem
-    tp_ar = comm.all_reduce_time(act_bytes, hw, comm.group_layout(s.tp, 1, hw.gpus_per_node))
-    lt = tm.layer_times(cfg, s, hw, peak, r.seq_len, r.micro_batch, s.tp, tp_ar)
-    rc_layers = recomputed_layers(r.policy, cfg.n_layers)
-    rc_tp = r.policy.kind in ("full", "every", "segments")  # a recomputed layer repeats its forward all-reduces
-    rc_layer = tm.recompute_time_per_layer(lt, r.policy, cfg.n_layers, rc_layers)
-    rc_tp_layer = rc_layers / cfg.n_layers * lt.tp_comm_fwd if rc_tp else 0.0
+        return MicroBatch(fwd, 2 * fwd, fwd if r.recompute.kind == "full" else 0.0, 0.0, 0.0, 0.0)
+    act_bytes = r.micro_batch * r.seq_len * cfg.d_model * element_bytes(r.precision)
+    tp_ar = comm.all_reduce_time(act_bytes, hw, comm.group_layout(tp, 1, hw.gpus_per_node))
+    lt = tm.layer_times(cfg, r, hw, peak, tp_ar)
+    rc_tp = r.recompute.kind in ("full", "every", "segments")  # a recomputed layer repeats its forward all-reduces
     best = None
-    for stage in sorted({0, s.pp - 1}):
-        layers = layers_on_stage(cfg.n_layers, s.pp, stage)
+    for rank in r.busiest_ranks():
+        layers = r.rank_layers(rank)
+        rc_layers = sum(len(r.recompute.recomputed_blocks(n)) for n in r.rank_stage_layers(rank))
         fwd, bwd = layers * lt.fwd, layers * lt.bwd
-        if stage == s.pp - 1:
-            hf, hb = tm.head_time(cfg, s, hw, peak, r.seq_len, r.micro_batch, s.tp)
+        if rank == r.pp - 1:
+            hf, hb = tm.head_time(cfg, r, hw, peak)
             fwd, bwd = fwd + hf, bwd + hb
-        rc = layers * rc_layer
-        tpc = layers * (2 * lt.tp_comm_fwd + rc_tp_layer)
-        cand = (fwd + bwd + rc + tpc, stage, layers, fwd, bwd, rc, tpc)
+        rc = tm.recompute_time(lt, r.recompute, layers, rc_layers)
+        tpc = layers * 2 * lt.tp_comm_fwd + (rc_layers * lt.tp_comm_fwd if rc_tp else 0.0)
+        cand = (fwd + bwd + rc + tpc, rank, layers, fwd, bwd, rc, tpc, rc_layers)
         best = cand if best is None or cand[0] > best[0] else best
-    _, stage, layers, fwd, bwd, rc, tpc = best
-    pp_crosses = s.tp * r.dp >= hw.gpus_per_node and s.pp > 1
-    ppc = 2 * r.v * comm.p2p_time(act_bytes / s.tp, hw, pp_crosses) if s.pp > 1 else 0.0
+    _, rank, layers, fwd, bwd, rc, tpc, rc_layers = best
+    pp_crosses = tp * r.dp >= hw.gpus_per_node and r.pp > 1
+    ppc = 2 * r.virtual_stages * comm.p2p_time(act_bytes / tp, hw, pp_crosses) if r.pp > 1 else 0.0
     host = host_transfer_exposed(shape, hw, r, fwd, bwd + rc)
-    return MicroBatch(fwd, bwd, rc, tpc, ppc, host, stage=stage, layers=layers,
-                      layer_fwd=lt.fwd + lt.tp_comm_fwd, layer_bwd=lt.bwd + rc_layer + lt.tp_comm_fwd + rc_tp_layer)
+    share = rc_layers / layers if layers else 0.0  # the average layer's recompute share
+    rc_layer = rc / layers if layers else 0.0
+    return MicroBatch(fwd, bwd, rc, tpc, ppc, host, stage=rank, layers=layers, layer_fwd=lt.fwd + lt.tp_comm_fwd,
+                      layer_bwd=lt.bwd + rc_layer + lt.tp_comm_fwd + (share * lt.tp_comm_fwd if rc_tp else 0.0))
 
 
-def host_transfer_exposed(shape: ModelShape, hw: Hardware, r: Resolved, fwd: float, bwd: float) -> float:
+def host_transfer_exposed(shape: ModelShape, hw: Hardware, r: ResolvedRun, fwd: float, bwd: float) -> float:
     """Host-link traffic per micro-batch that compute does not hide.
     `--ac offload` (save_on_cpu): every saved activation goes to the host in forward and back
     in backward. `--offload optimizer+params` (ZeRO-Infinity): the rank's 16-bit parameter shard
@@ -203,15 +211,15 @@ def host_transfer_exposed(shape: ModelShape, hw: Hardware, r: Resolved, fwd: flo
     (ZeRO-Offload, Ren et al. 2021 §4): each micro-batch's reduced gradient partition goes down
     to the host, where it is accumulated in fp32, during that micro-batch's backward. (ZeRO-1
     keeps its full 16-bit gradients on the GPU until the step, memory.model_states.)"""
-    s, cfg = r.s, shape.cfg
+    cfg = shape.cfg
     moved = 0.0
-    if r.policy.kind == "offload" and cfg is not None:
-        layers = layers_on_stage(cfg.n_layers, s.pp, 0)
-        moved += 2 * layers * memory.activation_bytes_per_layer(cfg, s, r.seq_len, r.micro_batch, s.tp)
-    if s.offload == "optimizer+params":
-        moved += 2 * 2.0 * stage_params(shape, s.pp, 0, s.tp) / r.dp
+    on_first = run_rank_params(shape, r, 0)
+    if r.recompute.kind == "offload" and cfg is not None:
+        moved += 2 * r.rank_layers(0) * memory.activation_bytes_per_layer(cfg, r)
+    if r.offload == "optimizer+params":
+        moved += 2 * 2.0 * on_first / r.dp
     exposed = max(0.0, moved / hw.host_link_bw - (fwd + bwd))
-    if s.offload != "none" and s.zero >= 2:
-        grads = memory.bytes_per_param(s).grads * stage_params(shape, s.pp, 0, s.tp) / r.dp
+    if r.offload != "none" and r.zero_runs_as >= 2:
+        grads = memory.bytes_per_param(r).grads * on_first / r.dp
         exposed += max(0.0, grads / hw.host_link_bw - bwd)
     return exposed

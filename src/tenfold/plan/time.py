@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from tenfold.models.presets import ModelConfig
 from tenfold.plan.flops import Gemm, attention_core_gemms, head_gemm, layer_gemms
 from tenfold.plan.hardware import Hardware
-from tenfold.plan.strategy import Strategy
-from tenfold.terms import RecomputePolicy
+from tenfold.run import ResolvedRun
+from tenfold.terms import RecomputePolicy, element_bytes
 
 MEMORY_EFFICIENCY = 0.8  # fraction of HBM bandwidth that streaming kernels reach (assumption)
 TILE_MN = 128
@@ -58,7 +58,7 @@ def gemm_time(g: Gemm, hw: Hardware, peak: float, elem_bytes: float) -> float:
     return max(compute, memory)
 
 
-def elementwise_bytes_per_token(cfg: ModelConfig, s: Strategy, seq_len: int, tp: int) -> float:
+def elementwise_bytes_per_token(cfg: ModelConfig, run: ResolvedRun) -> float:
     """Forward bytes moved by the non-matmul ops of one layer, per token (backward ~2x).
     megatron (fused kernels): 2 norms read+write h, 2 bias-dropout-adds read 2h write h, a fused
     GeLU (f) or SwiGLU (3f), RoPE on q, k, a fused scale-mask-softmax without flash.
@@ -67,20 +67,21 @@ def elementwise_bytes_per_token(cfg: ModelConfig, s: Strategy, seq_len: int, tp:
     multiplies, the transposed copy, SwiGLU's silu and mul as separate kernels."""
     h, f = cfg.d_model, cfg.ffn_dim
     kv = cfg.kv_heads * cfg.head_dim
-    B = 2.0 if s.precision != "fp32" else 4.0
+    B = element_bytes(run.precision)
+    tp, seq_len, st = run.tp, run.seq_len, run.stack
     # Norms and residual adds see the whole (b, s, h) on every tp rank unless sequence parallelism
     # splits them by position (Korthikanti et al. 2022, section 4.2.2).
-    rep = tp if s.sequence_parallel else 1
-    if s.activation_style == "tenfold":
+    rep = tp if run.sequence_parallel else 1
+    if st.activation_style == "tenfold":
         per_norm = 8 * 8.0 * h
         replicated = 2 * per_norm + 2 * (3 * 4.0 * h) + 3 * 2 * B * h
         sharded = 6 * 2 * B * (h + kv) + 2 * 2 * B * h + (5 * B * f if cfg.mlp == "swiglu" else 8 * B * f)
     else:
-        replicated = (4 + 6) * B * h + (3.0 * h if s.dropout else 0.0)
+        replicated = (4 + 6) * B * h + (3.0 * h if st.dropout else 0.0)
         sharded = 2 * B * (h + kv) + (3 * B * f if cfg.mlp == "swiglu" else 2 * B * f)
-    if not s.flash_attention:
+    if not st.flash_attention:
         a = cfg.n_heads
-        sharded += 2 * B * a * seq_len + ((2 * B + 1) * a * seq_len if s.dropout else 0.0)
+        sharded += 2 * B * a * seq_len + ((2 * B + 1) * a * seq_len if st.dropout else 0.0)
     return replicated / rep + sharded / tp
 
 
@@ -93,19 +94,19 @@ class LayerTimes:
     tp_comm_fwd: float  # exposed TP all-reduce time (forward; backward the same)
 
 
-def layer_times(cfg: ModelConfig, s: Strategy, hw: Hardware, peak: float, seq_len: int, micro_batch: int,
-                tp: int, tp_ar_time: float) -> LayerTimes:
-    B = 2.0 if s.precision != "fp32" else 4.0
+def layer_times(cfg: ModelConfig, run: ResolvedRun, hw: Hardware, peak: float, tp_ar_time: float) -> LayerTimes:
+    B = element_bytes(run.precision)
+    micro_batch, seq_len, tp = run.micro_batch, run.seq_len, run.tp
     gemms = layer_gemms(cfg, micro_batch, seq_len, tp)
     g_times = {g.name: gemm_time(g, hw, peak, B) for g in gemms}
     core = attention_core_gemms(cfg, micro_batch, seq_len, tp)
     core_t = sum(gemm_time(g, hw, peak, B) for g in core)
-    if s.flash_attention:
+    if run.stack.flash_attention:
         attn_f = 0.5 * core_t / FLASH_KERNEL_EFFICIENCY  # causal: masked blocks skipped
         attn_b = 2.5 * attn_f  # FA2 backward: 5 matmuls vs 2
     else:
         attn_f, attn_b = core_t, 2 * core_t
-    elem = elementwise_bytes_per_token(cfg, s, seq_len, tp) * micro_batch * seq_len / (hw.hbm_bw * MEMORY_EFFICIENCY)
+    elem = elementwise_bytes_per_token(cfg, run) * micro_batch * seq_len / (hw.hbm_bw * MEMORY_EFFICIENCY)
     mm = sum(g_times.values())
     fwd = mm + attn_f + elem
     bwd = 2 * mm + attn_b + 2 * elem
@@ -113,18 +114,20 @@ def layer_times(cfg: ModelConfig, s: Strategy, hw: Hardware, peak: float, seq_le
     return LayerTimes(fwd, bwd, attn_f, mlp_f, 2 * tp_ar_time)
 
 
-def recompute_time_per_layer(lt: LayerTimes, policy: RecomputePolicy, n_layers: int, recomputed: float) -> float:
-    """Average extra time per layer per micro-batch."""
+def recompute_time(lt: LayerTimes, policy: RecomputePolicy, layers: int, recomputed: int) -> float:
+    """Extra time per micro-batch of a rank with `layers` blocks, `recomputed` of them wrapped
+    whole (their TP all-reduces are counted with TP comm)."""
     if policy.kind in ("full", "every", "segments"):
-        return lt.fwd * recomputed / n_layers  # its TP all-reduces are counted with TP comm
+        return lt.fwd * recomputed
     if policy.kind == "selective":
-        return lt.attn_fwd if policy.target == "attention" else lt.mlp_fwd
+        return layers * (lt.attn_fwd if policy.target == "attention" else lt.mlp_fwd)
     return 0.0
 
 
-def head_time(cfg: ModelConfig, s: Strategy, hw: Hardware, peak: float, seq_len: int, micro_batch: int, tp: int) -> tuple[float, float]:
+def head_time(cfg: ModelConfig, run: ResolvedRun, hw: Hardware, peak: float) -> tuple[float, float]:
     """Output layer forward and backward, plus the fp32 cross-entropy (memory-bound)."""
-    B = 2.0 if s.precision != "fp32" else 4.0
+    B = element_bytes(run.precision)
+    micro_batch, seq_len, tp = run.micro_batch, run.seq_len, run.tp
     g = head_gemm(cfg, micro_batch, seq_len, tp)
     t = gemm_time(g, hw, peak, B)
     ce = micro_batch * seq_len * cfg.vocab_size / tp * (B + 4.0 * 3) / (hw.hbm_bw * MEMORY_EFFICIENCY)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 
 from tenfold.models.presets import ModelConfig
 from tenfold.plan.hardware import CATALOG, GB, Hardware
-from tenfold.plan.strategy import Strategy
+from tenfold.run import ResolvedRun, Stack, resolve
 
 MOSAIC = "MosaicML llm-foundry, scripts/train/benchmarking/README.md (MPT throughput tables, 2023)"
 TITAN = "torchtitan, benchmarks/llama3_h100_202412_torchtitan.md (Dec 2024)"
@@ -26,10 +26,8 @@ LLAMA3 = "Llama Team, 'The Llama 3 Herd of Models' (2024), Table 4"
 class PublishedRun:
     name: str
     source: str
-    model: ModelConfig
+    run: ResolvedRun  # the published configuration, priced with the stack its source describes
     hardware: Hardware
-    gpus: int
-    strategy: Strategy
     metric: str  # "tokens_per_s_per_gpu" | "tflops_per_gpu" | "reserved_gib"
     published: float
     tolerance: float | None  # |predicted / published - 1| allowed; None: shown for contrast only
@@ -63,12 +61,10 @@ def llama3(n_layers: int, d_model: int, n_heads: int, d_ff: int, max_seq_len: in
 
 MPT = {"7b": mpt(32, 4096, 32), "13b": mpt(40, 5120, 40), "30b": mpt(48, 7168, 64), "70b": mpt(80, 8192, 64)}
 LLAMA3_8B = llama3(32, 4096, 32, 14336, max_seq_len=131072)
-# 405B has 126 layers; the paper balances 16 pipeline stages by giving the first and last one
-# layer fewer (the embedding and output layer take their place), i.e. 128 layer slots. The
-# planner's interleaved schedule needs layers divisible by p x v, so the run is modelled with
-# 128 layers and compared in TFLOP/s per GPU (the 2 extra layers add 1.6% of the FLOPs and
-# nothing to the per-layer efficiency).
-LLAMA3_405B = llama3(128, 16384, 128, 53248)
+# 405B: 126 layers. The paper balances its 16 pipeline stages by giving the first and the last one
+# layer fewer (the embedding and the output layer take their place): tenfold's default split
+# (tenfold.terms.layer_counts, embedding and head weighted as a layer each) is that layout.
+LLAMA3_405B = llama3(126, 16384, 128, 53248)
 
 # Grand Teton H100 as torchtitan describes it: 96 GB HBM2e at 2.4 TB/s, 400 Gb/s per GPU, 500 W
 # (its peak is "between SXM and NVL"; the SXM 989 TFLOP/s is kept, as torchtitan's MFU does).
@@ -78,10 +74,8 @@ GRAND_TETON = replace(CATALOG["h100-sxm"], name="h100 96GB HBM2e 500W", memory_b
 # MosaicML: FSDP FULL_SHARD over all GPUs (no model parallelism), FlashAttention, bf16. Their
 # "PURE" rows keep everything in bf16 (16-bit params and activations: ZeRO's bookkeeping,
 # megatron style); "amp_bf16" rows run fp32 parameters under torch.autocast, as tenfold does.
-_PURE = Strategy(precision="bf16", zero=3, ac="full", activation_style="megatron", dropout=False)
-_AMP = replace(_PURE, master_weights=False, activation_style="tenfold")
-_TITAN = Strategy(precision="bf16", zero=3, ac="selective", seq_len=8192, master_weights=False,
-                  activation_style="tenfold")
+_PURE = Stack(master_weights=True, activation_style="megatron")
+_AMP = Stack()  # tenfold's own stack: fp32 params under autocast
 
 
 _MPT70_40GB_MISS = (
@@ -94,9 +88,10 @@ _MPT70_40GB_MISS = (
 def _mosaic(size: str, gpu: str, gpus: int, mb: int, accum: int, tps: float, ac: str = "full",
             known_miss: str = "") -> PublishedRun:
     pure = gpu.startswith("a100") and (size == "70b" or gpu == "a100-40gb")  # the tables' "MP Mode" column
-    s = replace(_PURE if pure else _AMP, micro_batch=mb, grad_accum=accum, seq_len=2048, ac=ac)
+    run = resolve(MPT[size], gpus, precision="bf16", zero_stage=3, recompute=ac, micro_batch=mb, grad_accum=accum,
+                  seq_len=2048, stack=_PURE if pure else _AMP, check=False)
     return PublishedRun(
-        f"MPT-{size} {gpu} x{gpus} mb {mb} x{accum}", MOSAIC, MPT[size], CATALOG[gpu], gpus, s,
+        f"MPT-{size} {gpu} x{gpus} mb {mb} x{accum}", MOSAIC, run, CATALOG[gpu],
         "tokens_per_s_per_gpu", tps, 0.25, "zero3-scaling",
         assumed=("bf16 PURE: 16-bit params and activations" if pure else "amp_bf16: fp32 params under autocast")
         + "; 16-bit all-gathers; "
@@ -106,9 +101,10 @@ def _mosaic(size: str, gpu: str, gpus: int, mb: int, accum: int, tps: float, ac:
 
 
 def _titan(gpus: int, tps: float) -> PublishedRun:
-    s = replace(_TITAN, micro_batch=2, grad_accum=1)
+    run = resolve(LLAMA3_8B, gpus, precision="bf16", zero_stage=3, recompute="selective", seq_len=8192,
+                  micro_batch=2, grad_accum=1, check=False)
     return PublishedRun(
-        f"Llama 3.1 8B FSDP x{gpus} (torchtitan)", f"{TITAN}, Tables 1 and 3", LLAMA3_8B, GRAND_TETON, gpus, s,
+        f"Llama 3.1 8B FSDP x{gpus} (torchtitan)", f"{TITAN}, Tables 1 and 3", run, GRAND_TETON,
         "tokens_per_s_per_gpu", tps, 0.25, "llama-h100",
         assumed="seq 8192 (torchtitan's llama3_8b.toml); op-level selective AC modelled as attention recompute; "
                 "eager PyTorch kernels (no torch.compile)",
@@ -116,22 +112,23 @@ def _titan(gpus: int, tps: float) -> PublishedRun:
 
 
 def _llama405(gpus: int, dp: int, tflops: float) -> PublishedRun:
-    s = Strategy(precision="bf16", zero=2, tp=8, sequence_parallel=True, pp=16, pp_schedule="interleaved",
-                 virtual_stages=4, micro_batch=1, global_batch=2048, seq_len=8192, grads_fp32=True,
-                 activation_style="megatron")
+    run = resolve(LLAMA3_405B, gpus, precision="bf16", zero_stage=2, tp=8, sequence_parallel=True, pp=16,
+                  pp_schedule="interleaved", virtual_stages=4, micro_batch=1, global_batch=2048, seq_len=8192,
+                  stack=Stack(master_weights=True, grads_fp32=True, activation_style="megatron"), check=False)
     return PublishedRun(
-        f"Llama 3 405B x{gpus} (TP 8, PP 16, DP {dp})", LLAMA3, LLAMA3_405B, CATALOG["h100-sxm"], gpus, s,
+        f"Llama 3 405B x{gpus} (TP 8, PP 16, DP {dp})", LLAMA3, run, CATALOG["h100-sxm"],
         "tflops_per_gpu", tflops, 0.25, "llama-h100",
-        assumed="interleaved schedule with v = 4 (the paper gives no v: v = 2 predicts 353 / 293, v = 8 "
-                "400 / 372); 128 layer slots (see LLAMA3_405B); "
+        assumed="interleaved schedule with v = 4 (the paper gives no v: v = 2 predicts 410 / 340, v = 6 "
+                "459 / 419); the first and last pipeline rank one layer fewer (see LLAMA3_405B); "
                 "FSDP without resharding after forward = ZeRO-2, fp32 gradient reduction as stated",
     )
 
 
 def _titan_memory(gpus: int, seq: int, mb: int, ac: str, gib: float, style: str = "tenfold") -> PublishedRun:
-    s = replace(_TITAN, micro_batch=mb, grad_accum=1, seq_len=seq, ac=ac, activation_style=style)
+    run = resolve(LLAMA3_8B, gpus, precision="bf16", zero_stage=3, recompute=ac, seq_len=seq, micro_batch=mb,
+                  grad_accum=1, stack=Stack(activation_style=style), check=False)
     return PublishedRun(
-        f"Llama 3.1 8B FSDP x{gpus}, seq {seq}, {ac} AC ({style} style)", TITAN, LLAMA3_8B, GRAND_TETON, gpus, s,
+        f"Llama 3.1 8B FSDP x{gpus}, seq {seq}, {ac} AC ({style} style)", TITAN, run, GRAND_TETON,
         "reserved_gib", gib, 0.10 if style == "tenfold" else None, "memory",
         assumed="reserved = total - CUDA context (torchtitan logs the allocator's peak reserved memory)",
     )
@@ -162,9 +159,9 @@ CASES: list[PublishedRun] = [
 def predicted_value(case: PublishedRun) -> float:
     from tenfold.plan.api import predict
 
-    plan = predict(case.model, case.hardware, case.gpus, case.strategy)
+    plan = predict(case.run, case.hardware)
     if case.metric == "tokens_per_s_per_gpu":
-        return plan.tokens_per_s / case.gpus
+        return plan.tokens_per_s / case.run.world_size
     if case.metric == "tflops_per_gpu":
         return plan.tflops_per_gpu
     if case.metric == "reserved_gib":

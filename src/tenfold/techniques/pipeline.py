@@ -32,11 +32,11 @@ from typing import Sequence
 import torch
 import torch.nn as nn
 
-# The pipeline's rules are in the engine's capability table (torch-free: the planner applies
-# them too); tenfold.run.resolve_run checks every run against them before anything is built.
-from tenfold.capabilities import check_manual_split, num_stages
+# The split (blocks per stage) is the resolved run's `stage_layers`, checked and shared with the
+# planner (tenfold.terms); the schedules' rules are the capability table's (tenfold.capabilities).
 from tenfold.errors import UserError
-from tenfold.techniques.pipeline_layout import layer_counts, local_stage_ids, split_fqns  # torch-free
+from tenfold.techniques.pipeline_layout import split_fqns  # torch-free
+from tenfold.terms import layer_counts, local_stage_ids
 
 
 class GPTStage(nn.Module):
@@ -141,15 +141,10 @@ class PipelineSplit:
     dtypes: list[torch.dtype] | None = None  # each stage's output dtype (boundary_dtypes)
 
 
-def split_model(
-    model: nn.Module,
-    pp_rank: int,
-    pp_size: int,
-    schedule: str = "1f1b",
-    virtual_stages: int = 1,
-    pp_split: Sequence[int] | None = None,
-) -> PipelineSplit:
-    """Cut the (fully initialised) GPT into stages and keep this rank's.
+def split_model(model: nn.Module, pp_rank: int, pp_size: int, counts: Sequence[int] | None = None) -> PipelineSplit:
+    """Cut the (fully initialised) GPT into stages of `counts` blocks each (the resolved run's
+    `stage_layers`, the split the planner prices; default: one stage per rank, split by
+    `tenfold.terms.layer_counts`) and keep this rank's.
 
     Every rank builds the same full model from the same seed first, so the pipeline starts
     from exactly the weights a single process would have; the modules a rank does not own
@@ -157,12 +152,8 @@ def split_model(
     device and load a seed checkpoint by FQN, as torchtitan recommends).
     """
     cfg = model.cfg
-    n = num_stages(pp_size, schedule, virtual_stages)
-    if pp_split is not None:
-        check_manual_split(pp_split, n, cfg.n_layers)
-        counts = list(pp_split)
-    else:
-        counts = layer_counts(cfg.n_layers, n)
+    counts = list(counts) if counts is not None else layer_counts(cfg.n_layers, pp_size)
+    n = len(counts)
     fqns = split_fqns(cfg.n_layers, counts, model.pos_emb is not None)
     ids = local_stage_ids(pp_rank, pp_size, n)
     modules = [GPTStage(model, fqns[s], s, n) for s in ids]
@@ -202,8 +193,7 @@ def split_for_rank(model: nn.Module, run, dist_info, compute_dtype: torch.dtype 
     """Step 1 of `engine.parallelize` under PP: split, print the split once. The run's pipeline
     rules were checked when it was resolved (tenfold.run.resolve_run). `compute_dtype`: the
     autocast dtype (None for fp32)."""
-    split = split_model(model, dist_info.pp_rank, dist_info.pp_size, run.pp_schedule,
-                        run.virtual_stages, run.config.parallel.pp_split)
+    split = split_model(model, dist_info.pp_rank, dist_info.pp_size, run.stage_layers)
     split.dtypes = boundary_dtypes(model, split.counts, compute_dtype or torch.float32)
     if dist_info.is_main:
         print(f"pipeline: {split.n_stages} stages on {dist_info.pp_size} ranks, schedule "

@@ -39,6 +39,7 @@ import torch.distributed as torch_dist
 import torch.nn as nn
 
 from tenfold.errors import UserError
+from tenfold.terms import ZERO_STAGES, zero_runs_as
 
 ENGINES = {
     0: "DDP",
@@ -73,20 +74,21 @@ def apply_zero(
     for every stage (a single-process run is the reference the stages are tested against).
     """
     stage = int(parallel_cfg.zero_stage)
-    if stage not in ENGINES:
-        raise UserError(f"parallel.zero_stage must be 0, 1, 2 or 3, got {stage}")
+    if stage not in ZERO_STAGES:
+        raise UserError(f"parallel.zero_stage must be one of {', '.join(map(str, ZERO_STAGES))}, got {stage}")
     if dist.dp_size <= 1:
         return model
     _warn_unmapped_knobs(parallel_cfg, stage, dist)
-    tensor_parallel = getattr(dist, "tp_size", 1) > 1
-    if stage <= 1 and not tensor_parallel:
+    tp = getattr(dist, "tp_size", 1)
+    runs_as = zero_runs_as(stage, tp, dist.dp_size)  # the rule the planner prices too
+    if runs_as <= 1 and tp == 1:
         wrapped = _wrap_ddp(model, parallel_cfg, dist)  # DDP broadcasts rank 0's weights itself
     else:
         _broadcast_from_dp_rank0(model, dist)
-        if stage == 0:
+        if runs_as == 0:
             wrapped = _wrap_replicate(model, dist, param_dtype, blocks)
-        else:  # ZeRO-1 under TP: FSDP2 as stage 2, reducing once per step (grad_sync)
-            wrapped = _wrap_fsdp2(model, parallel_cfg, dist, max(stage, 2), param_dtype, blocks)
+        else:  # ZeRO-1 under TP runs as stage 2 on FSDP2, reducing once per step (grad_sync)
+            wrapped = _wrap_fsdp2(model, parallel_cfg, dist, runs_as, param_dtype, blocks)
     setattr(wrapped, _STAGE_ATTR, stage)
     return wrapped
 
@@ -252,7 +254,7 @@ def build_optimizer_for(model: nn.Module, train_cfg: Any, parallel_cfg: Any, dis
     from tenfold.techniques.optimizer import allocate_states, build_optimizer
 
     optimizer = build_optimizer(unwrap(model), train_cfg, dist.device)
-    if int(parallel_cfg.zero_stage) == 1 and dist.dp_size > 1 and getattr(dist, "tp_size", 1) == 1:
+    if zero_runs_as(int(parallel_cfg.zero_stage), getattr(dist, "tp_size", 1), dist.dp_size) == 1:
         optimizer = _zero_redundancy(optimizer, dist)
     allocate_states(local_optimizer(optimizer))  # this rank's states only, no collective
     return optimizer

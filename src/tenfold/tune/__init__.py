@@ -30,7 +30,7 @@ from tenfold.tune.setup import DEFAULT_BUDGET_S, DEFAULT_MARGIN, DEFAULT_OUT, DE
 
 
 def register(subparsers) -> argparse.ArgumentParser:
-    from tenfold.cli import add_run_arguments
+    from tenfold.run_args import add_run_arguments
 
     p = subparsers.add_parser("tune", help="measure the planner's best strategies here; calibrate the planner",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -15,9 +15,7 @@ from dataclasses import dataclass, replace
 from tenfold.config import TenfoldConfig
 from tenfold.errors import UserError
 from tenfold.plan.api import Plan, predict
-from tenfold.plan.for_run import strategy_for_config, strategy_for_run
 from tenfold.plan.hardware import Hardware
-from tenfold.plan.strategy import Strategy
 from tenfold.run import ResolvedRun, resolve_run
 
 # What a tune varies, each a name for --fixed: precision, micro-batch (with accumulation at the
@@ -30,18 +28,17 @@ KNOBS = ("precision", "micro_batch", "recompute", "zero", "pp", "tp")
 class Candidate:
     key: str  # stable across runs of the tune (resuming matches trials by it)
     config: TenfoldConfig  # what the trial trains and best.toml holds
-    run: ResolvedRun
-    strategy: Strategy  # the planner's view of the run (tenfold.plan.for_run)
+    run: ResolvedRun  # as the engine runs it here (the precision this device runs), what the planner prices
     prior: Plan  # the planner's prediction before any calibration
     baseline: bool = False
 
     @property
     def knobs(self) -> dict:
-        s, r = self.strategy, self.run
-        return {"precision": s.precision, "micro_batch": r.micro_batch, "grad_accum": r.grad_accum,
+        r = self.run
+        return {"precision": r.precision, "micro_batch": r.micro_batch, "grad_accum": r.grad_accum,
                 "global_batch": r.global_batch, "dp": r.dp, "zero": r.zero_stage, "recompute": str(r.recompute),
                 "pp": r.pp, "pp_schedule": r.pp_schedule if r.pp > 1 else None,
-                "virtual_stages": r.virtual_stages if r.pp > 1 else None, "tp": s.tp}
+                "virtual_stages": r.virtual_stages if r.pp > 1 else None, "tp": r.tp}
 
     @property
     def name(self) -> str:
@@ -53,18 +50,19 @@ class Candidate:
                 f"| ac {k['recompute']}{pp}{tp}")
 
 
-def strategy_key(s: Strategy, run: ResolvedRun) -> str:
-    key = f"{s.precision}-mb{run.micro_batch}x{run.grad_accum}-zero{run.zero_stage}-ac_{run.recompute}-pp{run.pp}"
+def strategy_key(run: ResolvedRun) -> str:
+    key = f"{run.precision}-mb{run.micro_batch}x{run.grad_accum}-zero{run.zero_stage}-ac_{run.recompute}-pp{run.pp}"
     if run.pp > 1:
         key += f"-{run.pp_schedule}" + (f"{run.virtual_stages}" if run.virtual_stages > 1 else "")
-    return key + (f"-tp{s.tp}" if s.tp > 1 else "")
+    return key + (f"-tp{run.tp}" if run.tp > 1 else "")
 
 
 def baseline(cfg: TenfoldConfig, nproc: int, hw: Hardware, precision: str) -> Candidate:
     """The user's own configuration; `precision` is the one the engine really runs here."""
     run = resolve_run(cfg, nproc)  # UserError (exit 2): a baseline train would refuse
-    s = strategy_for_run(run, precision)
-    return Candidate(strategy_key(s, run), cfg, run, s, predict(run.model, hw, nproc, s), baseline=True)
+    if precision != run.precision:
+        run = run.with_(precision=precision, check=False)
+    return Candidate(strategy_key(run), cfg, run, predict(run, hw, name=cfg.model.name), baseline=True)
 
 
 @dataclass
@@ -83,15 +81,12 @@ def search_space(cfg: TenfoldConfig, base: Candidate, hw: Hardware, nproc: int, 
     """Every runnable strategy whose predicted per-rank total fits `(1 - margin) x limit_bytes`."""
     from tenfold.plan.advice import config_for_plan
     from tenfold.plan.search import search
-    from tenfold.plan.shape import shape_of
 
-    shape = shape_of(base.run.model, name=cfg.model.name)
     sized = replace(hw, memory_bytes=(1 - margin) * limit_bytes * (min(nproc, hw.gpus_per_node) if hw.shared_compute else 1))
     space = Space([], 0, 0, 0, [])
-    for precision in (precisions if "precision" not in fixed else [base.strategy.precision]):
-        start = replace(strategy_for_config(cfg, base.run.seq_len), precision=precision,
-                        global_batch=base.run.global_batch, micro_batch=None, grad_accum=None)
-        result = search(shape, sized, nproc, start, top_k=10**9, model_kind=base.run.model_kind)
+    for precision in (precisions if "precision" not in fixed else [base.run.precision]):
+        start = base.run.with_(precision=precision, check=False)
+        result = search(start, sized, top_k=10**9, name=cfg.model.name, sequence_parallel=cfg.parallel.sequence_parallel)
         space.evaluated += result.evaluated
         space.over_memory += result.evaluated - result.fitting
         for plan in result.best:
@@ -99,18 +94,17 @@ def search_space(cfg: TenfoldConfig, base: Candidate, hw: Hardware, nproc: int, 
                 space.fixed_out += 1
                 continue
             try:
-                cand_cfg, run = config_for_plan(cfg, plan, hw.gpus_per_node)
+                cand_cfg, run = config_for_plan(cfg, plan.run, hw.gpus_per_node)
             except UserError as e:
                 space.refused.append(str(e))
                 continue
-            s = strategy_for_run(run, precision)
-            space.candidates.append(Candidate(strategy_key(s, run), cand_cfg, run, s, predict(run.model, hw, nproc, s)))
+            space.candidates.append(Candidate(strategy_key(run), cand_cfg, run, predict(run, hw, name=cfg.model.name)))
     return space
 
 
 def _differs(plan: Plan, base: Candidate, fixed: set[str]) -> bool:
     s, b = plan.strategy, base.knobs
-    got = {"micro_batch": plan.micro_batch, "recompute": s["ac"], "zero": s["zero"], "tp": s.get("tp", 1),
+    got = {"micro_batch": plan.micro_batch, "recompute": s["recompute"], "zero": s["zero_stage"], "tp": s["tp"],
            "pp": (s["pp"], s["pp_schedule"] if s["pp"] > 1 else None, s["virtual_stages"] if s["pp"] > 1 else None)}
     want = {"micro_batch": b["micro_batch"], "recompute": b["recompute"], "zero": b["zero"], "tp": b["tp"],
             "pp": (b["pp"], b["pp_schedule"], b["virtual_stages"])}

@@ -97,7 +97,7 @@ class Tune:
 
     def observations(self) -> list[Observation]:
         cands = self.candidates
-        return [Observation(t.id, cands[t.key].run.model, self.setup.nproc, cands[t.key].strategy, t.tokens_per_s)
+        return [Observation(t.id, cands[t.key].run, t.tokens_per_s)
                 for t in self.trials if t.tokens_per_s and t.key in cands]
 
     def recalibrate(self) -> None:
@@ -105,7 +105,7 @@ class Tune:
         obs = self.observations()
         self.calibration = fit(obs, self.setup.hardware, self.calibration_constants()) if obs else None
         tried = {t.key for t in self.trials}
-        shapes = {k: choose.Shape((c.run.zero_stage, c.run.pp, c.run.pp_schedule if c.run.pp > 1 else None, c.strategy.tp),
+        shapes = {k: choose.Shape((c.run.zero_stage, c.run.pp, c.run.pp_schedule if c.run.pp > 1 else None, c.run.tp),
                                   c.prior.memory.peak_bytes) for k, c in self.candidates.items()}
         ruled = choose.ruled_out(self.trials, shapes)
         self.outlooks = {}
@@ -115,17 +115,17 @@ class Tune:
             if self.calibration is None:
                 rate, sigma = c.prior.tokens_per_s, PRIOR_SPREAD
             else:
-                rate, sigma = self.calibration.predictive(c.run.model, self.setup.nproc, c.strategy, c.prior.memory)
+                rate, sigma = self.calibration.predictive(c.run, c.prior.memory)
             self.outlooks[key] = Outlook(key, rate, sigma, ruled.get(key))
 
     def calibration_constants(self):
         """Every precision a candidate may use: an untried one's matmul rate is uncertain, not exact."""
-        return constants_for({c.strategy.precision for c in self.candidates.values()})
+        return constants_for({c.run.precision for c in self.candidates.values()})
 
     def predicted(self, c: Candidate) -> float:
         if self.calibration is None:
             return c.prior.tokens_per_s
-        return self.calibration.predictive(c.run.model, self.setup.nproc, c.strategy, c.prior.memory)[0]
+        return self.calibration.predictive(c.run, c.prior.memory)[0]
 
     def step_s(self, c: Candidate) -> float:
         return c.run.tokens_per_step / self.predicted(c)

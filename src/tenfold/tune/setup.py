@@ -64,7 +64,7 @@ def _out_dir(text: str | None) -> Path:
 
 def _user_config(args: argparse.Namespace) -> TenfoldConfig:
     """The run the user describes with train's flags (`--out` is the tune's own folder here)."""
-    from tenfold.cli import config_from_args
+    from tenfold.run_args import config_from_args
 
     return config_from_args(argparse.Namespace(**{**vars(args), "out": None}))
 
