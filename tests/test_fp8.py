@@ -153,6 +153,7 @@ def test_a_cpu_without_emulation_is_refused_in_one_line(tmp_path, capsys):
     (["--fp8", "--fp8-emulate", "--precision", "fp32"], "use --precision bf16 --fp8"),
     (["--fp8", "--fp8-emulate", "--precision", "fp16"], "use --precision bf16 --fp8"),
     (["--fp8-emulate"], "it needs precision.fp8 (--fp8)"),
+    (["--fp8", "--fp8-emulate", "--set", "model.d_model=72"], "nothing would run in float8"),
 ])
 def test_what_cannot_run_is_refused_in_one_line(tmp_path, capsys, flags, words):
     code, err = _train(tmp_path, capsys, *flags)

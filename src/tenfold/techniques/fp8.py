@@ -116,7 +116,7 @@ def apply_fp8(model: nn.Module, blocks: list[nn.Module], device: torch.device, e
     any module outside `blocks` stay as they are). Returns the converted modules' names."""
     float8 = _torchao_float8()
     inside = {id(m) for block in blocks for m in block.modules() if convertible(m)}
-    if not inside:
+    if not inside and blocks:  # (a pipeline stage may hold no block: only the embedding or the head)
         raise UserError(f"{FLAG}: the model's blocks have no Linear layer with both dimensions multiples of "
                         f"{DIM_MULTIPLE}; nothing would run in float8. Train without --fp8")
     names = [name for name, m in model.named_modules() if id(m) in inside]
