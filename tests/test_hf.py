@@ -139,8 +139,9 @@ def test_pipeline_and_unknown_blocks_are_user_errors(tmp_path):
     from tenfold.models.adapter import adapt
     from tenfold.models.hf import build_hf_model
 
-    a = adapt(build_hf_model(hf_config=str(LLAMA)), 32)
-    with pytest.raises(UserError, match=r"pp_degree 2.*hf model.*cannot be split"):
+    check_techniques(adapt(build_hf_model(hf_config=str(LLAMA)), 32), build_config({"parallel": {"pp_degree": 2}}))
+    a = adapt(build_hf_model(hf_config=str(GPT2)), 32)  # not of the Llama layout the split cuts
+    with pytest.raises(UserError, match=r"pp_degree 2.*model_types llama, mistral, qwen2.*'gpt2' cannot be split"):
         check_techniques(a, build_config({"parallel": {"pp_degree": 2}}))
     with pytest.raises(UserError, match=r"'Nope'.*LlamaDecoderLayer"):
         Trainer(hf_config(tmp_path / "b", LLAMA, model={"blocks": "Nope"})).setup()

@@ -26,7 +26,7 @@ FORBIDDEN = {
     "tune": (CLI,),  # a tune measures its trials with the ladder's runner
 }
 # single modules every layer may import: they must stay torch-free and import no layer above
-TORCH_FREE = ("terms.py", "run.py", "run_args.py", "config.py", "errors.py", "capabilities.py")
+TORCH_FREE = ("terms.py", "run.py", "run_args.py", "config.py", "errors.py", "capabilities.py", "pipeline_layout.py")
 
 
 def imports_of(path: Path) -> list[str]:
@@ -65,7 +65,7 @@ def test_the_rule_catches_a_violation(tmp_path):
 
 
 def test_planner_and_resolved_run_load_without_torch():
-    code = ("import sys, tenfold.plan.api, tenfold.plan.for_run, tenfold.run, tenfold.terms; "
+    code = ("import sys, tenfold.plan.api, tenfold.plan.for_run, tenfold.run, tenfold.terms, tenfold.pipeline_layout; "
             "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr

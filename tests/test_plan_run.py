@@ -71,6 +71,10 @@ TRAIN_FLAGS = [
     ["--nproc", "3", "--global-batch", "24", "--precision", "fp32"],
     ["--nproc", "2", "--zero", "2", "--set", "parallel.reduce_bucket_size=1000000", "--grad-accum", "3"],
     ["--model", "small", "--nproc", "4", "--zero", "3", "--ac", "segments:3", "--seq-len", "512", "--micro-batch", "1"],
+    ["--hf-config", str(DATA / "llama-tiny" / "config.json"), "--nproc", "4", "--pp", "2", "--zero", "3", "--grad-accum", "2",
+     "--seq-len", "64"],
+    ["--hf-config", str(DATA / "llama-tiny" / "config.json"), "--nproc", "2", "--pp", "2", "--pp-split", "1,2",
+     "--grad-accum", "4", "--precision", "fp32", "--seq-len", "64"],
 ]
 
 

@@ -34,6 +34,7 @@ class Capabilities:
     tensor_parallel_hf_types: tuple[str, ...]  # Hugging Face model_types with a built-in tensor-parallel plan
     offload: tuple[str, ...]  # ZeRO-Offload of optimizer states / parameters to host memory
     pipeline_models: tuple[str, ...]  # model kinds the pipeline split can cut
+    pipeline_hf_types: tuple[str, ...]  # Hugging Face model_types the pipeline split can cut
     attention_core_models: tuple[str, ...]  # model kinds with a module selective:attention can wrap
     compile: bool  # torch.compile per transformer block (train.compile)
     compile_with_tp: bool  # ... of tensor-parallel (DTensor) blocks
@@ -51,8 +52,11 @@ ENGINE = Capabilities(
     tensor_parallel=True,
     tensor_parallel_hf_types=("llama", "mistral", "qwen2"),
     offload=("none",),
-    # The split cuts tenfold's GPT by parameter name (tok_emb, layers.N, norm, output).
-    pipeline_models=("tenfold",),
+    # The split cuts by module name (tenfold.pipeline_layout.STAGE_NAMES): tenfold's GPT (tok_emb,
+    # layers.N, norm, output) and these Hugging Face families (model.embed_tokens, model.layers.N,
+    # model.norm, lm_head; techniques/pipeline_hf.py rebuilds their rotary tables and causal masks).
+    pipeline_models=("tenfold", "hf"),
+    pipeline_hf_types=("llama", "mistral", "qwen2"),
     # selective:attention wraps `block.attn.core`; Hugging Face blocks compute attention in a function.
     attention_core_models=("tenfold",),
     # Every model kind, with recompute, ZeRO and pipeline stages: each block is compiled after
@@ -76,11 +80,13 @@ ENGINE = Capabilities(
 def problems(run, caps: Capabilities = ENGINE) -> list[str]:
     """Every reason `tenfold train` cannot do `run` (a tenfold.run.ResolvedRun); empty: it can."""
     out = _technique_problems(run, caps)
-    if run.pp > 1 and run.model_kind not in caps.pipeline_models:
+    cannot_split = pipeline_model_problem(run.pp, run.model_kind, run.hf_model_type, caps)
+    if cannot_split:
+        out.append(cannot_split)
+    elif run.pp > 1 and run.model_kind == "hf" and run.model is not None and run.model.tie_embeddings:
         out.append(
-            f"parallel.pp_degree {run.pp} (--pp): the pipeline split cuts tenfold's GPT by parameter "
-            f"name (tok_emb, layers.N, norm, output); a {_KIND_NAMES[run.model_kind]} model cannot be split. "
-            "Use --pp 1 with --zero 0-3 and --ac"
+            "tie_word_embeddings=true in the Hugging Face config.json cannot be pipelined: the embedding (first "
+            "stage) and lm_head (last stage) would share one weight across ranks; use --pp 1"
         )
     elif run.pp > 1 and run.pp_schedule in caps.pipeline_schedules:
         tied = run.model is not None and run.model.tie_embeddings
@@ -94,6 +100,22 @@ def problems(run, caps: Capabilities = ENGINE) -> list[str]:
         out.append(f"priced as another training stack ({', '.join(departures)}); tenfold train runs its own "
                    "(fp32 parameters under autocast, no dropout, flash attention, overlapped reduction)")
     return out
+
+
+def pipeline_model_problem(pp: int, kind: str, hf_model_type: str = "", caps: Capabilities = ENGINE) -> str | None:
+    """Why a model of `kind` (a Hugging Face one of `hf_model_type`) cannot be split into `pp`
+    pipeline stages; None if it can."""
+    if pp <= 1:
+        return None
+    allowed = (f"tenfold's GPT and Hugging Face model_types {', '.join(caps.pipeline_hf_types)} "
+               "(model.embed_tokens, model.layers.N, model.norm, lm_head)")
+    if kind == "hf" and kind in caps.pipeline_models and hf_model_type not in caps.pipeline_hf_types:
+        return (f"parallel.pp_degree {pp} (--pp): the pipeline split cuts {allowed}; Hugging Face model_type "
+                f"{hf_model_type or '(none)'!r} cannot be split. Use --pp 1 with --zero 0-3 and --ac")
+    if kind not in caps.pipeline_models:
+        return (f"parallel.pp_degree {pp} (--pp): the pipeline split cuts {allowed}; a {_KIND_NAMES[kind]} "
+                "model cannot be split. Use --pp 1 with --zero 0-3 and --ac")
+    return None
 
 
 def _technique_problems(run, caps: Capabilities) -> list[str]:

@@ -313,6 +313,15 @@ def zero_runs_as(zero_stage: int, tp: int, dp: int) -> int:
     return 2 if zero_stage == 1 and tp > 1 else zero_stage
 
 
+def runs_on_fsdp2(zero_stage: int, tp: int, dp: int) -> bool:
+    """Whether the engine wraps the model with FSDP2's machinery (ZeRO-2/3; every stage under
+    tensor parallelism, `replicate` at ZeRO-0), whose MixedPrecisionPolicy runs the forward on
+    16-bit copies of the parameters: the embedding's output and so the residual stream, the
+    pipeline's boundary tensors and the checkpointed block inputs are 16-bit. DDP (ZeRO-0/1
+    without TP) and one data-parallel rank keep fp32 parameters under autocast."""
+    return dp > 1 and (zero_runs_as(zero_stage, tp, dp) >= 2 or tp > 1)
+
+
 # --------------------------------------------------------------------------- tensor parallelism
 
 

@@ -55,8 +55,8 @@ def parallelize(
         from tenfold.techniques.pipeline import split_for_rank
         from tenfold.techniques.pipeline_runner import build_pipelined_model
 
-        split = split_for_rank(model, run, dist, param_dtype)  # stage modules, each with its own `layers`
-        parts = [_apply_techniques(part, run, dist, None, param_dtype, kind, tp_plan) for part in split.modules]
+        split = split_for_rank(model, run, dist, param_dtype)  # stage modules, each with its own blocks
+        parts = [_apply_techniques(part, run, dist, part.blocks, param_dtype, kind, tp_plan) for part in split.modules]
         return build_pipelined_model(split, parts, run, dist, param_dtype)
     return _apply_techniques(model, run, dist, blocks, param_dtype, kind, tp_plan)
 
@@ -111,12 +111,12 @@ def check_techniques(adapter: ModelAdapter, cfg: TenfoldConfig) -> None:
         adapter.require_blocks("parallel.zero_stage 3 (--zero 3, FSDP2 one unit per block)")
     if cfg.precision.fp8:  # the blocks' Linears run in float8; the first and last layers, outside them, do not
         adapter.require_blocks("precision.fp8 (--fp8, float8 matmuls in the blocks)")
-    if cfg.parallel.pp_degree > 1 and adapter.kind not in ENGINE.pipeline_models:
-        raise UserError(
-            f"parallel.pp_degree {cfg.parallel.pp_degree} (--pp): the pipeline split cuts "
-            f"tenfold's GPT by parameter name (tok_emb, layers.N, norm, output); a {adapter.kind} "
-            f"model ({adapter.describe()}) cannot be split. Use --pp 1 with --zero 0-3 and --ac"
-        )
+    if cfg.parallel.pp_degree > 1:
+        from tenfold.capabilities import pipeline_model_problem
+
+        problem = pipeline_model_problem(cfg.parallel.pp_degree, adapter.kind, adapter.hf_model_type)
+        if problem:
+            raise UserError(f"{problem} ({adapter.describe()})")
 
 
 def _check_selective(adapter: ModelAdapter, target: str) -> None:

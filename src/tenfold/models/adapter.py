@@ -54,6 +54,7 @@ class ModelAdapter:
     flops_per_token: float
     flops_formula: str
     user_loss_fn: LossFn | None = None
+    hf_model_type: str = ""  # a Hugging Face model's config.model_type ("llama", ...)
 
     # ------------------------------------------------------------------ loss
 
@@ -269,6 +270,7 @@ def adapt(
         kind=kind, blocks=found, block_class=type(found[0]).__name__ if found else None,
         embedding=embedding, output=output, param_count=n_params, flops_per_token=flops,
         flops_formula=formula, user_loss_fn=loss_fn,
+        hf_model_type=str(getattr(model.config, "model_type", "")).lower() if kind == "hf" else "",
     )
 
 

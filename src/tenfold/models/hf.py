@@ -133,9 +133,12 @@ def save_hf_pretrained(model, out_dir: str | Path, is_main: bool = True) -> Path
     """Write `model` (an HF PreTrainedModel, possibly sharded) as a `save_pretrained` folder:
     config.json + model.safetensors (fp32), loadable by `AutoModelForCausalLM.from_pretrained`.
 
-    Every rank calls this (the unsharded state dict is gathered collectively); rank 0 writes."""
+    Every rank calls this (the unsharded state dict is gathered collectively); rank 0 writes.
+    A pipelined model (tenfold.techniques.pipeline_runner.PipelinedModel) holds one stage per
+    rank and gathers the stages itself (`full_state_dict()`)."""
     inner = getattr(model, "module", model)
-    state = full_state_dict(model)
+    gather = getattr(inner, "full_state_dict", None)
+    state = gather() if callable(gather) else full_state_dict(model)
     if not is_main:
         return None
     config = inner.config.__class__.from_dict(inner.config.to_dict())

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from tenfold.models.presets import ModelConfig
 from tenfold.run import ResolvedRun, Stack, resolve
-from tenfold.terms import MULTI_STAGE_SCHEDULES, RecomputePolicy, element_bytes
+from tenfold.terms import MULTI_STAGE_SCHEDULES, RecomputePolicy, element_bytes, runs_on_fsdp2
 
 MiB = 2**20
 
@@ -252,7 +252,7 @@ def params_16bit_in_compute(run: ResolvedRun) -> bool:
     autocast (DDP, one rank) the embedding's output and so the residual stream are fp32."""
     if run.precision == "fp32":
         return False
-    return run.stack.master_weights or (run.dp > 1 and (run.zero_runs_as >= 2 or run.tp > 1))
+    return run.stack.master_weights or runs_on_fsdp2(run.zero_stage, run.tp, run.dp)
 
 
 def layer_input_bytes_per_token(cfg: ModelConfig, run: ResolvedRun) -> float:

@@ -1,17 +1,21 @@
-"""Pipeline parallelism: split the GPT into stages and stream micro-batches through them.
+"""Pipeline parallelism: split the model (tenfold's GPT, or a Hugging Face Llama, Mistral or
+Qwen2 causal LM) into stages and stream micro-batches through them.
 
 Everything that schedules, sends and receives is `torch.distributed.pipelining`
 (`PipelineStage` + `ScheduleGPipe` / `Schedule1F1B` / `ScheduleInterleaved1F1B` /
 `ScheduleInterleavedZeroBubble`); this module only decides *what* each stage owns and
 *how the loss is normalised*, following torchtitan (`torchtitan/distributed/pipeline_parallel.py`):
 
-1. Split by FQN (`split_fqns`): the block stack is cut by layer count with the token
-   embedding and the output head each weighted as one layer, torchtitan's
-   `generate_llm_fqn_per_model_part`. `--pp-split` sets the blocks per stage by hand.
+1. Split by FQN (`tenfold.pipeline_layout.stage_layout`, the one split the planner shares):
+   the block stack is cut by layer count with the token embedding and the output head each
+   weighted as one layer, torchtitan's `generate_llm_fqn_per_model_part`. `--pp-split` sets
+   the blocks per stage by hand.
 2. Each stage keeps the full model's modules it owns, under the same names
-   (`tok_emb.weight`, `layers.7.attn.wq.weight`, `output.weight`), so a stage's
-   state_dict is a slice of the full model's and checkpoints stay portable across pp
-   degrees. `GPTStage.forward` runs embed (first stage), its blocks, head (last stage).
+   (`tok_emb.weight`, `layers.7.attn.wq.weight`, `output.weight`; for a Hugging Face model
+   `model.embed_tokens.weight`, `model.layers.7.self_attn.q_proj.weight`, `lm_head.weight`),
+   so a stage's state_dict is a slice of the full model's and checkpoints stay portable
+   across pp degrees. `GPTStage.forward` runs embed (first stage), its blocks, head (last
+   stage); `HFStage` (techniques/pipeline_hf.py) does the same for transformers' modules.
 3. Recompute and ZeRO (FSDP2) are applied to each stage afterwards by
    `tenfold.engine.parallelize` (order: pipeline split -> recompute -> ZeRO).
 4. The schedule is built with `scale_grads=False` and a loss that is already
@@ -35,8 +39,9 @@ import torch.nn as nn
 # The split (blocks per stage) is the resolved run's `stage_layers`, checked and shared with the
 # planner (tenfold.terms); the schedules' rules are the capability table's (tenfold.capabilities).
 from tenfold.errors import UserError
-from tenfold.techniques.pipeline_layout import split_fqns  # torch-free
-from tenfold.terms import layer_counts, local_stage_ids
+from tenfold.pipeline_layout import block_index, stage_layout  # torch-free, shared with the planner
+from tenfold.techniques.pipeline_hf import HFStage
+from tenfold.terms import local_stage_ids
 
 
 class GPTStage(nn.Module):
@@ -52,10 +57,7 @@ class GPTStage(nn.Module):
         from tenfold.models.gpt import GPT  # local: keep this module importable for planning
 
         if not isinstance(model, GPT):
-            raise UserError(
-                f"parallel.pp_degree > 1 splits tenfold's GPT into stages; {type(model).__name__} "
-                "is not one (use --pp 1, or pipeline it with torch.distributed.pipelining directly)"
-            )
+            raise TypeError(f"GPTStage slices tenfold's GPT, not {type(model).__name__}")
         self.cfg = model.cfg
         self.stage_id, self.n_stages = stage_id, n_stages
         owned = set(fqns)
@@ -81,6 +83,10 @@ class GPTStage(nn.Module):
     def is_last(self) -> bool:
         return self.output is not None
 
+    @property
+    def blocks(self) -> list[nn.Module]:
+        return list(self.layers.values())
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from tenfold.models.gpt import GPT
 
@@ -91,23 +97,32 @@ class GPTStage(nn.Module):
 
 
 @torch.no_grad()
-def boundary_dtypes(model: nn.Module, counts: Sequence[int], autocast_dtype: torch.dtype | None) -> list[torch.dtype]:
+def boundary_dtypes(stages: Sequence[nn.Module], autocast_dtype: torch.dtype | None) -> list[torch.dtype]:
     """dtype of each stage's output (the residual stream, logits for the last stage) under
-    the run's autocast, found by running the full model on two tokens before the split.
-    `PipelineStage` needs them for static p2p metadata (`stage_io_examples`)."""
-    device = next(model.parameters()).device
-    ids = torch.zeros((1, 2), dtype=torch.long, device=device)
+    the run's autocast, found by chaining ALL stages (built on the full model, before the
+    split drops what this rank does not own) on two tokens. `PipelineStage` needs them for
+    static p2p metadata (`stage_io_examples`)."""
+    device = next(stages[0].parameters()).device
+    h = torch.zeros((1, 2), dtype=torch.long, device=device)
+    extra = stage_kwargs(stages[0], h)
     enabled = autocast_dtype is not None and autocast_dtype != torch.float32
-    out, blocks = [], list(model.layers.values())
+    out = []
     with torch.autocast(device.type, dtype=autocast_dtype or torch.float32, enabled=enabled):
-        h, start = model.embed(ids), 0
-        for n in counts:
-            for block in blocks[start:start + n]:
-                h = block(h, model.rope_cos, model.rope_sin)
-            start += n
+        for stage in stages:
+            h = stage(h, **extra)
             out.append(h.dtype)
-        out[-1] = model.head(h).dtype
     return out
+
+
+def stage_kwargs(stage: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> dict:
+    """What every stage takes besides the activations: a Hugging Face stage the position ids
+    of the whole sequences (the rows' own, or 0..s-1), tenfold's GPT nothing."""
+    if not isinstance(stage, HFStage):
+        return {}
+    if position_ids is None:
+        b, s = input_ids.shape
+        position_ids = torch.arange(s, device=input_ids.device).repeat(b, 1)
+    return {"position_ids": position_ids}
 
 
 def stage_io_examples(stage_id: int, n_stages: int, micro_shape: tuple[int, int], d_model: int,
@@ -133,55 +148,102 @@ class PipelineSplit:
     """What this rank owns: stage ids, the stage modules, and the whole plan for printing."""
 
     stage_ids: list[int]
-    modules: list[GPTStage]
+    modules: list[nn.Module]  # GPTStage or HFStage, one per local stage
     n_stages: int
     pp_size: int
     counts: list[int]  # blocks per stage, all stages
     fqns: list[list[str]]  # module names per stage, all stages
+    params: list[int]  # parameters per stage, all stages
+    kind: str = "tenfold"  # the model kind (tenfold.pipeline_layout.STAGE_NAMES)
+    d_model: int = 0  # width of the residual stream sent between stages
+    vocab_size: int = 0  # width of the last stage's logits
     dtypes: list[torch.dtype] | None = None  # each stage's output dtype (boundary_dtypes)
 
 
-def split_model(model: nn.Module, pp_rank: int, pp_size: int, counts: Sequence[int] | None = None) -> PipelineSplit:
-    """Cut the (fully initialised) GPT into stages of `counts` blocks each (the resolved run's
-    `stage_layers`, the split the planner prices; default: one stage per rank, split by
-    `tenfold.terms.layer_counts`) and keep this rank's.
+def split_model(model: nn.Module, pp_rank: int, pp_size: int, counts: Sequence[int] | None = None,
+                autocast_dtype: torch.dtype | None = None) -> PipelineSplit:
+    """Cut the (fully initialised) model, tenfold's GPT or a Hugging Face Llama-family causal
+    LM, into stages of `counts` blocks each (the resolved run's `stage_layers`, the split the
+    planner prices; default one stage per rank, tenfold.terms.layer_counts) and keep this rank's.
 
     Every rank builds the same full model from the same seed first, so the pipeline starts
     from exactly the weights a single process would have; the modules a rank does not own
     are dropped with the full model (for models too large for one host, build on the meta
     device and load a seed checkpoint by FQN, as torchtitan recommends).
     """
-    cfg = model.cfg
-    counts = list(counts) if counts is not None else layer_counts(cfg.n_layers, pp_size)
-    n = len(counts)
-    fqns = split_fqns(cfg.n_layers, counts, model.pos_emb is not None)
+    kind, n_layers, has_pos_emb, d_model, vocab = _model_facts(model)
+    layout = stage_layout(n_layers, len(counts) if counts is not None else pp_size, counts, kind, has_pos_emb)
+    n = len(layout.counts)
+    stage_cls = GPTStage if kind == "tenfold" else HFStage
+    every = [stage_cls(model, layout.fqns[s], s, n) for s in range(n)]
+    _check_untied(every)
     ids = local_stage_ids(pp_rank, pp_size, n)
-    modules = [GPTStage(model, fqns[s], s, n) for s in ids]
     return PipelineSplit(
-        stage_ids=ids, modules=modules, n_stages=n, pp_size=pp_size, counts=counts, fqns=fqns
+        stage_ids=ids, modules=[every[s] for s in ids], n_stages=n, pp_size=pp_size, counts=layout.counts,
+        fqns=layout.fqns, params=[sum(p.numel() for p in m.parameters()) for m in every], kind=kind,
+        d_model=d_model, vocab_size=vocab, dtypes=boundary_dtypes(every, autocast_dtype),
     )
 
 
-def describe_split(split: PipelineSplit, model_cfg) -> list[str]:
-    """One line per stage: its modules and parameter count (from the presets' exact counts)."""
-    from tenfold.models.presets import block_param_count, embedding_param_count, head_param_count
+def _model_facts(model: nn.Module) -> tuple[str, int, bool, int, int]:
+    """(kind, layers, learned positions, d_model, vocab) of a model the split can cut."""
+    from tenfold.models.adapter import model_kind
 
+    kind = model_kind(model)
+    if kind == "tenfold":
+        cfg = model.cfg
+        return kind, cfg.n_layers, model.pos_emb is not None, cfg.d_model, cfg.vocab_size
+    if kind == "hf":
+        c = model.config
+        return kind, c.num_hidden_layers, False, c.hidden_size, c.vocab_size
+    raise UserError(
+        f"parallel.pp_degree > 1 splits tenfold's GPT or a Hugging Face Llama-family model into stages; "
+        f"{type(model).__name__} is neither (use --pp 1, or pipeline it with torch.distributed.pipelining directly)"
+    )
+
+
+def _check_untied(stages: Sequence[nn.Module]) -> None:
+    """No parameter on two stages: a tied weight (embedding = output head) would be trained as
+    two copies on different ranks. The run's config is checked for ties before (capabilities);
+    this catches a model handed over through the Python API."""
+    owner: dict[int, tuple[int, str]] = {}
+    for s, stage in enumerate(stages):
+        for name, p in stage.named_parameters():
+            first = owner.setdefault(id(p), (s, name))
+            if first[0] != s:
+                raise UserError(
+                    f"{first[1]} (pipeline stage {first[0]}) and {name} (stage {s}) are one tied weight, which "
+                    "pipeline stages on different ranks cannot share; untie them (model.tie_embeddings=false, "
+                    "tie_word_embeddings=false) or use --pp 1"
+                )
+
+
+def _send_as(dtype: torch.dtype):
+    """A forward hook giving a stage's output the dtype its p2p metadata names: gloo and NCCL
+    move raw bytes, so a tensor of another dtype would arrive as garbage. A no-op when the
+    prediction holds (always, in the tested layouts); a cast (exact, differentiable) otherwise."""
+
+    def hook(module, args, output):
+        return output.to(dtype)
+
+    return hook
+
+
+def describe_split(split: PipelineSplit) -> list[str]:
+    """One line per stage: its modules and parameter count."""
     lines = []
-    for s, (names, n_blocks) in enumerate(zip(split.fqns, split.counts)):
-        params = n_blocks * block_param_count(model_cfg)
-        params += embedding_param_count(model_cfg) if s == 0 else 0
-        params += head_param_count(model_cfg) if s == split.n_stages - 1 else 0
-        blocks = [x for x in names if x.startswith("layers.")]
+    for s, names in enumerate(split.fqns):
+        blocks = [i for i in (block_index(x, split.kind) for x in names) if i is not None]
         if not blocks:
             span = "no blocks"
         elif len(blocks) == 1:
-            span = f"layer {blocks[0][7:]}"
+            span = f"layer {blocks[0]}"
         else:
-            span = f"layers {blocks[0][7:]}-{blocks[-1][7:]}"
-        extras = [x for x in names if not x.startswith("layers.")]
+            span = f"layers {blocks[0]}-{blocks[-1]}"
+        extras = [x for x in names if block_index(x, split.kind) is None]
         lines.append(
             f"stage {s} (pp rank {s % split.pp_size}): "
-            f"{span}{' + ' + ', '.join(extras) if extras else ''}; {params:,} params"
+            f"{span}{' + ' + ', '.join(extras) if extras else ''}; {split.params[s]:,} params"
         )
     return lines
 
@@ -193,11 +255,19 @@ def split_for_rank(model: nn.Module, run, dist_info, compute_dtype: torch.dtype 
     """Step 1 of `engine.parallelize` under PP: split, print the split once. The run's pipeline
     rules were checked when it was resolved (tenfold.run.resolve_run). `compute_dtype`: the
     autocast dtype (None for fp32)."""
-    split = split_model(model, dist_info.pp_rank, dist_info.pp_size, run.stage_layers)
-    split.dtypes = boundary_dtypes(model, split.counts, compute_dtype or torch.float32)
+    split = split_model(model, dist_info.pp_rank, dist_info.pp_size, run.stage_layers, compute_dtype or torch.float32)
+    from tenfold.terms import runs_on_fsdp2
+
+    if compute_dtype is not None and runs_on_fsdp2(run.zero_stage, dist_info.tp_size, dist_info.dp_size):
+        # FSDP2's 16-bit parameters make the residual stream 16-bit too (the embedding's output,
+        # every block's): what the stages really send, not the fp32 of the unwrapped model
+        split.dtypes = [compute_dtype] * (split.n_stages - 1) + split.dtypes[-1:]
+    for sid, module in zip(split.stage_ids, split.modules):
+        if sid < split.n_stages - 1:
+            module.register_forward_hook(_send_as(split.dtypes[sid]))
     if dist_info.is_main:
         print(f"pipeline: {split.n_stages} stages on {dist_info.pp_size} ranks, schedule "
               f"{run.pp_schedule}, {run.grad_accum} micro-batches/step")
-        for line in describe_split(split, model.cfg):
+        for line in describe_split(split):
             print("  " + line)
     return split

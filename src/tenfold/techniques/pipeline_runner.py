@@ -105,6 +105,7 @@ class PipelineRunner:
         stage_io: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None,
         tp_size: int = 1,
         seq_len: int | None = None,
+        with_positions: bool = False,
     ):
         from torch.distributed.pipelining import PipelineStage
 
@@ -118,6 +119,8 @@ class PipelineRunner:
         self.pp_group = pp_group
         self.loss_scale = 1.0  # fp16: the trainer passes the dynamic scale to each step
         self.global_tokens = 1
+        # Hugging Face stages take the micro-batch's position ids (techniques/pipeline_hf.py)
+        self.with_positions = with_positions
         self.modules = list(stage_modules)
         # stage_io: (input, output) example per local stage (stage_io_examples) -> static
         # p2p metadata; None -> PipelineStage infers shapes from the first step.
@@ -157,7 +160,8 @@ class PipelineRunner:
         )
         return ce * (self.dp_size * self.loss_scale / self.global_tokens)
 
-    def _run(self, inputs: torch.Tensor, targets: torch.Tensor, train: bool) -> list[torch.Tensor]:
+    def _run(self, inputs: torch.Tensor, targets: torch.Tensor, train: bool,
+             positions: torch.Tensor | None = None) -> list[torch.Tensor]:
         b, rem = divmod(inputs.shape[0], self.n_microbatches)
         if rem or (self.micro_shape is not None and (b, *inputs.shape[1:]) != self.micro_shape):
             raise ValueError(
@@ -172,11 +176,21 @@ class PipelineRunner:
         run = self.schedule.step if train else self.schedule.eval
         from tenfold.techniques.tensor_parallel import loss_context
 
+        # keyword arguments reach every stage, cut into micro-batches like the inputs
+        kwargs = self._position_kwargs(inputs, positions)
         with loss_context(self.tp_size):  # forward and backward, as loss_parallel asks
-            run(*args, target=tgt, losses=losses, return_outputs=False)
+            run(*args, target=tgt, losses=losses, return_outputs=False, **kwargs)
         return [replicated_value(loss) for loss in losses]
 
-    def train_step(self, inputs, targets, global_tokens: int, loss_scale: float = 1.0) -> PipelineStepResult:
+    def _position_kwargs(self, inputs: torch.Tensor, positions: torch.Tensor | None) -> dict:
+        if not self.with_positions:
+            return {}
+        if positions is None:  # what transformers uses when none are given: 0..s-1 in every row
+            positions = torch.arange(inputs.shape[1]).repeat(inputs.shape[0], 1)
+        return {"position_ids": positions.to(self.device)}
+
+    def train_step(self, inputs, targets, global_tokens: int, loss_scale: float = 1.0,
+                   positions: torch.Tensor | None = None) -> PipelineStepResult:
         if isinstance(inputs, (list, tuple)):
             inputs, targets = torch.cat(list(inputs)), torch.cat(list(targets))
         self.global_tokens, self.loss_scale = max(int(global_tokens), 1), float(loss_scale)
@@ -186,7 +200,7 @@ class PipelineRunner:
             # step's imbalance (optimizer step, data loading).
             dist.barrier(group=self.pp_group)
         t0 = time.perf_counter()
-        losses = self._run(inputs, targets, train=True)
+        losses = self._run(inputs, targets, train=True, positions=positions)
         step_s = time.perf_counter() - t0
         # Last stages hold sum(mb losses) = (their dp share of the mean) * dp_size * scale, once
         # on each of their tp ranks.
@@ -206,7 +220,7 @@ class PipelineRunner:
         return float(t)
 
     @torch.no_grad()
-    def eval_loss_sum(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+    def eval_loss_sum(self, inputs: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor | None = None) -> float:
         """Sum of token CE over (inputs, targets), forward only, on every rank. Rows are
         padded with ignored targets to whole steps of the training shape (the p2p buffers
         keep the shape of the first training step)."""
@@ -215,12 +229,16 @@ class PipelineRunner:
         if pad:
             inputs = torch.cat([inputs, inputs.new_zeros((pad, *inputs.shape[1:]))])
             targets = torch.cat([targets, targets.new_full((pad, *targets.shape[1:]), IGNORE_INDEX)])
+            if positions is not None:
+                positions = torch.cat([positions, torch.arange(positions.shape[1]).repeat(pad, 1)])
         self.global_tokens, self.loss_scale, dp = 1, 1.0, self.dp_size
         self.dp_size = 1
         try:
             total = 0.0
             for i in range(0, inputs.shape[0], per_step):
-                losses = self._run(inputs[i : i + per_step], targets[i : i + per_step], train=False)
+                rows = slice(i, i + per_step)
+                losses = self._run(inputs[rows], targets[rows], train=False,
+                                   positions=positions[rows] if positions is not None else None)
                 total += float(sum(l.double() for l in losses)) if losses else 0.0
         finally:
             self.dp_size = dp
@@ -257,23 +275,22 @@ def build_schedule(name: str, stages: list, n_microbatches: int, loss_fn: Callab
 class PipelinedModel(nn.Module):
     """This rank's pipeline stages as one module with the full model's parameter names.
 
-    It registers the GPT submodules this rank owns (`tok_emb`, `layers.k`, `norm`,
-    `output`) under their original names, so `named_parameters()` / `state_dict()` are a
+    It registers the submodules this rank owns (`tok_emb`, `layers.k`, `norm`, `output` of
+    tenfold's GPT; `model.embed_tokens`, `model.layers.k`, `model.norm`, `lm_head` of a Hugging
+    Face model) under their original names, so `named_parameters()` / `state_dict()` are a
     slice of the full model's and the optimizer, clipping, overflow check and checkpoints
     treat it like any model. The work is done by `self.runner` (a `PipelineRunner` over the
     parts as wrapped by recompute/ZeRO); calling the module directly is an error, because one
     rank cannot run the whole forward.
     """
 
-    def __init__(self, split: PipelineSplit, parts: Sequence[nn.Module], runner: PipelineRunner):
+    def __init__(self, split: PipelineSplit, parts: Sequence[nn.Module], runner: PipelineRunner, dist_info=None):
         super().__init__()
-        for m in split.modules:
-            for name in ("tok_emb", "pos_emb", "norm", "output"):
-                if getattr(m, name) is not None:
-                    setattr(self, name, getattr(m, name))
-        blocks = {k: b for m in split.modules for k, b in m.layers.items()}
-        self.layers = nn.ModuleDict({k: blocks[k] for k in sorted(blocks, key=int)})
-        self.cfg = split.modules[0].cfg
+        for stage_id, m in zip(split.stage_ids, split.modules):
+            for fqn in split.fqns[stage_id]:
+                _register(self, fqn, m.get_submodule(fqn))
+        self.config = getattr(split.modules[0], "config", None)  # a Hugging Face model's (save_pretrained)
+        self.dist_info = dist_info
         self.split = split
         self.parts = list(parts)  # plain list: the parts' modules are registered above
         self.runner = runner
@@ -292,16 +309,31 @@ class PipelinedModel(nn.Module):
         from tenfold.techniques.accumulation import all_reduce_sum, count_targets
 
         global_tokens = int(all_reduce_sum(count_targets(micro_batches), dp_group))
-        inputs = torch.cat([mb["input_ids"] for mb in micro_batches])
-        labels = torch.cat([mb["labels"] for mb in micro_batches])
-        result = self.runner.train_step(inputs, labels, global_tokens, loss_scale)
+        inputs, labels, positions = _concat(micro_batches)
+        result = self.runner.train_step(inputs, labels, global_tokens, loss_scale, positions)
         self.bubbles.append(result.bubble)
         return result
 
     def eval_loss_sum(self, batches: list[dict]) -> float:
-        inputs = torch.cat([b["input_ids"] for b in batches])
-        labels = torch.cat([b["labels"] for b in batches])
-        return self.runner.eval_loss_sum(inputs, labels)
+        return self.runner.eval_loss_sum(*_concat(batches))
+
+    def full_state_dict(self) -> dict | None:
+        """The whole model's unsharded state dict (CPU) on global rank 0, None elsewhere. Each
+        stage's tensors are gathered over dp and tp (ZeRO-3 shards, tp splits) on its own ranks,
+        then the stages' first dp/tp ranks, which form global rank 0's pp group, send them to
+        rank 0. Collective: every rank calls it."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state = get_model_state_dict(self, options=StateDictOptions(full_state_dict=True))
+        state = {k: v.detach().cpu() for k, v in state.items()}
+        d = self.dist_info
+        if d is None or not dist.is_initialized():
+            return state
+        if d.dp_rank or d.tp_rank:
+            return None
+        parts: list | None = [None] * d.pp_size if d.rank == 0 else None
+        dist.gather_object(state, parts, dst=0, group=d.mesh["pp"].get_group())
+        return {k: v for part in parts for k, v in part.items()} if parts is not None else None
 
     def step_metrics(self, tokens_per_s: float, world_size: int) -> dict:
         """metrics.jsonl fields of the last step: tokens/s per device (torchtitan's tps is
@@ -335,25 +367,42 @@ class PipelinedModel(nn.Module):
         }
 
 
+def _register(root: nn.Module, fqn: str, module: nn.Module) -> None:
+    """Put `module` at `fqn` under `root`, making the containers on the way (ModuleDicts)."""
+    *path, name = fqn.split(".")
+    for part in path:
+        if not hasattr(root, part):
+            setattr(root, part, nn.ModuleDict())
+        root = getattr(root, part)
+    root.add_module(name, module)
+
+
+def _concat(batches: list[dict]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(input ids, labels, position ids or None) of the micro-batches, as whole tensors."""
+    positions = [b["position_ids"] for b in batches if "position_ids" in b]
+    return (torch.cat([b["input_ids"] for b in batches]), torch.cat([b["labels"] for b in batches]),
+            torch.cat(positions) if positions else None)
+
+
 def build_pipelined_model(split: PipelineSplit, parts: Sequence[nn.Module], run, dist_info,
                           compute_dtype: torch.dtype | None) -> PipelinedModel:
     """Last step of `engine.parallelize` under PP: the parts (after recompute and ZeRO) go
     into `PipelineStage`s and the configured schedule."""
     micro_batch = run.micro_batch
-    model_cfg = split.modules[0].cfg
     io = None
     if split.dtypes is not None:
         # Under sequence parallelism a stage hands on its (b, s/tp, d) slice of the residual
         # stream: Narayanan et al. 2021's scatter/gather of p2p traffic, section 4.1.
         seq_split = run.tp if run.sequence_parallel else 1
-        io = [stage_io_examples(sid, split.n_stages, (micro_batch, run.seq_len), model_cfg.d_model,
-                                model_cfg.vocab_size, split.dtypes, seq_split) for sid in split.stage_ids]
+        io = [stage_io_examples(sid, split.n_stages, (micro_batch, run.seq_len), split.d_model,
+                                split.vocab_size, split.dtypes, seq_split) for sid in split.stage_ids]
     runner = PipelineRunner(
         parts, split.stage_ids, split.n_stages, run.pp_schedule, run.grad_accum, device=dist_info.device,
         pp_group=dist_info.mesh["pp"].get_group(), dp_size=dist_info.dp_size,
         autocast_dtype=compute_dtype or torch.float32, stage_io=io, tp_size=dist_info.tp_size, seq_len=run.seq_len,
+        with_positions=split.kind == "hf",
     )
-    return PipelinedModel(split, parts, runner)
+    return PipelinedModel(split, parts, runner, dist_info)
 
 
 def gather_per_rank(value) -> list:

@@ -121,33 +121,42 @@ def gpt_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, Any]:
 
 def hf_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, Any]:
     """Hugging Face Llama-family causal LMs, by their module names (the names of transformers'
-    own `base_model_tp_plan` for these models)."""
+    own `base_model_tp_plan` for these models), or a pipeline stage of one (`HFStage`, which
+    holds some of these modules under the same names)."""
     base, layers = _hf_parts(model)
+    inner = getattr(model, base)
+    # A stage computes positions and masks from its position_ids (techniques/pipeline_hf.py) and
+    # may start at any block: its embedding, like tenfold's, hands on sequence shards itself.
+    staged = isinstance(layers, nn.ModuleDict)
+    seq = Shard(1) if sequence_parallel else Replicate()
     names = {"norm1": "input_layernorm", "attn": "self_attn", "q": "self_attn.q_proj", "k": "self_attn.k_proj",
              "v": "self_attn.v_proj", "o": "self_attn.o_proj", "norm2": "post_attention_layernorm", "mlp": "mlp",
              "up": "mlp.up_proj", "gate": "mlp.gate_proj", "down": "mlp.down_proj"}
-    # position ids and the causal mask come from the embedding output's length: keep it whole
-    plan: dict[str, Any] = {f"{base}.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())}
-    for i in range(len(layers)):
-        plan.update(_block_plan(f"{base}.layers.{i}", names, sequence_parallel, swiglu=True,
+    plan: dict[str, Any] = {}
+    if getattr(inner, "embed_tokens", None) is not None:
+        # the full model computes position ids and the causal mask from the embedding output's length: keep it whole
+        plan[f"{base}.embed_tokens"] = RowwiseParallel(input_layouts=Replicate(),
+                                                       output_layouts=seq if staged else Replicate())
+    for key in (layers.keys() if staged else range(len(layers))):
+        plan.update(_block_plan(f"{base}.layers.{key}", names, sequence_parallel, swiglu=True,
                                 attn_input_by_keyword="hidden_states"))
-    if sequence_parallel:
+    if sequence_parallel and not staged:
         # the first block cuts its replicated input by sequence position (a local slice)
         plan[f"{base}.layers.0"] = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
                                                       use_local_output=True)
-        plan[f"{base}.norm"] = SequenceParallel(use_local_output=True)  # lm_head slices its input
-    else:
-        plan[f"{base}.norm"] = None
-    plan["lm_head"] = _vocab_output(sequence_parallel)
+    if getattr(inner, "norm", None) is not None:  # under SP lm_head slices its input
+        plan[f"{base}.norm"] = SequenceParallel(use_local_output=True) if sequence_parallel else None
+    if getattr(model, "lm_head", None) is not None:
+        plan["lm_head"] = _vocab_output(sequence_parallel)
     return plan
 
 
-def _hf_parts(model: nn.Module) -> tuple[str, nn.ModuleList]:
+def _hf_parts(model: nn.Module) -> tuple[str, nn.ModuleList | nn.ModuleDict]:
     """(FQN of the base model, its decoder layers): `model.layers` under `base_model_prefix`."""
     base = getattr(model, "base_model_prefix", "model") or "model"
     inner = getattr(model, base, None)
     layers = getattr(inner, "layers", None)
-    if not isinstance(layers, nn.ModuleList) or not hasattr(model, "lm_head"):
+    if not isinstance(layers, (nn.ModuleList, nn.ModuleDict)) or not hasattr(model, "lm_head"):
         raise _unmapped(model, f"{base}.layers" if inner is not None else base)
     return base, layers
 

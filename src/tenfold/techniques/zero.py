@@ -39,7 +39,7 @@ import torch.distributed as torch_dist
 import torch.nn as nn
 
 from tenfold.errors import UserError
-from tenfold.terms import ZERO_STAGES, zero_runs_as
+from tenfold.terms import ZERO_STAGES, runs_on_fsdp2, zero_runs_as
 
 ENGINES = {
     0: "DDP",
@@ -81,7 +81,7 @@ def apply_zero(
     _warn_unmapped_knobs(parallel_cfg, stage, dist)
     tp = getattr(dist, "tp_size", 1)
     runs_as = zero_runs_as(stage, tp, dist.dp_size)  # the rule the planner prices too
-    if runs_as <= 1 and tp == 1:
+    if not runs_on_fsdp2(stage, tp, dist.dp_size):
         wrapped = _wrap_ddp(model, parallel_cfg, dist)  # DDP broadcasts rank 0's weights itself
     else:
         _broadcast_from_dp_rank0(model, dist)
