@@ -40,6 +40,8 @@ class Capabilities:
     attention_core_models: tuple[str, ...]  # model kinds with a module selective:attention can wrap
     compile: bool  # torch.compile per transformer block (train.compile)
     compile_with_tp: bool  # ... of tensor-parallel (DTensor) blocks
+    fp8_precisions: tuple[str, ...]  # precision.dtype values --fp8 runs on top of (float8 matmuls, torchao)
+    fp8_with_tp: bool  # --fp8 with tensor parallelism
 
 
 ENGINE = Capabilities(
@@ -71,6 +73,14 @@ ENGINE = Capabilities(
     # Compiled tp blocks fail in backward on torch 2.13 (DTensor's redistribute backward gets a
     # plain tensor from the compiled graph: "'Tensor' object has no attribute '_local_tensor'").
     compile_with_tp=False,
+    # torchao's float8 training recipe, as torchtitan runs it: float8 matmuls inside bf16 autocast
+    # over fp32 master weights (techniques/fp8.py). fp32 would keep every other op and the
+    # embedding/head in fp32, which no published float8 recipe does; fp16 would stack a loss
+    # scale on float8's own per-tensor scales (e5m2 gradients), which torchao does not support.
+    fp8_precisions=("bf16",),
+    # Float8Linears under tensor parallelism need torchao's float8 parallel styles
+    # (Float8ColwiseParallel, ...), which tenfold's tensor-parallel plans do not use.
+    fp8_with_tp=False,
 )
 
 
@@ -135,6 +145,7 @@ def _technique_problems(run, caps: Capabilities) -> list[str]:
                    "compile tensor-parallel blocks; run --tp 1 with --compile, or --tp without --compile")
     if run.precision not in caps.precisions:
         out.append(f"precision {run.precision!r}: tenfold train runs {', '.join(caps.precisions)}")
+    out += _fp8_problems(run, caps)
     if run.tp > 1 and not caps.tensor_parallel:
         out.append(f"tensor parallelism (tp {run.tp}): tenfold train has no tensor parallelism")
     elif run.tp > 1 and run.model_kind == "hf" and run.hf_model_type not in caps.tensor_parallel_hf_types:
@@ -169,6 +180,21 @@ def _sharding_problems(run, caps: Capabilities) -> list[str]:
     elif off == "optimizer+params" and run.zero_stage != 3:
         out.append("parallel.offload 'optimizer+params' (--offload) needs --zero 3 (only stage 3 partitions parameters); "
                    "use --offload optimizer with --zero 2")
+    return out
+
+
+def _fp8_problems(run, caps: Capabilities) -> list[str]:
+    if not run.fp8:
+        return []
+    out = []
+    if run.precision not in caps.fp8_precisions:
+        out.append(f"precision.fp8 (--fp8) runs float8 matmuls inside {' or '.join(caps.fp8_precisions)} autocast "
+                   f"(torchao's float8 training recipe), not with precision {run.precision!r}: use --precision "
+                   f"{caps.fp8_precisions[0]} --fp8")
+    if run.tp > 1 and not caps.fp8_with_tp:
+        out.append(f"precision.fp8 (--fp8) with tensor parallelism (tp {run.tp}): float8 layers need torchao's float8 "
+                   "tensor-parallel styles, which tenfold's plans do not use; run --fp8 with --tp 1 (ZeRO and --pp "
+                   "compose with it)")
     return out
 
 

@@ -145,6 +145,11 @@ class TrainSection(_Section):
 
 class PrecisionSection(_Section):
     dtype: Literal["fp32", "bf16", "fp16"] = "bf16"
+    # Float8 matmuls in the transformer blocks' Linears (torchao), the rest in `dtype` (bf16):
+    # a switch on top of bf16, not a dtype (techniques/fp8.py, docs/precision.md).
+    fp8: bool = False
+    # FP8 on a device without float8 matmuls (a CPU, CUDA < 8.9): the numerics, slowly; for tests.
+    fp8_emulate: bool = False
     # fp16 dynamic loss scaling, DeepSpeed's keys and defaults (deepspeed/runtime/config.py).
     loss_scale: float = Field(0.0, ge=0.0)  # 0 = dynamic, > 0 = static scale
     initial_scale_power: int = Field(16, ge=0, le=63)
@@ -153,6 +158,20 @@ class PrecisionSection(_Section):
     consecutive_hysteresis: bool = False
     min_loss_scale: float = Field(1.0, gt=0)
     raise_error_at_min_scale: bool = True  # DeepSpeed: an overflow at min_loss_scale ends the run
+
+    @field_validator("dtype", mode="before")
+    @classmethod
+    def _fp8_is_a_switch(cls, v: Any) -> Any:
+        if isinstance(v, str) and v.strip().lower() in ("fp8", "float8"):
+            raise ValueError("FP8 is not a dtype here: pass --fp8 (precision.fp8 = true), which runs the "
+                             "transformer blocks' matmuls in float8 and everything else in bf16")
+        return v
+
+    @model_validator(mode="after")
+    def _emulate_needs_fp8(self) -> "PrecisionSection":
+        if self.fp8_emulate and not self.fp8:
+            raise UserError("precision.fp8_emulate (--fp8-emulate) emulates FP8 matmuls: it needs precision.fp8 (--fp8)")
+        return self
 
 
 class RecomputeSection(_Section):

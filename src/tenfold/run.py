@@ -78,6 +78,7 @@ class ResolvedRun:
     model_kind: str = "tenfold"  # tenfold.capabilities.MODEL_KINDS
     hf_model_type: str = ""  # a Hugging Face model's config.json model_type
     compile: bool = False
+    fp8: bool = False  # float8 matmuls in the blocks (precision.fp8), on top of `precision`
     stack: Stack = ENGINE_STACK
     config: object = field(default=None, compare=False)  # the TenfoldConfig it was read from (None: built by the planner)
 
@@ -195,7 +196,7 @@ class ResolvedRun:
             "pp": self.pp, "tp": self.tp, "pp_schedule": self.pp_schedule, "virtual_stages": self.virtual_stages,
             "pp_split": self.stage_layers if self.pp_split_given else None,
             "sequence_parallel": self.sequence_parallel, "model_kind": self.model_kind,
-            "hf_model_type": self.hf_model_type, "compile": self.compile, "stack": self.stack,
+            "hf_model_type": self.hf_model_type, "compile": self.compile, "fp8": self.fp8, "stack": self.stack,
         }
 
     def with_seq_len(self, seq_len: int) -> "ResolvedRun":
@@ -208,7 +209,7 @@ CHOICES = {
     "precision": "bf16", "micro_batch": None, "grad_accum": None, "global_batch": None, "seq_len": None,
     "recompute": "none", "zero_stage": 0, "offload": "none", "shard_group": None, "pp": 1, "tp": 1, "pp_schedule": "1f1b",
     "virtual_stages": None, "pp_split": None, "sequence_parallel": None, "model_kind": "tenfold",
-    "hf_model_type": "", "compile": False, "stack": ENGINE_STACK,
+    "hf_model_type": "", "compile": False, "fp8": False, "stack": ENGINE_STACK,
 }
 
 
@@ -262,8 +263,8 @@ def resolve(model: ModelConfig | None, world_size: int, *, params: float | None 
         zero_stage=c["zero_stage"], pp_schedule=c["pp_schedule"], virtual_stages=v,
         stage_layers=stage_layer_counts(n_layers, stages, c["pp_split"] if pp > 1 else None),
         sequence_parallel=sequence_parallel, offload=c["offload"], shard_group=shard_group,
-        pp_split_given=pp > 1 and c["pp_split"] is not None,
-        model_kind=c["model_kind"], hf_model_type=c["hf_model_type"], compile=c["compile"], stack=c["stack"],
+        pp_split_given=pp > 1 and c["pp_split"] is not None, model_kind=c["model_kind"],
+        hf_model_type=c["hf_model_type"], compile=c["compile"], fp8=c["fp8"], stack=c["stack"],
         config=config,
     )
     if check:
@@ -320,6 +321,7 @@ def choices_from_config(cfg) -> dict:
         "pp_schedule": par.pp_schedule, "virtual_stages": par.virtual_stages,
         "pp_split": tuple(par.pp_split) if par.pp_split else None, "sequence_parallel": par.sequence_parallel,
         "model_kind": model_kind(cfg), "hf_model_type": hf_model_type(cfg), "compile": t.compile,
+        "fp8": cfg.precision.fp8,
     }
 
 
@@ -342,7 +344,7 @@ def config_for_run(base, run: ResolvedRun):
     )
     d["train"].update(micro_batch=run.micro_batch, global_batch=run.global_batch, grad_accum=None)
     d["data"]["seq_len"] = run.seq_len
-    d["precision"]["dtype"] = run.precision
+    d["precision"].update(dtype=run.precision, fp8=run.fp8, fp8_emulate=run.fp8 and d["precision"]["fp8_emulate"])
     d["recompute"]["policy"] = str(run.recompute)
     return build_config(d)
 

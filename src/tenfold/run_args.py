@@ -48,7 +48,11 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--eval-every", type=int, help="validation loss every N steps (0: at the end only)")
     t.add_argument("--on-nan", help="non-finite loss in bf16/fp32: stop (default) or skip")
     x = p.add_argument_group("techniques")
-    x.add_argument("--precision", help="fp32 | bf16 (default) | fp16 (dynamic loss scaling)")
+    x.add_argument("--precision", help="fp32 | bf16 (default) | fp16 (dynamic loss scaling); for FP8 see --fp8")
+    x.add_argument("--fp8", action="store_true", default=None, help="float8 matmuls in the transformer blocks (torchao; "
+                   "the embedding, head and the rest stay bf16); needs an H100/H200/B200-class GPU (compute capability >= 8.9)")
+    x.add_argument("--fp8-emulate", action="store_true", default=None, help="allow --fp8 without float8 matmuls "
+                   "(CPU, older GPUs): the same numerics, slowly; for tests")
     x.add_argument("--ac", help="activation recompute: none | full | every:N | segments:K | selective[:attention|:mlp] | offload")
     x.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile each transformer block (compile time reported on its own; default off: "
@@ -85,7 +89,9 @@ _TRAIN_FLAGS = {
     "steps": ("train", "steps"), "micro_batch": ("train", "micro_batch"), "grad_accum": ("train", "grad_accum"),
     "global_batch": ("train", "global_batch"), "lr": ("train", "lr"), "seed": ("train", "seed"),
     "eval_every": ("train", "eval_every"), "on_nan": ("train", "on_nan"), "compile": ("train", "compile"), "precision": ("precision", "dtype"),
-    "ac": ("recompute", "policy"), "zero": ("parallel", "zero_stage"), "offload": ("parallel", "offload"), "shard_group": ("parallel", "shard_group_size"), "nproc": ("parallel", "nproc"),
+    "fp8": ("precision", "fp8"), "fp8_emulate": ("precision", "fp8_emulate"),
+    "ac": ("recompute", "policy"), "zero": ("parallel", "zero_stage"), "offload": ("parallel", "offload"),
+    "shard_group": ("parallel", "shard_group_size"), "nproc": ("parallel", "nproc"),
     "pp": ("parallel", "pp_degree"), "pp_schedule": ("parallel", "pp_schedule"),
     "tp": ("parallel", "tp_degree"), "sequence_parallel": ("parallel", "sequence_parallel"),
     "virtual_stages": ("parallel", "virtual_stages"), "pp_split": ("parallel", "pp_split"),

@@ -1,8 +1,11 @@
 """The one place where the techniques are applied to a model, in a fixed order.
 
-Order (torchtitan's `parallelize_llama`): pipeline split -> tensor parallelism -> activation
-recompute -> torch.compile per block -> ZeRO/FSDP wrapping, on one ("pp", "dp", "tp") device
-mesh. The pipeline split comes first because each stage splits and shards only what it owns.
+Order (torchtitan's `parallelize_llama`): pipeline split -> float8 conversion -> tensor
+parallelism -> activation recompute -> torch.compile per block -> ZeRO/FSDP wrapping, on one
+("pp", "dp", "tp") device mesh. The pipeline split comes first because each stage splits and
+shards only what it owns. Float8 conversion swaps modules (Linear -> Float8Linear) and so comes
+before every wrapper, as torchtitan converts the model before `parallelize_llama` runs: FSDP2
+then all-gathers the float8 weights its own way (techniques/fp8.py).
 Tensor parallelism comes before recompute so that a recomputed block re-runs its own tp
 collectives, and before FSDP2, which then shards the tp-split DTensor parameters over the dp
 axis (2-D parameters). Recompute must wrap blocks before FSDP2's `fully_shard` takes them over
@@ -42,6 +45,10 @@ def parallelize(
         from tenfold.techniques.compile import check_supported
 
         check_supported(dist.device.type)
+    if run.config.precision.fp8:  # before any work too: a device without float8 matmuls, no torchao
+        from tenfold.techniques import fp8
+
+        fp8.check_supported(dist.device, run.config.precision.fp8_emulate)
     if dist.tp_size > 1:
         _broadcast_from_rank0(model)  # the tp ranks split one model: it must be the same everywhere
     if dist.pp_size > 1:  # split first; each stage then gets TP + recompute + ZeRO alone
@@ -58,6 +65,11 @@ def _apply_techniques(model: nn.Module, run: ResolvedRun, dist: DistInfo, blocks
                       tp_plan: dict | None) -> nn.Module:
     from tenfold.techniques import recompute, zero
 
+    if run.config.precision.fp8:
+        from tenfold.techniques import fp8
+
+        fp8.apply_fp8(model, blocks if blocks is not None else recompute.find_blocks(model), dist.device,
+                      run.config.precision.fp8_emulate, fsdp_all_gather=run.zero_stage >= 2 and dist.dp_size > 1)
     if dist.tp_size > 1:
         from tenfold.techniques import tensor_parallel as tp
 
@@ -97,6 +109,8 @@ def check_techniques(adapter: ModelAdapter, cfg: TenfoldConfig) -> None:
         # its only unit still shards gradients and optimizer states, so it is allowed.)
         # Checked on one process too: the error is about the model, not the launch.
         adapter.require_blocks("parallel.zero_stage 3 (--zero 3, FSDP2 one unit per block)")
+    if cfg.precision.fp8:  # the blocks' Linears run in float8; the first and last layers, outside them, do not
+        adapter.require_blocks("precision.fp8 (--fp8, float8 matmuls in the blocks)")
     if cfg.parallel.pp_degree > 1:
         from tenfold.capabilities import pipeline_model_problem
 

@@ -32,8 +32,9 @@ class RunFacts:
 def header_line(facts: RunFacts, steps: int, dp: int, device_type: str, tp: int = 1) -> str:
     b = facts.batch
     split = f" | tp {tp}" if tp > 1 else ""
+    fp8 = " + fp8 matmuls" if facts.config.get("precision", {}).get("fp8") else ""
     return (
-        f"[bold]tenfold train[/] {facts.model_label} ({facts.params / 1e6:.2f}M params) | {facts.dtype} | "
+        f"[bold]tenfold train[/] {facts.model_label} ({facts.params / 1e6:.2f}M params) | {facts.dtype}{fp8} | "
         f"batch {b['global_batch']} = {b['micro_batch']} x {b['grad_accum']} x dp {dp}{split} "
         f"| seq {b['seq_len']} | {steps} steps | {facts.world_size} process(es) on {device_type}"
     ) + (f"\nlayout: {facts.layout_line}" if facts.layout_line else "")

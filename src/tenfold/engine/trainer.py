@@ -199,10 +199,11 @@ class Trainer:
 
     def _build_optimizer(self) -> None:
         from tenfold.engine.schedule import build_scheduler
-        from tenfold.techniques import zero
+        from tenfold.techniques import fp8, zero
 
         cfg = self.cfg
         self.optimizer = zero.build_optimizer_for(self.model, cfg.train, cfg.parallel, self.dist)
+        fp8.precompute_scales_after_steps(self.optimizer, self.model)  # --fp8 under FSDP2: scales in one all-reduce
         tighten_timeouts_after_first_step(self.optimizer, cfg.parallel.timeout_s, self.dist)
         self.scheduler = build_scheduler(self.optimizer, cfg.train, cfg.train.steps)
 

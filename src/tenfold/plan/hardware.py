@@ -4,6 +4,10 @@ Conventions (stated once, used everywhere):
 - `peak_flops[dtype]` is the DENSE (no 2:4 sparsity) tensor-core peak for bf16/fp16 and the
   plain FP32 (non-TF32) peak for fp32, because PyTorch runs fp32 matmuls without TF32 by
   default (`torch.backends.cuda.matmul.allow_tf32 = False` since 1.12). `None` = unsupported.
+  `peak_flops["fp8"]` is the dense float8 (e4m3/e5m2) tensor-core peak with fp32 accumulation,
+  what `torch._scaled_mm` runs for `tenfold train --fp8`; datasheets print it "with sparsity",
+  twice the dense figure, which is halved here. GPUs without float8 tensor cores (before
+  compute capability 8.9: V100, A100) have none.
 - `memory_bytes` is the device capacity in bytes (the "80 GB" of an A100 is 80 GiB).
 - `intra_node_bw` is the per-GPU, one-direction NVLink/fabric bandwidth in bytes/s (NVLink3
   on A100 is 600 GB/s bidirectional = 300 GB/s each way). `nic_bw` is the per-GPU network
@@ -34,6 +38,7 @@ from pathlib import Path
 from tenfold.errors import UserError
 
 GiB = 2**30
+PEAK_DTYPES = ("fp32", "bf16", "fp16", "fp8")  # the keys of Hardware.peak_flops (fp8: float8 matmuls, --fp8)
 GB = 1e9
 TFLOPS = 1e12
 
@@ -50,7 +55,7 @@ A100_MAMF_FRACTION = 271.2 / 312  # the default where no MAMF is published
 @dataclass(frozen=True, eq=False)  # hashed by identity: the planner caches per-hardware results
 class Hardware:
     name: str
-    peak_flops: dict[str, float | None]  # dense FLOP/s per dtype: fp32, bf16, fp16
+    peak_flops: dict[str, float | None]  # dense FLOP/s per dtype: fp32, bf16, fp16, fp8 (float8 matmuls)
     memory_bytes: float
     hbm_bw: float  # bytes/s
     intra_node_bw: float  # bytes/s, per GPU, one direction
@@ -81,9 +86,15 @@ class Hardware:
         return achieved / self.gemm_efficiency if achieved else self.peak(dtype)
 
     def peak(self, dtype: str) -> float:
+        """Dense peak FLOP/s of matmuls in `dtype`: fp32, bf16, fp16, or fp8 (the float8 matmuls
+        of `tenfold train --fp8`; the rest of such a step runs at the bf16 rate)."""
         value = self.peak_flops.get(dtype)
+        if not value and dtype == "fp8":
+            with_fp8 = [name for name, hw in CATALOG.items() if hw.peak_flops.get("fp8")]
+            why = self.sources.get("fp8", "none given")
+            raise UserError(f"--fp8: {self.name} has no float8 matmul peak ({why}); GPUs with one: {', '.join(with_fp8)}")
         if not value:
-            allowed = [k for k, v in self.peak_flops.items() if v]
+            allowed = [k for k, v in self.peak_flops.items() if v and k != "fp8"]
             raise UserError(
                 f"--precision {dtype} is not supported on {self.name} (no {dtype} peak); allowed: {', '.join(allowed)}"
             )
@@ -97,15 +108,18 @@ _NV = "NVIDIA datasheet"
 
 
 _MAMF = "Bekman, ml-engineering, MAMF table (bf16 matmul, brute-force shape search)"
+_NO_FP8 = "no float8 tensor cores: compute capability < 8.9"
 _NO_MAMF = "no MAMF measurement published; the A100 SXM's 271.2/312 = 0.869 assumed"
 
 
-def _gpu(name, fp32, bf16, fp16, mem_gib, hbm_gbs, intra_gbs, nic_gbs, sources, matmul_fraction=None, **kw) -> Hardware:
+def _gpu(name, fp32, bf16, fp16, mem_gib, hbm_gbs, intra_gbs, nic_gbs, sources, matmul_fraction=None, fp8=None,
+         **kw) -> Hardware:
     fraction = A100_MAMF_FRACTION if matmul_fraction is None else matmul_fraction
-    sources = {**sources, "matmul": sources.get("matmul", _NO_MAMF)}
+    sources = {**sources, "matmul": sources.get("matmul", _NO_MAMF), "fp8": sources.get("fp8", _NO_FP8)}
     return Hardware(
         name=name,
-        peak_flops={"fp32": fp32 * TFLOPS, "bf16": bf16 * TFLOPS if bf16 else None, "fp16": fp16 * TFLOPS},
+        peak_flops={"fp32": fp32 * TFLOPS, "bf16": bf16 * TFLOPS if bf16 else None, "fp16": fp16 * TFLOPS,
+                    "fp8": fp8 * TFLOPS if fp8 else None},
         memory_bytes=mem_gib * GiB, hbm_bw=hbm_gbs * GB, intra_node_bw=intra_gbs * GB,
         nic_bw=nic_gbs * GB, sources=sources, matmul_fraction=fraction,
         gemm_efficiency=GEMM_SHARE_OF_MAMF * fraction, **kw,
@@ -150,7 +164,8 @@ CATALOG: dict[str, Hardware] = {
         "sms": "NVIDIA Hopper whitepaper: 132 SMs (H100 SXM5)",
         "host": _PCIE5,
         "matmul": f"{_MAMF}: H100 SXM 794.5 of 989 TFLOP/s = 0.803",
-    }, sm_count=132, host_link_bw=50 * GB, matmul_fraction=794.5 / 989),
+        "fp8": f"{_NV} H100 SXM5: FP8 Tensor Core 3,958 TFLOPS with sparsity = 1,979 dense",
+    }, sm_count=132, host_link_bw=50 * GB, matmul_fraction=794.5 / 989, fp8=1979),
     "h100-pcie": _gpu("h100-pcie", 51, 756, 756, 80, 2000, 64, 25, {
         "peak": f"{_NV} H100 PCIe: 51 TFLOPS FP32, 756 TFLOPS bf16/fp16 dense (torchtitan: 756e12)",
         "memory": f"{_NV}: 80 GB HBM2e, 2.0 TB/s",
@@ -158,7 +173,8 @@ CATALOG: dict[str, Hardware] = {
         "nic": "assumed one 200 Gb/s NIC per GPU = 25 GB/s",
         "sms": "NVIDIA Hopper whitepaper: 114 SMs (H100 PCIe)",
         "host": _PCIE5,
-    }, host_link_bw=50 * GB, sm_count=114),
+        "fp8": f"{_NV} H100 PCIe: FP8 Tensor Core 3,026 TFLOPS with sparsity = 1,513 dense",
+    }, host_link_bw=50 * GB, sm_count=114, fp8=1513),
     "h200": _gpu("h200", 67, 989, 989, 141e9 / GiB, 4800, 450, 50, {
         "peak": f"{_NV} H200 SXM: same compute as H100 SXM, 989 TFLOPS bf16 dense (torchtitan: 989e12)",
         "memory": "141 GB HBM3e (MLCommons v4.1 system JSON); 4.8 TB/s [secondary: TensorRT-LLM #1570]",
@@ -167,7 +183,8 @@ CATALOG: dict[str, Hardware] = {
         "sms": "same GH100 die as H100 SXM5: 132 SMs",
         "host": _PCIE5,
         "matmul": f"{_MAMF}: H100 SXM 794.5 of 989 TFLOP/s, 'H200 is the same' = 0.803",
-    }, sm_count=132, host_link_bw=50 * GB, matmul_fraction=794.5 / 989),
+        "fp8": f"{_NV} H200 SXM: FP8 Tensor Core 3,958 TFLOPS with sparsity = 1,979 dense",
+    }, sm_count=132, host_link_bw=50 * GB, matmul_fraction=794.5 / 989, fp8=1979),
     "b200": _gpu("b200", 75, 2250, 2250, 180e9 / GiB, 8000, 900, 50, {
         "peak": f"{_NV} HGX B200: 2.25 PFLOPS bf16 dense per GPU (torchtitan: 2.25e15); FP32 600 TFLOPS / 8 GPUs",
         "memory": f"{_NV} HGX B200: 1.44 TB for 8 GPUs = 180 GB each, 8 TB/s",
@@ -176,7 +193,8 @@ CATALOG: dict[str, Hardware] = {
         "sms": "148 SMs (B200; as reported by CUDA device queries)",
         "host": _PCIE5,
         "matmul": f"{_MAMF}: B200 SXM 1745.0 of 2250 TFLOP/s = 0.776",
-    }, host_link_bw=50 * GB, sm_count=148, matmul_fraction=1745.0 / 2250),
+        "fp8": f"{_NV} HGX B200: FP8 Tensor Core 72 PFLOPS with sparsity for 8 GPUs = 4.5 PFLOPS dense per GPU",
+    }, host_link_bw=50 * GB, sm_count=148, matmul_fraction=1745.0 / 2250, fp8=4500),
     "mi300x": _gpu("mi300x", 163.4, 1307.4, 1307.4, 192e9 / GiB, 5300, 448, 50, {
         "peak": "AMD Instinct MI300X datasheet: 1307.4 TFLOPS bf16/fp16 dense, 163.4 TFLOPS FP32 matrix (torchtitan: 1300e12)",
         "memory": "AMD datasheet: 192 GB HBM3, 5.3 TB/s",
@@ -185,6 +203,7 @@ CATALOG: dict[str, Hardware] = {
         "sms": "AMD CDNA3 whitepaper: 304 compute units",
         "host": _PCIE5,
         "matmul": f"{_MAMF}: MI300X 668.4 of 1300 TFLOP/s = 0.514 (ROCm 6.3, TunableOp on)",
+        "fp8": "none listed: `tenfold train --fp8` runs on NVIDIA GPUs of compute capability >= 8.9 only",
     }, host_link_bw=50 * GB, sm_count=304, matmul_fraction=668.4 / 1300),
     "l40s": _gpu("l40s", 91.6, 362, 362, 48e9 / GiB, 864, 32, 25, {
         "peak": f"{_NV} L40S: 91.6 TFLOPS FP32, 362 TFLOPS bf16/fp16 dense (733 with sparsity)",
@@ -193,7 +212,8 @@ CATALOG: dict[str, Hardware] = {
         "nic": "assumed one 200 Gb/s NIC per GPU = 25 GB/s",
         "sms": "NVIDIA Ada whitepaper: 142 SMs (L40S)",
         "host": _PCIE4,
-    }, sm_count=142),
+        "fp8": f"{_NV} L40S: FP8 Tensor Core 1,466 TFLOPS with sparsity = 733 dense",
+    }, sm_count=142, fp8=733),
     "rtx4090": _gpu("rtx4090", 82.6, 165.2, 165.2, 24e9 / GiB, 1008, 32, 12.5, {
         "peak": f"{_NV} Ada whitepaper, RTX 4090: 82.6 TFLOPS FP32, 165.2 TFLOPS bf16/fp16 with fp32 accumulate (dense)",
         "memory": "24 GB GDDR6X, 1008 GB/s",
@@ -201,7 +221,8 @@ CATALOG: dict[str, Hardware] = {
         "nic": "assumed 100 Gb/s Ethernet = 12.5 GB/s",
         "sms": "NVIDIA Ada whitepaper: 128 SMs (RTX 4090)",
         "host": _PCIE4,
-    }, sm_count=128),
+        "fp8": "NVIDIA Ada whitepaper, RTX 4090: 330.3 TFLOPS FP8 with fp32 accumulate (dense; torch._scaled_mm accumulates in fp32)",
+    }, sm_count=128, fp8=330.3),
 }
 ALIASES = {"a100": "a100-80gb", "h100": "h100-sxm", "a100-80": "a100-80gb", "a100-40": "a100-40gb", "4090": "rtx4090"}
 
@@ -294,7 +315,7 @@ def cpu_hardware() -> Hardware:
 
 def load_hardware_toml(path: str | os.PathLike) -> Hardware:
     """User-defined hardware. Keys: name, memory_gb, hbm_gbs, intra_node_gbs, nic_gbs,
-    [peak_tflops] fp32/bf16/fp16, optional gpus_per_node, latencies, efficiencies, sources.
+    [peak_tflops] fp32/bf16/fp16 (and fp8, the dense float8 matmul peak), optional gpus_per_node, latencies, efficiencies, sources.
     `matmul_fraction` (measured best matmul / peak) sets the GEMM ceiling as the catalog does;
     `gemm_efficiency` sets it directly. What `tenfold tune` measures: [achieved_matmul_tflops]
     per dtype, step_overhead_s, microbatch_overhead_s (and shared_compute for CPU ranks that
@@ -325,7 +346,8 @@ def load_hardware_toml(path: str | os.PathLike) -> Hardware:
             raise UserError(f"--hardware-file {path}: {key} must be a positive number, got {data[key]!r}")
     return Hardware(
         name=str(data["name"]),
-        peak_flops={d: (float(peaks[d]) * TFLOPS if peaks.get(d) else None) for d in ("fp32", "bf16", "fp16")},
+        peak_flops={d: (float(peaks[d]) * TFLOPS if peaks.get(d) else None) for d in PEAK_DTYPES
+                    if d != "fp8" or peaks.get(d)},  # fp8 only where given (most files predate it)
         memory_bytes=float(data["memory_gb"]) * GB, hbm_bw=float(data["hbm_gbs"]) * GB,
         intra_node_bw=float(data["intra_node_gbs"]) * GB, nic_bw=float(data["nic_gbs"]) * GB,
         sources={"file": str(p), **{k: str(v) for k, v in data.get("sources", {}).items()}}, **_optional_keys(data, path),
@@ -377,7 +399,7 @@ def hardware_toml(hw: Hardware) -> str:
                   "shared_compute": hw.shared_compute}
     data.update({key: getattr(hw, key) for key in _PLAIN_KEYS})
     data.update({key: getattr(hw, name) / scale for key, (name, scale) in _SCALED_KEYS.items()})
-    data["peak_tflops"] = {d: hw.peak_flops[d] / TFLOPS for d in ("fp32", "bf16", "fp16") if hw.peak_flops.get(d)}
+    data["peak_tflops"] = {d: hw.peak_flops[d] / TFLOPS for d in PEAK_DTYPES if hw.peak_flops.get(d)}
     if hw.achieved_matmul_flops:
         data["achieved_matmul_tflops"] = {d: v / TFLOPS for d, v in hw.achieved_matmul_flops.items()}
     data["sources"] = {k: v for k, v in hw.sources.items() if k != "file"}
