@@ -182,6 +182,8 @@ def _predict(run: ResolvedRun, hardware, gpus_per_node=None, trace: bool = True,
         notes.append(
             f"does not fit: {mem.total_bytes / 2**30:.1f} GiB needed on the {mem.stage} stage vs {mem.capacity_bytes / 2**30:.1f} GiB"
         )
+    if run.fp8 and not hw.peak_flops.get("fp8"):
+        notes.append(f"--fp8 priced at the {run.precision} rate: {hw.name} has no float8 matmul peak (emulated)")
     if not shape.known:
         notes.append("only --params given: activations unknown (null); FLOPs = 6 x params per token; no TP/PP shapes")
     return Plan(

@@ -10,6 +10,7 @@ import functools
 from dataclasses import dataclass
 
 from tenfold.models.presets import ModelConfig
+from tenfold.plan.fp8 import block_param_bytes
 from tenfold.run import ResolvedRun, Stack, resolve
 from tenfold.terms import MULTI_STAGE_SCHEDULES, RecomputePolicy, element_bytes, runs_on_fsdp2
 
@@ -415,7 +416,7 @@ def comm_buffer_bytes(run: ResolvedRun, largest_unit: float, tp_seq_bytes: float
     before its reduce-scatter; ZeRO-3 also two all-gathered units alive at once in forward
     (PyTorch PR #128884, the prefetch). Nothing without data parallelism. PP: send/recv buffers."""
     b = bytes_per_param(run)
-    unit_param_bytes = element_bytes(run.precision)
+    unit_param_bytes = block_param_bytes(run)  # float8 with --fp8 under FSDP2
     z = run.zero_runs_as
     if run.dp <= 1 and run.offload == "none":
         n, why = 0.0, "no gradient buffers (no data parallelism)"
@@ -440,7 +441,7 @@ def autocast_weight_copy_bytes(stage_params: float, run: ResolvedRun) -> float:
     alive from forward to backward (2 bytes/param; under ZeRO-3 FSDP2 casts per unit instead)."""
     if run.precision == "fp32" or run.stack.master_weights or run.zero_runs_as == 3:
         return 0.0
-    return 2.0 * stage_params
+    return block_param_bytes(run) * stage_params
 
 
 ALLOCATOR_RESERVE_FRACTION = 0.10  # caching-allocator fragmentation on churning tensors (assumption)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tenfold.errors import UserError
-from tenfold.plan import comm, dp_time, memory
+from tenfold.plan import comm, dp_time, fp8, memory
 from tenfold.plan import time as tm
 from tenfold.plan.flops import model_flops_per_token, recompute_flops_per_token, regathered_layers
 from tenfold.plan.hardware import Hardware
@@ -156,7 +156,7 @@ def _trace_time(tr, r: ResolvedRun, hw: Hardware, mb: MicroBatch, bubble: float,
 
 def stage_work(shape: ModelShape, r: ResolvedRun, mb: MicroBatch) -> dp_time.StageWork:
     """What DP/ZeRO moves for the slowest stage, and the compute windows that can hide it."""
-    elem = element_bytes(r.precision)
+    elem = fp8.block_param_bytes(r)  # a gathered block weight: float8 under --fp8 with FSDP2
     grad_bytes = memory.bytes_per_param(r).grads
     on_stage = run_rank_params(shape, r, mb.stage)
     if shape.known:
@@ -171,7 +171,7 @@ def stage_work(shape: ModelShape, r: ResolvedRun, mb: MicroBatch) -> dp_time.Sta
     return dp_time.StageWork(
         layers=layers, layer_fwd_s=fwd_w, layer_bwd_s=bwd_w, bwd_s=mb.bwd + mb.rc,
         layer_param_bytes=elem * per_layer, layer_grad_bytes=grad_bytes * per_layer,
-        root_param_bytes=elem * root, root_grad_bytes=grad_bytes * root,
+        root_param_bytes=element_bytes(r.precision) * root, root_grad_bytes=grad_bytes * root,
         regathered_layers=regathered, micro_batches=r.grad_accum, pp=r.pp,
         reduce_once=r.zero_stage == 1 and r.zero_runs_as == 2,
     )

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 from tenfold.models.presets import ModelConfig
 from tenfold.plan.flops import Gemm, attention_core_gemms, head_gemm, layer_gemms
+from tenfold.plan import fp8
 from tenfold.plan.hardware import Hardware
 from tenfold.run import ResolvedRun
 from tenfold.terms import RecomputePolicy, element_bytes
@@ -98,7 +99,8 @@ def layer_times(cfg: ModelConfig, run: ResolvedRun, hw: Hardware, peak: float, t
     B = element_bytes(run.precision)
     micro_batch, seq_len, tp = run.micro_batch, run.seq_len, run.tp
     gemms = layer_gemms(cfg, micro_batch, seq_len, tp)
-    g_times = {g.name: gemm_time(g, hw, peak, B) for g in gemms}
+    mm_peak = fp8.block_matmul_peak(hw, run, peak)  # float8 matmuls in the blocks with --fp8
+    g_times = {g.name: gemm_time(g, hw, mm_peak, B) for g in gemms}
     core = attention_core_gemms(cfg, micro_batch, seq_len, tp)
     core_t = sum(gemm_time(g, hw, peak, B) for g in core)
     if run.stack.flash_attention:
@@ -106,7 +108,8 @@ def layer_times(cfg: ModelConfig, run: ResolvedRun, hw: Hardware, peak: float, t
         attn_b = 2.5 * attn_f  # FA2 backward: 5 matmuls vs 2
     else:
         attn_f, attn_b = core_t, 2 * core_t
-    elem = elementwise_bytes_per_token(cfg, run) * micro_batch * seq_len / (hw.hbm_bw * MEMORY_EFFICIENCY)
+    per_token = elementwise_bytes_per_token(cfg, run) + fp8.cast_bytes_per_token(cfg, run)
+    elem = per_token * micro_batch * seq_len / (hw.hbm_bw * MEMORY_EFFICIENCY)
     mm = sum(g_times.values())
     fwd = mm + attn_f + elem
     bwd = 2 * mm + attn_b + 2 * elem
