@@ -159,6 +159,32 @@ def test_zero3_per_gpu_throughput_falls_at_fixed_global_batch():
     assert thin[1].tflops_per_gpu < 0.5 * thin[0].tflops_per_gpu
 
 
+def test_hybrid_sharding_recovers_what_full_sharding_loses_at_scale():
+    """At a fixed global batch, ZeRO-3 over every rank gathers each layer across the whole fleet
+    (ring latency grows with the ranks, each gather crosses the network) while each rank's
+    compute shrinks: per-GPU throughput falls. Shard groups of one node gather over NVLink and
+    all-reduce a 1/8 shard across nodes once per step (PyTorch HSDP; MiCS, Zhang et al. 2022)."""
+    def tokens_per_gpu(gpus, group=None):
+        run = planned("llama-7b", gpus, precision="bf16", zero_stage=3, global_batch=1024,
+                      micro_batch=1024 // gpus, seq_len=2048, shard_group=group)
+        return predict(run, "a100-80gb").tokens_per_s / gpus
+
+    full = [tokens_per_gpu(n) for n in (256, 512, 1024)]
+    assert full == sorted(full, reverse=True) and full[-1] < 0.75 * full[0]
+    hybrid = [tokens_per_gpu(n, 8) for n in (256, 512, 1024)]
+    assert hybrid[-1] > 1.2 * full[-1] and hybrid[-1] > 0.8 * hybrid[0]
+
+
+def test_search_prefers_hybrid_sharding_on_a_1024_gpu_fleet():
+    base = planned("llama-7b", 1, precision="bf16", global_batch=1024, seq_len=2048)
+    result = search(base, "a100-80gb", gpus=1024, top_k=5)
+    best = result.best[0]
+    assert best.strategy["shard_group"] and best.strategy["zero_stage"] >= 2 and not best.unsupported
+    plain = predict(base.with_(world_size=1024, zero_stage=3, micro_batch=1, check=False), "a100-80gb")
+    assert best.tokens_per_s > 1.2 * plain.tokens_per_s
+    assert "shard groups of" in best.layout_line
+
+
 # --------------------------------------------------------------------------- offload, TP, memory, peaks
 def test_offload_zero1_keeps_the_16_bit_gradients_on_the_gpu():
     # 128 accumulated micro-batches at ZeRO-1: each rank holds its stage's full 16-bit gradients.

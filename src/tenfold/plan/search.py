@@ -1,4 +1,4 @@
-"""`--search`: every valid strategy (TP x PP x schedule x ZeRO x micro-batch x recompute) for
+"""`--search`: every valid strategy (TP x PP x schedule x ZeRO x shard group x micro-batch x recompute) for
 a model, fleet and global batch; the top k that fit, by predicted throughput.
 
 GPipe is never better than 1F1B (same bubble, more activations in flight) and is left out.
@@ -122,13 +122,24 @@ def _layouts(base: ResolvedRun, hw: Hardware, sequence_parallel: bool | None, gp
                 continue  # nothing to partition
             if zero == 1 and tp > 1 and pp > 1:
                 continue  # runs as ZeRO-2 (tenfold.terms.zero_runs_as), which a pipeline reduces once per step too
-            try:
-                yield base.with_(check=False, world_size=gpus, tp=tp, pp=pp, micro_batch=mb, pp_schedule=sched,
-                                 virtual_stages=v, global_batch=glob,
-                                 zero_stage=zero, recompute=ac, offload="none", pp_split=None,
-                                 sequence_parallel=sequence_parallel if tp > 1 else None)
-            except UserError:  # a layout the run's rules refuse (e.g. sequence split by tp)
-                continue
+            for group in _shard_groups(zero, dp, tp, hw.gpus_per_node):
+                try:
+                    yield base.with_(check=False, world_size=gpus, tp=tp, pp=pp, micro_batch=mb, pp_schedule=sched,
+                                     virtual_stages=v, global_batch=glob, zero_stage=zero, recompute=ac,
+                                     offload="none", pp_split=None, shard_group=group,
+                                     sequence_parallel=sequence_parallel if tp > 1 else None)
+                except UserError:  # a layout the run's rules refuse (e.g. sequence split by tp)
+                    continue
+
+
+def _shard_groups(zero: int, dp: int, tp: int, gpus_per_node: int) -> list[int | None]:
+    """ZeRO-2/3 over every dp rank (None), or hybrid sharding: shard groups of one node's dp
+    ranks and of two nodes' (PyTorch HSDP; MiCS), where that leaves more than one replica."""
+    groups: list[int | None] = [None]
+    if zero >= 2:
+        node = max(1, gpus_per_node // tp)
+        groups += [g for g in (node, 2 * node) if 1 < g < dp and dp % g == 0]
+    return groups
 
 
 def _schedules(pp: int, m: int, layers: int) -> list[tuple[str, int]]:
