@@ -15,6 +15,7 @@ from tenfold.plan.hardware import Hardware, get_hardware, with_gpus_per_node
 from tenfold.plan.shape import ModelShape, largest_unit_params, layers_on_stage, shape_of, stage_params
 from tenfold.plan.step_time import TimeBreakdown, compute_share, step_time
 from tenfold.plan.strategy import Resolved, Strategy, resolve
+from tenfold.terms import parse_recompute
 
 __all__ = ["Plan", "MemoryBreakdown", "TimeBreakdown", "Strategy", "predict", "predict_memory", "largest_micro_batch"]
 
@@ -276,7 +277,9 @@ def _stage_memory(shape: ModelShape, hw: Hardware, r: Resolved, stage: int) -> M
     tp_seq_bytes = 0.0
     if cfg is not None:
         layers = layers_on_stage(cfg.n_layers, s.pp, stage)
-        sa = memory.stage_activations(cfg, s, r.policy, r.seq_len, r.micro_batch, s.tp, s.pp, r.grad_accum, r.v,
+        # `op` (per-op selective recompute) is priced as `none`: an upper bound on what it keeps.
+        policy = parse_recompute("none") if r.policy.kind == "op" else r.policy
+        sa = memory.stage_activations(cfg, s, policy, r.seq_len, r.micro_batch, s.tp, s.pp, r.grad_accum, r.v,
                                       layers, first, last)
         act, act_work, per_layer, inflight = sa.total, sa.working_bytes, sa.layer_full_bytes, sa.inflight
         cpu += sa.cpu_bytes
