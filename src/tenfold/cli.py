@@ -98,7 +98,8 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--on-nan", help="non-finite loss in bf16/fp32: stop (default) or skip")
     x = p.add_argument_group("techniques")
     x.add_argument("--precision", help="fp32 | bf16 (default) | fp16 (dynamic loss scaling)")
-    x.add_argument("--ac", help="activation recompute: none | full | every:N | segments:K | selective[:attention|:mlp] | offload")
+    x.add_argument("--ac", help="activation recompute: none | full | every:N | segments:K | selective[:attention|:mlp] | op "
+                   "(per-op selective: keep every other matmul and the attention outputs, recompute the rest) | offload")
     x.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile each transformer block (compile time reported on its own; default off: "
                    "see docs/compile.md for where it pays)")

@@ -88,8 +88,9 @@ class RecomputePolicy:
 
     def checkpointed_blocks(self, n_blocks: int) -> list[list[int]]:
         """Groups of block indices run as one checkpointed unit: `full` on 3 -> [[0], [1], [2]];
-        `every:2` on 4 -> [[1], [3]]; `segments:2` on 5 -> [[0, 1, 2]]."""
-        if self.kind == "full":
+        `every:2` on 4 -> [[1], [3]]; `segments:2` on 5 -> [[0, 1, 2]]. `op` checkpoints every
+        block as `full` does, but its recompute runs only the ops whose outputs it did not keep."""
+        if self.kind in ("full", "op"):
             return [[i] for i in range(n_blocks)]
         if self.kind == "every":
             return [[i] for i in range(n_blocks) if (i + 1) % self.n == 0]
