@@ -12,14 +12,13 @@ engine's memory tracker. Rank 0 writes one JSON file with what every rank saw.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from zero_worker import config, token_array  # noqa: E402
+from zero_worker import config, token_array, write_per_rank  # noqa: E402
 
 STEPS = 3
 MICRO = 4  # sequences per micro-batch: enough tokens that activations, not AdamW temporaries, set the high-water mark
@@ -99,14 +98,7 @@ def mode_op(out_dir: str) -> dict:
 
 def main() -> None:
     mode, out_path = sys.argv[1], sys.argv[2]
-    result = {"op": mode_op}[mode](os.path.dirname(out_path))
-    from tenfold.engine.distributed import gather_to_main, init_distributed
-
-    info = init_distributed()
-    per_rank = gather_to_main(result, info)
-    if info.is_main:
-        with open(out_path, "w") as f:
-            json.dump({str(r): v for r, v in enumerate(per_rank)}, f)
+    write_per_rank({"op": mode_op}[mode](os.path.dirname(out_path)), out_path)
 
 
 if __name__ == "__main__":

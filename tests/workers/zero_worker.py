@@ -220,6 +220,11 @@ def main() -> None:
         with open(out_path, "w") as f:
             json.dump({"0": result}, f)
         os._exit(0)
+    write_per_rank(result, out_path)
+
+
+def write_per_rank(result: dict, out_path: str) -> None:
+    """Gather every rank's `result` on rank 0, which writes them as {"0": ..., "1": ...}."""
     from tenfold.engine.distributed import gather_to_main, init_distributed
 
     info = init_distributed()
