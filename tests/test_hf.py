@@ -108,7 +108,7 @@ def test_adapter_loss_is_the_token_sum_on_already_shifted_labels():
 
 def test_every_recompute_policy_matches_none_and_selective_attention_is_refused(tmp_path):
     ref = train(tmp_path / "none", LLAMA, train={"steps": 2})[1]["losses"]
-    for policy in ("full", "every:2", "segments:2", "selective:mlp"):
+    for policy in ("full", "every:2", "segments:2", "selective:mlp", "op"):
         losses = train(tmp_path / policy.replace(":", "_"), LLAMA, train={"steps": 2}, recompute={"policy": policy})[1]["losses"]
         np.testing.assert_allclose(losses, ref, rtol=1e-6, err_msg=policy)
     # refused when the run is resolved, by the engine's capability table (tenfold.capabilities)

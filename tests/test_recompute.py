@@ -21,8 +21,8 @@ from tenfold.techniques.recompute import apply_recompute, check_supported, descr
 from tenfold.terms import RecomputePolicy, split_segments
 from tenfold.terms import parse_recompute as parse_policy
 
-POLICIES = ["full", "every:2", "segments:2", "segments:3", "selective", "selective:attention", "selective:mlp"]
-DISTINCT = ["full", "every:2", "segments:2", "selective:attention", "selective:mlp"]
+POLICIES = ["full", "every:2", "segments:2", "segments:3", "selective", "selective:attention", "selective:mlp", "op"]
+DISTINCT = ["full", "every:2", "segments:2", "selective:attention", "selective:mlp", "op"]
 # tiny's block structure, shrunk so that each test takes a fraction of a second.
 SHAPE = dict(n_layers=4, d_model=32, n_heads=2, d_ff=96, max_seq_len=32)
 
@@ -53,6 +53,8 @@ def batches(n: int, b: int = 2, s: int = 16, seed: int = 1) -> list[torch.Tensor
     ("selective", RecomputePolicy("selective", target="attention")),
     ("selective:attention", RecomputePolicy("selective", target="attention")),
     ("selective:mlp", RecomputePolicy("selective", target="mlp")),
+    ("op", RecomputePolicy("op")),
+    (" OP ", RecomputePolicy("op")),
     ("offload", RecomputePolicy("offload")),
 ])
 def test_parse_policy_accepts_every_form(text, expected):
@@ -60,12 +62,13 @@ def test_parse_policy_accepts_every_form(text, expected):
     assert parse_policy(str(expected)) == expected  # the canonical text round-trips
 
 
-@pytest.mark.parametrize("text", ["every:0", "segments:x", "every:", "every:-1", "segments:2.5", "selective:ffn", "bogus", "", "full:2"])
+@pytest.mark.parametrize("text", ["every:0", "segments:x", "every:", "every:-1", "segments:2.5", "selective:ffn", "bogus", "", "full:2",
+                                  "op:2", "selective:op"])
 def test_parse_policy_rejects_malformed(text):
     with pytest.raises(UserError) as e:
         parse_policy(text)
     msg = str(e.value)
-    assert repr(text) in msg and "every:N" in msg and "segments:K" in msg and "selective:mlp" in msg
+    assert repr(text) in msg and "every:N" in msg and "segments:K" in msg and "selective:mlp" in msg and " op," in msg
 
 
 def test_checkpointed_blocks_semantics():
@@ -105,6 +108,9 @@ def test_applied_where_the_policy_says():
     m = make_model()
     apply_recompute(m, "selective:mlp")
     assert {k for k in describe(m) if k.endswith("mlp")} == {f"layers.{i}.mlp" for i in range(4)}
+    m = make_model()
+    apply_recompute(m, "op")
+    assert describe(m) == {f"layers.{i}": "op" for i in range(4)}
     m = make_model()
     apply_recompute(m, "none")
     assert describe(m) == {}
@@ -193,7 +199,7 @@ def test_same_loss_and_gradients_as_no_recompute_fp32(policy, accum):
     assert_close_rel(grads, ref_grads, 1e-6)
 
 
-@pytest.mark.parametrize("policy", ["full", "segments:2", "selective:attention", "selective:mlp"])
+@pytest.mark.parametrize("policy", ["full", "segments:2", "selective:attention", "selective:mlp", "op"])
 def test_same_loss_and_gradients_under_bf16_autocast(policy):
     ref_losses, ref_grads = reference_run(1, torch.bfloat16)
     model = make_model()

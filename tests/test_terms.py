@@ -20,7 +20,7 @@ from tenfold.terms import parse_recompute, resolve_batch, virtual_stages_for
 from conftest import planned
 
 POLICIES = ["full", *(f"every:{n}" for n in range(1, 7)), *(f"segments:{k}" for k in range(1, 7)),
-            "selective", "selective:mlp", "none"]
+            "selective", "selective:mlp", "op", "none"]
 
 
 class CountingBlock(nn.Module):

@@ -47,7 +47,7 @@ class Capabilities:
 ENGINE = Capabilities(
     zero_stages=ZERO_STAGES,  # DDP, ZeroRedundancyOptimizer, FSDP2 (techniques/zero.py)
     pipeline_schedules=PIPELINE_SCHEDULES,  # torch.distributed.pipelining (techniques/pipeline.py)
-    recompute=("none", "full", "every", "segments", "selective", "offload"),
+    recompute=("none", "full", "every", "segments", "selective", "op", "offload"),
     precisions=PRECISIONS,
     # DTensor plans (techniques/tensor_parallel.py): tenfold's GPT, these Hugging Face families
     # by their module names (q/k/v/o_proj, gate/up/down_proj, embed_tokens, lm_head)

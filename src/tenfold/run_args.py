@@ -53,7 +53,8 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    "the embedding, head and the rest stay bf16); needs an H100/H200/B200-class GPU (compute capability >= 8.9)")
     x.add_argument("--fp8-emulate", action="store_true", default=None, help="allow --fp8 without float8 matmuls "
                    "(CPU, older GPUs): the same numerics, slowly; for tests")
-    x.add_argument("--ac", help="activation recompute: none | full | every:N | segments:K | selective[:attention|:mlp] | offload")
+    x.add_argument("--ac", help="activation recompute: none | full | every:N | segments:K | selective[:attention|:mlp] | op "
+                   "(per-op: keep every other matmul's and attention's outputs, recompute the rest) | offload")
     x.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile each transformer block (compile time reported on its own; default off: "
                    "see docs/compile.md for where it pays)")

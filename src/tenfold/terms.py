@@ -43,7 +43,7 @@ def check_precision(name: str) -> str:
 # --------------------------------------------------------------------------- recompute
 
 RECOMPUTE_FORMS = (
-    "none, full, every:N, segments:K, selective, selective:attention, selective:mlp, offload "
+    "none, full, every:N, segments:K, selective, selective:attention, selective:mlp, op, offload "
     "(N, K positive integers)"
 )
 # Policies that wrap whole blocks in torch.utils.checkpoint (the others keep every block's
@@ -66,10 +66,14 @@ class RecomputePolicy:
     selective     = selective:attention, recompute the parameter-free attention core
                   softmax(QK^T)V (Korthikanti et al. 2022, "Reducing Activation Recomputation
                   in Large Transformer Models", section 4.3); selective:mlp recomputes the MLP
+    op            per-op selective (torchtitan's `selective_ac_option="op"`): every block runs
+                  under one checkpoint that keeps the outputs of its 1st, 3rd, 5th, ... matmul,
+                  of attention (SDPA) and of reduce-scatters, and recomputes everything else
+                  (for tenfold's GPT: `op_saved_tensors`)
     offload       keep every activation, in pinned host memory
     """
 
-    kind: str  # "none" | "full" | "every" | "segments" | "selective" | "offload"
+    kind: str  # "none" | "full" | "every" | "segments" | "selective" | "op" | "offload"
     n: int = 0  # N of every:N, K of segments:K
     target: str = ""  # "attention" | "mlp" for selective
 
@@ -90,8 +94,9 @@ class RecomputePolicy:
 
     def checkpointed_blocks(self, n_blocks: int) -> list[list[int]]:
         """Groups of block indices run as one checkpointed unit: `full` on 3 -> [[0], [1], [2]];
-        `every:2` on 4 -> [[1], [3]]; `segments:2` on 5 -> [[0, 1, 2]]."""
-        if self.kind == "full":
+        `every:2` on 4 -> [[1], [3]]; `segments:2` on 5 -> [[0, 1, 2]]. `op` checkpoints every
+        block as `full` does, but its recompute runs only the ops whose outputs it did not keep."""
+        if self.kind in ("full", "op"):
             return [[i] for i in range(n_blocks)]
         if self.kind == "every":
             return [[i] for i in range(n_blocks) if (i + 1) % self.n == 0]
@@ -117,13 +122,47 @@ def split_segments(n_blocks: int, k: int) -> list[list[int]]:
     return out
 
 
+class OpSaved(NamedTuple):
+    """One tensor `--ac op` keeps per block of tenfold's GPT until that block's backward."""
+
+    name: str
+    per_token: float  # elements per token on one rank
+    fp32: bool  # always 4 bytes per element; otherwise the compute dtype's (2 under autocast, 4 in fp32)
+
+
+def op_saved_tensors(model, tp: int = 1, sequence_parallel: bool = False) -> tuple[OpSaved, ...]:
+    """What per-op selective recompute (`op`) keeps of one block of tenfold's GPT
+    (models/gpt.py), per token: the outputs of the 1st, 3rd, 5th and 7th of its matmuls, which
+    run in the order wq, wk, wv, wo, w1, (w3,) w2, and of attention; under sequence
+    parallelism also the two reduce-scatters. `model` is a ModelConfig. Besides these the
+    checkpoint keeps the block's input, as `full` does (the fp32 residual stream: 4 x d_model
+    bytes per token, divided by tp under sequence parallelism).
+
+    Under tensor parallelism each rank keeps its shard of the column-split outputs, and the
+    row-split w2's full-width partial sum (the matmul output before its all-reduce or
+    reduce-scatter)."""
+    h, kv, f, a = model.d_model, model.kv_heads * model.head_dim, model.ffn_dim, model.n_heads
+    out = [
+        OpSaved("wq output", h / tp, False),  # matmul 1
+        OpSaved("wv output", kv / tp, False),  # matmul 3
+        OpSaved("attention output", h / tp, False),
+        OpSaved("attention logsumexp", a / tp, True),
+        OpSaved("w1 output", f / tp, False),  # matmul 5
+    ]
+    if model.mlp == "swiglu":  # 7 matmuls: w2 is the 7th (a GELU MLP's w2 is the 6th, recomputed)
+        out.append(OpSaved("w2 output", float(h), False))
+    if tp > 1 and sequence_parallel:
+        out += [OpSaved("wo reduce-scatter output", h / tp, False), OpSaved("w2 reduce-scatter output", h / tp, False)]
+    return tuple(out)
+
+
 def _bad_policy(text: str, why: str = "") -> UserError:
     extra = f" ({why})" if why else ""
     return UserError(f"invalid recompute policy (--ac) {text!r}{extra}; allowed: {RECOMPUTE_FORMS}")
 
 
 def parse_recompute(text: str | RecomputePolicy | None) -> RecomputePolicy:
-    """`none | full | every:N | segments:K | selective[:attention|:mlp] | offload` (case and
+    """`none | full | every:N | segments:K | selective[:attention|:mlp] | op | offload` (case and
     surrounding spaces ignored; None means none)."""
     if isinstance(text, RecomputePolicy):
         return text
@@ -132,7 +171,7 @@ def parse_recompute(text: str | RecomputePolicy | None) -> RecomputePolicy:
     if not isinstance(text, str):
         raise _bad_policy(repr(text), "not a string")
     raw = text.strip().lower()
-    if raw in ("none", "full", "offload"):
+    if raw in ("none", "full", "op", "offload"):
         return RecomputePolicy(raw)
     if raw in ("selective", "selective:attention"):
         return RecomputePolicy("selective", target="attention")

@@ -76,9 +76,10 @@ def model_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
 
 
 def recomputed_layers(policy: RecomputePolicy, n_layers: int) -> float:
-    """Blocks whose forward runs twice: exactly the blocks the engine wraps
-    (tenfold.terms.RecomputePolicy.checkpointed_blocks)."""
-    return float(len(policy.recomputed_blocks(n_layers)))
+    """Blocks whose whole forward runs twice: exactly the blocks the engine wraps
+    (tenfold.terms.RecomputePolicy.checkpointed_blocks); per-op recompute runs only part of
+    each block again (op_rerun_flops_per_token)."""
+    return 0.0 if policy.kind == "op" else float(len(policy.recomputed_blocks(n_layers)))
 
 
 def regathered_layers(policy: RecomputePolicy, n_layers: int) -> float:
@@ -103,7 +104,17 @@ def recompute_flops_per_token(cfg: ModelConfig, seq_len: int, policy: RecomputeP
     if policy.kind == "selective":
         per = attention_core_forward_flops_per_token(cfg, seq_len) if policy.target == "attention" else mlp_forward_flops_per_token(cfg)
         return cfg.n_layers * per
+    if policy.kind == "op":
+        return cfg.n_layers * op_rerun_flops_per_token(cfg)
     return 0.0
+
+
+def op_rerun_flops_per_token(cfg: ModelConfig) -> float:
+    """Per-op selective recompute runs wk, wo and w3 (SwiGLU) or w2 (GeLU) again
+    (tenfold.terms.op_saved_tensors keeps the other matmuls' and attention's outputs)."""
+    h, f = cfg.d_model, cfg.ffn_dim
+    kv = cfg.kv_heads * cfg.head_dim
+    return 2.0 * (h * kv + h * h + h * f)
 
 
 # ---- closed forms from the papers (validation and --explain)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from tenfold.models.presets import ModelConfig
 from tenfold.plan.fp8 import block_param_bytes
 from tenfold.run import ResolvedRun, Stack, resolve
-from tenfold.terms import MULTI_STAGE_SCHEDULES, RecomputePolicy, element_bytes, runs_on_fsdp2
+from tenfold.terms import MULTI_STAGE_SCHEDULES, RecomputePolicy, element_bytes, op_saved_tensors, runs_on_fsdp2
 
 MiB = 2**20
 
@@ -294,6 +294,16 @@ def activation_bytes_per_layer(cfg: ModelConfig, run: ResolvedRun, drop_parts: t
     return total
 
 
+def op_saved_bytes(cfg: ModelConfig, run: ResolvedRun) -> float:
+    """Bytes per layer per micro-batch that per-op selective recompute keeps besides the block's
+    input: torchtitan's save list applied to the block (tenfold.terms.op_saved_tensors, the
+    same list the engine's policy is tested against), 16-bit outputs under autocast, fp32 ones
+    (the attention's logsumexp) always."""
+    B = element_bytes(run.precision)
+    per_token = sum(t.per_token * (4.0 if t.fp32 else B) for t in op_saved_tensors(cfg, run.tp, run.sequence_parallel))
+    return per_token * run.micro_batch * run.seq_len
+
+
 def recompute_layer_bytes(cfg: ModelConfig, run: ResolvedRun) -> float:
     """Bytes kept by a checkpointed layer: its input (divided by t only with SP)."""
     n = layer_input_bytes_per_token(cfg, run) * run.micro_batch * run.seq_len
@@ -374,6 +384,11 @@ def stage_activations(cfg: ModelConfig, run: ResolvedRun, modules: tuple[int, ..
         dropped = ("attn_core",) if policy.target == "attention" else ("mlp",)
         kept = activation_bytes_per_layer(cfg, run, dropped)
         per_mb, working = layers * kept, full - kept
+    elif k == "op":
+        # Each block checkpointed on its own, keeping its input and the op outputs on the save
+        # list (tenfold.terms.op_saved_tensors); its backward rebuilds the rest of one block.
+        saved = op_saved_bytes(cfg, run)
+        per_mb, working = layers * (ckpt + saved), max(0.0, full - saved)
     elif k == "offload":
         # torch.autograd.graph.save_on_cpu: saved tensors go to pinned host memory; the GPU
         # keeps about one layer in flight while it is copied out / back in.

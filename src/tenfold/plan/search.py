@@ -27,7 +27,7 @@ from tenfold.plan.hardware import Hardware, get_hardware, with_gpus_per_node
 from tenfold.run import ResolvedRun
 from tenfold.terms import tp_choices
 
-AC_CHOICES = ("none", "selective", "full")
+AC_CHOICES = ("none", "selective", "op", "full")
 # Optimizer offload is priced by its host-link traffic per micro-batch (step_time.py); it is in
 # the default search only where tenfold train runs it (tenfold.capabilities).
 OFFLOAD_CHOICES = ("none", "optimizer")

@@ -60,6 +60,8 @@ def compute_share(hw: Hardware, gpus: int) -> float:
 def recomputed_blocks(run: ResolvedRun) -> int:
     """Blocks whose forward runs twice: the engine wraps each pipeline stage's blocks on its own
     (tenfold.terms.RecomputePolicy.checkpointed_blocks per stage)."""
+    if run.recompute.kind == "op":  # every block reruns a part (flops.op_rerun_flops_per_token)
+        return 0
     return sum(len(run.recompute.recomputed_blocks(n)) for n in run.stage_layers)
 
 
@@ -190,7 +192,8 @@ def microbatch(shape: ModelShape, hw: Hardware, r: ResolvedRun, peak: float) -> 
     best = None
     for rank in r.busiest_ranks():
         layers = r.rank_layers(rank)
-        rc_layers = sum(len(r.recompute.recomputed_blocks(n)) for n in r.rank_stage_layers(rank))
+        rc_layers = 0 if r.recompute.kind == "op" else sum(len(r.recompute.recomputed_blocks(n))
+                                                             for n in r.rank_stage_layers(rank))
         fwd, bwd = layers * lt.fwd, layers * lt.bwd
         if rank == r.pp - 1:
             hf, hb = tm.head_time(cfg, r, hw, peak)

@@ -93,6 +93,7 @@ class LayerTimes:
     attn_fwd: float
     mlp_fwd: float
     tp_comm_fwd: float  # exposed TP all-reduce time (forward; backward the same)
+    op_rerun_fwd: float = 0.0  # what per-op selective recompute runs again: the unsaved matmuls + elementwise
 
 
 def layer_times(cfg: ModelConfig, run: ResolvedRun, hw: Hardware, peak: float, tp_ar_time: float) -> LayerTimes:
@@ -114,7 +115,17 @@ def layer_times(cfg: ModelConfig, run: ResolvedRun, hw: Hardware, peak: float, t
     fwd = mm + attn_f + elem
     bwd = 2 * mm + attn_b + 2 * elem
     mlp_f = g_times["mlp-in"] + g_times["mlp-out"]
-    return LayerTimes(fwd, bwd, attn_f, mlp_f, 2 * tp_ar_time)
+    return LayerTimes(fwd, bwd, attn_f, mlp_f, 2 * tp_ar_time, op_rerun_matmuls(cfg, g_times) + elem)
+
+
+def op_rerun_matmuls(cfg: ModelConfig, g_times: dict) -> float:
+    """The matmuls per-op selective recompute runs again (tenfold.terms.op_saved_tensors keeps
+    the 1st, 3rd, 5th and 7th of wq, wk, wv, wo, w1, (w3,) w2): wk, wo, and w3 (SwiGLU) or w2
+    (GeLU, its 6th); attention is kept."""
+    kv = cfg.kv_heads * cfg.head_dim
+    wk = g_times["qkv"] * kv / (cfg.d_model + 2 * kv)
+    third = g_times["mlp-in"] / 2 if cfg.mlp == "swiglu" else g_times["mlp-out"]
+    return wk + g_times["out-proj"] + third
 
 
 def recompute_time(lt: LayerTimes, policy: RecomputePolicy, layers: int, recomputed: int) -> float:
@@ -124,6 +135,8 @@ def recompute_time(lt: LayerTimes, policy: RecomputePolicy, layers: int, recompu
         return lt.fwd * recomputed
     if policy.kind == "selective":
         return layers * (lt.attn_fwd if policy.target == "attention" else lt.mlp_fwd)
+    if policy.kind == "op":
+        return layers * lt.op_rerun_fwd
     return 0.0
 
 

@@ -101,13 +101,26 @@ def _mosaic(size: str, gpu: str, gpus: int, mb: int, accum: int, tps: float, ac:
 
 
 def _titan(gpus: int, tps: float) -> PublishedRun:
-    run = resolve(LLAMA3_8B, gpus, precision="bf16", zero_stage=3, recompute="selective", seq_len=8192,
+    run = resolve(LLAMA3_8B, gpus, precision="bf16", zero_stage=3, recompute="op", seq_len=8192,
                   micro_batch=2, grad_accum=1, check=False)
     return PublishedRun(
         f"Llama 3.1 8B FSDP x{gpus} (torchtitan)", f"{TITAN}, Tables 1 and 3", run, GRAND_TETON,
         "tokens_per_s_per_gpu", tps, 0.25, "llama-h100",
-        assumed="seq 8192 (torchtitan's llama3_8b.toml); op-level selective AC modelled as attention recompute; "
-                "eager PyTorch kernels (no torch.compile)",
+        assumed="seq 8192 and per-op selective AC (torchtitan's llama3_8b.toml at 9dec370); eager PyTorch kernels "
+                "(no torch.compile)",
+    )
+
+
+TITAN_A100 = "torchtitan, docs/performance.md at 1ea476e9f (2024-04-24): FSDP2 on 64 A100 80GB"
+
+
+def _titan_a100(model: ModelConfig, name: str, seq: int, mb: int, ac: str, tps: float) -> PublishedRun:
+    run = resolve(model, 64, precision="bf16", zero_stage=3, recompute=ac, seq_len=seq, micro_batch=mb, grad_accum=1,
+                  check=False)
+    return PublishedRun(
+        f"{name} FSDP x64 a100-80gb, seq {seq}, mb {mb}, {ac} AC (torchtitan)", TITAN_A100, run, CATALOG["a100-80gb"],
+        "tokens_per_s_per_gpu", tps, 0.25, "fsdp-hsdp",
+        assumed="the catalog's A100 network (8 x 200 Gb/s per node; the source does not state it); eager kernels",
     )
 
 
@@ -225,7 +238,11 @@ CASES: list[PublishedRun] = [
     _ibm("34b", "h100-sxm", 96, 12.5, "full", False, 1550), _ibm("70b", "h100-sxm", 96, 12.5, "full", False, 800),
     _zeropp(400, 1024, 25), _zeropp(400, 2048, 40), _zeropp(100, 1024, 14), _zeropp(100, 2048, 26),
     _zeropp(200, 2048, 37), _zeropp(800, 2048, 47),
+    _titan_a100(LLAMA3_8B, "Llama 3 8B", 8192, 1, "op", 2973), _titan_a100(LLAMA2["13b"], "Llama 2 13B", 4096, 2, "none", 2162),
+    _titan_a100(LLAMA2["13b"], "Llama 2 13B", 4096, 2, "op", 1904),
+    _titan_a100(LLAMA2["70b"], "Llama 2 70B", 4096, 1, "op", 355), _titan_a100(LLAMA2["70b"], "Llama 2 70B", 4096, 2, "full", 353),
     # Memory: a PyTorch FSDP run at 32k tokens, where the fp32 loss tensors matter.
+    _titan_memory(8, 8192, 2, "op", 82.4), _titan_memory(128, 8192, 2, "op", 67.0),
     _titan_memory(8, 32768, 1, "full", 83.9, note="with torch.compile and float8, which the planner does not model"),
     _titan_memory(8, 32768, 1, "full", 83.9, style="megatron"),
 ]

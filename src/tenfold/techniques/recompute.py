@@ -4,7 +4,9 @@ Policies (`--ac`, config `[recompute] policy`; grammar and block lists in tenfol
 which the planner reads too), applied per transformer block with
 `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`: full / every:N / segments:K wrap
 the blocks `RecomputePolicy.checkpointed_blocks` lists; selective wraps the attention core or
-the MLP of every block; offload saves activations to pinned host memory
+the MLP of every block; op checkpoints every block with torchtitan's per-op policy
+(techniques/recompute_ops.py: keep every other matmul, attention and reduce-scatter outputs,
+recompute the rest); offload saves activations to pinned host memory
 (`torch.autograd.graph.save_on_cpu`, GPU only).
 
 How: the module's `forward` is replaced by a checkpointed call of the original forward (an
@@ -93,6 +95,11 @@ def apply_recompute(
         for b in blocks:
             _replace_forward(_selective_target(b, policy.target), _checkpointed, str(policy))
             setattr(b, _MARK, str(policy))
+    elif policy.kind == "op":
+        from tenfold.techniques.recompute_ops import op_checkpointed
+
+        for b in blocks:
+            _replace_forward(b, op_checkpointed, str(policy))
     elif policy.kind == "offload":
         for b in blocks:
             _replace_forward(b, _offloaded, str(policy))
