@@ -97,7 +97,7 @@ def test_full_recompute_keeps_under_half_of_none_on_tiny(tiny_by_policy):
 
 
 @pytest.mark.parametrize("preset, b, s", [("tiny", 4, 128), ("small", 1, 256)])
-@pytest.mark.parametrize("policy", ["none", "full"])
+@pytest.mark.parametrize("policy", ["none", "full", "op"])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_prediction_within_15_percent_of_measurement(preset, b, s, policy, dtype):
     cfg = build_config({"model": {"name": preset}, "train": {"micro_batch": b}, "data": {"seq_len": s},

@@ -284,9 +284,10 @@ def _stage_memory(shape: ModelShape, hw: Hardware, run: ResolvedRun, rank: int) 
         tp_seq_bytes = run.micro_batch * run.seq_len * cfg.d_model * element_bytes(run.precision)
     buffers, _ = memory.comm_buffer_bytes(run, largest_unit_params(shape, run.tp), tp_seq_bytes)
     autocast = memory.autocast_weight_copy_bytes(n_params, run)
-    if autocast and act_work and run.recompute.kind in ("full", "every", "segments"):
+    if autocast and act_work and run.recompute.kind in ("full", "every", "segments", "op"):
         # [recompute] torch.amp + recompute: autocast's cache holds every 16-bit weight copy
-        # until the forward ends, but a checkpointed layer's copies are not saved, so in
+        # until the forward ends, but a checkpointed layer's copies are not saved (nor on the
+        # per-op save list: `op` recomputes the casts too), so in
         # backward only the recomputed layer's own copies coexist with its working set. The
         # high-water mark is stored + extra + max(all copies, working + one layer's copies),
         # i.e. copies counted beyond the working layer: max(copies - working, copies / L).
