@@ -53,7 +53,8 @@ $(VENV310)/.installed: pyproject.toml
 	$(VENV310)/bin/python -m pip install -q "pydantic>=2.5" "rich>=13" "hjson>=3.0" "tomli>=1.1" "tomli-w>=1.0" "pytest>=7" "hypothesis>=6.100"
 	touch $@
 
-# On a CUDA machine: the ~1B preset on one GPU, then ZeRO-3 (and TP) on all of them, within
+# On a CUDA machine: the ~1B preset on one GPU, ZeRO-Offload and FP8 on one, then ZeRO-3, TP, HSDP and a
+# Hugging Face pipeline on several, within
 # 8 minutes; results in gpu_check.json (benchmarks/gpu_check.py, docs/benchmarks.md)
 gpu-check: install
 	$(PY) benchmarks/gpu_check.py --out gpu_check.json

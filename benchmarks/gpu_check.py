@@ -13,6 +13,11 @@ default data, the final checkpoint and exports off:
   zero3    the same model, ZeRO-3 (FSDP2) over every local GPU with NCCL (2 or more GPUs)
   tp       tensor parallelism over every local GPU (2 or more GPUs, when this tenfold has
            `--tp`; with ZeRO-3 in the data-parallel dimension it is the same launch shape)
+  hsdp     hybrid sharding: ZeRO-3 in shard groups of half the GPUs (4 or more GPUs)
+  offload  ZeRO-Offload on one GPU: FSDP2's CPUOffloadPolicy, parameters and optimizer on the host
+  fp8      float8 matmuls in the blocks (torchao), on a GPU with FP8 tensor cores (capability 8.9+)
+  hf_pp    a Hugging Face Llama (a ~1B config.json written here, random weights) in 2 pipeline
+           stages with ZeRO-1 (2 or more GPUs)
 
 Targets (issue text, H100-class GPU): MFU >= 45%, predicted peak memory within 10% of the
 measured one. Each check gets what is left of the 8-minute budget (`--budget-s`); one that
@@ -63,19 +68,44 @@ def tenfold_has_tp() -> bool:
     return "tp_degree" in ParallelSection.model_fields
 
 
-def plan_checks(args: argparse.Namespace, n_gpus: int, has_tp: bool) -> list[dict]:
-    """(name, nproc, extra flags, steps) of each check this machine can run."""
-    checks = [{"name": "single", "nproc": 1, "flags": [], "steps": args.steps}]
+# A ~1B Llama (transformers' LlamaForCausalLM config) for the Hugging Face pipeline check.
+HF_LLAMA_1B = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 2048,
+               "intermediate_size": 5632, "num_hidden_layers": 16, "num_attention_heads": 16,
+               "num_key_value_heads": 8, "vocab_size": 32000, "max_position_embeddings": 4096,
+               "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False}
+
+
+def plan_checks(args: argparse.Namespace, n_gpus: int, has_tp: bool, fp8: bool = False) -> list[dict]:
+    """(name, nproc, extra flags, steps) of each check this machine can run. `fp8`: the GPU has
+    FP8 tensor cores."""
+    short = max(1, args.multi_steps // 2)
+    checks = [{"name": "single", "nproc": 1, "flags": [], "steps": args.steps},
+              {"name": "offload", "nproc": 1, "flags": ["--zero", "3", "--offload", "optimizer+params"], "steps": short}]
+    if fp8:
+        checks.append({"name": "fp8", "nproc": 1, "flags": ["--fp8"], "steps": args.multi_steps})
     if n_gpus >= 2:
         checks.append({"name": "zero3", "nproc": n_gpus, "flags": ["--zero", "3"], "steps": args.multi_steps})
         if has_tp:
             checks.append({"name": "tp", "nproc": n_gpus, "flags": ["--tp", str(n_gpus)], "steps": args.multi_steps})
+        checks.append({"name": "hf_pp", "nproc": 2, "flags": ["--pp", "2", "--zero", "1", "--grad-accum", "4"],
+                       "steps": short, "hf_config": HF_LLAMA_1B})
+    if n_gpus >= 4 and n_gpus % 2 == 0:
+        checks.append({"name": "hsdp", "nproc": n_gpus, "flags": ["--zero", "3", "--shard-group", str(n_gpus // 2)],
+                       "steps": args.multi_steps})
     return checks
 
 
 def train_command(args: argparse.Namespace, check: dict, out_dir: str) -> list[str]:
-    cmd = [sys.executable, "-m", "tenfold", "train", "--model", args.model, "--precision", "bf16",
-           "--steps", str(check["steps"]), "--micro-batch", str(args.micro_batch), "--grad-accum", "1",
+    if check.get("hf_config"):  # the model from a config.json written beside the run
+        config = Path(out_dir) / "hf_config.json"
+        config.parent.mkdir(parents=True, exist_ok=True)
+        config.write_text(json.dumps(check["hf_config"]))
+        model = ["--hf-config", str(config)]
+    else:
+        model = ["--model", args.model]
+    accum = [] if "--grad-accum" in check["flags"] else ["--grad-accum", "1"]
+    cmd = [sys.executable, "-m", "tenfold", "train", *model, "--precision", "bf16",
+           "--steps", str(check["steps"]), "--micro-batch", str(args.micro_batch), *accum,
            "--seq-len", str(args.seq_len), "--out", out_dir, "--no-progress",
            "--set", "train.eval_every=0", "--set", "train.eval_batches=1", "--set", "log.tensorboard=false"]
     if check["nproc"] > 1:
@@ -150,7 +180,8 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"gpu_check: {report['skipped']}")
     else:
         deadline = time.perf_counter() + args.budget_s
-        for check in plan_checks(args, report["gpus"], tenfold_has_tp()):
+        fp8 = torch.cuda.get_device_capability(0) >= (8, 9)
+        for check in plan_checks(args, report["gpus"], tenfold_has_tp(), fp8):
             report["checks"].append(run_check(args, check, deadline - time.perf_counter()))
             print(json.dumps(report["checks"][-1]), flush=True)
     validate_report(report)

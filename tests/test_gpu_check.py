@@ -25,13 +25,30 @@ def test_arguments_and_bad_values():
 
 def test_checks_follow_the_gpus():
     args = gpu_check.parse_args(["--steps", "50"])
-    assert [c["name"] for c in gpu_check.plan_checks(args, 1, True)] == ["single"]
-    assert [c["name"] for c in gpu_check.plan_checks(args, 4, False)] == ["single", "zero3"]
-    checks = gpu_check.plan_checks(args, 8, True)
-    assert [(c["name"], c["nproc"]) for c in checks] == [("single", 1), ("zero3", 8), ("tp", 8)]
-    cmd = gpu_check.train_command(args, checks[1], "/tmp/x")
+    assert [c["name"] for c in gpu_check.plan_checks(args, 1, True)] == ["single", "offload"]
+    assert [c["name"] for c in gpu_check.plan_checks(args, 1, True, fp8=True)] == ["single", "offload", "fp8"]
+    assert [c["name"] for c in gpu_check.plan_checks(args, 2, False)] == ["single", "offload", "zero3", "hf_pp"]
+    checks = gpu_check.plan_checks(args, 8, True, fp8=True)
+    assert [(c["name"], c["nproc"]) for c in checks] == [("single", 1), ("offload", 1), ("fp8", 1), ("zero3", 8),
+                                                         ("tp", 8), ("hf_pp", 2), ("hsdp", 8)]
+    cmd = gpu_check.train_command(args, checks[3], "/tmp/x")
     assert cmd[1:4] == ["-m", "tenfold", "train"] and "--nproc" in cmd and cmd[-2:] == ["--zero", "3"]
     assert cmd[cmd.index("--precision") + 1] == "bf16" and cmd[cmd.index("--steps") + 1] == "100"
+
+
+def test_every_check_is_a_run_tenfold_accepts(tmp_path):
+    """Each check's command, through `tenfold train --dry-run`'s resolver (no GPU needed)."""
+    from tenfold.cli import build_parser
+    from tenfold.run import resolve_run
+    from tenfold.run_args import config_from_args
+
+    args = gpu_check.parse_args(["--seq-len", "256", "--micro-batch", "2"])
+    for check in gpu_check.plan_checks(args, 8, True, fp8=True):
+        argv = gpu_check.train_command(args, check, str(tmp_path / check["name"]))[3:]
+        cfg = config_from_args(build_parser(argv).parse_args(argv))
+        run = resolve_run(cfg, check["nproc"])
+        assert run.world_size == check["nproc"], check["name"]
+    assert (tmp_path / "hf_pp" / "hf_config.json").is_file()
 
 
 def test_train_command_is_accepted_by_tenfold():
@@ -39,7 +56,7 @@ def test_train_command_is_accepted_by_tenfold():
     from tenfold.cli import build_parser
 
     args = gpu_check.parse_args([])
-    cmd = gpu_check.train_command(args, gpu_check.plan_checks(args, 2, False)[1], "/tmp/x")
+    cmd = gpu_check.train_command(args, gpu_check.plan_checks(args, 2, False)[2], "/tmp/x")
     parsed = build_parser(cmd[3:]).parse_args(cmd[3:])
     assert parsed.zero == 3 and parsed.nproc == 2
 
