@@ -189,3 +189,27 @@ def test_strict_numbers_still_take_every_honest_spelling(tmp_path, capsys):
     cfg = config_from_args(build_parser(argv).parse_args(argv))
     assert (cfg.train.steps, cfg.train.lr, cfg.train.warmup_steps) == (5, 1.0, 2)
     assert cfg.parallel.reduce_bucket_size == 500_000_000 and cfg.train.micro_batch == 2
+
+
+@pytest.mark.parametrize("flag", ["--hf-pretrained", "--hf-config"])
+def test_a_missing_hugging_face_model_names_the_flag_typed(tmp_path, capsys, flag):
+    missing = str(tmp_path / "missing")
+    code, _, err = _run(tmp_path, capsys, flag, missing)
+    assert code == 2 and err == f"tenfold: error: {flag} {missing}: cannot read (No such file or directory)", err
+    assert main(["plan", flag, missing]) == 2
+    assert capsys.readouterr().err.strip() == err
+    (tmp_path / "list.json").write_text("[1]")
+    code, _, err = _run(tmp_path, capsys, flag, str(tmp_path / "list.json"))
+    assert code == 2 and err.startswith(f"tenfold: error: {flag} ") and "expected a JSON object" in err, err
+
+
+def test_plan_emit_into_a_read_only_folder_names_the_flag(tmp_path, capsys, monkeypatch):
+    """EROFS on the write and on the clean-up of the scratch file: one line naming --emit, exit 2."""
+    from conftest import make_read_only
+
+    (tmp_path / "ro").mkdir()
+    make_read_only(monkeypatch, tmp_path / "ro")
+    target = tmp_path / "ro" / "plan.toml"
+    assert main(["plan", "--model", "tiny", "--gpu", "a100", "--emit", str(target)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"tenfold: error: --emit {target}: cannot write it (Read-only file system); choose a writable place"

@@ -97,7 +97,8 @@ class ModelSection(_Section):
                 folder = path.is_dir()
             except (OSError, ValueError) as e:  # a name too long, a NUL byte
                 raise UserError(f"model.hf_config/hf_pretrained {str(path)[:80]!r}: {getattr(e, 'strerror', None) or e}") from None
-            return model_from_hf_config(str(path / "config.json" if folder else path))
+            flag = "--hf-pretrained" if self.hf_pretrained else "--hf-config"  # the option the user typed
+            return model_from_hf_config(str(path / "config.json" if folder else path), flag)
         overrides = self.model_dump(exclude={"name", "hf_config", "hf_pretrained", "blocks"})
         return get_preset(self.name).with_overrides(**overrides)
 
