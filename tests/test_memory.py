@@ -193,3 +193,39 @@ def test_cli_prediction_for_layer_counts_the_policy_does_not_divide(tmp_path, po
     assert proc.returncode == 0, proc.stderr[-3000:]
     diff = json.loads((out / "summary.json").read_text())["memory"]["diff_percent"]
     assert abs(diff["activations_bytes"]) <= 15.0, diff
+
+
+def test_a_module_entered_twice_measures_without_torchs_file_a_bug_warning():
+    """ModTracker warns "Please file a bug to PyTorch" when a module runs inside itself; nothing
+    a user can act on, so it is not shown, and the process's warning format is left as it was."""
+    import warnings
+
+    from torch.distributed._tools.mod_tracker import ModTracker
+
+    class Twice(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 8)
+
+        def forward(self, x, inner=False):
+            return self.lin(x) if inner else self(x, inner=True)
+
+    model = Twice()
+    opt = torch.optim.AdamW(model.parameters())
+    formatwarning = warnings.formatwarning
+
+    def step():
+        model(torch.randn(4, 8)).sum().backward()
+        opt.step()
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with ModTracker():  # the warning is real: torch's own tracker gives it on this model
+            model(torch.randn(4, 8))
+        warnings.formatwarning = formatwarning
+        assert any("file a bug" in str(w.message) for w in caught)
+        caught.clear()
+        measured = measure_step_memory(model, opt, step)
+    assert measured["params_bytes"] == 8 * 8 * 4 + 8 * 4
+    assert not [w for w in caught if "file a bug" in str(w.message)], [str(w.message) for w in caught]
+    assert warnings.formatwarning is formatwarning

@@ -396,3 +396,21 @@ def test_fp16_gradients_are_unscaled_before_the_norm_and_the_step(small_cfg):
         assert not a["skipped"] and not b["skipped"]
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=2e-2), (a, b)
         assert a["loss"] == pytest.approx(b["loss"], rel=2e-3)
+
+
+def test_the_cli_shows_tenfolds_own_notes_as_notes_not_python_source_lines(tmp_path, capsys, monkeypatch):
+    """`precision.py:337: UserWarning: fp16 on a CPU is very slow` and the source line under it
+    become one line, `tenfold: note: ...`; --debug keeps Python's format."""
+    from conftest import SMALL_FLAGS
+    from tenfold.cli import main
+
+    monkeypatch.setattr(precision, "_warned_fp16_on_cpu", False)
+    args = ["train", "--precision", "fp16", "--steps", "1", "--set", "checkpoint.final=false",
+            "--set", "log.tensorboard=false", *SMALL_FLAGS]
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        assert main([*args, "--out", str(tmp_path / "a")]) == 0
+    err = capsys.readouterr().err
+    notes = [ln for ln in err.splitlines() if "fp16 on a CPU is very slow" in ln]
+    assert len(notes) == 1 and notes[0].startswith("tenfold: note: fp16 on a CPU is very slow"), err
+    assert "UserWarning" not in err and "precision.py" not in err and "warnings.warn" not in err, err

@@ -12,7 +12,7 @@ import importlib.util  # find_spec: `import importlib` alone does not load the s
 import sys
 
 from tenfold import __version__
-from tenfold.errors import RunError, UserError
+from tenfold.errors import RunError, TenfoldNote, UserError
 
 # name -> (module with register(subparsers), one-line help). `train` is registered here.
 SUBCOMMANDS: dict[str, tuple[str | None, str]] = {
@@ -265,6 +265,8 @@ def main(argv: list[str] | None = None) -> int:
     if extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.argv = argv  # the launcher re-runs this very command under torchrun
+    if not args.debug:
+        warnings_as_lines()
     if not hasattr(args, "func"):
         print(f"tenfold: error: `tenfold {args.command}` is not available in this build", file=sys.stderr)
         return 2
@@ -288,6 +290,24 @@ def escaped(text: str) -> str:
 def say(kind: str, message: object) -> None:
     """One line on stderr: `tenfold: <kind>: <message>`."""
     print(f"tenfold: {kind}: {escaped(str(message))}", file=sys.stderr)
+
+
+def warnings_as_lines() -> None:
+    """Python warnings as one line each: tenfold's own advice (`TenfoldNote`) as `tenfold: note:
+    ...`, a library's as `tenfold: warning: ... (Category, file:line)`; never Python's two-line
+    format with the source line (--debug keeps it). Library warnings a user cannot act on are
+    filtered where they arise (engine/memory.py, engine/checkpoint/manager.py)."""
+    import os
+    import warnings
+
+    def show(message, category, filename, lineno, file=None, line=None) -> None:
+        text = " ".join(str(message).split())
+        if issubclass(category, TenfoldNote):
+            say("note", text)
+        else:
+            say("warning", f"{text} ({category.__name__}, {os.path.basename(filename)}:{lineno})")
+
+    warnings.showwarning = show
 
 
 def _one_line(e: BaseException) -> int:

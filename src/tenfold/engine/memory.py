@@ -27,6 +27,7 @@ peak_bytes = the planner's total (its estimate of the peak).
 from __future__ import annotations
 
 import logging
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -45,6 +46,10 @@ MEMORY_KEYS = (
 )
 log = logging.getLogger("tenfold")
 COMPARED_KEYS = ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes", "peak_bytes")
+# torch's ModTracker (under MemTracker) warns "Please file a bug to PyTorch" when a module is
+# entered while it is still running (a module that calls itself, Hugging Face's nested calls):
+# the categories measured here do not depend on the module hierarchy, and a user cannot act on it.
+TRACKER_NOISE = "The module hierarchy tracking maybe be messed up"
 
 
 # --------------------------------------------------------------------------- CPU tracker
@@ -142,10 +147,13 @@ def _tracked_step(model: nn.Module, optimizer: Any, run_step: Callable[[], None]
         # (Hooks must return None: a pre-hook's return value would replace step's arguments.)
         handles.append(opt.register_step_pre_hook(lambda *_: snap("pre")))
         handles.append(opt.register_step_post_hook(lambda *_: snap("post")))
+    formatwarning = warnings.formatwarning  # ModTracker replaces it for the whole process
     try:
-        with tracker:
+        with tracker, warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=TRACKER_NOISE, category=UserWarning)
             run_step()
     finally:
+        warnings.formatwarning = formatwarning
         for h in handles:
             h.remove()
     return tracker, at_step, tracker.get_tracker_snapshot("peak")
