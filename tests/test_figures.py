@@ -18,6 +18,7 @@ from tenfold.engine.memory_notes import row_notes
 from tenfold.engine.steady import StepTime, steady_state
 from tenfold.engine.summary import mfu
 from tenfold.engine.trainer import Trainer
+from tenfold.plan.for_run import fmt_bytes
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -58,6 +59,28 @@ def test_summary_tokens_per_s_is_the_steady_rate_of_the_logged_steps(tmp_path):
     assert f["warmup_steps"] == again["warmup_steps"] and f["warmup_s"] == pytest.approx(again["warmup_s"])
     assert f["tokens_per_s_overall"] == pytest.approx(f["tokens"] / f["wall_s"])
     assert f["tokens_per_s_overall"] < f["tokens_per_s"]  # the wall time has the warm-up and the evaluation
+
+
+def _cells(text: str) -> str:
+    """The summary table's text with its borders out and wrapped cells joined again."""
+    return " ".join(text.replace("│", " ").split())
+
+
+def test_a_resumed_run_reports_its_own_rate_and_its_memory(tmp_path, capsys):
+    """`--resume auto`: the overall rate is this run's tokens over this run's wall time (not the
+    earlier run's tokens too), and the memory rows are there (this run's second step measured)."""
+    Trainer(build_config(small_config(tmp_path, train={"steps": 3}))).fit()
+    cfg = small_config(tmp_path, train={"steps": 6}, checkpoint={"resume": "auto"})
+    summary = Trainer(build_config(cfg)).fit()
+    f, per_step = summary["final"], summary["batch"]["global_batch"] * summary["batch"]["seq_len"]
+    assert f["tokens"] == 6 * per_step and f["tokens_this_run"] == 3 * per_step and f["first_step"] == 4
+    assert f["tokens_per_s_overall"] == pytest.approx(3 * per_step / f["wall_s"])
+    memory = summary["memory"]
+    assert memory["measured_step"] == 5 and memory["measured"]["params_bytes"] > 0
+    out = _cells(capsys.readouterr().out)
+    assert f"{6 * per_step:,} ({3 * per_step:,} in this run, resumed at step 3)" in out
+    assert "over this run's whole wall time" in out and "memory: peak, tracked tensors" in out
+    assert "measured at step 5" in out
 
 
 # --------------------------------------------------------------------------- MFU and the peak
@@ -175,10 +198,21 @@ def test_summary_has_the_notes_and_the_table_shows_them(tmp_path, capsys):
                  "--set", "model.n_layers=2", "--set", "model.d_model=64", "--set", "model.n_heads=4",
                  "--set", "model.d_ff=128", "--set", "model.max_seq_len=64", "--seq-len", "32",
                  "--set", "data.max_bytes=300000", "--set", "log.tensorboard=false"]) == 0
-    notes = json.loads((tmp_path / "run" / "summary.json").read_text())["memory"]["notes"]
-    assert {"total_bytes", "peak_bytes"} <= set(notes)
-    out = " ".join(capsys.readouterr().out.split())  # the table wraps long cells
+    memory = json.loads((tmp_path / "run" / "summary.json").read_text())["memory"]
+    assert {"total_bytes", "peak_bytes"} <= set(memory["notes"])
+    text = capsys.readouterr().out
+    out = " ".join(text.split())  # the table wraps long cells
     assert "upper bound of the" in out and "warm-up" in out
+    # two peaks, each labelled for what it is: the process's resident set on the step lines and
+    # in its own row, the tracked tensors of one step beside the planner's prediction
+    assert memory["peak_mem_of"] == "peak RSS" and memory["measured_by"] == "tensor tracker (MemTracker)"
+    steps = [ln for ln in text.splitlines() if ln.startswith("step ")]
+    assert len(steps) == 2 and all("| peak RSS " in ln and "peak mem" not in ln for ln in steps), steps
+    cells = _cells(text)
+    rss = f"memory: peak RSS (process) {fmt_bytes(memory['peak_mem_bytes'])}"
+    assert rss in cells and "the process's highest resident set" in cells, cells
+    tensors = f"memory: peak, tracked tensors {fmt_bytes(memory['predicted']['peak_bytes'])} predicted, "
+    assert tensors + f"{fmt_bytes(memory['measured']['peak_bytes'])} measured" in cells, cells
 
 
 def test_without_torchs_tensor_tracker_the_run_trains_and_says_so(tmp_path, monkeypatch, caplog):

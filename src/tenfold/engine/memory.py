@@ -435,9 +435,9 @@ def predicted_memory(run, device: torch.device | None = None, dtype: str | None 
 class RunMemory:
     """Predicted vs measured memory of one `tenfold train` run (used by engine/trainer.py).
 
-    At start: the planner's per-rank prediction, printed. At step `measure_at` (2: the
-    optimizer states exist by then, as in every later step; 1 for a one-step run): the step
-    runs under the tracker. At the end: `summary()` for summary.json's `memory` section
+    At start: the planner's per-rank prediction, printed. At step `measure_at` (this run's
+    second step, also after a resume: the optimizer states exist by then, as in every later
+    step; its first for a one-step run): the step runs under the tracker. At the end: `summary()` for summary.json's `memory` section
     (`predicted`, `measured`, `diff_percent`) and `add_rows()` for the summary table.
     """
 
@@ -447,7 +447,8 @@ class RunMemory:
         self.measured: dict | None = None
         self.measured_step: int | None = None
         self.note: str | None = None
-        self.measure_at = 2 if trainer.cfg.train.steps >= 2 else 1
+        start = trainer.state.step  # > 0 after a resume
+        self.measure_at = start + 2 if trainer.cfg.train.steps >= start + 2 else start + 1
 
     def predict(self) -> dict | None:
         t = self.trainer
@@ -516,7 +517,8 @@ class RunMemory:
 
 
 def add_summary_rows(table, memory: dict) -> None:
-    """Predicted vs measured rows for the trainer's final summary table."""
+    """Predicted vs measured rows for the trainer's final summary table: one step's tracked
+    tensors, by category, and their peak (the process's peak RSS is another row, summary.py)."""
     pred, meas = memory.get("predicted"), memory.get("measured")
     if not meas:
         if memory.get("note"):
@@ -526,7 +528,7 @@ def add_summary_rows(table, memory: dict) -> None:
     for key in ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes", "total_bytes", "peak_bytes"):
         p = f"{fmt_bytes(pred[key])} predicted, " if pred else ""
         d = f" ({diff[key]:+.1f}%)" if diff.get(key) is not None else ""
-        label = "sum p+g+o+a" if key == "total_bytes" else key.removesuffix("_bytes")
+        label = {"total_bytes": "sum p+g+o+a", "peak_bytes": "peak, tracked tensors"}.get(key, key.removesuffix("_bytes"))
         note = f"\n[dim]{notes[key]}[/]" if notes.get(key) else ""
         table.add_row(f"memory: {label}", f"{p}{fmt_bytes(meas[key])} measured{d}{note}")
 

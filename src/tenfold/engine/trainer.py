@@ -29,7 +29,7 @@ from tenfold.engine.distributed import DistInfo, init_distributed, tighten_timeo
 from tenfold.engine.metrics import MetricsWriter, peak_memory_bytes
 from tenfold.engine.steady import StepTime
 from tenfold.techniques.compile import CompileClock, compile_failures
-from tenfold.engine.step_log import StepLog
+from tenfold.engine.step_log import StepLog, process_peak_label
 from tenfold.errors import UserError
 from tenfold.run import ResolvedRun, resolve_run
 from tenfold.techniques import accumulation as acc
@@ -416,10 +416,10 @@ class Trainer:
             self.console.print(run_summary.header_line(self.facts, self.cfg.train.steps, self.dist.dp_size,
                                                        self.dist.device.type, self.dist.tp_size))
             self.console.print(f"data: {self.data.describe()}")
-        self.run_memory = RunMemory(self)
-        self.run_memory.announce(self.console)
         self.checkpoints = CheckpointManager.from_config(self.cfg, self._checkpoint_states(), self.dist, self._say)
         saved = self.checkpoints.resume()
+        self.run_memory = RunMemory(self)  # after the resume: it measures this run's second step
+        self.run_memory.announce(self.console)
         self._check_resumed_batch(saved)
         self.checkpoints.install_signal_handlers()
         self.writer = MetricsWriter(self.out_dir, main, self.cfg.log.tensorboard, start_step=self.state.step,
@@ -428,7 +428,8 @@ class Trainer:
             self._say(f"metrics: {self.writer.dropped_rows} row(s) after step {self.state.step} removed from "
                       "metrics.jsonl (redone from the checkpoint)")
         lc = self.cfg.log
-        self.step_log = StepLog(self.console, self.cfg.train.steps, self.state.step, lc.log_every, lc.progress)
+        self.step_log = StepLog(self.console, self.cfg.train.steps, self.state.step, lc.log_every, lc.progress,
+                                peak_label=process_peak_label(self.dist.device.type))
         self.step_times: list[StepTime] = []
         self.compile_clock = CompileClock(self.cfg.train.compile)  # compile time on its own
         self.val_loss = None
