@@ -92,6 +92,28 @@ def test_a_trial_counts_its_best_run_and_failed_trials_its_reason():
     assert bad.status == "oom" and bad.reason == "out of memory" and bad.tokens_per_s is None
 
 
+def test_each_peak_is_labelled_for_what_it_measured():
+    """A pipeline trial on a CPU has the process's peak RSS (464.1 MiB) where the others have
+    one step's tracked tensors: it is marked RSS, not shown as if it compared with the planner's
+    47.5 MiB."""
+    from tenfold.tune.markdown import PEAK_NOTE, TRIAL_HEADER, trial_rows
+    from tenfold.tune.progress import run_line
+
+    mib = 2**20
+    tracked, rss = _trial("t1", "zero", [1000.0], baseline=True), _trial("t2", "pp", [900.0])
+    tracked.runs[0].peak_bytes_per_rank, tracked.runs[0].peak_source = [int(30 * mib)], "tensor tracker (one step)"
+    rss.runs[0].peak_bytes_per_rank = [int(464.1 * mib), int(400 * mib)]
+    rss.runs[0].peak_source = "process peak RSS (no per-category measurement in summary.json)"
+    rss.predicted_peak_bytes = tracked.predicted_peak_bytes = 47.5 * mib
+    doc = {"trials": [tracked.to_dict(), rss.to_dict()]}
+    peaks = [row[-1] for row in trial_rows(doc)]
+    assert peaks == ["30.0 (47.5)", "464.1 RSS (47.5)"]
+    assert TRIAL_HEADER[-1] == "peak MiB/rank: tracked tensors (planner)"
+    assert "peak 30.0 MiB/rank, tracked tensors |" in run_line(tracked, tracked.runs[0], None)
+    assert "peak RSS 464.1 MiB/rank (process) |" in run_line(rss, rss.runs[0], None)
+    assert "`RSS`: the process's peak resident set" in PEAK_NOTE
+
+
 # --------------------------------------------------------------------------- trials
 
 
