@@ -209,13 +209,14 @@ def _tune(out: Path, *extra: str, timeout: float = 600) -> tuple[subprocess.Comp
     return r, time.perf_counter() - start
 
 
-def _busy_machine(monkeypatch, outcome):
+def _busy_machine(monkeypatch, outcome, start_s: float = 0.0):
     """A tune whose runs take `outcome(trial_key, is_baseline)` = (status, seconds): each run
-    advances the tune's clock by its seconds; measured runs get the planner's rate."""
+    advances the tune's clock by its seconds; measured runs get the planner's rate. `start_s`:
+    the clock when the loop starts (imports, the search and the first fit take time too)."""
     from tenfold.tune import runner
     from tenfold.tune.trial import Run as TrialRun
 
-    clock = [0.0]
+    clock = [start_s]
     monkeypatch.setattr(runner.Tune, "elapsed", property(lambda self: clock[0]))
     started = []
 
@@ -245,6 +246,20 @@ def test_a_baseline_that_takes_the_whole_budget_still_leaves_a_measured_trial(tm
     assert started[1][1] == 100.0  # started past the budget: nothing had been measured
     assert doc["stop_reason"].startswith("budget spent") and (out / "best.toml").is_file()
     assert "tenfold: error" not in capsys.readouterr().err
+
+
+def test_a_sessions_first_run_starts_even_when_the_search_took_the_budget(tmp_path, monkeypatch):
+    """`--budget 1` on a folder with finished trials: the search and the first fit take longer
+    than the budget on a busy machine, and the one run the session promises still starts."""
+    out = tmp_path / "t"
+    argv = ["tune", *SHAPE, *BASELINE, "--memory-limit", "12MiB", "--window", "1", "--no-progress", "--out", str(out)]
+    _busy_machine(monkeypatch, lambda key, baseline: ("oom", 10.0) if baseline else ("measured", 10.0))
+    assert main([*argv, "--budget", "30"]) == 0
+    first = sum(len(t["runs"]) for t in json.loads((out / "tune.json").read_text())["trials"])
+    started = _busy_machine(monkeypatch, lambda key, baseline: ("measured", 10.0), start_s=5.0)
+    assert main([*argv, "--budget", "1"]) == 0
+    assert len(started) == 1
+    assert sum(len(t["runs"]) for t in json.loads((out / "tune.json").read_text())["trials"]) == first + 1
 
 
 def test_a_tune_that_measures_nothing_says_why_in_one_line(tmp_path, capsys, monkeypatch):

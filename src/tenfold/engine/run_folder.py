@@ -15,8 +15,10 @@ following links.
 * `RunFolder.open()` (rank 0, after setup): with `--overwrite` the earlier run's entries are
   renamed into `OUT/.tenfold-replaced-<time>-<pid>/` (renames on one file system: atomic, and
   a link is moved, never followed; a `checkpoints` link stays and what is behind it is set
-  aside there); `started()` deletes the aside folders once the new run has finished its first
-  step, `failed()` before that puts everything back as it was.
+  aside there). The aside folders are deleted only once the new run is itself a usable run:
+  it has saved its first checkpoint, or finished (`stepped(saved=...)`, `commit()`). If it
+  fails before its first step, `failed()` puts everything back as it was; if it fails later but
+  before that, the earlier run stays aside, whole, and `failed()` says where.
 * On resume `metrics.jsonl` loses the rows after the resumed step (`metrics.keep_rows_up_to`),
   so every step appears once.
 * `replace_folder`: a folder written by a library that follows links (the tokenizer copy) is
@@ -171,7 +173,8 @@ class RunFolder:
     existed: set = field(default_factory=set)  # entries present before this run (kept)
     created: bool = False  # OUT itself was made by this run
     asides: list = field(default_factory=list)  # (folder, name): where --overwrite moved the earlier run
-    is_started: bool = False
+    has_stepped: bool = False  # the new run has done a step: its own outputs are worth keeping
+    is_committed: bool = False  # ... and saved a checkpoint or finished: the earlier run can go
 
     @classmethod
     def check(cls, cfg: Any) -> "RunFolder":
@@ -221,19 +224,36 @@ class RunFolder:
             folder.fsync()
         self.asides.append((where, aside))
 
-    def started(self) -> None:
-        """The new run has finished a step: the run it replaced is deleted (never through a link)."""
-        if self.is_started:
+    def stepped(self, saved: bool) -> None:
+        """After each of the new run's steps; `saved`: it has a complete checkpoint by now."""
+        self.has_stepped = True
+        if saved:
+            self.commit()
+
+    def commit(self) -> None:
+        """The new run has a checkpoint or has finished: the run it replaced is deleted (never
+        through a link)."""
+        if self.is_committed:
             return
-        self.is_started = True
+        self.is_committed = True
         for where, aside in self.asides:
             with Folder(where, follow=True) as folder:
                 folder.remove(aside)
         self.asides = []
 
     def failed(self) -> None:
-        """The new run failed before its first step: what it created goes, the earlier run comes back."""
-        if self.is_started or not self.path.is_dir():
+        """The new run failed. Before its first step: what it created goes, the earlier run
+        comes back. After it, without a checkpoint yet: both stay, and where the earlier run is
+        is said (one line on stderr)."""
+        if self.is_committed or not self.path.is_dir():
+            return
+        if self.has_stepped:
+            if self.asides:
+                import sys
+
+                kept = " and ".join(str(where / aside) for where, aside in self.asides)
+                print(f"tenfold: note: --overwrite: this run stopped before its first checkpoint; the run it replaced "
+                      f"is kept, whole, in {kept} (move its entries back to use it again)", file=sys.stderr)
             return
         with Folder(self.path, follow=True) as folder:
             for name in RUN_ENTRIES:

@@ -323,25 +323,25 @@ class Trainer:
             self._open_outputs()
             with compile_failures(self.cfg.train.compile):  # one line, not dynamo's traceback
                 last = self._loop(wall_start)
+            return self._finish(last, time.perf_counter() - wall_start)
         except BaseException:
-            if self.dist.is_main:  # failed before its first step: OUT as it was found
+            if self.dist.is_main:  # OUT as it was found, or the run --overwrite replaces kept aside
                 self.folder.failed()
             raise
-        try:
-            return self._finish(last, time.perf_counter() - wall_start)
         finally:
-            self.writer.close()  # after _finish's final figures
+            if hasattr(self, "writer"):  # none when the outputs could not be opened
+                self.writer.close()  # after _finish's final figures
 
     def _loop(self, wall_start: float) -> dict:
         last: dict = {}
         try:
             self.step_log.start()
             while self.state.step < self.cfg.train.steps:
-                last = self._step_and_log(wall_start, last)
-                if self.dist.is_main:  # a run it replaces (--overwrite) is deleted now
-                    self.folder.started()
-                # every N steps, at the last step, and once on SIGTERM/SIGINT (then stop)
-                if self.checkpoints.after_step(self.state.step, last=self._is_last_step()):
+                last = self._step_and_log(wall_start, last)  # then a checkpoint: every N, last, SIGTERM
+                stop = self.checkpoints.after_step(self.state.step, last=self._is_last_step())
+                if self.dist.is_main:  # a run it replaces (--overwrite) goes once this one has a checkpoint
+                    self.folder.stepped(saved=bool(self.checkpoints.saves))
+                if stop:
                     break
         except BaseException:
             self.writer.close()  # also when a step fails
@@ -513,6 +513,7 @@ class Trainer:
             run_summary.write_json_atomic(self.out_dir / "summary.json", summary)
             self.console.print(run_summary.summary_table(summary, self.out_dir))
             self.console.print(run_summary.outputs_text(self._written_paths(summary)), soft_wrap=True, highlight=False)
+            self.folder.commit()  # finished: the run --overwrite replaces goes now
         return summary
 
     def _written_paths(self, summary: dict) -> list[tuple[str, str]]:

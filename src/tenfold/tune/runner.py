@@ -64,7 +64,7 @@ class Tune:
                 break
             expected = self.expected_s(self.candidates[action.key])
             left = self.setup.budget_s - self.elapsed
-            if left <= 0 or (self.runs_this_session and expected > 2 * left):
+            if self.runs_this_session and (left <= 0 or expected > 2 * left):  # a session's first run always starts
                 spent = (f"budget spent: {self.elapsed:,.0f} s of {self.setup.budget_s:,.0f} s"
                          + (f" (the next run needs ~{expected:,.0f} s)" if left > 0 else ""))
                 if any(t.tokens_per_s for t in self.trials):
