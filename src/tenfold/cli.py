@@ -312,19 +312,23 @@ def warnings_as_lines() -> None:
 
 def _one_line(e: BaseException) -> int:
     """Every failure ends as one line on stderr and an exit status: 2 for the user's input,
-    1 for a run that failed; --debug shows the traceback instead."""
+    1 for a run that failed; --debug shows the traceback instead. A rank started by `--nproc`
+    hands its line to the launcher, which prints it once for all the ranks (engine/launch.py)."""
     if isinstance(e, UserError):
-        say("error", e)
-        return 2
-    if isinstance(e, RunError):
-        say("run stopped", e)
-        return 1
-    if isinstance(e, OSError) and e.filename is not None:  # a file system failure names its path
-        say("error", f"{e.strerror or e}: {e.filename}")
-        return 1
-    text = " ".join(str(e).split())[:300] or "(no message)"
-    say("error", f"unexpected {type(e).__name__}: {text} (rerun with --debug for the traceback)")
-    return 1
+        kind, text, code = "error", str(e), 2
+    elif isinstance(e, RunError):
+        kind, text, code = "run stopped", str(e), 1
+    elif isinstance(e, OSError) and e.filename is not None:  # a file system failure names its path
+        kind, text, code = "error", f"{e.strerror or e}: {e.filename}", 1
+    else:
+        detail = " ".join(str(e).split())[:300] or "(no message)"
+        kind, text, code = "error", f"unexpected {type(e).__name__}: {detail} (rerun with --debug for the traceback)", 1
+    line = f"tenfold: {kind}: {escaped(text)}"
+    from tenfold.engine.launch import told_the_launcher  # torch-free
+
+    if not told_the_launcher(line):
+        print(line, file=sys.stderr)
+    return code
 
 
 if __name__ == "__main__":
