@@ -437,8 +437,9 @@ class RunMemory:
 
     At start: the planner's per-rank prediction, printed. At step `measure_at` (this run's
     second step, also after a resume: the optimizer states exist by then, as in every later
-    step; its first for a one-step run): the step runs under the tracker. At the end: `summary()` for summary.json's `memory` section
-    (`predicted`, `measured`, `diff_percent`) and `add_rows()` for the summary table.
+    step; its first for a one-step run): the step runs under the tracker. At the end:
+    `summary()` for summary.json's `memory` section (`predicted`, `measured`, `diff_percent`)
+    and `add_summary_rows()` for the summary table.
     """
 
     def __init__(self, trainer):
@@ -528,7 +529,8 @@ def add_summary_rows(table, memory: dict) -> None:
     for key in ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes", "total_bytes", "peak_bytes"):
         p = f"{fmt_bytes(pred[key])} predicted, " if pred else ""
         d = f" ({diff[key]:+.1f}%)" if diff.get(key) is not None else ""
-        label = {"total_bytes": "sum p+g+o+a", "peak_bytes": "peak, tracked tensors"}.get(key, key.removesuffix("_bytes"))
+        names = {"total_bytes": "sum p+g+o+a", "peak_bytes": "peak, tracked tensors"}
+        label = names.get(key, key.removesuffix("_bytes"))
         note = f"\n[dim]{notes[key]}[/]" if notes.get(key) else ""
         table.add_row(f"memory: {label}", f"{p}{fmt_bytes(meas[key])} measured{d}{note}")
 
