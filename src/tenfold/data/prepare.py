@@ -77,11 +77,11 @@ def _checked_out(out: Path, overwrite: bool) -> Path:
     """--out before any work: a .bin in a folder that can be written, and without --overwrite
     neither FILE.bin nor FILE.json already there (a run's data, or someone's JSON, is not replaced
     silently)."""
-    from tenfold.engine.run_folder import check_output_file
+    from tenfold.out_paths import check_output_file
 
     if out.suffix != ".bin":
         raise UserError(f"data prepare --out {out}: the output must be a .bin file")
-    check_output_file(out, flag="data prepare --out")
+    check_output_file(out, flag="data prepare --out", example="corpus.bin")
     if not overwrite:
         there = [str(p) for p in (out, sidecar_path(out)) if os.path.lexists(p)]
         if there:
