@@ -84,3 +84,46 @@ def deepspeed_stack(**kw):
     from tenfold.run import Stack
 
     return Stack(master_weights=True, **kw)
+
+
+def make_read_only(monkeypatch, folder: Path) -> None:
+    """Make `folder` behave as on a read-only file system (EROFS on every create, write, rename
+    or removal under it, the clean-up of a failed write included), without root or a mount."""
+    import builtins
+    import errno
+    import io
+    import os
+
+    root = str(Path(folder).resolve())
+
+    def inside(path) -> bool:
+        if isinstance(path, int):
+            return False
+        return os.path.abspath(os.fsdecode(path)).startswith(root)
+
+    def refuse(path):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), os.fsdecode(path))
+
+    def guarded(real, writes=lambda *a, **k: True):
+        def call(path, *args, **kwargs):
+            if inside(path) and writes(*args, **kwargs):
+                refuse(path)
+            return real(path, *args, **kwargs)
+        return call
+
+    def writing_mode(mode="r", *a, **k):
+        return any(c in str(mode) for c in "wax+")
+
+    def writing_flags(flags=0, *a, **k):
+        return bool(flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT))
+
+    real_open = builtins.open
+    monkeypatch.setattr(builtins, "open", guarded(real_open, writing_mode))
+    monkeypatch.setattr(io, "open", guarded(real_open, writing_mode))
+    monkeypatch.setattr(os, "open", guarded(os.open, writing_flags))
+    for name in ("mkdir", "unlink", "remove", "rmdir"):
+        monkeypatch.setattr(os, name, guarded(getattr(os, name)))
+    for name in ("replace", "rename"):
+        real = getattr(os, name)
+        monkeypatch.setattr(os, name, lambda src, dst, *a, _real=real, **k:
+                            refuse(dst) if inside(src) or inside(dst) else _real(src, dst, *a, **k))

@@ -41,6 +41,12 @@ STRICT = [
     (["--set", "log.tensorboard=1"], ["log.tensorboard", "true or false"]),
     (["--set", "model.bias=0"], ["model.bias", "true or false"]),
     (["--set", "parallel.pp_split=[true, 1]"], ["parallel.pp_split", "not true/false"]),
+    # a string is not a number, a decimal number is not an integer
+    (["--set", "train.steps='2'"], ["train.steps", "not a string"]),
+    (["--set", "train.lr='1e-3'"], ["train.lr", "not a string"]),
+    (["--set", "train.steps=abc"], ["train.steps", "not a string"]),
+    (["--set", "train.steps=2.0"], ["train.steps", "not a decimal number"]),
+    (["--set", "parallel.pp_split=[1.0, 3]"], ["parallel.pp_split", "a list of integers"]),
     # no empty names or paths
     (["--out", ""], ["log.out", "must not be empty"]),
     (["--data", ""], ["data.path", "must not be empty"]),
@@ -66,6 +72,9 @@ def test_loose_values_exit_2_with_one_line(tmp_path, capsys, flags, needles):
         ("[train]\nlr = inf\n", ["train.lr", "finite"]),
         ("[train]\neps = nan\n", ["train.eps", "finite"]),
         ("[parallel]\nzero_stage = true\n", ["parallel.zero_stage", "not true/false"]),
+        ('[train]\nsteps = "2"\n', ["train.steps", "not a string"]),
+        ("[train]\nsteps = 2.0\n", ["train.steps", "not a decimal number"]),
+        ('[train]\nlr = "3e-4"\n', ["train.lr", "not a string"]),
         ("[data]\npath = ''\n", ["data.path", "must not be empty"]),
     ],
 )
@@ -164,3 +173,43 @@ def test_keys_with_control_characters_stay_on_one_line(tmp_path, capsys):
     code, _, err = _run(tmp_path, capsys, "--deepspeed", path)
     assert code == 0 and len(err.splitlines()) == 2, err  # the notice, then the warning
     assert err.splitlines()[1].endswith("(ignored): wand\\nb")
+
+
+def test_strict_numbers_still_take_every_honest_spelling(tmp_path, capsys):
+    """Integers for integer keys from flags, --set and TOML; an integer where a float is wanted;
+    DeepSpeed's 5e8-style integers (read by the DeepSpeed reader, not as decimals)."""
+    toml = _file(tmp_path, "run.toml", "[train]\nsteps = 7\nlr = 1\n[parallel]\nreduce_bucket_size = 500000000\n")
+    ds = _file(tmp_path, "ds.json", '{"train_micro_batch_size_per_gpu": 2, "zero_optimization": '
+                                    '{"stage": 1, "reduce_bucket_size": 5e8}}')
+    code, out, err = _run(tmp_path, capsys, "--config", toml, "--deepspeed", ds, "--set", "train.seed=3", "--lr", "2")
+    assert code == 0, err
+    from tenfold.cli import build_parser, config_from_args
+
+    argv = ["train", "--config", toml, "--deepspeed", ds, "--steps", "5", "--set", "train.warmup_steps=2"]
+    cfg = config_from_args(build_parser(argv).parse_args(argv))
+    assert (cfg.train.steps, cfg.train.lr, cfg.train.warmup_steps) == (5, 1.0, 2)
+    assert cfg.parallel.reduce_bucket_size == 500_000_000 and cfg.train.micro_batch == 2
+
+
+@pytest.mark.parametrize("flag", ["--hf-pretrained", "--hf-config"])
+def test_a_missing_hugging_face_model_names_the_flag_typed(tmp_path, capsys, flag):
+    missing = str(tmp_path / "missing")
+    code, _, err = _run(tmp_path, capsys, flag, missing)
+    assert code == 2 and err == f"tenfold: error: {flag} {missing}: cannot read (No such file or directory)", err
+    assert main(["plan", flag, missing]) == 2
+    assert capsys.readouterr().err.strip() == err
+    (tmp_path / "list.json").write_text("[1]")
+    code, _, err = _run(tmp_path, capsys, flag, str(tmp_path / "list.json"))
+    assert code == 2 and err.startswith(f"tenfold: error: {flag} ") and "expected a JSON object" in err, err
+
+
+def test_plan_emit_into_a_read_only_folder_names_the_flag(tmp_path, capsys, monkeypatch):
+    """EROFS on the write and on the clean-up of the scratch file: one line naming --emit, exit 2."""
+    from conftest import make_read_only
+
+    (tmp_path / "ro").mkdir()
+    make_read_only(monkeypatch, tmp_path / "ro")
+    target = tmp_path / "ro" / "plan.toml"
+    assert main(["plan", "--model", "tiny", "--gpu", "a100", "--emit", str(target)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"tenfold: error: --emit {target}: cannot write it (Read-only file system); choose a writable place"

@@ -208,3 +208,31 @@ def test_a_bin_file_needs_no_tokenizer_and_fits_a_small_vocabulary(tmp_path):
     (np.arange(2000) % 100).astype(np.uint16).tofile(tmp_path / "ids.bin")
     bundle = build_data(DataSection(path=str(tmp_path / "ids.bin")), 16, 0, model_vocab_size=100)
     assert bundle.tokenizer.name == "pre-tokenized" and bundle.vocab_size == 100
+
+
+def test_data_prepare_replaces_nothing_without_overwrite(tmp_path, text_jsonl):
+    """An existing FILE.bin, or someone's FILE.json beside it, is refused before any work;
+    --overwrite replaces them."""
+    out = tmp_path / "docs.bin"
+    (tmp_path / "docs.json").write_text('{"mine": true}\n')
+    r = _cli("data", "prepare", str(text_jsonl), "--out", str(out), "--no-progress")
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert f"{tmp_path / 'docs.json'} already exists; pass --overwrite" in r.stderr
+    assert not out.exists() and json.loads((tmp_path / "docs.json").read_text()) == {"mine": True}
+    r = _cli("data", "prepare", str(text_jsonl), "--out", str(out), "--no-progress", "--overwrite")
+    assert r.returncode == 0, r.stderr
+    first = out.read_bytes()
+    r = _cli("data", "prepare", str(text_jsonl), "--out", str(out), "--no-progress")
+    assert r.returncode == 2 and "docs.bin and" in r.stderr and "already exist;" in r.stderr
+    assert out.read_bytes() == first
+
+
+def test_data_prepare_into_a_read_only_folder_names_the_flag(tmp_path, text_jsonl, monkeypatch):
+    from conftest import make_read_only
+
+    (tmp_path / "ro").mkdir()
+    make_read_only(monkeypatch, tmp_path / "ro")
+    for out in (tmp_path / "ro" / "docs.bin", tmp_path / "ro" / "sub" / "docs.bin"):
+        r = _cli("data", "prepare", str(text_jsonl), "--out", str(out), "--no-progress")
+        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert r.stderr.startswith(f"tenfold: error: data prepare --out {out}:") and "Read-only file system" in r.stderr

@@ -79,12 +79,13 @@ def test_inconsistent_batch_triplet_exits_2(tmp_path):
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
-def test_user_error_inside_the_ranks_exits_2_naming_them(tmp_path):
-    r = tenfold(["--nproc", "2", "--data", str(tmp_path / "missing.txt"), "--steps", "1",
-                 "--out", str(tmp_path / "bad")], timeout=120)
+def test_a_refusal_on_every_rank_is_one_line(tmp_path):
+    """Both ranks refuse the missing data file: the launcher prints the refusal once, as one
+    process does, without torchelastic's `E... failed (exitcode: 2)` records."""
+    missing = tmp_path / "missing.txt"
+    r = tenfold(["--nproc", "2", "--data", str(missing), "--steps", "1", "--out", str(tmp_path / "bad")], timeout=120)
     assert r.returncode == 2, r.stderr[-3000:]
-    assert "[rank 1] tenfold: error: data.path" in r.stderr or "[rank 0] tenfold: error: data.path" in r.stderr
-    assert "failed first: exit status 2" in r.stderr
+    assert r.stderr.strip().splitlines() == [f"tenfold: error: data.path: file or directory not found: {missing}"]
 
 
 def _children(pid: int) -> list[int]:
@@ -192,6 +193,39 @@ def test_report_failure_names_ranks_and_keeps_user_error_status():
     err = _ChildFailed({0: _Failure(2, {"message": "UserError: bad batch", "extraInfo": {}})}, first=0)
     assert report_failure(err, buf) == 2
     assert "exit status 2: UserError: bad batch" in buf.getvalue()
+
+
+def test_the_same_line_from_every_rank_is_printed_once_and_different_ones_per_rank():
+    import io
+
+    from tenfold.engine.launch import report_failure
+
+    same = "tenfold: error: data.path: file or directory not found: x.txt"
+    buf = io.StringIO()
+    err = _ChildFailed({0: _Failure(2, same), 1: _Failure(2, same), 2: _Failure(-15, sig="SIGTERM")}, first=0)
+    assert report_failure(err, buf) == 2 and buf.getvalue() == same + "\n"
+    buf = io.StringIO()
+    err = _ChildFailed({0: _Failure(1, "tenfold: run stopped: non-finite loss at step 3"),
+                        1: _Failure(1, "tenfold: error: Read-only file system: /ckpt", timestamp=1_600_000_000)}, first=1)
+    assert report_failure(err, buf) == 1
+    assert buf.getvalue().splitlines() == ["tenfold: rank 1 failed first: exit status 1: error: Read-only file system: /ckpt",
+                                           "tenfold: rank 0: exit status 1: run stopped: non-finite loss at step 3"]
+
+
+def test_a_rank_the_launcher_started_hands_its_line_over_instead_of_printing_it(tmp_path, monkeypatch, capsys):
+    from tenfold.cli import main
+    from tenfold.engine.launch import LAUNCHED_ENV
+
+    error_file = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    monkeypatch.setenv(LAUNCHED_ENV, "1")
+    assert main(["train", "--data", str(tmp_path / "missing.txt"), "--out", str(tmp_path / "o")]) == 2
+    assert capsys.readouterr().err == ""
+    record = json.loads(error_file.read_text())["message"]
+    assert record["message"] == f"tenfold: error: data.path: file or directory not found: {tmp_path / 'missing.txt'}"
+    monkeypatch.delenv(LAUNCHED_ENV)  # under a plain torchrun: every rank says it itself
+    assert main(["train", "--data", str(tmp_path / "missing.txt"), "--out", str(tmp_path / "o")]) == 2
+    assert capsys.readouterr().err.startswith("tenfold: error: data.path")
 
 
 def test_stderr_lines_are_prefixed_with_the_rank():

@@ -112,3 +112,33 @@ def test_an_fp16_runs_own_export_is_fp16(small_cfg):
     with safe_open(summary["export"], "pt") as f:
         dtypes = {f.get_slice(k).get_dtype() for k in f.keys()}
     assert dtypes == {"F16"}, dtypes
+
+
+def test_export_writes_only_what_out_names_and_replaces_nothing_without_overwrite(tmp_path, capsys):
+    """Exported into another run's folder: NAME.safetensors, NAME.config.json, NAME.tokenizer/
+    and nothing else (that run's own tokenizer/ untouched); a second export to the same --out is
+    refused before any work, and --overwrite replaces it."""
+    source, other = tmp_path / "a", tmp_path / "b"
+    _trained(source)
+    (source / "tokenizer").mkdir()
+    (source / "tokenizer" / "tokenizer.json").write_text('{"tokenizer": "a"}')
+    (other / "tokenizer").mkdir(parents=True)
+    (other / "tokenizer" / "tokenizer.json").write_text('{"tokenizer": "b"}')
+    before = set(other.iterdir())
+    out = other / "x.safetensors"
+    assert cli.main(["export", str(source), "--out", str(out)]) == 0
+    assert set(other.iterdir()) - before == {out, other / "x.config.json", other / "x.tokenizer"}
+    assert (other / "x.tokenizer" / "tokenizer.json").read_text() == '{"tokenizer": "a"}'
+    assert (other / "tokenizer" / "tokenizer.json").read_text() == '{"tokenizer": "b"}'
+    assert f"tokenizer {other / 'x.tokenizer'}" in capsys.readouterr().out
+    stamp = out.stat().st_mtime_ns
+    assert cli.main(["export", str(source), "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "already exist; pass --overwrite" in err and str(out) in err, err
+    assert out.stat().st_mtime_ns == stamp
+    (other / "x.tokenizer" / "stale.txt").write_text("from another tokenizer")
+    assert cli.main(["export", str(source), "--out", str(out), "--overwrite"]) == 0
+    assert sorted(p.name for p in (other / "x.tokenizer").iterdir()) == ["tokenizer.json"]
+    # into the run's own folder: its tokenizer/ is beside the weights already, no copy
+    assert cli.main(["export", str(source)]) == 0
+    assert not (source / "model.tokenizer").exists() and f"tokenizer {source / 'tokenizer'}" in capsys.readouterr().out

@@ -18,6 +18,7 @@ from tenfold.engine.memory_notes import row_notes
 from tenfold.engine.steady import StepTime, steady_state
 from tenfold.engine.summary import mfu
 from tenfold.engine.trainer import Trainer
+from tenfold.plan.for_run import fmt_bytes
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -60,6 +61,28 @@ def test_summary_tokens_per_s_is_the_steady_rate_of_the_logged_steps(tmp_path):
     assert f["tokens_per_s_overall"] < f["tokens_per_s"]  # the wall time has the warm-up and the evaluation
 
 
+def _cells(text: str) -> str:
+    """The summary table's text with its borders out and wrapped cells joined again."""
+    return " ".join(text.replace("│", " ").split())
+
+
+def test_a_resumed_run_reports_its_own_rate_and_its_memory(tmp_path, capsys):
+    """`--resume auto`: the overall rate is this run's tokens over this run's wall time (not the
+    earlier run's tokens too), and the memory rows are there (this run's second step measured)."""
+    Trainer(build_config(small_config(tmp_path, train={"steps": 3}))).fit()
+    cfg = small_config(tmp_path, train={"steps": 6}, checkpoint={"resume": "auto"})
+    summary = Trainer(build_config(cfg)).fit()
+    f, per_step = summary["final"], summary["batch"]["global_batch"] * summary["batch"]["seq_len"]
+    assert f["tokens"] == 6 * per_step and f["tokens_this_run"] == 3 * per_step and f["first_step"] == 4
+    assert f["tokens_per_s_overall"] == pytest.approx(3 * per_step / f["wall_s"])
+    memory = summary["memory"]
+    assert memory["measured_step"] == 5 and memory["measured"]["params_bytes"] > 0
+    out = _cells(capsys.readouterr().out)
+    assert f"{6 * per_step:,} ({3 * per_step:,} in this run, resumed at step 3)" in out
+    assert "over this run's whole wall time" in out and "memory: peak, tracked tensors" in out
+    assert "measured at step 5" in out
+
+
 # --------------------------------------------------------------------------- MFU and the peak
 
 
@@ -69,15 +92,44 @@ def test_mfu_is_never_above_100_percent():
     assert value is None and "exceed the peak used for MFU" in note
 
 
+def test_the_reported_mfu_is_model_flops_times_tokens_per_s_over_the_peak(tmp_path):
+    """On the path the Trainer takes: the FLOPs per token counted here from the trained model's
+    own parameters (6N, Kaplan et al. 2020: N = the blocks' parameters and the output projection,
+    tied or not; + 12 L s d for attention scores and values, PaLM App. B), the peak from the GEMM
+    sweep, the rate the run reports: summary and every metrics row give flops x tokens/s / peak."""
+    trainer = Trainer(build_config(small_config(tmp_path, train={"steps": 4})))
+    summary = trainer.fit()
+    params = dict(trainer.model.named_parameters(remove_duplicate=False))
+    n = sum(p.numel() for name, p in params.items() if name.startswith("layers.")) + params["output.weight"].numel()
+    shape, seq = summary["config"]["model"], summary["batch"]["seq_len"]
+    flops = 6.0 * n + 12.0 * shape["n_layers"] * seq * shape["d_model"]
+    peak, _ = peak_mod.mfu_peak("fp32")
+    assert summary["model"]["flops_per_token"] == pytest.approx(flops, rel=1e-12)
+    assert summary["hardware"]["peak_flops_per_device"] == pytest.approx(peak, rel=1e-12)
+    f = summary["final"]
+    assert f["mfu"] is not None and f["mfu"] == pytest.approx(flops * f["tokens_per_s"] / peak, rel=1e-9)
+    rows = read_metrics(tmp_path / "run")
+    assert len(rows) == 4 and all(r["mfu"] == pytest.approx(flops * r["tokens_per_s"] / peak, rel=1e-9) for r in rows)
+
+
 def test_fp16_on_this_cpu_reports_no_mfu_above_100_percent(tmp_path):
-    """The issue's case: fp16 on a CPU (186.8% before the peak sweep)."""
+    """fp16 on a CPU (186.8% before the peak sweep): where this CPU's fp16 GEMMs are slow (most
+    x86 CPUs) no MFU at all, with the sweep's own reason; where they are fast, exactly the model
+    FLOPs x tokens/s over the fp16 peak, or none above 100%."""
     cfg = small_config(tmp_path, precision={"dtype": "fp16"}, train={"steps": 3})
     summary = Trainer(build_config(cfg)).fit()
-    f = summary["final"]
-    assert f["mfu"] is None or 0 < f["mfu"] <= 1.0
-    if f["mfu"] is None:
-        assert "no fast kernels" in f["mfu_note"] or "exceed" in f["mfu_note"]
-    assert all(r["mfu"] is None or r["mfu"] <= 1.0 for r in read_metrics(tmp_path / "run"))
+    f, rows = summary["final"], read_metrics(tmp_path / "run")
+    peak, why = peak_mod.mfu_peak("fp16")
+    if peak is None:
+        assert f["mfu"] is None and f["mfu_note"] == why and "fp16 matmuls have no fast kernels" in why
+        assert all(r["mfu"] is None for r in rows)
+        return
+    expected = summary["model"]["flops_per_token"] * f["tokens_per_s"] / peak
+    if expected <= 1.0:
+        assert f["mfu"] == pytest.approx(expected)
+    else:
+        assert f["mfu"] is None and "exceed the peak used for MFU" in f["mfu_note"]
+    assert all(r["mfu"] is None or r["mfu"] <= 1.0 for r in rows)
 
 
 def test_a_stale_low_peak_gives_no_mfu_says_why_and_is_measured_again(tmp_path, monkeypatch):
@@ -115,6 +167,7 @@ def test_plan_and_train_use_one_peak_for_the_same_run(tmp_path, monkeypatch):
     try:
         torch.set_num_threads(1)  # a rank of a 2-process run
         trained = {n: peak_mod.mfu_peak("bf16", ranks=n)[0] for n in (1, 2, 4)}
+        peak_mod.cpu_peak_flops("fp16")  # the planner reads an entry with every dtype
     finally:
         torch.set_num_threads(threads)
     hw = get_hardware("cpu")
@@ -197,11 +250,12 @@ def test_each_row_that_counts_differently_says_how():
     zero2 = row_notes(PREDICTED, MEASURED, zero_stage=2, dp=2, user_module=True)
     assert "fp32 shard" in zero2["params_bytes"] and "DeepSpeed's ZeRO-2" in zero2["params_bytes"]
     assert "not predicted for your own module" in zero2["activations_bytes"]
-    assert "below the sum" in zero2["peak_bytes"] and "50.00 MiB DDP buckets this run lacks (FSDP2 at ZeRO-2)" in zero2["peak_bytes"]
+    # the planner prices the buffers of the engine that runs (FSDP2's unit at ZeRO-2, DDP's buckets below)
+    assert "below the sum" in zero2["peak_bytes"] and "50.00 MiB of communication buffers" in zero2["peak_bytes"]
     assert "upper bound of the peak" in zero2["total_bytes"]
     plain = row_notes(PREDICTED, MEASURED, zero_stage=0, dp=2, user_module=False)
     assert "params_bytes" not in plain and "activations_bytes" not in plain
-    assert "lacks" not in plain["peak_bytes"]  # DDP on 2 ranks does allocate its buckets
+    assert "lacks" not in plain["peak_bytes"] and "lacks" not in zero2["peak_bytes"]
     assert row_notes(PREDICTED, None, 2, 2, False) == {}
 
 
@@ -210,10 +264,21 @@ def test_summary_has_the_notes_and_the_table_shows_them(tmp_path, capsys):
                  "--set", "model.n_layers=2", "--set", "model.d_model=64", "--set", "model.n_heads=4",
                  "--set", "model.d_ff=128", "--set", "model.max_seq_len=64", "--seq-len", "32",
                  "--set", "data.max_bytes=300000", "--set", "log.tensorboard=false"]) == 0
-    notes = json.loads((tmp_path / "run" / "summary.json").read_text())["memory"]["notes"]
-    assert {"total_bytes", "peak_bytes"} <= set(notes)
-    out = " ".join(capsys.readouterr().out.split())  # the table wraps long cells
+    memory = json.loads((tmp_path / "run" / "summary.json").read_text())["memory"]
+    assert {"total_bytes", "peak_bytes"} <= set(memory["notes"])
+    text = capsys.readouterr().out
+    out = " ".join(text.split())  # the table wraps long cells
     assert "upper bound of the" in out and "warm-up" in out
+    # two peaks, each labelled for what it is: the process's resident set on the step lines and
+    # in its own row, the tracked tensors of one step beside the planner's prediction
+    assert memory["peak_mem_of"] == "peak RSS" and memory["measured_by"] == "tensor tracker (MemTracker)"
+    steps = [ln for ln in text.splitlines() if ln.startswith("step ")]
+    assert len(steps) == 2 and all("| peak RSS " in ln and "peak mem" not in ln for ln in steps), steps
+    cells = _cells(text)
+    rss = f"memory: peak RSS (process) {fmt_bytes(memory['peak_mem_bytes'])}"
+    assert rss in cells and "the process's highest resident set" in cells, cells
+    tensors = f"memory: peak, tracked tensors {fmt_bytes(memory['predicted']['peak_bytes'])} predicted, "
+    assert tensors + f"{fmt_bytes(memory['measured']['peak_bytes'])} measured" in cells, cells
 
 
 def test_without_torchs_tensor_tracker_the_run_trains_and_says_so(tmp_path, monkeypatch, caplog):

@@ -115,17 +115,29 @@ def test_labels_are_the_completions_and_a_prompt_only_batch_has_zero_gradient(tm
 
 
 def test_packed_examples_attend_only_to_themselves(tmp_path, hf_dir, pc_file):
-    """The logits of every example packed in a row equal those of the example run alone, and
-    the run header says so; tenfold's GPT (no document mask) says that attention crosses."""
+    """Where each example of a row starts and ends is found from the records themselves (BOS
+    and the tokenized prompt + completion), not from the position_ids under test: position_ids
+    restart at 0 at every example, and the logits of every example in the packed row equal
+    those of the example run alone; the run header says so. tenfold's GPT (no document mask)
+    says that attention crosses."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(hf_dir / "tokenizer.json"))
     trainer = Trainer(ft_config(tmp_path / "run", hf_dir, pc_file))
     trainer.setup()
     assert "attention masked per example" in trainer.data.describe()
     batch = trainer.data.train[[0]].to_batch()
+    ids, positions = batch["input_ids"][0], batch["position_ids"][0]
+    spans = [(start, min(start + len(prompt) + len(completion), len(ids)))
+             for start, prompt, completion in _rows_examples(tok, _records(pc_file), ids)]
+    assert len(spans) >= 3 and spans[0][0] == 0
+    assert all(end == next_start for (_, end), (next_start, _) in zip(spans, spans[1:]))  # packed back to back
+    for a, b in spans:
+        assert positions[a:b].tolist() == list(range(b - a)), (a, b, positions[a:b].tolist())
     model = trainer.model.eval()
     with torch.no_grad():
         packed = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits[0]
-        starts = (batch["position_ids"][0] == 0).nonzero().flatten().tolist() + [batch["input_ids"].shape[1]]
-        for a, b in zip(starts[:-1], starts[1:]):
+        for a, b in spans:
             alone = model(input_ids=batch["input_ids"][:, a:b]).logits[0]
             torch.testing.assert_close(packed[a:b], alone, rtol=1e-4, atol=1e-5)
     gpt = Trainer({**ft_config(tmp_path / "gpt", hf_dir, pc_file), "model": {"name": "tiny", "n_layers": 1, "d_model": 32,

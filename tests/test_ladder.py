@@ -18,7 +18,7 @@ from tenfold.ladder import parse_bytes, parse_rungs
 from tenfold.ladder import rungs as R
 from tenfold.ladder.measure import RungResult, run_rung, steady_tokens_per_s
 from tenfold.ladder.predict import Prediction, choose_micro_batch
-from tenfold.ladder.report import add_multipliers, fmt_multiplier
+from tenfold.ladder.report import COLUMNS, add_multipliers, best_line, best_rung, fmt_multiplier, markdown, table_rows
 
 # `tiny` shrunk (conftest.SMALL_MODEL) so that one rung is a few seconds of a 2-core CPU.
 SMALL = [
@@ -145,6 +145,79 @@ def test_multipliers_against_previous_and_baseline():
     assert rs[3].cumulative_multiplier == pytest.approx(100 / 150)
     assert rs[2].time_multiplier is None
     assert fmt_multiplier(0.5) == "/ 2.00" and fmt_multiplier(1.3) == "x 1.30"
+
+
+def test_no_ratio_to_a_baseline_that_was_not_measured():
+    """Rungs 0 and 1 timed out: rung 3 is not "8.83x the baseline" measured against rung 2."""
+    timeout = "timed out after 300 s; give it more time with --timeout SECONDS"
+    rs = [_result("fp32", None, "failed"), _result("mixed", None, "failed"), _result("accum", 120.0),
+          _result("recompute", 1060.0)]
+    for i, r in enumerate(rs):
+        r.index, r.reason = i, (timeout if r.status == "failed" else None)
+        r.config = {"precision": "fp32", "micro_batch": 1, "grad_accum": 1, "dp": 1, "recompute": "none",
+                    "zero_stage": 0, "pp": 1}
+    add_multipliers(rs)
+    assert all(r.speedup_vs_baseline is None and r.cumulative_multiplier is None for r in rs)
+    assert rs[3].speedup_vs_previous == pytest.approx(1060 / 120)  # the rung before it was measured
+    assert best_rung(rs) is None
+    assert best_line(rs) == ("fastest rung: 3 recompute, 1,060 tok/s; no ratio to the baseline: rung 0 fp32 failed "
+                             f"({timeout})")
+    rows = table_rows(rs)
+    assert [row[COLUMNS.index("cumulative")] for row in rows] == ["-"] * 4
+    assert "x the baseline" not in markdown(rs, _HEADER)
+    rs[0].status, rs[0].tokens_per_s = "measured", 100.0
+    add_multipliers(rs)
+    assert best_line(rs) == "best rung: 3 recompute, 10.60x the baseline's tokens/s"
+
+
+_HEADER = {"model": "tiny", "hardware": {"description": "cpu", "planner_hardware": "cpu", "cores": 2},
+           "date": "today", "command": "tenfold ladder", "budget_tokens": 512, "seq_len": 32, "global_batch": 8,
+           "memory_budget_bytes": 2**20}
+
+
+def test_a_timeout_says_whether_the_machine_was_busy_and_how_to_give_more_time(tmp_path, monkeypatch):
+    from tenfold.ladder import measure
+
+    monkeypatch.setattr(measure.os, "cpu_count", lambda: 2)
+    busy = measure.timeout_reason(300, [3.9, 4.4], "--timeout SECONDS")
+    assert busy == ("timed out after 300 s; the machine was busy (load average 4.4 on 2 cores), which slows every "
+                    "run; give it more time with --timeout SECONDS")
+    assert measure.timeout_reason(300, [0.5, 1.0], "--trial-timeout SECONDS") == (
+        "timed out after 300 s; give it more time with --trial-timeout SECONDS")
+    spec = R.fp32_rung(_setup())
+    res = run_rung(spec, tmp_path / "rung", list(SMALL), Prediction(), timeout_s=1)  # a real run, stopped
+    assert res.status == "failed" and res.reason.startswith("timed out after 1 s")
+    assert res.reason.endswith("give it more time with --timeout SECONDS")
+
+
+def test_off_a_terminal_the_ladder_says_each_rung_as_it_goes(tmp_path, capsys, monkeypatch):
+    """stdout is not a terminal (capsys): a line as each rung starts and ends, each one printed
+    before the next rung runs; the baseline's timeout gives no ratio, and the table still ends it."""
+    from tenfold.ladder import measure
+
+    printed: list[str] = []
+    rates = {"fp32": None, "mixed": 900.0, "accum": 1100.0}
+
+    def fake_rung(spec, out, user_set, prediction, timeout_s, on_step=None):
+        printed.append(capsys.readouterr().out)
+        r = RungResult(spec.index, spec.name, spec.title, "measured" if rates[spec.name] else "failed",
+                       None if rates[spec.name] else measure.timeout_reason(timeout_s, None, "--timeout SECONDS"),
+                       spec.knobs, tokens_per_s=rates[spec.name], process_s=3.0)
+        return r
+
+    monkeypatch.setattr(measure, "run_rung", fake_rung)
+    assert main(["ladder", "--rungs", "fp32,mixed,accum", "--nproc", "1", "--tokens", "256", "--global-batch", "2",
+                 "--repeats", "1", "--timeout", "300", "--out", str(tmp_path), *SMALL]) == 0
+    printed.append(capsys.readouterr().out)
+    assert printed[0].splitlines()[-1] == "rung 0 fp32: 8 steps, 256 tokens, at most 300 s"
+    assert printed[1].splitlines()[-2:] == [
+        "rung 0 fp32: failed: timed out after 300 s; give it more time with --timeout SECONDS",
+        "rung 1 mixed: 8 steps, 256 tokens, at most 300 s"]
+    assert "rung 1 mixed: measured, 900 tok/s" in printed[2]
+    end = printed[3]
+    assert "rung 2 accum: measured, 1,100 tok/s" in end and "tenfold ladder: tiny" in end
+    assert "x the baseline" not in end
+    assert "fastest rung: 2 accum, 1,100 tok/s; no ratio to the baseline: rung 0 fp32 failed (timed out" in end
 
 
 def test_steady_tokens_per_s_leaves_out_warmup_and_measured_steps():

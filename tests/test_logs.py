@@ -18,7 +18,7 @@ from conftest import SMALL_FLAGS, read_metrics, small_config
 from tenfold.cli import main
 from tenfold.config import build_config
 from tenfold.engine.metrics import STEP_TAGS, VAL_LOSS_TAG
-from tenfold.engine.step_log import StepLog, plain_line
+from tenfold.engine.step_log import StepLog, plain_line, process_peak_label
 from tenfold.engine.trainer import Trainer
 from tenfold.errors import UserError
 
@@ -26,7 +26,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 LINE = re.compile(
     r"^step (\d+)/(\d+) \| loss \d+\.\d{4} \| lr \d\.\d\de[-+]\d\d \| [\d,]+ tok/s \| (MFU [\d.]+% \| )?"
-    r"peak mem [\d.]+ [KMG]iB \| [\d.]+ s/step( \| val loss \d+\.\d{4})? \| eta \d+s$"
+    r"peak RSS [\d.]+ [KMG]iB \| [\d.]+ s/step( \| val loss \d+\.\d{4})? \| eta \d+s$"
 )
 
 
@@ -86,7 +86,8 @@ def test_plain_line_figures_and_eta():
     log.update({**ROW, "step": 4, "elapsed_s": 2.0})
     assert log.eta_s(4) == pytest.approx(3.0)  # 6 steps left at 0.5 s of wall time each
     text = log.console.file.getvalue()
-    assert "step 4/10 | loss 2.5000 | lr 1.00e-03 | 1,234 tok/s | MFU 12.3% | peak mem 3.00 MiB | 0.50 s/step" in text
+    assert "step 4/10 | loss 2.5000 | lr 1.00e-03 | 1,234 tok/s | MFU 12.3% | peak RSS 3.00 MiB | 0.50 s/step" in text
+    assert "| peak allocated 3.00 MiB |" in plain_line(ROW, 10, None, process_peak_label("cuda"))
     fp16 = plain_line({**ROW, "mfu": None, "loss_scale": 65536.0, "skipped": 2}, 10, None)
     assert "MFU" not in fp16 and "loss scale 65536" in fp16 and "2 skipped" in fp16 and "eta" not in fp16
 

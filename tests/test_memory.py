@@ -178,11 +178,13 @@ def test_cli_bad_or_unsupported_policy_exits_2(tmp_path, capsys, flag, message):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("policy", ["every:4", "segments:4"])
-def test_cli_prediction_for_layer_counts_the_policy_does_not_divide(tmp_path, policy):
+@pytest.mark.parametrize("policy, expected", [("every:4", -2.0), ("segments:4", -5.1)])
+def test_cli_prediction_for_layer_counts_the_policy_does_not_divide(tmp_path, policy, expected):
     """6 layers: every:4 recomputes block 3 alone, segments:4 the groups [0,1], [2,3], [4];
-    the planner counts exactly those blocks (tenfold.terms), so its prediction of the real run
-    stays within 15% (measured -2% and -5%)."""
+    the planner counts exactly those blocks (tenfold.terms). The tracker counts bytes, so the
+    prediction's error is the same on every run (torch 2.13: -2.0% and -5.1%), and it is held
+    to 0.7 points: segments split another way move it by 1.4 points or more (5 runs instead of
+    4: -8.0%), which a 15% tolerance let through."""
     import subprocess
     import sys
 
@@ -192,4 +194,40 @@ def test_cli_prediction_for_layer_counts_the_policy_does_not_divide(tmp_path, po
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     diff = json.loads((out / "summary.json").read_text())["memory"]["diff_percent"]
-    assert abs(diff["activations_bytes"]) <= 15.0, diff
+    assert diff["activations_bytes"] == pytest.approx(expected, abs=0.7), diff
+
+
+def test_a_module_entered_twice_measures_without_torchs_file_a_bug_warning():
+    """ModTracker warns "Please file a bug to PyTorch" when a module runs inside itself; nothing
+    a user can act on, so it is not shown, and the process's warning format is left as it was."""
+    import warnings
+
+    from torch.distributed._tools.mod_tracker import ModTracker
+
+    class Twice(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 8)
+
+        def forward(self, x, inner=False):
+            return self.lin(x) if inner else self(x, inner=True)
+
+    model = Twice()
+    opt = torch.optim.AdamW(model.parameters())
+    formatwarning = warnings.formatwarning
+
+    def step():
+        model(torch.randn(4, 8)).sum().backward()
+        opt.step()
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with ModTracker():  # the warning is real: torch's own tracker gives it on this model
+            model(torch.randn(4, 8))
+        warnings.formatwarning = formatwarning
+        assert any("file a bug" in str(w.message) for w in caught)
+        caught.clear()
+        measured = measure_step_memory(model, opt, step)
+    assert measured["params_bytes"] == 8 * 8 * 4 + 8 * 4
+    assert not [w for w in caught if "file a bug" in str(w.message)], [str(w.message) for w in caught]
+    assert warnings.formatwarning is formatwarning

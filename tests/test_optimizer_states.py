@@ -74,3 +74,22 @@ def test_the_trainer_allocates_them_at_setup(small_cfg):
     t.setup()
     assert len(t.optimizer.state) == len([p for p in t.model.parameters() if p.requires_grad])
     assert all(float(s["step"]) == 0 for s in t.optimizer.state.values())
+
+
+@pytest.mark.parametrize("shape", [{}, {"bias": True, "norm": "layernorm", "pos": "learned", "mlp": "gelu"}])
+def test_the_trainer_decays_matmul_weights_and_embeddings_only(small_cfg, shape):
+    """Named by role, not by the shape rule under test: norm gains and biases get no weight
+    decay, the matmul weights and the embeddings get train.weight_decay."""
+    from tenfold.engine.trainer import Trainer
+
+    t = Trainer(small_cfg(model={"name": "tiny", "n_layers": 2, "d_model": 64, "n_heads": 4, "d_ff": 128,
+                                 "max_seq_len": 64, **shape}, train={"weight_decay": 0.07}))
+    t.setup()
+    decay_of = {id(p): g["weight_decay"] for g in t.optimizer.param_groups for p in g["params"]}
+    names = dict(t.model.named_parameters())
+    assert len(decay_of) == len(names)  # every trainable parameter in exactly one group
+    free = [n for n in names if "norm" in n or n.endswith(".bias")]
+    assert free and (not shape or any(n.endswith(".bias") for n in free))
+    assert any("emb" in n for n in names if n not in free)
+    for name, p in names.items():
+        assert decay_of[id(p)] == (0.0 if name in free else 0.07), name

@@ -396,3 +396,44 @@ def test_fp16_gradients_are_unscaled_before_the_norm_and_the_step(small_cfg):
         assert not a["skipped"] and not b["skipped"]
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=2e-2), (a, b)
         assert a["loss"] == pytest.approx(b["loss"], rel=2e-3)
+
+
+def test_the_cli_shows_tenfolds_own_notes_as_notes_not_python_source_lines(tmp_path, capsys, monkeypatch):
+    """`precision.py:337: UserWarning: fp16 on a CPU is very slow` and the source line under it
+    become one line, `tenfold: note: ...`."""
+    from conftest import SMALL_FLAGS
+    from tenfold.cli import main
+
+    monkeypatch.setattr(precision, "_warned_fp16_on_cpu", False)
+    args = ["train", "--precision", "fp16", "--steps", "1", "--set", "checkpoint.final=false",
+            "--set", "log.tensorboard=false", *SMALL_FLAGS]
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        assert main([*args, "--out", str(tmp_path / "a")]) == 0
+    err = capsys.readouterr().err
+    notes = [ln for ln in err.splitlines() if "fp16 on a CPU is very slow" in ln]
+    assert len(notes) == 1 and notes[0].startswith("tenfold: note: fp16 on a CPU is very slow"), err
+    assert "UserWarning" not in err and "precision.py" not in err and "warnings.warn" not in err, err
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("clip", [0.01, 0.0])
+def test_a_trainer_step_clips_to_train_grad_clip(small_cfg, clip):
+    """On the Trainer's own step: the gradients AdamW steps with have the global norm
+    train.grad_clip when they were larger (0: DeepSpeed's "no clipping", the norm as computed);
+    the row reports the norm before clipping."""
+    from tenfold.engine.trainer import Trainer
+
+    t = Trainer(small_cfg(train={"grad_clip": clip}))
+    t.setup()
+    at_step = []
+
+    def norm_at_step(optimizer, args, kwargs):
+        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        at_step.append(float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))))
+
+    t.optimizer.register_step_pre_hook(norm_at_step)
+    result = t.train_step(t.loader.next_step())
+    assert len(at_step) == 1 and result.grad_norm > 0.05  # far above 0.01: clipping has work to do
+    expected = clip if clip else result.grad_norm
+    assert at_step[0] == pytest.approx(expected, rel=1e-4), (at_step, result.grad_norm)

@@ -81,6 +81,9 @@ def test_checkpointed_blocks_semantics():
     assert RecomputePolicy("segments", n=2).checkpointed_blocks(4) == [[0, 1]]
     assert RecomputePolicy("segments", n=8).checkpointed_blocks(4) == [[0], [1], [2]]
     assert RecomputePolicy("segments", n=1).checkpointed_blocks(4) == []
+    # a count the policy does not divide (the memory test's 6 layers)
+    assert RecomputePolicy("segments", n=4).checkpointed_blocks(6) == [[0, 1], [2, 3], [4]]
+    assert RecomputePolicy("every", n=4).checkpointed_blocks(6) == [[3]]
     assert RecomputePolicy("none").checkpointed_blocks(4) == []
 
 

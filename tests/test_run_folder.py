@@ -106,26 +106,69 @@ def test_a_fresh_run_into_an_earlier_run_is_refused_and_changes_nothing(run_copy
     assert snapshot(out) == before
 
 
-def test_overwrite_moves_the_earlier_run_aside_until_the_first_step(run_copy, monkeypatch, capsys):
+def test_overwrite_keeps_the_earlier_run_aside_until_the_first_checkpoint(run_copy, monkeypatch, capsys):
     from tenfold.engine.trainer import Trainer
 
     out, data = run_copy
-    real, seen = Trainer.train_step, {}
+    real, seen = Trainer.train_step, []
 
-    def first_step_sees_the_folder(self, micro_batches):
-        if not seen:  # before the new run's first step: the earlier run is aside, whole
-            asides = [p for p in out.iterdir() if p.name.startswith(ASIDE_PREFIX)]
-            seen["aside"] = [steps(p) for p in asides]
-            seen["checkpoints"] = sorted(p.name for p in (out / "checkpoints").iterdir()) if (out / "checkpoints").exists() else []
+    def each_step_sees_the_folder(self, micro_batches):
+        asides = [p for p in out.iterdir() if p.name.startswith(ASIDE_PREFIX)]
+        checkpoints = sorted(p.name for p in (out / "checkpoints").iterdir()) if (out / "checkpoints").exists() else []
+        seen.append(([steps(p) for p in asides], checkpoints))
         return real(self, micro_batches)
 
-    monkeypatch.setattr(Trainer, "train_step", first_step_sees_the_folder)
-    assert train(out, data, "--steps", "2", "--overwrite") == 0
-    assert seen == {"aside": [[1, 2, 3, 4]], "checkpoints": []}
-    assert steps(out) == [1, 2]
-    assert [p.name for _, p in ck.list_step_dirs(out / "checkpoints")] == ["step_2"]  # step_4 of the old run is gone
-    assert ck.read_latest(out / "checkpoints") == out / "checkpoints" / "step_2"
+    monkeypatch.setattr(Trainer, "train_step", each_step_sees_the_folder)
+    assert train(out, data, "--steps", "3", "--overwrite") == 0
+    # steps 1 and 2: the earlier run aside, whole; step 3: the new run has its step_2, the old one is gone
+    assert seen == [([[1, 2, 3, 4]], []), ([[1, 2, 3, 4]], []), ([], ["latest", "step_2"])]
+    assert steps(out) == [1, 2, 3]
+    assert sorted(p.name for _, p in ck.list_step_dirs(out / "checkpoints")) == ["step_2", "step_3"]
     assert not [p for p in out.iterdir() if p.name.startswith(ASIDE_PREFIX)]
+
+
+def test_overwrite_that_fails_before_its_first_checkpoint_keeps_the_earlier_run_and_says_where(
+        run_copy, monkeypatch, capsys):
+    """The new run fails at step 2 (a non-finite loss, say), before any checkpoint: the earlier
+    run is still there, whole, and the note names the folder it is in."""
+    from tenfold.engine.trainer import Trainer
+    from tenfold.errors import RunError
+
+    out, data = run_copy
+    before, real, calls = snapshot(out), Trainer.train_step, []
+
+    def fails_at_step_2(self, micro_batches):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RunError("non-finite loss at step 2")
+        return real(self, micro_batches)
+
+    monkeypatch.setattr(Trainer, "train_step", fails_at_step_2)
+    capsys.readouterr()
+    assert train(out, data, "--steps", "4", "--overwrite") == 1
+    (aside,) = [p for p in out.iterdir() if p.name.startswith(ASIDE_PREFIX)]
+    assert snapshot(aside) == before  # the earlier run, byte for byte
+    assert steps(out) == [1]  # and what the failed run did, where it ran
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[0] == (f"tenfold: note: --overwrite: this run stopped before its first checkpoint; the run it "
+                      f"replaced is kept, whole, in {aside} (move its entries back to use it again)"), err
+    assert err[1] == "tenfold: run stopped: non-finite loss at step 2" and len(err) == 2, err
+
+
+def test_overwrite_without_checkpoints_replaces_the_earlier_run_once_finished(run_copy, monkeypatch):
+    from tenfold.engine.trainer import Trainer
+
+    out, data = run_copy
+    real, seen = Trainer.train_step, []
+
+    def each_step(self, micro_batches):
+        seen.append(len([p for p in out.iterdir() if p.name.startswith(ASIDE_PREFIX)]))
+        return real(self, micro_batches)
+
+    monkeypatch.setattr(Trainer, "train_step", each_step)
+    assert ct._cli_train(out, data, "--steps", "2", "--overwrite", "--no-final-checkpoint") == 0
+    assert seen == [1, 1] and not [p for p in out.iterdir() if p.name.startswith(ASIDE_PREFIX)]
+    assert steps(out) == [1, 2] and not (out / "checkpoints").exists()
 
 
 def test_overwrite_that_fails_before_its_first_step_puts_the_earlier_run_back(run_copy, monkeypatch, capsys):

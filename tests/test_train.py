@@ -179,3 +179,25 @@ def test_cli_end_to_end_subprocess(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "tenfold", "train", "--precision", "fp17"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_the_validation_loss_is_the_mean_over_the_target_tokens_of_the_eval_batches(tmp_path):
+    """Trainer.evaluate on prompt/completion rows, whose batches hold unequal numbers of targets:
+    the summed token losses over all target tokens, not a mean of per-batch means nor a sum."""
+    import torch.nn.functional as F
+
+    from tenfold.data import iter_eval
+
+    cfg = small_config(tmp_path, data={"path": "examples/sft_sample.jsonl", "max_bytes": None, "seq_len": 64,
+                                       "val_fraction": 0.3}, train={"eval_batches": 3, "micro_batch": 2})
+    t = Trainer(build_config(cfg))
+    t.setup()
+    batches = list(iter_eval(t.data.val, 2, 3))
+    counts = [int((b["labels"] != -100).sum()) for b in batches]
+    assert len(batches) == 3 and len(set(counts)) > 1, counts
+    with torch.no_grad():
+        sums = [float(F.cross_entropy(t.model(b["input_ids"]).flatten(0, 1).float(), b["labels"].flatten(),
+                                      ignore_index=-100, reduction="sum")) for b in batches]
+    expected = sum(sums) / sum(counts)
+    assert abs(sum(s / c for s, c in zip(sums, counts)) / 3 - expected) > 1e-3  # the naive mean would differ
+    assert t.evaluate() == pytest.approx(expected, rel=1e-5)

@@ -169,7 +169,7 @@ def test_a_calibrated_machine_survives_its_hardware_file(tmp_path):
 
 @pytest.mark.parametrize("line, message", [
     ("shared_compute = 1", "shared_compute must be true or false"),
-    ("step_overhead_s = -1", "step_overhead_s must be a non-negative number"),
+    ("step_overhead_s = -1", "step_overhead_s must be a finite non-negative number"),
     ("[achieved_matmul_tflops]\nint8 = 3", "[achieved_matmul_tflops] takes fp32, bf16, fp16"),
 ])
 def test_bad_measured_keys_in_a_hardware_file_are_named(tmp_path, line, message):
@@ -182,3 +182,55 @@ def test_bad_measured_keys_in_a_hardware_file_are_named(tmp_path, line, message)
     path.write_text(body)
     with pytest.raises(UserError, match=message.replace("[", r"\[").replace("]", r"\]")):
         load_hardware_toml(path)
+
+
+GOOD_FILE = {"name": '"x"', "memory_gb": "80", "hbm_gbs": "2000", "intra_node_gbs": "300", "nic_gbs": "25"}
+
+
+@pytest.mark.parametrize("change, needles", [
+    ({"memory_gb": "nan"}, ["memory_gb must be a finite positive number", "nan"]),
+    ({"hbm_gbs": "inf"}, ["hbm_gbs must be a finite positive number", "inf"]),
+    ({"nic_gbs": "-inf"}, ["nic_gbs must be a finite positive number"]),
+    ({"memory_gb": '"80"'}, ["memory_gb must be a finite positive number", "'80'"]),
+    ({"intra_node_gbs": "0"}, ["intra_node_gbs must be a finite positive number"]),
+    ({"name": "3"}, ["name must be a non-empty text"]),
+    ({"gpus_per_node": "8.0"}, ["gpus_per_node must be a positive integer"]),
+    ({"gpus_per_node": '"8"'}, ["gpus_per_node must be a positive integer"]),
+    ({"bus_efficiency": "1.5"}, ["bus_efficiency must be a number in (0, 1]"]),
+    ({"collective_latency_s": "nan"}, ["collective_latency_s must be a finite non-negative number"]),
+    ({"flops": "3"}, ["unknown key 'flops'", "allowed: name, memory_gb"]),
+    ({"peak": "bf16 = -312"}, ["[peak_tflops] bf16 must be a finite positive number (TFLOP/s)", "-312"]),
+    ({"peak": "bf16 = inf"}, ["[peak_tflops] bf16 must be a finite positive number"]),
+    ({"peak": 'bf16 = "312"'}, ["[peak_tflops] bf16", "'312'"]),
+    ({"peak": ""}, ["[peak_tflops] needs at least one of fp32, bf16, fp16"]),
+    ({"memory_gb": None}, ["missing key(s) memory_gb; required: name, memory_gb"]),
+])
+def test_a_hardware_file_is_typed_as_strictly_as_a_run_config(tmp_path, capsys, change, needles):
+    """`plan --hardware-file`: a negative peak, a NaN memory, an infinite bandwidth, a string
+    for a number: exit 2, one line naming the key (no MFU of -12%, no "of nan GiB")."""
+    from tenfold.cli import main
+
+    keys = {**GOOD_FILE, **{k: v for k, v in change.items() if k != "peak"}}
+    body = "".join(f"{k} = {v}\n" for k, v in keys.items() if v is not None)
+    body += "[peak_tflops]\n" + change.get("peak", "bf16 = 312") + "\n"
+    path = tmp_path / "hw.toml"
+    path.write_text(body)
+    assert main(["plan", "--model", "tiny", "--hardware-file", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith(f"tenfold: error: --hardware-file {path}"), err
+    assert all(n in err for n in needles), err
+
+
+@pytest.mark.parametrize("content, needle", [
+    (bytes(range(128, 256)) * 3, "is not UTF-8 text"),
+    (b"name = \"x\"\nmemory_gb = [", "invalid TOML"),
+    (None, "is a directory; expected a text file"),
+])
+def test_a_hardware_file_that_is_not_toml_text_is_one_line(tmp_path, capsys, content, needle):
+    from tenfold.cli import main
+
+    path = tmp_path / "hw"
+    path.mkdir() if content is None else path.write_bytes(content)
+    assert main(["plan", "--model", "tiny", "--hardware-file", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and needle in err and str(path) in err, err

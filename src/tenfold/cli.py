@@ -12,7 +12,7 @@ import importlib.util  # find_spec: `import importlib` alone does not load the s
 import sys
 
 from tenfold import __version__
-from tenfold.errors import RunError, UserError, escaped, say
+from tenfold.errors import RunError, TenfoldNote, UserError, escaped, say
 from tenfold.run_args import add_run_arguments, config_from_args
 
 # name -> (module with register(subparsers), one-line help). `train` is registered here.
@@ -142,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     if extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.argv = argv  # the launcher re-runs this very command under torchrun
+    if not args.debug:
+        warnings_as_lines()
     if not hasattr(args, "func"):
         print(f"tenfold: error: `tenfold {args.command}` is not available in this build", file=sys.stderr)
         return 2
@@ -156,21 +158,43 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def warnings_as_lines() -> None:
+    """Python warnings as one line each: tenfold's own advice (`TenfoldNote`) as `tenfold: note:
+    ...`, a library's as `tenfold: warning: ... (Category, file:line)`; never Python's two-line
+    format with the source line (--debug keeps it). Library warnings a user cannot act on are
+    filtered where they arise (engine/memory.py, engine/checkpoint/manager.py)."""
+    import os
+    import warnings
+
+    def show(message, category, filename, lineno, file=None, line=None) -> None:
+        text = " ".join(str(message).split())
+        if issubclass(category, TenfoldNote):
+            say("note", text)
+        else:
+            say("warning", f"{text} ({category.__name__}, {os.path.basename(filename)}:{lineno})")
+
+    warnings.showwarning = show
+
+
 def _one_line(e: BaseException) -> int:
     """Every failure ends as one line on stderr and an exit status: 2 for the user's input,
-    1 for a run that failed; --debug shows the traceback instead."""
+    1 for a run that failed; --debug shows the traceback instead. A rank started by `--nproc`
+    hands its line to the launcher, which prints it once for all the ranks (engine/launch.py)."""
     if isinstance(e, UserError):
-        say("error", e)
-        return 2
-    if isinstance(e, RunError):
-        say("run stopped", e)
-        return 1
-    if isinstance(e, OSError) and e.filename is not None:  # a file system failure names its path
-        say("error", f"{e.strerror or e}: {e.filename}")
-        return 1
-    text = " ".join(str(e).split())[:300] or "(no message)"
-    say("error", f"unexpected {type(e).__name__}: {text} (rerun with --debug for the traceback)")
-    return 1
+        kind, text, code = "error", str(e), 2
+    elif isinstance(e, RunError):
+        kind, text, code = "run stopped", str(e), 1
+    elif isinstance(e, OSError) and e.filename is not None:  # a file system failure names its path
+        kind, text, code = "error", f"{e.strerror or e}: {e.filename}", 1
+    else:
+        detail = " ".join(str(e).split())[:300] or "(no message)"
+        kind, text, code = "error", f"unexpected {type(e).__name__}: {detail} (rerun with --debug for the traceback)", 1
+    line = f"tenfold: {kind}: {escaped(text)}"
+    from tenfold.engine.launch import told_the_launcher  # torch-free
+
+    if not told_the_launcher(line):
+        print(line, file=sys.stderr)
+    return code
 
 
 if __name__ == "__main__":

@@ -32,13 +32,21 @@ class _Section(BaseModel):
     @field_validator("*", mode="before")
     @classmethod
     def _typed_strictly(cls, value: Any, info: ValidationInfo) -> Any:
-        """pydantic's lax mode reads `zero_stage = true` as 1 and `tensorboard = 1` as true:
-        here a boolean is not a number, a number is not a boolean, and no name or path is ""."""
+        """pydantic's lax mode reads `zero_stage = true` as 1, `tensorboard = 1` as true,
+        `steps = "2"` and `steps = 2.0` as 2: here a boolean is not a number, a number is not a
+        boolean, a string is not a number, a float is not an integer, and no name or path is ""."""
         kinds = _scalar_kinds(cls.model_fields[info.field_name].annotation)
-        if isinstance(value, bool) and kinds & {int, float} and bool not in kinds:
+        numeric = bool(kinds & {int, float}) and str not in kinds
+        if isinstance(value, bool) and numeric and bool not in kinds:
             raise ValueError("expected a number, not true/false")
+        if isinstance(value, str) and numeric:
+            raise ValueError("expected a number, not a string (write it without quotes)")
+        if isinstance(value, float) and int in kinds and float not in kinds:
+            raise ValueError("expected an integer, not a decimal number")
         if isinstance(value, list) and list[int] in kinds and any(isinstance(x, bool) for x in value):
             raise ValueError("expected integers, not true/false")
+        if isinstance(value, list) and list[int] in kinds and not all(isinstance(x, int) for x in value):
+            raise ValueError("expected a list of integers")
         if bool in kinds and value is not None and not isinstance(value, bool):
             raise ValueError("expected true or false")
         if isinstance(value, str) and str in kinds and not value.strip():
@@ -89,7 +97,8 @@ class ModelSection(_Section):
                 folder = path.is_dir()
             except (OSError, ValueError) as e:  # a name too long, a NUL byte
                 raise UserError(f"model.hf_config/hf_pretrained {str(path)[:80]!r}: {getattr(e, 'strerror', None) or e}") from None
-            return model_from_hf_config(str(path / "config.json" if folder else path))
+            flag = "--hf-pretrained" if self.hf_pretrained else "--hf-config"  # the option the user typed
+            return model_from_hf_config(str(path / "config.json" if folder else path), flag)
         overrides = self.model_dump(exclude={"name", "hf_config", "hf_pretrained", "blocks"})
         return get_preset(self.name).with_overrides(**overrides)
 

@@ -13,6 +13,13 @@ class UserError(Exception):
     exit_code = 2
 
 
+class TenfoldNote(UserWarning):
+    """tenfold's own advice about a run (a slow precision here, ignored DeepSpeed settings).
+
+    A Python warning, so that the Python API can filter or record it; the CLI prints it as one
+    line, `tenfold: note: ...`, never as Python's source-line format."""
+
+
 class RunError(Exception):
     """A run that started and had to stop (non-finite loss with on_nan=stop, a failed rank).
 

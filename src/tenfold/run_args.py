@@ -23,7 +23,7 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override any config key (repeatable), e.g. --set train.weight_decay=0.05")
     g.add_argument("--out", help="output directory (metrics.jsonl, summary.json, tensorboard/, checkpoints/); default runs/tenfold")
     g.add_argument("--overwrite", action="store_true", default=None, help="replace the earlier run in --out "
-                   "(moved aside, deleted once the new run has done its first step); without it a fresh run into "
+                   "(moved aside, deleted once the new run has saved its first checkpoint or finished); without it a fresh run into "
                    "a folder that holds one is refused")
     g.add_argument("--no-progress", action="store_true", help="no live progress bar: plain per-step lines, as when stdout is not a terminal")
     g.add_argument("--log-every", type=int, metavar="N", help="metrics rows and plain lines every N steps (default 1); on a terminal, N > 1 also keeps a line every N steps above the bar")

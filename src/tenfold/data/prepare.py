@@ -38,16 +38,15 @@ def read_sidecar(bin_path: str | Path) -> dict:
 
 
 def prepare(source_path: str, out: str | Path, tokenizer: str | None = None, data_format: str = "auto",
-            jsonl_field: str = "text", split: str = "train", progress: bool = True) -> dict:
-    """Tokenize `source_path` into `out` (see the module docstring); returns FILE.json's content."""
+            jsonl_field: str = "text", split: str = "train", progress: bool = True, overwrite: bool = False) -> dict:
+    """Tokenize `source_path` into `out` (see the module docstring); returns FILE.json's content.
+    An existing FILE.bin or FILE.json is replaced only with `overwrite`."""
     from tenfold.config import DataSection
     from tenfold.data.build import open_source
     from tenfold.data.records import FINETUNE_FORMATS
     from tenfold.data.tokenizer import resolve_tokenizer
 
-    out = Path(out)
-    if out.suffix != ".bin":
-        raise UserError(f"data prepare --out {out}: the output must be a .bin file")
+    out = _checked_out(Path(out), overwrite)
     cfg = DataSection(path=source_path, format=data_format, tokenizer=tokenizer, jsonl_field=jsonl_field,
                       split=split, streaming=True)
     tok = resolve_tokenizer(cfg)
@@ -63,25 +62,59 @@ def prepare(source_path: str, out: str | Path, tokenizer: str | None = None, dat
     counts = _write_ids(source, tok, cfg.jsonl_field, out, dtype, progress)
     info = {"format": SIDECAR_FORMAT, "dtype": np.dtype(dtype).name, "source": source.name,
             "data_format": fmt, **counts, "tokenizer": tok.describe()}
-    tmp = sidecar_path(out).with_name(f".{sidecar_path(out).name}.tmp")
-    tmp.write_text(json.dumps(info, indent=1) + "\n")
-    os.replace(out.with_name(f".{out.name}.tmp"), out)
-    os.replace(tmp, sidecar_path(out))
+    tmp, ids = sidecar_path(out).with_name(f".{sidecar_path(out).name}.tmp"), out.with_name(f".{out.name}.tmp")
+    try:
+        tmp.write_text(json.dumps(info, indent=1) + "\n")
+        os.replace(ids, out)
+        os.replace(tmp, sidecar_path(out))
+    except OSError as e:
+        _remove_quietly(tmp, ids)
+        raise UserError(f"data prepare --out {out}: cannot write it ({e.strerror or e})") from None
     return {**info, "out": str(out)}
+
+
+def _checked_out(out: Path, overwrite: bool) -> Path:
+    """--out before any work: a .bin in a folder that can be written, and without --overwrite
+    neither FILE.bin nor FILE.json already there (a run's data, or someone's JSON, is not replaced
+    silently)."""
+    from tenfold.out_paths import check_output_file
+
+    if out.suffix != ".bin":
+        raise UserError(f"data prepare --out {out}: the output must be a .bin file")
+    check_output_file(out, flag="data prepare --out", example="corpus.bin")
+    if not overwrite:
+        there = [str(p) for p in (out, sidecar_path(out)) if os.path.lexists(p)]
+        if there:
+            verb = "exist" if len(there) > 1 else "exists"
+            raise UserError(f"data prepare --out {out}: {' and '.join(there)} already {verb}; pass --overwrite to "
+                            "replace, or choose another --out")
+    return out
+
+
+def _remove_quietly(*paths: Path) -> None:
+    for p in paths:
+        try:
+            p.unlink(missing_ok=True)
+        except OSError:  # a read-only file system refuses the clean-up too
+            pass
 
 
 def _write_ids(source, tok, jsonl_field: str, out: Path, dtype, show: bool) -> dict:
     """Every document's ids, appended to OUT's temporary file; {"documents", "tokens"}."""
     from tenfold.data.records import record_text
 
-    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp")
     buf: list[int] = []
     docs = tokens = 0
     first = None
     bar = _progress(show, _total(source))
     try:
-        with open(tmp, "wb") as fh, bar:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fh = open(tmp, "wb")
+    except OSError as e:
+        raise UserError(f"data prepare --out {out}: cannot write it ({e.strerror or e})") from None
+    try:
+        with fh, bar:
             task = bar.add_task("tokenize", total=_total(source), ids="0 ids")
             for i, record in source.records():
                 first = i if first is None else first
@@ -92,7 +125,7 @@ def _write_ids(source, tok, jsonl_field: str, out: Path, dtype, show: bool) -> d
                 bar.update(task, advance=1, ids=f"{tokens + len(buf):,} ids")
             tokens += _flush(buf, fh, dtype)
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        _remove_quietly(tmp)
         raise
     if tokens == 0:
         tmp.unlink(missing_ok=True)
@@ -144,6 +177,7 @@ def register(subparsers) -> None:
     q.add_argument("--data-format", default="auto", choices=["auto", "text", "jsonl"], help="record shape (default: detected)")
     q.add_argument("--jsonl-field", default="text", help="the field holding the text (default 'text')")
     q.add_argument("--split", default="train", help="the split of a Hugging Face dataset (default train)")
+    q.add_argument("--overwrite", action="store_true", help="replace an existing FILE.bin / FILE.json (refused without it)")
     q.add_argument("--no-progress", action="store_true", help="no progress bar")
     q.set_defaults(func=run)
     p.set_defaults(func=lambda args: p.error("choose a data command: prepare"))
@@ -151,7 +185,7 @@ def register(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     info = prepare(args.input, args.out, args.tokenizer, args.data_format, args.jsonl_field, args.split,
-                   progress=not args.no_progress)
+                   progress=not args.no_progress, overwrite=args.overwrite)
     print(f"tenfold data prepare: {info['documents']:,} documents -> {info['tokens']:,} ids ({info['dtype']}) "
           f"in {info['out']}; tokenizer {info['tokenizer']['name']}; wrote {sidecar_path(info['out'])}")
     return 0

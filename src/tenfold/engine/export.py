@@ -8,10 +8,13 @@ training ranks wrote (DCP does the resharding). So a 2-rank ZeRO-3 or pipeline c
 exports the same as a one-process one. Only `model.*` entries are read: the optimizer state
 (2/3 of a checkpoint under AdamW) is never loaded.
 
-Output: OUT.safetensors (weights cast to --dtype, keys = the model's parameter names, loadable
-with `safetensors.torch.load_file` + `model.load_state_dict`) and OUT.config.json (the
-`ModelConfig` fields + dtype, step and source). Both are written to a temporary name and
-renamed, so a failed export leaves nothing half-written.
+Output, every path named from `--out NAME.safetensors`: NAME.safetensors (weights cast to
+--dtype, keys = the model's parameter names, loadable with `safetensors.torch.load_file` +
+`model.load_state_dict`), NAME.config.json (the `ModelConfig` fields + dtype, step and source)
+and, when the run saved its tokenizer, NAME.tokenizer/ (no fixed-name `tokenizer/` beside it that
+could be another run's). A Hugging Face model's export is the folder `--out` names. Nothing that
+exists is replaced without `--overwrite`; files are written to a temporary name and renamed, so
+a failed export leaves nothing half-written.
 """
 
 from __future__ import annotations
@@ -38,6 +41,14 @@ MODEL_PREFIX = "model."
 def config_path_for(out: Path) -> Path:
     """model.safetensors -> model.config.json (beside it)."""
     return out.with_name(out.name.removesuffix(".safetensors") + ".config.json")
+
+
+def tokenizer_path_for(out: Path, ckpt: Path) -> Path | None:
+    """model.safetensors -> model.tokenizer/ beside it; None in the run's own folder, where the
+    run's `tokenizer/` is beside it already."""
+    if out.parent.resolve() == default_out(ckpt).parent.resolve():
+        return None
+    return out.with_name(out.name.removesuffix(".safetensors") + ".tokenizer")
 
 
 def default_out(ckpt: Path) -> Path:
@@ -118,9 +129,11 @@ def write_safetensors(weights: dict[str, torch.Tensor], out: Path, dtype: str, i
     return out, cfg_path
 
 
-def export_checkpoint(source: str | Path, out: str | Path | None = None, dtype: str = "bf16") -> dict:
+def export_checkpoint(source: str | Path, out: str | Path | None = None, dtype: str = "bf16",
+                      overwrite: bool = False, tokenizer: bool = True) -> dict:
     """Consolidate `source` (a checkpoint, or a run directory: its newest complete checkpoint)
-    into safetensors. One process; returns a summary dict."""
+    into safetensors. One process; returns a summary dict. `overwrite`: replace what exists at
+    the paths `out` names; `tokenizer`: copy the run's tokenizer beside the weights."""
     if dtype not in DTYPES:
         raise UserError(f"export --dtype {dtype!r} is not supported; allowed: {', '.join(sorted(DTYPES))}")
     from tenfold.engine.run_folder import check_checkpoint_path
@@ -128,20 +141,20 @@ def export_checkpoint(source: str | Path, out: str | Path | None = None, dtype: 
     check_checkpoint_path(source, "export")
     ckpt = lay.resolve_checkpoint_path(source)
     try:  # --out checked before the work (hashing every file): the model's kind says file or folder
-        _checked_out(ckpt, out, saved_model_section(ckpt))
+        _checked_out(ckpt, out, saved_model_section(ckpt), overwrite)
     except lay.CheckpointError:
         pass  # a bad config.json is reported below, after the manifest's own checks
     manifest = lay.verify_checkpoint(ckpt, collective=False)
     listed = set(manifest["files"])
     saved_model = saved_model_section(ckpt)
-    out_path = _checked_out(ckpt, out, saved_model)  # its bytes are verified now
+    out_path = _checked_out(ckpt, out, saved_model, overwrite)  # its bytes are verified now
     if saved_model.get("hf_config") or saved_model.get("hf_pretrained"):  # [any model] -> save_pretrained folder
         from tenfold.models.hf import export_checkpoint_to_hf
 
         out_dir = out_path
         info = {"dtype": dtype, "step": manifest["step"], "source": str(ckpt)}
         summary = export_checkpoint_to_hf(consolidated_model_state(ckpt, listed), saved_model, out_dir, info)
-        return {**summary, "tokenizer": _copy_run_tokenizer(ckpt, out_dir)}
+        return {**summary, "tokenizer": _copy_run_tokenizer(ckpt, out_dir) if tokenizer else None}
     model_cfg = model_config_of(ckpt)
     weights = consolidated_model_state(ckpt, listed)
     info = {
@@ -149,25 +162,44 @@ def export_checkpoint(source: str | Path, out: str | Path | None = None, dtype: 
         "source": str(ckpt), "num_params": int(sum(v.numel() for v in weights.values())),
     }
     st_path, cfg_path = write_safetensors(weights, out_path, dtype, info)
+    beside = tokenizer_path_for(out_path, ckpt) or default_out(ckpt).parent / "tokenizer"
+    copied = _copy_run_tokenizer(ckpt, beside, overwrite) if tokenizer else None
     return {**info, "safetensors": str(st_path), "config": str(cfg_path), "bytes": st_path.stat().st_size,
-            "tokenizer": _copy_run_tokenizer(ckpt, out_path.parent / "tokenizer")}
+            "tokenizer": copied}
 
 
-def _checked_out(ckpt: Path, out: str | Path | None, saved_model: dict) -> Path:
-    """Where the export goes (one line if it cannot be written): a Hugging Face model's is a folder."""
+def _checked_out(ckpt: Path, out: str | Path | None, saved_model: dict, overwrite: bool) -> Path:
+    """Where the export goes (one line if it cannot be written, or if it would replace something
+    without --overwrite): a Hugging Face model's is a folder."""
+    import os
+
     from tenfold.engine.run_folder import check_out_path, check_output_file
 
     if saved_model.get("hf_config") or saved_model.get("hf_pretrained"):
         folder = Path(out).with_suffix("") if out is not None else default_out(ckpt).with_name("hf")
-        return check_out_path(folder, flag="export --out")
-    return check_output_file(Path(out) if out is not None else default_out(ckpt))
+        checked = check_out_path(folder, flag="export --out")
+        there = [str(folder)] if folder.is_dir() and any(folder.iterdir()) else []
+    else:
+        checked = check_output_file(Path(out) if out is not None else default_out(ckpt))
+        names = (checked, config_path_for(checked), tokenizer_path_for(checked, ckpt))
+        there = [str(p) for p in names if p is not None and os.path.lexists(p)]
+    if there and not overwrite:
+        raise UserError(f"export --out {checked}: {', '.join(there)} already {'exist' if len(there) > 1 else 'exists'}; "
+                        "pass --overwrite to replace, or choose another --out")
+    return checked
 
 
-def _copy_run_tokenizer(ckpt: Path, out_dir: Path) -> str | None:
-    """The run's OUT/tokenizer (saved by `tenfold train`) copied beside the exported weights."""
+def _copy_run_tokenizer(ckpt: Path, out_dir: Path, replace: bool = False) -> str | None:
+    """The run's OUT/tokenizer (saved by `tenfold train`) copied to `out_dir` (`replace`: an
+    earlier copy there goes first, so no stale file of another tokenizer stays beside it)."""
+    import shutil
+
     from tenfold.data.hf_tokenizer import copy_tokenizer_files
 
-    copied = copy_tokenizer_files(default_out(ckpt).parent / "tokenizer", out_dir)
+    source = default_out(ckpt).parent / "tokenizer"
+    if replace and out_dir.is_dir() and not out_dir.is_symlink() and source.resolve() != out_dir.resolve():
+        shutil.rmtree(out_dir)
+    copied = copy_tokenizer_files(source, out_dir)
     return str(copied) if copied else None
 
 
@@ -181,7 +213,8 @@ def export_after_training(out_dir: str | Path, ckpt: Path, precision: str, log=p
     def export() -> dict | None:
         if d.rank_now() != 0:
             return None
-        summary = export_checkpoint(ckpt, Path(out_dir) / "model.safetensors", dtype)
+        # the run's own file (replaced on every such export); its tokenizer is OUT/tokenizer already
+        summary = export_checkpoint(ckpt, Path(out_dir) / "model.safetensors", dtype, overwrite=True, tokenizer=False)
         log(f"export: {summary['safetensors']} ({dtype}, {summary['bytes'] / 2**20:.1f} MiB) + {summary['config']}")
         return summary
 
@@ -201,12 +234,14 @@ def register(subparsers) -> None:
     p.add_argument("source", metavar="RUN_OR_CHECKPOINT",
                    help="a checkpoint directory (OUT/checkpoints/step_N) or a run directory (its newest complete checkpoint)")
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES), help="dtype of the exported weights (default bf16)")
-    p.add_argument("--out", help="output .safetensors path (default OUT/model.safetensors); the config goes to NAME.config.json beside it")
+    p.add_argument("--out", help="output NAME.safetensors (default OUT/model.safetensors); the config goes to NAME.config.json "
+                   "and the run's tokenizer to NAME.tokenizer/ beside it (a Hugging Face model: the folder NAME)")
+    p.add_argument("--overwrite", action="store_true", help="replace what exists at those paths (refused without it)")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    summary = export_checkpoint(args.source, args.out, args.dtype)
+    summary = export_checkpoint(args.source, args.out, args.dtype, overwrite=args.overwrite)
     print(
         f"tenfold export: step {summary['step']} of {summary['source']} -> {summary['safetensors']} "
         f"({summary['num_params'] / 1e6:.2f}M params, {summary['dtype']}, {summary['bytes'] / 2**20:.1f} MiB); "

@@ -29,12 +29,17 @@ once, through the agent (SIGTERM, then SIGKILL after its grace period), exit 128
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
+import time
 from typing import Any
 
 USER_ERROR_EXIT = 2
+# Set for the ranks `run_under_torchrun` starts: a rank's one-line error goes to the launcher
+# (torchelastic's per-rank error file), which prints it once, not once per rank.
+LAUNCHED_ENV = "TENFOLD_LAUNCHED"
 # Messages of a rank whose collective failed because a peer was gone or stalled (gloo, NCCL,
 # the c10d store, tenfold's watchdog): that rank noticed the failure, it did not cause it.
 PEER_LOST = ("connection reset by peer", "connection closed by peer", "broken pipe", "connection refused",
@@ -100,7 +105,7 @@ def run_under_torchrun(argv: list[str], nproc: int, cfg: Any = None) -> int:
     from torch.distributed.run import parse_args, run
 
     os.environ.setdefault("OMP_NUM_THREADS", str(_threads_per_rank(nproc)))
-    with _StopOnSignal() as stop:
+    with _StopOnSignal() as stop, _quiet_agent(debug="--debug" in argv):
         try:
             run(parse_args(torchrun_argv(argv, nproc)))
         except ChildFailedError as e:
@@ -112,6 +117,30 @@ def run_under_torchrun(argv: list[str], nproc: int, cfg: Any = None) -> int:
             print(f"tenfold: stopped on {stop.received.name}: every rank saved at the step boundary and exited; "
                   "continue with --resume auto", file=sys.stderr)
     return 0
+
+
+class _quiet_agent:
+    """torchelastic's agent logs each failure too (`E1203 ... failed (exitcode: 2) local_rank:
+    0 ...`, `W1203 ... Sending process ... closing signal SIGTERM`): `report_failure` says it in
+    tenfold's words, so those records are kept back while the ranks run (--debug shows them)."""
+
+    def __init__(self, debug: bool):
+        self.debug, self.levels = debug, {}
+
+    def __enter__(self) -> "_quiet_agent":
+        import logging
+
+        if not self.debug:
+            for name in ["torch.distributed.elastic", *logging.root.manager.loggerDict]:
+                if name.startswith("torch.distributed.elastic"):
+                    logger = logging.getLogger(name)
+                    self.levels[logger] = logger.level
+                    logger.setLevel(logging.CRITICAL)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for logger, level in self.levels.items():
+            logger.setLevel(level)
 
 
 class _StopOnSignal:
@@ -129,8 +158,9 @@ class _StopOnSignal:
         self.folder = tempfile.mkdtemp(prefix="tenfold-launch-")
         self.path = os.path.join(self.folder, "stop")
         self.received: signal.Signals | None = None
-        self._env_before = os.environ.get(STOP_FILE_ENV)
+        self._env_before = {name: os.environ.get(name) for name in (STOP_FILE_ENV, LAUNCHED_ENV)}
         os.environ[STOP_FILE_ENV] = self.path  # the ranks inherit the agent's environment
+        os.environ[LAUNCHED_ENV] = "1"
         self._old = {}
         for sig in self.SIGNALS:
             try:
@@ -158,10 +188,11 @@ class _StopOnSignal:
 
         for sig, handler in self._old.items():
             signal.signal(sig, handler)
-        if self._env_before is None:
-            os.environ.pop(STOP_FILE_ENV, None)
-        else:
-            os.environ[STOP_FILE_ENV] = self._env_before
+        for name, before in self._env_before.items():
+            if before is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = before
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
@@ -180,11 +211,40 @@ def first_failure(failures: dict) -> int:
     return min(failures, key=lambda r: (_noticed_not_caused(failures[r]), failures[r].timestamp, r))
 
 
+def told_the_launcher(line: str) -> bool:
+    """In a rank `--nproc` started: write `line` (`tenfold: error: ...`) into torchelastic's error
+    file for this rank instead of onto stderr, where every rank would print it; True if done."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not (path and os.environ.get(LAUNCHED_ENV)):
+        return False
+    record = {"message": {"message": line, "extraInfo": {"py_callstack": "", "timestamp": str(int(time.time()))}}}
+    try:
+        with open(path, "w") as f:
+            json.dump(record, f)
+    except OSError:
+        return False
+    return True
+
+
+def _own_line(failure: Any) -> str:
+    """The `tenfold: ...` line a rank handed over (`told_the_launcher`), or ""."""
+    message = getattr(failure, "message", "") or ""
+    if isinstance(message, dict):
+        message = message.get("message", "")
+    return message if isinstance(message, str) and message.startswith("tenfold: ") else ""
+
+
 def report_failure(error: Any, stream=None) -> int:
-    """Print one line per failed rank, the first failure first; return the exit status."""
+    """When every rank that failed of its own said the same line (the same refusal or the same
+    stop on every rank), that line once, as one process prints it; else one line per failed
+    rank, the first failure first. Returns the exit status."""
     stream = stream or sys.stderr
     first_rank = first_failure(error.failures)
     first = error.failures[first_rank]
+    said = {line for line in map(_own_line, error.failures.values()) if line}
+    if said and said == {_own_line(first)}:
+        print(_own_line(first), file=stream)
+        return USER_ERROR_EXIT if first.exitcode == USER_ERROR_EXIT else 1
     print(f"tenfold: rank {first_rank} failed first: {_describe(first)}", file=stream)
     for rank, failure in sorted(error.failures.items()):
         if rank != first_rank:
@@ -200,7 +260,7 @@ def _describe(failure: Any) -> str:
     message = getattr(failure, "message", "") or ""
     if isinstance(message, dict):  # torchelastic's error file: {"message": ..., "extraInfo": ...}
         message = message.get("message", "")
-    message = str(message)
+    message = str(message).removeprefix("tenfold: ")
     if not message or message.startswith("To enable traceback") or message.startswith("Signal "):
         return how
     return f"{how}: {message.strip().splitlines()[-1]}"

@@ -27,6 +27,7 @@ peak_bytes = the planner's total (its estimate of the peak).
 from __future__ import annotations
 
 import logging
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -45,6 +46,10 @@ MEMORY_KEYS = (
 )
 log = logging.getLogger("tenfold")
 COMPARED_KEYS = ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes", "peak_bytes")
+# torch's ModTracker (under MemTracker) warns "Please file a bug to PyTorch" when a module is
+# entered while it is still running (a module that calls itself, Hugging Face's nested calls):
+# the categories measured here do not depend on the module hierarchy, and a user cannot act on it.
+TRACKER_NOISE = "The module hierarchy tracking maybe be messed up"
 
 
 # --------------------------------------------------------------------------- CPU tracker
@@ -142,10 +147,13 @@ def _tracked_step(model: nn.Module, optimizer: Any, run_step: Callable[[], None]
         # (Hooks must return None: a pre-hook's return value would replace step's arguments.)
         handles.append(opt.register_step_pre_hook(lambda *_: snap("pre")))
         handles.append(opt.register_step_post_hook(lambda *_: snap("post")))
+    formatwarning = warnings.formatwarning  # ModTracker replaces it for the whole process
     try:
-        with tracker:
+        with tracker, warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=TRACKER_NOISE, category=UserWarning)
             run_step()
     finally:
+        warnings.formatwarning = formatwarning
         for h in handles:
             h.remove()
     return tracker, at_step, tracker.get_tracker_snapshot("peak")
@@ -427,10 +435,11 @@ def predicted_memory(run, device: torch.device | None = None, dtype: str | None 
 class RunMemory:
     """Predicted vs measured memory of one `tenfold train` run (used by engine/trainer.py).
 
-    At start: the planner's per-rank prediction, printed. At step `measure_at` (2: the
-    optimizer states exist by then, as in every later step; 1 for a one-step run): the step
-    runs under the tracker. At the end: `summary()` for summary.json's `memory` section
-    (`predicted`, `measured`, `diff_percent`) and `add_rows()` for the summary table.
+    At start: the planner's per-rank prediction, printed. At step `measure_at` (this run's
+    second step, also after a resume: the optimizer states exist by then, as in every later
+    step; its first for a one-step run): the step runs under the tracker. At the end:
+    `summary()` for summary.json's `memory` section (`predicted`, `measured`, `diff_percent`)
+    and `add_summary_rows()` for the summary table.
     """
 
     def __init__(self, trainer):
@@ -439,7 +448,8 @@ class RunMemory:
         self.measured: dict | None = None
         self.measured_step: int | None = None
         self.note: str | None = None
-        self.measure_at = 2 if trainer.cfg.train.steps >= 2 else 1
+        start = trainer.state.step  # > 0 after a resume
+        self.measure_at = start + 2 if trainer.cfg.train.steps >= start + 2 else start + 1
 
     def predict(self) -> dict | None:
         t = self.trainer
@@ -508,7 +518,8 @@ class RunMemory:
 
 
 def add_summary_rows(table, memory: dict) -> None:
-    """Predicted vs measured rows for the trainer's final summary table."""
+    """Predicted vs measured rows for the trainer's final summary table: one step's tracked
+    tensors, by category, and their peak (the process's peak RSS is another row, summary.py)."""
     pred, meas = memory.get("predicted"), memory.get("measured")
     if not meas:
         if memory.get("note"):
@@ -518,7 +529,8 @@ def add_summary_rows(table, memory: dict) -> None:
     for key in ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes", "total_bytes", "peak_bytes"):
         p = f"{fmt_bytes(pred[key])} predicted, " if pred else ""
         d = f" ({diff[key]:+.1f}%)" if diff.get(key) is not None else ""
-        label = "sum p+g+o+a" if key == "total_bytes" else key.removesuffix("_bytes")
+        names = {"total_bytes": "sum p+g+o+a", "peak_bytes": "peak, tracked tensors"}
+        label = names.get(key, key.removesuffix("_bytes"))
         note = f"\n[dim]{notes[key]}[/]" if notes.get(key) else ""
         table.add_row(f"memory: {label}", f"{p}{fmt_bytes(meas[key])} measured{d}{note}")
 

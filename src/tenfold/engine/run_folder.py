@@ -3,11 +3,8 @@ following links.
 
     OUT/metrics.jsonl  summary.json  tensorboard/  tokenizer/  checkpoints/  hf/  wandb/  model.safetensors
 
-* `check_out_path`: `--out` must be a folder tenfold can create and write. An existing file,
-  a path under a file, a place where no folder can be created (`/proc/x`, a read-only file
-  system) is one line, exit 2, before data or model are built. Writability is probed the way
-  it will be used: a scratch folder is created and removed again (`os.access` says yes to root
-  on a read-only or virtual file system).
+* `check_out_path` (tenfold/out_paths.py, shared with `data prepare`): `--out` must be a folder
+  tenfold can create and write; one line, exit 2, before data or model are built.
 * `RunFolder.check(cfg)`: a fresh run into an `--out` that holds an earlier run's metrics or
   checkpoints is refused (two runs would mix: metrics appended, `step_N` overwritten, `latest`
   moved back); `--resume auto` continues it, `--overwrite` replaces it. A symbolic link or an
@@ -15,8 +12,10 @@ following links.
 * `RunFolder.open()` (rank 0, after setup): with `--overwrite` the earlier run's entries are
   renamed into `OUT/.tenfold-replaced-<time>-<pid>/` (renames on one file system: atomic, and
   a link is moved, never followed; a `checkpoints` link stays and what is behind it is set
-  aside there); `started()` deletes the aside folders once the new run has finished its first
-  step, `failed()` before that puts everything back as it was.
+  aside there). The aside folders are deleted only once the new run is itself a usable run:
+  it has saved its first checkpoint, or finished (`stepped(saved=...)`, `commit()`). If it
+  fails before its first step, `failed()` puts everything back as it was; if it fails later but
+  before that, the earlier run stays aside, whole, and `failed()` says where.
 * On resume `metrics.jsonl` loses the rows after the resumed step (`metrics.keep_rows_up_to`),
   so every step appears once.
 * `replace_folder`: a folder written by a library that follows links (the tokenizer copy) is
@@ -32,7 +31,6 @@ from __future__ import annotations
 import os
 import re
 import stat
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +38,7 @@ from typing import Any, Callable
 
 from tenfold.engine.safe_files import Folder, UnsafeFileError
 from tenfold.errors import UserError
+from tenfold.out_paths import check_out_path, check_output_file, kind_of as _kind  # noqa: F401 (re-exported)
 
 METRICS = "metrics.jsonl"
 SUMMARY = "summary.json"
@@ -52,73 +51,6 @@ RUN_ENTRIES = (*RUN_FILES, *RUN_FOLDERS, *SCRATCH)
 ASIDE_PREFIX = ".tenfold-replaced-"
 _CHECKPOINT_NAME = re.compile(r"^(step_\d+|latest)$")
 CONTINUE_HINT = "continue it with --resume auto, or replace it with --overwrite (or choose another --out)"
-
-
-# --------------------------------------------------------------------------- --out itself
-
-
-def _kind(path: Path) -> str:
-    st = path.lstat()
-    if stat.S_ISLNK(st.st_mode):
-        return "a symbolic link"
-    if stat.S_ISDIR(st.st_mode):
-        return "a folder"
-    if stat.S_ISREG(st.st_mode):
-        return "a file"
-    return "a device, FIFO or socket"
-
-
-def _deepest_existing(path: Path) -> Path:
-    """The longest prefix of `path` that exists (`.` for a relative path with none)."""
-    for candidate in [path, *path.parents]:
-        if os.path.lexists(candidate):
-            return candidate
-    return Path(".")
-
-
-def _probe_writable(folder: Path, label: str) -> None:
-    try:
-        probe = tempfile.mkdtemp(prefix=".tenfold-write-test-", dir=folder)
-    except OSError as e:
-        raise UserError(
-            f"{label} cannot be written: creating a folder in {folder} fails ({e.strerror or e}); "
-            "choose a writable place"
-        ) from None
-    os.rmdir(probe)
-
-
-def check_out_path(out: str | Path, flag: str = "--out") -> Path:
-    """`--out` as a Path, or one UserError line saying why tenfold cannot write a folder there."""
-    p = Path(out).expanduser()
-    label = f"{flag} {p}"
-    try:
-        if p.exists():  # follows a link at OUT itself: the user's own
-            if not p.is_dir():
-                raise UserError(f"{label} is {_kind(p)}, not a folder; give a folder (created when missing)")
-            _probe_writable(p, label)
-            return p
-        if os.path.islink(p):
-            raise UserError(f"{label} is a symbolic link to {os.readlink(p)}, which does not exist")
-        above = _deepest_existing(p)
-        if not above.is_dir():
-            raise UserError(f"{label} is under {above}, which is {_kind(above)}, not a folder")
-        _probe_writable(above, label)
-    except (OSError, ValueError) as e:  # a name too long, a NUL byte, no permission to look
-        raise UserError(f"{flag} {str(p)[:200]}: {getattr(e, 'strerror', None) or e}") from None
-    return p
-
-
-def check_output_file(path: str | Path, flag: str = "export --out") -> Path:
-    """A file tenfold will write (`tenfold export --out X.safetensors`): not a folder or a
-    device, in a folder that can be created and written. Checked before any work."""
-    p = Path(path).expanduser()
-    try:
-        if os.path.lexists(p) and not os.path.islink(p) and not p.is_file():
-            raise UserError(f"{flag} {p} is {_kind(p)}; give a file name, e.g. {p / 'model.safetensors'}")
-    except (OSError, ValueError) as e:
-        raise UserError(f"{flag} {str(p)[:200]}: {getattr(e, 'strerror', None) or e}") from None
-    check_out_path(p.parent, flag=f"{flag} {p}: its folder")
-    return p
 
 
 # --------------------------------------------------------------------------- the run in OUT
@@ -171,7 +103,8 @@ class RunFolder:
     existed: set = field(default_factory=set)  # entries present before this run (kept)
     created: bool = False  # OUT itself was made by this run
     asides: list = field(default_factory=list)  # (folder, name): where --overwrite moved the earlier run
-    is_started: bool = False
+    has_stepped: bool = False  # the new run has done a step: its own outputs are worth keeping
+    is_committed: bool = False  # ... and saved a checkpoint or finished: the earlier run can go
 
     @classmethod
     def check(cls, cfg: Any) -> "RunFolder":
@@ -221,19 +154,36 @@ class RunFolder:
             folder.fsync()
         self.asides.append((where, aside))
 
-    def started(self) -> None:
-        """The new run has finished a step: the run it replaced is deleted (never through a link)."""
-        if self.is_started:
+    def stepped(self, saved: bool) -> None:
+        """After each of the new run's steps; `saved`: it has a complete checkpoint by now."""
+        self.has_stepped = True
+        if saved:
+            self.commit()
+
+    def commit(self) -> None:
+        """The new run has a checkpoint or has finished: the run it replaced is deleted (never
+        through a link)."""
+        if self.is_committed:
             return
-        self.is_started = True
+        self.is_committed = True
         for where, aside in self.asides:
             with Folder(where, follow=True) as folder:
                 folder.remove(aside)
         self.asides = []
 
     def failed(self) -> None:
-        """The new run failed before its first step: what it created goes, the earlier run comes back."""
-        if self.is_started or not self.path.is_dir():
+        """The new run failed. Before its first step: what it created goes, the earlier run
+        comes back. After it, without a checkpoint yet: both stay, and where the earlier run is
+        is said (one line on stderr)."""
+        if self.is_committed or not self.path.is_dir():
+            return
+        if self.has_stepped:
+            if self.asides:
+                import sys
+
+                kept = " and ".join(str(where / aside) for where, aside in self.asides)
+                print(f"tenfold: note: --overwrite: this run stopped before its first checkpoint; the run it replaced "
+                      f"is kept, whole, in {kept} (move its entries back to use it again)", file=sys.stderr)
             return
         with Folder(self.path, follow=True) as folder:
             for name in RUN_ENTRIES:

@@ -4,7 +4,13 @@ On a terminal: a live rich progress bar (loss, tokens/s, MFU, elapsed, ETA). Whe
 a terminal (SLURM logs, nohup, CI) or with `--no-progress`: one plain line every `log.log_every`
 steps (`--log-every N`, default 1) and at the last step, flushed as it is written:
 
-    step 12/200 | loss 3.4567 | lr 2.00e-03 | 1,234 tok/s | MFU 12.3% | peak mem 164.11 MiB | 0.52 s/step | eta 1m38s
+    step 12/200 | loss 3.4567 | lr 2.00e-03 | 1,234 tok/s | MFU 12.3% | peak RSS 623.30 MiB | 0.52 s/step | eta 1m38s
+
+The memory figure is the process's so far (metrics.jsonl `peak_mem_bytes`), labelled for what it
+is: `peak RSS` on a CPU, the resident set's high-water mark (every byte the process holds:
+tensors, the libraries, allocator caches, the data); `peak allocated` on CUDA, the caching
+allocator's high-water mark of tensor memory. The summary's per-category figures are another
+quantity, the tracked tensors of one step (engine/memory.py), the one the planner predicts.
 
 On a terminal, `--log-every N` with N > 1 keeps such a line every N steps above the bar too.
 The ETA is the remaining steps times the recent wall time per step (evaluation and checkpoint
@@ -18,6 +24,11 @@ from collections import deque
 RECENT = 20  # steps the ETA averages over
 
 
+def process_peak_label(device_type: str) -> str:
+    """What `metrics.peak_memory_bytes` measures on this device type, as the step line names it."""
+    return "peak allocated" if device_type == "cuda" else "peak RSS"
+
+
 def fmt_duration(seconds: float) -> str:
     s = int(round(seconds))
     if s < 60:
@@ -27,7 +38,7 @@ def fmt_duration(seconds: float) -> str:
     return f"{s // 3600}h{s % 3600 // 60:02d}m"
 
 
-def plain_line(row: dict, total_steps: int, eta_s: float | None) -> str:
+def plain_line(row: dict, total_steps: int, eta_s: float | None, peak_label: str = "peak RSS") -> str:
     """One step as one line (module docstring)."""
     from tenfold.plan.for_run import fmt_bytes  # torch-free, the units every report uses
 
@@ -36,7 +47,7 @@ def plain_line(row: dict, total_steps: int, eta_s: float | None) -> str:
     if row.get("mfu") is not None:
         parts.append(f"MFU {row['mfu']:.1%}")
     if row.get("peak_mem_bytes"):
-        parts.append(f"peak mem {fmt_bytes(row['peak_mem_bytes'])}")
+        parts.append(f"{peak_label} {fmt_bytes(row['peak_mem_bytes'])}")
     parts.append(f"{row['step_time_s']:.2f} s/step")
     if row.get("val_loss") is not None:
         parts.append(f"val loss {row['val_loss']:.4f}")
@@ -53,8 +64,9 @@ class StepLog:
     """The live bar and/or the plain lines of one run. `console`: a rich Console (None on
     other ranks: then nothing is shown)."""
 
-    def __init__(self, console, total_steps: int, start_step: int, every: int, progress: bool):
-        self.console, self.total, self.every = console, total_steps, every
+    def __init__(self, console, total_steps: int, start_step: int, every: int, progress: bool,
+                 peak_label: str = "peak RSS"):
+        self.console, self.total, self.every, self.peak_label = console, total_steps, every, peak_label
         self.bar = None
         self.lines = False
         self._recent: deque = deque(maxlen=RECENT + 1)  # (step, elapsed_s)
@@ -86,7 +98,7 @@ class StepLog:
             stats = f"loss {row['loss']:.4f}  {row['tokens_per_s']:,.0f} tok/s" + (f"  MFU {mfu:.1%}" if mfu else "")
             self.bar.update(self._task, completed=step, stats=stats)
         if self.lines and (step % self.every == 0 or step == self.total):
-            self.console.print(plain_line(row, self.total, self.eta_s(step)), markup=False, highlight=False,
+            self.console.print(plain_line(row, self.total, self.eta_s(step), self.peak_label), markup=False, highlight=False,
                                soft_wrap=True)
             self.console.file.flush()  # a log file or pipe sees the line now, not at exit
 

@@ -61,10 +61,13 @@ def build_summary(facts: RunFacts, history: list, totals: dict, last: dict, wall
     """summary.json's content. `history`: (step, loss) of every step; `totals`: steps, tokens,
     skipped_steps, val_loss, loss_scale, compile_s (None without torch.compile); `step_times`: `steady.StepTime` of this run's steps.
     tokens_per_s is the steady-state rate (engine/steady.py), with the warm-up on its own and
-    tokens_per_s_overall = all tokens / wall time (evaluation and checkpoints included)."""
+    tokens_per_s_overall = this run's tokens / its wall time (evaluation and checkpoints
+    included); after a resume `tokens` counts every run's, `tokens_this_run` this one's."""
+    from tenfold.engine.step_log import process_peak_label
     from tenfold.engine.steady import steady_state
 
     tokens = totals["tokens"]
+    this_run = sum(t.tokens for t in step_times or [])
     steady = steady_state(step_times or [])
     tps = steady["tokens_per_s"]
     value, note = mfu(facts.flops_per_token, tps, facts.peak_flops_per_device, facts.world_size)
@@ -85,7 +88,8 @@ def build_summary(facts: RunFacts, history: list, totals: dict, last: dict, wall
             "steps": totals["steps"], "tokens": tokens, "skipped_steps": totals["skipped_steps"],
             "first_loss": history[0][1] if history else None, "loss": last.get("loss"),
             "val_loss": totals["val_loss"], "wall_s": wall_s, "tokens_per_s": tps,
-            "tokens_per_s_overall": tokens / wall_s if wall_s > 0 and step_times else None,
+            "tokens_this_run": this_run, "first_step": step_times[0].step if step_times else None,
+            "tokens_per_s_overall": this_run / wall_s if wall_s > 0 and step_times else None,
             "warmup_steps": steady["warmup_steps"], "warmup_s": steady["warmup_s"],
             "steady_from_step": steady["steady_from_step"], "steady_steps": steady["steady_steps"],
             "memory_measurement_s": steady["memory_measurement_s"], "compile_s": totals.get("compile_s"),
@@ -93,7 +97,8 @@ def build_summary(facts: RunFacts, history: list, totals: dict, last: dict, wall
             "loss_scale": totals["loss_scale"],
         },
         "losses": [loss for _, loss in history],
-        "memory": {"peak_mem_bytes": last.get("peak_mem_bytes")},
+        "memory": {"peak_mem_bytes": last.get("peak_mem_bytes"),  # the process's, as the step lines show it
+                   "peak_mem_of": process_peak_label(facts.device.split(":")[0])},
     }
 
 
@@ -106,7 +111,9 @@ def summary_table(summary: dict, out_dir: Path):
     f = summary["final"]
     t = Table(title="tenfold train: summary", show_header=False)
     t.add_row("steps (skipped)", f"{f['steps']} ({f['skipped_steps']})")
-    t.add_row("tokens", f"{f['tokens']:,}")
+    resumed = f.get("first_step") and f["first_step"] > 1
+    t.add_row("tokens", f"{f['tokens']:,}" + (f" ({f['tokens_this_run']:,} in this run, resumed at step "
+                                               f"{f['first_step'] - 1})" if resumed else ""))
     if f["first_loss"] is not None and f["loss"] is not None:
         drop = 100 * (1 - f["loss"] / f["first_loss"]) if f["first_loss"] else 0.0
         t.add_row("loss first -> last", f"{f['first_loss']:.4f} -> {f['loss']:.4f} ({drop:.0f}% lower)")
@@ -114,7 +121,8 @@ def summary_table(summary: dict, out_dir: Path):
         t.add_row("validation loss", f"{f['val_loss']:.4f}")
     t.add_row("wall time", f"{f['wall_s']:.1f} s")
     if f["tokens_per_s"]:
-        overall = f" ({f['tokens_per_s_overall']:,.0f} over the whole wall time)" if f["tokens_per_s_overall"] else ""
+        overall = (f" ({f['tokens_per_s_overall']:,.0f} over this run's whole wall time)"
+                   if f["tokens_per_s_overall"] else "")
         t.add_row("tokens/s (steady state)", f"{f['tokens_per_s']:,.0f} from step {f['steady_from_step']}{overall}")
         t.add_row("warm-up", f"{f['warmup_steps']} step(s), {f['warmup_s']:.1f} s"
                   + (f" (+ {f['memory_measurement_s']:.1f} s: the step measured for memory)"
@@ -127,6 +135,14 @@ def summary_table(summary: dict, out_dir: Path):
     elif f.get("mfu_note"):
         t.add_row("MFU", f"not reported: {f['mfu_note']}")
     add_summary_rows(t, summary.get("memory", {}))
+    memory = summary.get("memory", {})
+    if memory.get("peak_mem_bytes"):
+        from tenfold.plan.for_run import fmt_bytes
+
+        label = memory.get("peak_mem_of", "peak RSS")
+        what = ("the CUDA allocator's high-water mark over the run" if label == "peak allocated" else
+                "the process's highest resident set: tensors and the libraries, allocator caches, data")
+        t.add_row(f"memory: {label} (process)", f"{fmt_bytes(memory['peak_mem_bytes'])}\n[dim]{what}; not predicted[/]")
     t.add_row("output", str(out_dir))
     return t
 

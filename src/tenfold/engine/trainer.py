@@ -31,7 +31,7 @@ from tenfold.engine.metrics import MetricsWriter, peak_memory_bytes
 from tenfold.engine.peak import peak_source
 from tenfold.engine.steady import StepTime
 from tenfold.techniques.compile import CompileClock, compile_failures
-from tenfold.engine.step_log import StepLog
+from tenfold.engine.step_log import StepLog, process_peak_label
 from tenfold.errors import UserError
 from tenfold.run import ResolvedRun, resolve_run
 from tenfold.techniques import accumulation as acc
@@ -328,25 +328,25 @@ class Trainer:
             self._open_outputs()
             with compile_failures(self.cfg.train.compile):  # one line, not dynamo's traceback
                 last = self._loop(wall_start)
+            return self._finish(last, time.perf_counter() - wall_start)
         except BaseException:
-            if self.dist.is_main:  # failed before its first step: OUT as it was found
+            if self.dist.is_main:  # OUT as it was found, or the run --overwrite replaces kept aside
                 self.folder.failed()
             raise
-        try:
-            return self._finish(last, time.perf_counter() - wall_start)
         finally:
-            self.writer.close()  # after _finish's final figures
+            if hasattr(self, "writer"):  # none when the outputs could not be opened
+                self.writer.close()  # after _finish's final figures
 
     def _loop(self, wall_start: float) -> dict:
         last: dict = {}
         try:
             self.step_log.start()
             while self.state.step < self.cfg.train.steps:
-                last = self._step_and_log(wall_start, last)
-                if self.dist.is_main:  # a run it replaces (--overwrite) is deleted now
-                    self.folder.started()
-                # every N steps, at the last step, and once on SIGTERM/SIGINT (then stop)
-                if self.checkpoints.after_step(self.state.step, last=self._is_last_step()):
+                last = self._step_and_log(wall_start, last)  # then a checkpoint: every N, last, SIGTERM
+                stop = self.checkpoints.after_step(self.state.step, last=self._is_last_step())
+                if self.dist.is_main:  # a run it replaces (--overwrite) goes once this one has a checkpoint
+                    self.folder.stepped(saved=bool(self.checkpoints.saves))
+                if stop:
                     break
         except BaseException:
             self.writer.close()  # also when a step fails
@@ -421,10 +421,10 @@ class Trainer:
             self.console.print(run_summary.header_line(self.facts, self.cfg.train.steps, self.dist.dp_size,
                                                        self.dist.device.type, self.dist.tp_size))
             self.console.print(f"data: {self.data.describe()}")
-        self.run_memory = RunMemory(self)
-        self.run_memory.announce(self.console)
         self.checkpoints = CheckpointManager.from_config(self.cfg, self._checkpoint_states(), self.dist, self._say)
         saved = self.checkpoints.resume()
+        self.run_memory = RunMemory(self)  # after the resume: it measures this run's second step
+        self.run_memory.announce(self.console)
         self._check_resumed_batch(saved)
         self.checkpoints.install_signal_handlers()
         self.writer = MetricsWriter(self.out_dir, main, self.cfg.log.tensorboard, start_step=self.state.step,
@@ -433,7 +433,8 @@ class Trainer:
             self._say(f"metrics: {self.writer.dropped_rows} row(s) after step {self.state.step} removed from "
                       "metrics.jsonl (redone from the checkpoint)")
         lc = self.cfg.log
-        self.step_log = StepLog(self.console, self.cfg.train.steps, self.state.step, lc.log_every, lc.progress)
+        self.step_log = StepLog(self.console, self.cfg.train.steps, self.state.step, lc.log_every, lc.progress,
+                                peak_label=process_peak_label(self.dist.device.type))
         self.step_times: list[StepTime] = []
         self.compile_clock = CompileClock(self.cfg.train.compile)  # compile time on its own
         self.val_loss = None
@@ -517,6 +518,7 @@ class Trainer:
             run_summary.write_json_atomic(self.out_dir / "summary.json", summary)
             self.console.print(run_summary.summary_table(summary, self.out_dir))
             self.console.print(run_summary.outputs_text(self._written_paths(summary)), soft_wrap=True, highlight=False)
+            self.folder.commit()  # finished: the run --overwrite replaces goes now
         return summary
 
     def _written_paths(self, summary: dict) -> list[tuple[str, str]]:

@@ -90,10 +90,10 @@ def run_rung(spec: RungSpec, out_dir: Path, user_set_args: list[str], prediction
 
 
 def measure_command(result: RungResult, cmd: list[str], out_dir: Path, timeout_s: float,
-                    on_step: Callable[[int], None] | None = None) -> RungResult:
+                    on_step: Callable[[int], None] | None = None, more_time: str = "--timeout SECONDS") -> RungResult:
     """Run the `tenfold train` command `cmd` writing into `out_dir` (emptied first) and fill
     `result` with what it measured, or with why it failed (`tenfold tune` measures its trials
-    with this too)."""
+    with this too). `more_time`: the flag that gives a run more time, named when one times out."""
     if out_dir.exists():  # metrics.jsonl is appended to: a previous run's must go first
         shutil.rmtree(out_dir)
     out_dir.mkdir(parents=True)
@@ -108,12 +108,25 @@ def measure_command(result: RungResult, cmd: list[str], out_dir: Path, timeout_s
     summary_path = out_dir / "summary.json"
     if rc != 0 or not summary_path.is_file():
         result.status = "failed"
-        result.reason = (f"timed out after {timeout_s:.0f} s" if rc is None
+        result.reason = (timeout_reason(timeout_s, result.load_avg, more_time) if rc is None
                          else f"exit status {rc}: {tail}" if tail else f"exit status {rc}")
         return result
     _read_outputs(result, summary_path, out_dir / "metrics.jsonl")
     result.status, result.reason = "measured", None
     return result
+
+
+BUSY_LOAD_PER_CORE = 1.0  # more runnable processes than cores: every process waits for a core
+
+
+def timeout_reason(timeout_s: float, load_avg: list[float] | None, more_time: str) -> str:
+    """`timed out after N s`, whether the machine was busy meanwhile (its 1-minute load average
+    per core above 1 before or after the run), and the flag that gives more time."""
+    cores = os.cpu_count() or 1
+    load = max(load_avg) if load_avg else None
+    busy = (f"; the machine was busy (load average {load:.1f} on {cores} cores), which slows every run"
+            if load is not None and load / cores > BUSY_LOAD_PER_CORE else "")
+    return f"timed out after {timeout_s:.0f} s{busy}; give it more time with {more_time}"
 
 
 def add_repeat(result: RungResult, again: RungResult) -> None:

@@ -20,15 +20,17 @@ MEMORY_PARTS = (  # measured categories, stacked in the chart (engine/memory.py'
 
 def add_multipliers(results: list[RungResult]) -> None:
     """Speed-up and time multiplier of each measured rung against the previous measured rung
-    and the baseline (the first measured rung). Every rung trains the same tokens, so the
-    time multiplier is the inverse of the throughput ratio (the recipe's "time / 2")."""
+    and the baseline (the ladder's first rung). Every rung trains the same tokens, so the time
+    multiplier is the inverse of the throughput ratio (the recipe's "time / 2"). A baseline
+    that was not measured (it failed or timed out) gives no ratio to it at all: another rung
+    in its place would claim a speed-up over a run that never happened."""
     measured = [r for r in results if r.status == "measured" and r.tokens_per_s]
     if not measured:
         return
-    base = measured[0]
+    base = results[0] if results[0] is measured[0] else None
     for prev, r in zip([None, *measured[:-1]], measured):
-        r.speedup_vs_baseline = r.tokens_per_s / base.tokens_per_s
-        r.cumulative_multiplier = 1.0 / r.speedup_vs_baseline
+        r.speedup_vs_baseline = r.tokens_per_s / base.tokens_per_s if base else None
+        r.cumulative_multiplier = 1.0 / r.speedup_vs_baseline if base else None
         if prev is not None:
             r.speedup_vs_previous = r.tokens_per_s / prev.tokens_per_s
             r.time_multiplier = 1.0 / r.speedup_vs_previous
@@ -43,6 +45,12 @@ def fmt_multiplier(m: float | None) -> str:
 
 def fmt_bytes(n: float | None) -> str:
     return "-" if not n else f"{n / MiB:,.0f} MiB"
+
+
+def fmt_peak(r: RungResult) -> str:
+    """The measured peak per rank: tracked tensors, or (marked) the process's peak RSS."""
+    rss = r.peak_mem_bytes and "RSS" in (r.memory_source or "")
+    return fmt_bytes(r.peak_mem_bytes) + (" RSS" if rss else "")
 
 
 def fmt_rate(x: float | None) -> str:
@@ -73,14 +81,17 @@ def table_rows(results: list[RungResult]) -> list[list[str]]:
         rows.append([
             str(r.index), r.title, config_text(r.config), fmt_rate(r.tokens_per_s), fmt_rate(r.predicted_tokens_per_s),
             fmt_time(r.time_for_budget_s), fmt_multiplier(r.time_multiplier), fmt_multiplier(r.cumulative_multiplier),
-            SEED_CLAIMS.get(r.name, ""), fmt_bytes(r.peak_mem_bytes), fmt_bytes(r.predicted_peak_bytes),
+            SEED_CLAIMS.get(r.name, ""), fmt_peak(r), fmt_bytes(r.predicted_peak_bytes),
             "-" if r.val_loss is None else f"{r.val_loss:.3f}", status,
         ])
     return rows
 
 
 COLUMNS = ["#", "rung", "precision mbxaccxdp ...", "tok/s", "pred tok/s", "time for budget", "time x",
-           "cumulative", "seed says", "peak mem", "pred peak", "val loss", "status"]
+           "cumulative", "seed says", "peak (tensors)", "pred peak", "val loss", "status"]
+PEAK_NOTE = ("peak (tensors): one step's tracked tensors per rank (the tensor tracker, the quantity the planner "
+             "predicts); `RSS`: the process's peak resident set where the tracker could not measure (libraries, "
+             "caches and data included, not comparable with pred peak)")
 
 
 def print_table(results: list[RungResult], header: dict[str, Any], console=None) -> None:
@@ -103,6 +114,8 @@ def print_table(results: list[RungResult], header: dict[str, Any], console=None)
     if header.get("repeats", 1) > 1:
         c.print(f"  tok/s: the best of {header['repeats']} runs of the ladder per rung (in order, then reversed); "
                 "every run's figure in ladder.md / ladder.json (tokens_per_s_runs)")
+    if any(fmt_peak(r).endswith(" RSS") for r in results):
+        c.print(f"  {PEAK_NOTE}", highlight=False, markup=False)
     for r in results:
         if r.status != "measured":
             c.print(f"  [yellow]{r.index} {r.name} {r.status}[/]: {r.reason}")
@@ -161,15 +174,41 @@ def markdown(results: list[RungResult], header: dict[str, Any]) -> str:
             lines.append(f"  - peak per rank: {peaks}")
         if r.prediction_error:
             lines.append(f"  - planner: {r.prediction_error}")
-    best = best_rung(results)
-    if best is not None:
-        lines += ["", f"Best rung: **{best.name}**, {best.speedup_vs_baseline:.2f}x the baseline's tokens/s."]
+    verdict = best_line(results)
+    if verdict is not None:
+        lines += ["", verdict[0].upper() + verdict[1:] + "."]
+    if any(fmt_peak(r).endswith(" RSS") for r in results):
+        lines += ["", PEAK_NOTE + "."]
     return "\n".join(lines) + "\n"
+
+
+def rung_line(r: RungResult, run: int | None = None) -> str:
+    """One rung's outcome as one line (printed as it ends when the ladder runs off a terminal)."""
+    head = f"rung {r.index} {r.name}" + (f" (run {run})" if run else "")
+    if r.status != "measured":
+        return f"{head}: {r.status}: {r.reason}"
+    pred = f" (planner {fmt_rate(r.predicted_tokens_per_s)})" if r.predicted_tokens_per_s else ""
+    return (f"{head}: measured, {fmt_rate(r.tokens_per_s)} tok/s{pred}, peak {fmt_peak(r)} per rank, "
+            f"{fmt_time(r.process_s)} in all")
 
 
 def best_rung(results: list[RungResult]) -> RungResult | None:
     measured = [r for r in results if r.status == "measured" and r.speedup_vs_baseline]
     return max(measured, key=lambda r: r.speedup_vs_baseline, default=None)
+
+
+def best_line(results: list[RungResult]) -> str | None:
+    """The closing verdict: the best rung as a multiple of the baseline, or, with the baseline
+    not measured, the fastest rung in tokens/s and why no ratio is given."""
+    best = best_rung(results)
+    if best is not None:
+        return f"best rung: {best.index} {best.name}, {best.speedup_vs_baseline:.2f}x the baseline's tokens/s"
+    measured = [r for r in results if r.status == "measured" and r.tokens_per_s]
+    if not results or not measured:
+        return None
+    base, fastest = results[0], max(measured, key=lambda r: r.tokens_per_s)
+    return (f"fastest rung: {fastest.index} {fastest.name}, {fastest.tokens_per_s:,.0f} tok/s; no ratio to the baseline: "
+            f"rung {base.index} {base.name} {base.status} ({base.reason})")
 
 
 def plot(results: list[RungResult], header: dict[str, Any], path: Path) -> None:

@@ -1,9 +1,12 @@
-"""Run the selected rungs in order, with a progress bar, and write the ladder's outputs."""
+"""Run the selected rungs in order and write the ladder's outputs. On a terminal a progress bar
+shows where it is; off a terminal (a log file, CI, `nohup`) or with --no-progress it prints a
+line as each rung starts and one as it ends, flushed, so a long ladder is never silent."""
 
 from __future__ import annotations
 
 import datetime as _dt
 import os
+import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -94,7 +97,9 @@ class Ladder:
         header = self.header()
         chosen = self.chosen
         exit_on_sigterm()
-        progress = _progress(show_progress)
+        bar = show_progress and sys.stdout.isatty()
+        self.lines = not bar
+        progress = _progress(bar)
         with progress:
             task = progress.add_task("ladder", total=len(self.selected) * self.repeats, detail="")
             first: dict[str, tuple[R.RungSpec, predict.Prediction]] = {}
@@ -104,7 +109,7 @@ class Ladder:
                 pred = predict.predict_rung(spec, self.user_layers, self.device)
                 first[name] = (spec, pred)
                 self.results.append(self._measure(spec, pred, 1, progress, task))
-                self._record(header, progress, task, self.results[-1])
+                self._record(header, progress, task, self.results[-1], 1)
             for run in range(2, self.repeats + 1):
                 # runs 2, 4, ... go backwards: a slow spell of the machine does not fall on the
                 # same end of the ladder every time
@@ -112,15 +117,19 @@ class Ladder:
                 for name in order:
                     spec, pred = first[name]
                     result = self.results[self.selected.index(name)]
+                    again = None
                     if spec.skip is None and result.status == "measured":
-                        measure.add_repeat(result, self._measure(spec, pred, run, progress, task))
-                    self._record(header, progress, task, result)
+                        again = self._measure(spec, pred, run, progress, task)
+                        measure.add_repeat(result, again)
+                    self._record(header, progress, task, result, run, again)
         return self.finish(header)
 
     def _measure(self, spec: R.RungSpec, pred: predict.Prediction, run: int, progress, task) -> measure.RungResult:
         """Run `spec` once (run k > 1 writes OUT/rung_<i>_<name>/run_<k>/), with step progress."""
         label = f"rung {spec.index} {spec.name}" + (f" (run {run}/{self.repeats})" if self.repeats > 1 else "")
         steps = spec.overrides["train"]["steps"]
+        if self.lines and spec.skip is None:
+            _say(f"{label}: {steps} steps, {self.setup.budget_tokens:,} tokens, at most {self.timeout_s:,.0f} s")
 
         def on_step(done: int) -> None:
             progress.update(task, description=label, detail=f"step {done}/{steps}")
@@ -130,10 +139,14 @@ class Ladder:
             out = out / f"run_{run}"
         return measure.run_rung(spec, out, self.user_set_args(), pred, self.timeout_s, on_step)
 
-    def _record(self, header: dict[str, Any], progress, task, result: measure.RungResult) -> None:
-        """Multipliers and ladder.json after every run of a rung (an interrupted ladder keeps them)."""
+    def _record(self, header: dict[str, Any], progress, task, result: measure.RungResult, run: int,
+                again: measure.RungResult | None = None) -> None:
+        """Multipliers and ladder.json after every run of a rung (an interrupted ladder keeps
+        them); off a terminal, the line of the run that just ended (`again`: a repeat)."""
         report.add_multipliers(self.results)
         report.write_json(self.out_dir / "ladder.json", report.ladder_dict(self.results, header))
+        if self.lines and (run == 1 or again is not None):
+            _say(report.rung_line(again or result, run if self.repeats > 1 else None))
         progress.update(task, advance=1, detail=f"{result.status}"
                         + (f", {result.tokens_per_s:,.0f} tok/s" if result.tokens_per_s else ""))
 
@@ -145,14 +158,14 @@ class Ladder:
         report.write_json(self.out_dir / "ladder.json", report.ladder_dict(self.results, header))
         (self.out_dir / "ladder.md").write_text(report.markdown(self.results, header))
         report.plot(self.results, header, self.out_dir / "ladder.png")
-        best = report.best_rung(self.results)
+        verdict = report.best_line(self.results)
         import sys
 
         from rich.console import Console
 
         c = Console(width=None if sys.stdout.isatty() else 170)
-        if best is not None:
-            c.print(f"best rung: [bold]{best.index} {best.name}[/], {best.speedup_vs_baseline:.2f}x the baseline's tokens/s")
+        if verdict is not None:
+            c.print(verdict, highlight=False, markup=False)
         c.print("wrote:\n" + "\n".join(f"  {self.out_dir / name}" for name in ("ladder.json", "ladder.md", "ladder.png")),
                 highlight=False, soft_wrap=True)
         return 0 if any(r.status == "measured" for r in self.results) else 1
@@ -175,6 +188,10 @@ class Ladder:
             "tokens_per_s_definition": "global batch x seq_len x steps after the first / their elapsed time"
                                        + ("; the best of the rung's runs (tokens_per_s_runs)" if self.repeats > 1 else ""),
         }
+
+
+def _say(text: str) -> None:
+    print(text, flush=True)  # a log file or pipe sees it now, not when the ladder ends
 
 
 def exit_on_sigterm() -> None:

@@ -37,7 +37,7 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from tenfold.errors import UserError
+from tenfold.errors import TenfoldNote, UserError
 from tenfold.models.loss import replicated_value, token_loss_sum
 
 LossFn = Callable[[nn.Module, dict], Any]
@@ -287,5 +287,5 @@ def _check_against_no_split_modules(model: nn.Module, found: list[nn.Module]) ->
     warnings.warn(
         f"{type(model).__name__} declares its blocks as {sorted(declared)} (_no_split_modules) but the "
         f"largest list of one class holds {guess}; using {guess}. Pass --blocks ClassName to choose",
-        stacklevel=3,
+        TenfoldNote, stacklevel=3,
     )

@@ -18,13 +18,17 @@ def _get(d: dict, *keys, default=None):
     return default
 
 
-def _read(path: str) -> dict:
+def _read(path: str, flag: str = "--hf-config") -> dict:
+    """`flag`: the option the user gave the file or folder with (named in every message)."""
     try:
-        return json.loads(Path(path).read_text())
+        d = json.loads(Path(path).read_text())
     except OSError as exc:
-        raise UserError(f"--hf-config {path}: cannot read ({exc.strerror})") from None
+        raise UserError(f"{flag} {path}: cannot read ({exc.strerror})") from None
     except ValueError as exc:
-        raise UserError(f"--hf-config {path}: not valid JSON ({exc})") from None
+        raise UserError(f"{flag} {path}: not valid JSON ({exc})") from None
+    if not isinstance(d, dict):
+        raise UserError(f"{flag} {path}: expected a JSON object (a Hugging Face config.json)")
+    return d
 
 
 def hf_model_type(path: str) -> str:
@@ -32,16 +36,16 @@ def hf_model_type(path: str) -> str:
     return str(_read(path).get("model_type", "")).lower()
 
 
-def model_from_hf_config(path: str) -> ModelConfig:
+def model_from_hf_config(path: str, flag: str = "--hf-config") -> ModelConfig:
     """A Hugging Face `config.json` (LLaMA/Mistral/Qwen-style or GPT-2/NeoX-style keys)."""
-    d = _read(path)
+    d = _read(path, flag)
     layers = _get(d, "num_hidden_layers", "n_layer", "num_layers")
     hidden = _get(d, "hidden_size", "n_embd", "d_model")
     heads = _get(d, "num_attention_heads", "n_head")
     vocab = _get(d, "vocab_size")
     if None in (layers, hidden, heads, vocab):
         raise UserError(
-            f"--hf-config {path}: needs num_hidden_layers, hidden_size, num_attention_heads and vocab_size (or GPT-2's n_layer, n_embd, n_head)"
+            f"{flag} {path}: needs num_hidden_layers, hidden_size, num_attention_heads and vocab_size (or GPT-2's n_layer, n_embd, n_head)"
         )
     act = str(_get(d, "hidden_act", "activation_function", default="gelu")).lower()
     swiglu = act in ("silu", "swish", "swiglu")

@@ -95,8 +95,11 @@ def write_emit(path: str, text: str) -> None:
         tmp.write_text(text)
         os.replace(tmp, p)
     except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise UserError(f"--emit {path}: cannot write it ({e.strerror or e})") from None
+        try:  # on a read-only file system the clean-up fails too: the first error is the one to tell
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
+        raise UserError(f"--emit {path}: cannot write it ({e.strerror or e}); choose a writable place") from None
 
 
 def _written_by_plan(p: Path) -> bool:

@@ -314,79 +314,10 @@ def cpu_hardware() -> Hardware:
 
 
 def load_hardware_toml(path: str | os.PathLike) -> Hardware:
-    """User-defined hardware. Keys: name, memory_gb, hbm_gbs, intra_node_gbs, nic_gbs,
-    [peak_tflops] fp32/bf16/fp16 (and fp8, the dense float8 matmul peak), optional gpus_per_node, latencies, efficiencies, sources.
-    `matmul_fraction` (measured best matmul / peak) sets the GEMM ceiling as the catalog does;
-    `gemm_efficiency` sets it directly. What `tenfold tune` measures: [achieved_matmul_tflops]
-    per dtype, step_overhead_s, microbatch_overhead_s (and shared_compute for CPU ranks that
-    share one machine's cores; see `hardware_toml`, which writes every key read here)."""
-    try:
-        import tomllib
-    except ImportError:  # Python 3.10: the tomli backport has the same API
-        try:
-            import tomli as tomllib  # type: ignore[no-redef]
-        except ImportError:
-            raise UserError("--hardware-file needs Python >= 3.11 (tomllib) or `pip install tomli`") from None
-    p = Path(path)
-    try:
-        data = tomllib.loads(p.read_text())
-    except OSError as exc:
-        raise UserError(f"--hardware-file {path}: cannot read ({exc.strerror})") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise UserError(f"--hardware-file {path}: invalid TOML ({exc})") from None
-    required = ("name", "memory_gb", "hbm_gbs", "intra_node_gbs", "nic_gbs", "peak_tflops")
-    missing = [k for k in required if k not in data]
-    if missing:
-        raise UserError(f"--hardware-file {path}: missing key(s) {', '.join(missing)}; required: {', '.join(required)}")
-    peaks = data["peak_tflops"]
-    if not isinstance(peaks, dict) or not any(peaks.get(d) for d in ("fp32", "bf16", "fp16")):
-        raise UserError(f"--hardware-file {path}: [peak_tflops] needs at least one of fp32, bf16, fp16")
-    for key in ("memory_gb", "hbm_gbs", "intra_node_gbs", "nic_gbs"):
-        if not _number(data[key]) or data[key] <= 0:
-            raise UserError(f"--hardware-file {path}: {key} must be a positive number, got {data[key]!r}")
-    return Hardware(
-        name=str(data["name"]),
-        peak_flops={d: (float(peaks[d]) * TFLOPS if peaks.get(d) else None) for d in PEAK_DTYPES
-                    if d != "fp8" or peaks.get(d)},  # fp8 only where given (most files predate it)
-        memory_bytes=float(data["memory_gb"]) * GB, hbm_bw=float(data["hbm_gbs"]) * GB,
-        intra_node_bw=float(data["intra_node_gbs"]) * GB, nic_bw=float(data["nic_gbs"]) * GB,
-        sources={"file": str(p), **{k: str(v) for k, v in data.get("sources", {}).items()}}, **_optional_keys(data, path),
-    )
+    """User-defined hardware, typed strictly (tenfold.plan.hardware_file: the keys, what each takes)."""
+    from tenfold.plan.hardware_file import load_hardware_toml as load
 
-
-# Optional keys of a hardware file: name -> (Hardware field, scale to the field's unit).
-_PLAIN_KEYS = ("gpus_per_node", "intra_latency_s", "inter_latency_s", "collective_latency_s", "bus_efficiency",
-               "gemm_efficiency", "matmul_fraction", "sm_count", "step_overhead_s", "microbatch_overhead_s")
-_SCALED_KEYS = {"host_link_gbs": ("host_link_bw", GB), "host_memory_gb": ("host_memory_bytes", GB),
-                "runtime_overhead_gb": ("runtime_overhead_bytes", GB)}
-
-
-def _number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _optional_keys(data: dict, path) -> dict:
-    """The optional keys as Hardware fields, each a non-negative number (shared_compute: true/false)."""
-    extra: dict = {}
-    for key in (*_PLAIN_KEYS, *_SCALED_KEYS):
-        if key in data:
-            if not _number(data[key]) or data[key] < 0:
-                raise UserError(f"--hardware-file {path}: {key} must be a non-negative number, got {data[key]!r}")
-            field_name, scale = _SCALED_KEYS.get(key, (key, 1))
-            extra[field_name] = data[key] * scale if scale != 1 else data[key]
-    if "matmul_fraction" in extra and "gemm_efficiency" not in extra:
-        extra["gemm_efficiency"] = GEMM_SHARE_OF_MAMF * float(extra["matmul_fraction"])
-    if "shared_compute" in data:
-        if not isinstance(data["shared_compute"], bool):
-            raise UserError(f"--hardware-file {path}: shared_compute must be true or false, got {data['shared_compute']!r}")
-        extra["shared_compute"] = data["shared_compute"]
-    achieved = data.get("achieved_matmul_tflops", {})
-    if not isinstance(achieved, dict) or any(d not in ("fp32", "bf16", "fp16") or not _number(v) or v <= 0
-                                             for d, v in achieved.items()):
-        raise UserError(f"--hardware-file {path}: [achieved_matmul_tflops] takes fp32, bf16, fp16 = positive TFLOP/s")
-    if achieved:
-        extra["achieved_matmul_flops"] = {d: float(v) * TFLOPS for d, v in achieved.items()}
-    return extra
+    return load(path)
 
 
 def hardware_toml(hw: Hardware) -> str:
@@ -394,11 +325,13 @@ def hardware_toml(hw: Hardware) -> str:
     gives the same machine (`tenfold tune` saves the machine it calibrated this way)."""
     import tomli_w
 
+    from tenfold.plan.hardware_file import PLAIN_KEYS, SCALED_KEYS
+
     data: dict = {"name": hw.name, "memory_gb": hw.memory_bytes / GB, "hbm_gbs": hw.hbm_bw / GB,
                   "intra_node_gbs": hw.intra_node_bw / GB, "nic_gbs": hw.nic_bw / GB,
                   "shared_compute": hw.shared_compute}
-    data.update({key: getattr(hw, key) for key in _PLAIN_KEYS})
-    data.update({key: getattr(hw, name) / scale for key, (name, scale) in _SCALED_KEYS.items()})
+    data.update({key: getattr(hw, key) for key in PLAIN_KEYS})
+    data.update({key: getattr(hw, name) / scale for key, (name, scale) in SCALED_KEYS.items()})
     data["peak_tflops"] = {d: hw.peak_flops[d] / TFLOPS for d in PEAK_DTYPES if hw.peak_flops.get(d)}
     if hw.achieved_matmul_flops:
         data["achieved_matmul_tflops"] = {d: v / TFLOPS for d, v in hw.achieved_matmul_flops.items()}
@@ -415,7 +348,7 @@ def get_hardware(name: str | Hardware) -> Hardware:
         return cpu_hardware()
     if key in CATALOG:
         return CATALOG[key]
-    if key.endswith(".toml"):
+    if key.endswith(".toml") or os.sep in name or os.path.exists(name):  # a file, whatever its name
         return load_hardware_toml(name)
     raise UserError(f"unknown --gpu {name!r}; allowed: {', '.join([*CATALOG, 'cpu'])} or a .toml file")
 

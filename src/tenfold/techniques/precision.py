@@ -44,7 +44,7 @@ from typing import Any, Callable, ContextManager, Iterable
 import torch
 import torch.distributed as dist
 
-from tenfold.errors import RunError, UserError
+from tenfold.errors import RunError, TenfoldNote, UserError
 from tenfold.terms import TORCH_DTYPE_NAMES, check_precision
 
 DTYPES: dict[str, torch.dtype] = {name: getattr(torch, attr) for name, attr in TORCH_DTYPE_NAMES.items()}
@@ -73,14 +73,14 @@ def resolve_dtype(name: str, device: torch.device) -> str:
     global _warned_fp16_on_cpu
     check_precision(name)
     if name == "bf16" and not bf16_supported(device):
-        warnings.warn(f"bf16 autocast is not supported on {device}; training in fp32", stacklevel=2)
+        warnings.warn(f"bf16 autocast is not supported on {device}; training in fp32", TenfoldNote, stacklevel=2)
         return "fp32"
     if name == "fp16" and device.type == "cpu" and not _warned_fp16_on_cpu:
         _warned_fp16_on_cpu = True
         warnings.warn(
             "fp16 on a CPU is very slow (no fast fp16 matmul kernels; 3-40x "
             "slower than fp32, see docs/precision.md); use --precision bf16 or fp32 on CPUs",
-            stacklevel=2,
+            TenfoldNote, stacklevel=2,
         )
     return name
 

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as torch_dist
 import torch.nn as nn
 
-from tenfold.errors import UserError
+from tenfold.errors import TenfoldNote, UserError
 from tenfold.terms import ZERO_STAGES, runs_on_fsdp2, zero_runs_as
 
 ENGINES = {
@@ -260,7 +260,7 @@ def _warn_unmapped_knobs(parallel_cfg: Any, stage: int, dist: Any) -> None:
         engine = (ENGINES_TP if tensor_parallel else ENGINES)[stage]
         warnings.warn(
             f"ZeRO-{stage} on {engine}: DeepSpeed settings without a PyTorch knob, "
-            f"ignored: {'; '.join(unmapped)}", stacklevel=3,
+            f"ignored: {'; '.join(unmapped)}", TenfoldNote, stacklevel=3,
         )
 
 

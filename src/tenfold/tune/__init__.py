@@ -42,8 +42,9 @@ def register(subparsers) -> argparse.ArgumentParser:
             action.help = "no progress bar (one line per run is printed either way)"
     g = p.add_argument_group("tune")
     g.add_argument("--budget", type=float, help=f"seconds of trials (default {DEFAULT_BUDGET_S:.0f}); no run starts "
-                                                "after it, so a tune ends within it and one run")
-    g.add_argument("--memory-limit", help="memory per rank a trial may peak at, e.g. 40GiB (default: the device's; "
+                                                "after it once a trial has been measured, so a tune ends within it and "
+                                                "one run (until one is measured, up to 3 runs more)")
+    g.add_argument("--memory-limit", help="memory per rank a trial's tracked tensors may peak at, e.g. 40GiB (default: the device's; "
                                           "on a CPU its RAM shared by the ranks); a trial over it is recorded as oom")
     g.add_argument("--margin", type=float, help=f"candidates must be predicted to need at most (1 - margin) x the limit "
                                                 f"(default {DEFAULT_MARGIN})")

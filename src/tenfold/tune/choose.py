@@ -13,7 +13,8 @@
    of its runs, so a slow spell of a shared machine does not decide the winner.
 The budget is spent when the next run would start after it; a run starts only if the time it is
 expected to take fits what is left, at least half of it, so a tune ends within its budget and
-one run.
+one run. Until a trial has been measured the budget does not stop it (runner.RUNS_PAST_BUDGET
+runs at most): a tune hands back a measured strategy, or says why it could not.
 """
 
 from __future__ import annotations

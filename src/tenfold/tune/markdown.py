@@ -40,13 +40,17 @@ def trial_rows(doc: dict[str, Any]) -> list[list[str]]:
             status, rate, f"{t['tokens_per_s'] / base:.2f}x" if t["tokens_per_s"] and base else "-",
             f"{_rate(t['predicted_before'])} ({_err(t['predicted_before'], t['tokens_per_s'])})",
             f"{_rate(t['predicted_after'])} ({_err(t['predicted_after'], t['tokens_per_s'])})",
-            f"{_mib(peak)} ({_mib(t['predicted_peak_bytes'])})",
+            f"{_mib(peak)}{' RSS' if t.get('peak_is_rss') and peak else ''} ({_mib(t['predicted_peak_bytes'])})",
         ])
     return rows
 
 
 TRIAL_HEADER = ["#", "trial", "strategy", "status", "tok/s (runs)", "vs baseline", "planner, before (err)",
-                "calibrated (err)", "peak MiB/rank (planner)"]
+                "calibrated (err)", "peak MiB/rank: tracked tensors (planner)"]
+PEAK_NOTE = ("peak: one step's tracked tensors on the most loaded rank (the tensor tracker; on CUDA the allocator), "
+             "the quantity the planner predicts; `RSS`: the process's peak resident set instead, where the tracker "
+             "cannot follow the run (multi-stage pipeline schedules on a CPU): libraries, caches and data "
+             "included, so not comparable with the planner's figure.")
 
 
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:
@@ -72,7 +76,7 @@ def render(doc: dict[str, Any]) -> str:
               f"over memory, {counts['fixed_out']} outside --fixed.", "", "## Trials, fastest first", "",
               *_table(TRIAL_HEADER, trial_rows(doc)), "",
               "tok/s: steady state after the warm-up step (best of the runs; every run shown). planner: the "
-              "prediction before calibration, calibrated: after it (error vs measured).", ""]
+              "prediction before calibration, calibrated: after it (error vs measured). " + PEAK_NOTE, ""]
     lines += _untried_section(doc) + _calibration_section(cal)
     return "\n".join(lines) + "\n"
 
@@ -112,9 +116,12 @@ def print_summary(doc: dict[str, Any], console) -> None:
     t = Table(title="tenfold tune: trials, fastest first")
     for h in TRIAL_HEADER:
         t.add_column(h, overflow="fold")
-    for r in trial_rows(doc)[:15]:
+    rows = trial_rows(doc)[:15]
+    for r in rows:
         t.add_row(*r)
     console.print(t)
+    if any(" RSS (" in r[-1] for r in rows):
+        console.print(PEAK_NOTE, highlight=False, markup=False)
     cal = doc["calibration"]
     if cal:
         console.print(f"planner error, median over measured trials: {_pct(cal['median_abs_error_before'])} before -> "

@@ -15,13 +15,15 @@ def _mib(n: float | None) -> str:
 
 
 def run_line(trial: Trial, run: Run, outlook: Outlook | None) -> str:
-    """`t3 bf16 | 8x1x dp 2 | ...: 7,234 tok/s (planner 6,100; calibrated 7,050) | peak 120 MiB/rank | 41 s`"""
+    """`t3 bf16 | 8x1x dp 2 | ...: 7,234 tok/s (planner 6,100; calibrated 7,050) | peak 120 MiB/rank, tracked
+    tensors | 41 s` (`peak RSS` where the tensor tracker could not follow the run)"""
     head = f"{trial.id} run {run.round} [{trial.name}]"
     if run.status != "measured":
         return f"{head}: {run.status}: {run.reason}"
     planned = f"planner {trial.predicted_before:,.0f}" + (f", calibrated {outlook.tokens_per_s:,.0f}" if outlook else "")
     peak = max(run.peak_bytes_per_rank) if run.peak_bytes_per_rank else None
-    return (f"{head}: {run.tokens_per_s:,.0f} tok/s ({planned}) | peak {_mib(peak)}/rank | "
+    which = "peak RSS {}/rank (process)" if "RSS" in (run.peak_source or "") else "peak {}/rank, tracked tensors"
+    return (f"{head}: {run.tokens_per_s:,.0f} tok/s ({planned}) | {which.format(_mib(peak))} | "
             f"{run.process_s or 0:,.0f} s (warm-up {run.warmup_s or 0:,.1f} s, start-up {run.startup_s or 0:,.1f} s)")
 
 

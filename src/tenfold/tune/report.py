@@ -134,7 +134,12 @@ def finish(tune) -> int:
     figure.plot(document(tune), out / "tune.png")
     markdown.print_summary(document(tune), tune.log.console)
     tune.log.say("wrote:\n" + "\n".join(f"  {out / name}" for name in written))
-    return 0 if best is not None else 1
+    if best is None:
+        from tenfold.errors import say
+
+        say("error", tune.why_nothing_measured())
+        return 1
+    return 0
 
 
 def best_toml(tune, best: Trial) -> str:

@@ -19,6 +19,10 @@ from tenfold.tune.trial import Run, run_trial, trial_steps
 
 FIRST_STARTUP_S = 30.0  # what a trial spends outside its measured window, until one has run
 PRIOR_SPREAD = 1.0  # spread (ln) of an uncalibrated prediction
+# Runs a tune may start after its budget while no trial has been measured yet (a baseline that
+# runs out of memory on purpose, or timeouts on a busy machine, can take the whole budget): a
+# tune hands back at least one measured strategy, or says after these why it could not.
+RUNS_PAST_BUDGET = 3
 
 
 @dataclass
@@ -34,6 +38,7 @@ class Tune:
     outlooks: dict[str, Outlook] = field(default_factory=dict)
     started: float = field(default_factory=time.perf_counter)
     runs_this_session: int = 0
+    runs_past_budget: int = 0  # runs started after the budget because nothing was measured yet
     stop_reason: str = ""
 
     @property
@@ -59,10 +64,16 @@ class Tune:
                 break
             expected = self.expected_s(self.candidates[action.key])
             left = self.setup.budget_s - self.elapsed
-            if left <= 0 or (self.runs_this_session and expected > 2 * left):
-                self.stop_reason = (f"budget spent: {self.elapsed:,.0f} s of {self.setup.budget_s:,.0f} s"
-                                    + (f" (the next run needs ~{expected:,.0f} s)" if left > 0 else ""))
-                break
+            if self.runs_this_session and (left <= 0 or expected > 2 * left):  # a session's first run always starts
+                spent = (f"budget spent: {self.elapsed:,.0f} s of {self.setup.budget_s:,.0f} s"
+                         + (f" (the next run needs ~{expected:,.0f} s)" if left > 0 else ""))
+                if any(t.tokens_per_s for t in self.trials):
+                    self.stop_reason = spent
+                    break
+                if self.runs_past_budget >= RUNS_PAST_BUDGET:
+                    self.stop_reason = f"{spent}, and {RUNS_PAST_BUDGET} more runs measured nothing"
+                    break
+                self.runs_past_budget += 1  # nothing measured yet: one more run, past the budget
             self.run_action(action, expected)
             self.recalibrate()
         self.log.finish_loop(self.stop_reason)
@@ -136,6 +147,12 @@ class Tune:
         outside = [r.process_s - r.steady_s for t in self.trials for r in t.measured if r.process_s and r.steady_s]
         extra = statistics.median(outside) if outside else FIRST_STARTUP_S
         return extra + (trial_steps(self.step_s(c), self.setup.window_s) - 1) * self.step_s(c)
+
+    def why_nothing_measured(self) -> str:
+        """One line: why no trial was measured, from what each one did."""
+        done = [f"{t.id} [{t.name}] {t.status}" + (f" ({t.reason})" if t.reason else "") for t in self.trials]
+        runs = "; ".join(done) if done else "no trial ran"
+        return f"no trial was measured ({self.stop_reason}): {runs}"
 
     def _nothing_left(self) -> str:
         untried = len(self.candidates) - len(self.trials)

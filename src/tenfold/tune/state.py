@@ -72,11 +72,19 @@ class Trial:
                 return r.peak_bytes_per_rank
         return []
 
+    @property
+    def peak_is_rss(self) -> bool:
+        """The peak is the process's resident set (the tensor tracker could not follow the run),
+        not its tracked tensors: not the quantity the planner predicts."""
+        run = next((r for r in self.finished_runs if r.peak_bytes_per_rank), None)
+        return run is not None and "RSS" in (run.peak_source or "")
+
     def to_dict(self) -> dict[str, Any]:
         d = {k: v for k, v in vars(self).items() if k != "runs"}
         d.update(status=self.status, reason=self.reason, tokens_per_s=self.tokens_per_s,
                  tokens_per_s_runs=[r.tokens_per_s for r in self.measured],
-                 peak_bytes_per_rank=self.peak_bytes_per_rank, runs=[r.to_dict() for r in self.runs])
+                 peak_bytes_per_rank=self.peak_bytes_per_rank, peak_is_rss=self.peak_is_rss,
+                 runs=[r.to_dict() for r in self.runs])
         return d
 
     @classmethod

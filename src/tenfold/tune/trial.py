@@ -84,7 +84,8 @@ def run_trial(c: Candidate, folder: Path, round_: int, steps: int, timeout_s: fl
            "--steps", str(steps), "--no-progress"]
     result = RungResult(round_, c.key, c.name, "pending", None, c.knobs)
     started = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
-    run = _as_run(measure_command(result, cmd, out, timeout_s, on_step), round_, steps, limit_bytes)
+    run = _as_run(measure_command(result, cmd, out, timeout_s, on_step, more_time="--trial-timeout SECONDS"),
+                  round_, steps, limit_bytes)
     run.started = started
     return run
 
