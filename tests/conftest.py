@@ -33,6 +33,11 @@ SMALL_FLAGS = [
 ]
 
 
+def table_text(text: str) -> str:
+    """A rich table's text with its borders out and wrapped cells joined again."""
+    return " ".join(text.replace("│", " ").split())
+
+
 def read_metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 

@@ -10,7 +10,7 @@ import logging
 
 import pytest
 
-from conftest import read_metrics, small_config
+from conftest import read_metrics, small_config, table_text
 from tenfold.cli import main
 from tenfold.config import build_config
 from tenfold.engine import peak as peak_mod
@@ -61,11 +61,6 @@ def test_summary_tokens_per_s_is_the_steady_rate_of_the_logged_steps(tmp_path):
     assert f["tokens_per_s_overall"] < f["tokens_per_s"]  # the wall time has the warm-up and the evaluation
 
 
-def _cells(text: str) -> str:
-    """The summary table's text with its borders out and wrapped cells joined again."""
-    return " ".join(text.replace("│", " ").split())
-
-
 def test_a_resumed_run_reports_its_own_rate_and_its_memory(tmp_path, capsys):
     """`--resume auto`: the overall rate is this run's tokens over this run's wall time (not the
     earlier run's tokens too), and the memory rows are there (this run's second step measured)."""
@@ -77,7 +72,7 @@ def test_a_resumed_run_reports_its_own_rate_and_its_memory(tmp_path, capsys):
     assert f["tokens_per_s_overall"] == pytest.approx(3 * per_step / f["wall_s"])
     memory = summary["memory"]
     assert memory["measured_step"] == 5 and memory["measured"]["params_bytes"] > 0
-    out = _cells(capsys.readouterr().out)
+    out = table_text(capsys.readouterr().out)
     assert f"{6 * per_step:,} ({3 * per_step:,} in this run, resumed at step 3)" in out
     assert "over this run's whole wall time" in out and "memory: peak, tracked tensors" in out
     assert "measured at step 5" in out
@@ -274,7 +269,7 @@ def test_summary_has_the_notes_and_the_table_shows_them(tmp_path, capsys):
     assert memory["peak_mem_of"] == "peak RSS" and memory["measured_by"] == "tensor tracker (MemTracker)"
     steps = [ln for ln in text.splitlines() if ln.startswith("step ")]
     assert len(steps) == 2 and all("| peak RSS " in ln and "peak mem" not in ln for ln in steps), steps
-    cells = _cells(text)
+    cells = table_text(text)
     rss = f"memory: peak RSS (process) {fmt_bytes(memory['peak_mem_bytes'])}"
     assert rss in cells and "the process's highest resident set" in cells, cells
     tensors = f"memory: peak, tracked tensors {fmt_bytes(memory['predicted']['peak_bytes'])} predicted, "
