@@ -161,11 +161,13 @@ def test_collectives_per_step(two_ranks):
     fp32 gradients), so 2 units with the root; each all-gathered once per step although two
     micro-steps run (the gathered parameters are kept between them), and reduce-scattered on
     every micro-step. With a 1-element bucket: one unit per block (3 units). ZeRO-3: one unit
-    per block, gathered for each forward and again for each backward of every micro-step
-    (persistence threshold 0: every unit is freed after use).
+    per block, gathered for each forward of every micro-step and again for its backward,
+    except the last block and the root, whose backward follows their forward at once (kept
+    gathered: persistence threshold 0 frees every other unit after use).
     Mutations: ZeroRedundancyOptimizer without parameters_as_bucket_view broadcasts once per
     parameter tensor; without `_keep_gathered` ZeRO-2 all-gathers twice per unit; without the
-    grouping it has 3 units."""
+    grouping it has 3 units; resharding the last block and the root after forward re-gathers
+    them in backward (12 gathers)."""
     micro = 2
     for rank in ("0", "1"):
         c = {s: two_ranks[rank][f"{s}-fp32"]["collectives"] for s in range(4)}
@@ -174,7 +176,7 @@ def test_collectives_per_step(two_ranks):
         assert c[2]["reduce_scatter_single"] == 2 * micro, c[2]
         per_block = two_ranks[rank]["2-fp32-per-block"]["collectives"]
         assert per_block["all_gather_single"] == 3 and per_block["reduce_scatter_single"] == 3 * micro, per_block
-        assert c[3]["all_gather_single"] == 2 * 3 * micro, c[3]
+        assert c[3]["all_gather_single"] == (3 + 1) * micro, c[3]  # forward: root + 2 blocks; backward: block 0
         assert c[3]["reduce_scatter_single"] == 3 * micro, c[3]
 
 
@@ -324,6 +326,17 @@ def test_persistence_threshold_keeps_small_units_gathered():
     assert _reshard_after_forward(3, 10_001, 10_000) is True
     assert _reshard_after_forward(3, 10_000, 10_000) is False  # DeepSpeed: numel <= threshold persists
     assert _reshard_after_forward(2, 10**9, 0) is False  # stage 2 never frees after forward
+
+
+def test_zero3_keeps_the_last_block_and_the_root_gathered_into_backward():
+    from tenfold.techniques.zero import _backward_follows_forward
+
+    class Dist:
+        pp_size = 1
+
+    assert _backward_follows_forward(3, Dist()) == [False, False, True, True]  # 3 blocks, then the root
+    Dist.pp_size = 2  # pipelining: other micro-batches' forwards run before this backward
+    assert _backward_follows_forward(3, Dist()) == [False] * 4
 
 
 def worker_model_config():

@@ -189,14 +189,19 @@ def _wrap_fsdp2(model: nn.Module, parallel_cfg: Any, dist: Any, stage: int, para
     threshold = int(parallel_cfg.param_persistence_threshold)
     if blocks is None:
         blocks = list(model.layers.values()) if hasattr(model, "layers") else []
-    for unit in fsdp_units(blocks, stage, unit_bucket(parallel_cfg, dist.device.type)):
+    units = fsdp_units(blocks, stage, unit_bucket(parallel_cfg, dist.device.type))
+    backward_next = _backward_follows_forward(len(units), dist)
+    for unit, next_ in zip(units, backward_next):
+        reshard = _reshard_after_forward(stage, sum(map(_numel, unit)), threshold) and not next_
         fully_shard(unit if len(unit) > 1 else unit[0], mesh=mesh, mp_policy=mp, offload_policy=offload,
-                    reshard_after_forward=_reshard_after_forward(stage, sum(map(_numel, unit)), threshold))
+                    reshard_after_forward=reshard)
     block_params = {id(p) for b in blocks for p in b.parameters()}
     root_numel = sum(p.numel() for p in model.parameters() if id(p) not in block_params)
-    fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload,
-                reshard_after_forward=_reshard_after_forward(stage, root_numel, threshold))
+    reshard = _reshard_after_forward(stage, root_numel, threshold) and not backward_next[-1]
+    fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard)
     setattr(model, _HYBRID_ATTR, mesh.ndim == 2)
+    if dist.device.type == "cpu":
+        _gather_ahead_on_cpu(model)
     return model
 
 
@@ -211,6 +216,40 @@ def shard_mesh(dist: Any):
     dp/N in the all-reduce."""
     hybrid = getattr(dist, "hybrid_mesh", None)
     return hybrid if hybrid is not None else dist.mesh["dp"]
+
+
+def _gather_ahead_on_cpu(model: nn.Module) -> None:
+    """On CPU FSDP2's all-gathers block the step: without device streams its pre-forward and
+    pre-backward unshards wait for gloo before the unit computes, and its prefetches are issued
+    the same blocking way. FSDP2's own switch `_set_unshard_async_op(True)` issues them as
+    async gloo work instead (it documents that forward overlap then needs explicit
+    prefetching): each unit then prefetches the next one in forward
+    (`set_modules_to_forward_prefetch`), FSDP2's implicit backward prefetch gathers the unit
+    below while this one runs its backward, and a rank that is ahead posts its gather and
+    computes instead of waiting for the other. Same collectives, same order, same numerics."""
+    from torch.distributed.fsdp import FSDPModule
+
+    units, seen = [], set()
+    for module in model.modules():  # the root first, then the blocks in forward order
+        if isinstance(module, FSDPModule) and id(module._get_fsdp_state()) not in seen:
+            seen.add(id(module._get_fsdp_state()))
+            units.append(module)
+    for unit, next_unit in zip(units, units[1:]):
+        unit.set_modules_to_forward_prefetch([next_unit])
+    for unit in units:
+        unit._set_unshard_async_op(True)
+
+
+def _backward_follows_forward(n_units: int, dist: Any) -> list[bool]:
+    """Per block unit, then the root (last entry): whether its backward starts right after its
+    forward ends, so that freeing its parameters after forward would only re-gather them at
+    once. Without pipelining that is the last block and the root (embedding + head, whose
+    head runs last in forward and first in backward): FSDP2 keeps its root gathered for that
+    reason when left to choose (`fully_shard`'s root heuristic), torchtitan its last block
+    (`apply_fsdp`). Under pipelining other micro-batches' forwards run in between."""
+    if getattr(dist, "pp_size", 1) > 1:
+        return [False] * (n_units + 1)
+    return [i == n_units - 1 for i in range(n_units)] + [True]
 
 
 CPU_UNIT_BUCKET = 25 * 2**20 // 4  # torch DDP's default bucket (bucket_cap_mb=25) in fp32 gradient elements
