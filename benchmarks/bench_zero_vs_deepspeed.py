@@ -50,6 +50,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -181,8 +182,37 @@ def _run_interleaved(args, data) -> dict:
             seconds, loss = steppers[name]()
             times[name].append(seconds)
             first_loss.setdefault(name, loss)
+    profiles = {f"{k}_profile": profile_steps(step, args.profile) for k, step in steppers.items()} if args.profile else {}
     return {**{f"{k}_step_s": v[args.warmup:] for k, v in times.items()},
-            **{f"{k}_first_loss": v for k, v in first_loss.items()}}
+            **{f"{k}_first_loss": v for k, v in first_loss.items()}, **profiles}
+
+
+# The collectives' own operators and the waits on them (c10d's dispatcher ops, gloo's and
+# DeepSpeed's comm ops, FSDP2's and ZeroRedundancyOptimizer's calls into them).
+COMMUNICATION = re.compile(r"^(c10d|gloo|nccl|deepspeed[._]comm)|all_?reduce|all_?gather|reduce_?scatter|"
+                           r"\bwait\b|record_param_comms|shm_", re.IGNORECASE)
+
+
+def profile_steps(step, n: int) -> dict[str, float]:
+    """Seconds per step in each bucket of benchmarks/profile_step.py (matmul, attention,
+    elementwise, overhead), with the collectives' operators taken out as `communication`;
+    what no operator accounts for (Python, waits the profiler does not see) is overhead."""
+    from collections import defaultdict
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from profile_step import bucket  # benchmarks/ is the script's own folder on sys.path
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            step()
+        wall = time.perf_counter() - t0
+    seconds: dict[str, float] = defaultdict(float)
+    for e in prof.events():
+        seconds["communication" if COMMUNICATION.search(e.name) else bucket(e.name)] += e.self_cpu_time_total / 1e6
+    seconds["overhead"] += max(wall - sum(seconds.values()), 0.0)
+    return {k: v / n for k, v in {"wall": wall, **seconds}.items()}
 
 
 def rank_main(args) -> None:
@@ -225,7 +255,7 @@ def launch(engine: str, cell: dict, args, tmp: str) -> dict | None:
            "--json", str(out), "--steps", str(args.steps), "--warmup", str(args.warmup),
            "--micro", str(args.micro), "--accum", str(args.accum), "--seq", str(args.seq),
            "--hf-config", args.hf_config, "--tmp", tmp, "--ds-communication-dtype", ds_comm,
-           "--reduce-dtype", reduce_dtype]
+           "--reduce-dtype", reduce_dtype, "--profile", str(args.profile)]
     env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // args.nproc)))
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
@@ -234,7 +264,8 @@ def launch(engine: str, cell: dict, args, tmp: str) -> dict | None:
     ranks = json.loads(out.read_text())
     if engine == "interleaved":  # per step, the slowest rank's time: the job runs at its pace
         steps = {e: [max(r[f"{e}_step_s"][i] for r in ranks) for i in range(args.steps)] for e in STEPPERS}
-        return {"steps": steps, **{f"{e}_first_loss": ranks[0][f"{e}_first_loss"] for e in STEPPERS}}
+        profiles = {f"{e}_profile": [r[f"{e}_profile"] for r in ranks] for e in STEPPERS if f"{e}_profile" in ranks[0]}
+        return {"steps": steps, **profiles, **{f"{e}_first_loss": ranks[0][f"{e}_first_loss"] for e in STEPPERS}}
     tokens = args.global_batch * args.seq
     return {"tokens_per_s": tokens / max(r["step_s"] for r in ranks),
             "peak_bytes_per_rank": max(r["peak_rss_bytes"] for r in ranks)}
@@ -254,7 +285,7 @@ def measure_speed(cell: dict, args, tmp: str) -> dict | None:
     tokens = args.global_batch * args.seq
     return {**{f"{e}_best": tokens / min(v) for e, v in pooled.items()},
             **{f"{e}_median": tokens / statistics.median(v) for e, v in pooled.items()},
-            **{f"{e}_first_loss": first[f"{e}_first_loss"] for e in STEPPERS}}
+            **{k: v for k, v in first.items() if k.endswith(("_first_loss", "_profile"))}}
 
 
 def measure_memory(cell: dict, args, tmp: str) -> dict | None:
@@ -322,6 +353,22 @@ def misses(c: dict) -> list[str]:
     return out
 
 
+def print_profiles(cells: list[dict]) -> None:
+    """Seconds per step by bucket, rank 0 and rank 1, for every cell profiled (`--profile`)."""
+    rows = [c for c in cells if "tenfold_profile" in c]
+    if not rows:
+        return
+    keys = ("wall", "matmul", "attention", "elementwise", "communication", "overhead")
+    print("\n### Where a step goes (torch.profiler, s/step, rank 0 / rank 1)\n")
+    print("| ZeRO | precision | numerics | engine | " + " | ".join(keys) + " |")
+    print("|---|---|---|---|" + "---|" * len(keys))
+    for c in rows:
+        for e in STEPPERS:
+            r0, r1 = c[f"{e}_profile"]
+            cols = " | ".join(f"{r0.get(k, 0.0):.3f} / {r1.get(k, 0.0):.3f}" for k in keys)
+            print(f"| {c['stage']} | {c['precision']} | {c['numerics']} | {e} | {cols} |")
+
+
 def print_tables(cells: list[dict]) -> None:
     titles = {"equal": "Equal numerics: both reduce in fp32 (DeepSpeed communication_data_type fp32; "
                        "target >= 1.10x tokens/s at <= 1.0x peak RSS)",
@@ -367,6 +414,7 @@ def driver(args) -> None:
             cells.append(got)
             print(f"| {got['numerics']} " + row_text(got), flush=True)
     print_tables(cells)
+    print_profiles(cells)
     uptime = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     print(f"\n# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, uptime at the end: {uptime}")
     if args.out_json:
@@ -388,6 +436,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--speed-repeats", type=int, default=2, help="interleaved throughput launches per cell (best-of)")
     p.add_argument("--repeats", type=int, default=1, help="memory launches per engine and cell")
     p.add_argument("--skip-memory", action="store_true", help="throughput only")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="after the timed steps, N more steps of each engine under torch.profiler: seconds per "
+                        "step in matmul, attention, elementwise, communication, overhead (first launch of each cell)")
     p.add_argument("--out-json", help="also write every cell's figures to this JSON file")
     p.add_argument("--rank-side", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--engine", choices=["tenfold", "deepspeed", "interleaved"], help=argparse.SUPPRESS)
