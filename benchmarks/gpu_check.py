@@ -11,6 +11,8 @@ default data, the final checkpoint and exports off:
            against the GPU's datasheet bf16 dense peak (tenfold.plan.hardware), and
            `torch.cuda.max_memory_allocated` beside the planner's predicted peak
   zero3    the same model, ZeRO-3 (FSDP2) over every local GPU with NCCL (2 or more GPUs)
+  zero3_bf16_reduce  the same with gradients reduced in bf16 (`--reduce-dtype bf16`, FSDP2's
+           reduce_dtype: DeepSpeed's default numerics), half the steps
   tp       tensor parallelism over every local GPU (2 or more GPUs, when this tenfold has
            `--tp`; with ZeRO-3 in the data-parallel dimension it is the same launch shape)
   hsdp     hybrid sharding: ZeRO-3 in shard groups of half the GPUs (4 or more GPUs)
@@ -85,6 +87,8 @@ def plan_checks(args: argparse.Namespace, n_gpus: int, has_tp: bool, fp8: bool =
         checks.append({"name": "fp8", "nproc": 1, "flags": ["--fp8"], "steps": args.multi_steps})
     if n_gpus >= 2:
         checks.append({"name": "zero3", "nproc": n_gpus, "flags": ["--zero", "3"], "steps": args.multi_steps})
+        checks.append({"name": "zero3_bf16_reduce", "nproc": n_gpus, "flags": ["--zero", "3", "--reduce-dtype", "bf16"],
+                       "steps": short})
         if has_tp:
             checks.append({"name": "tp", "nproc": n_gpus, "flags": ["--tp", str(n_gpus)], "steps": args.multi_steps})
         checks.append({"name": "hf_pp", "nproc": 2, "flags": ["--pp", "2", "--zero", "1", "--grad-accum", "4"],

@@ -117,6 +117,15 @@ def test_dry_run_prints_the_resolved_run_and_writes_nothing(tmp_path, capsys):
     assert not (tmp_path / "never").exists()
 
 
+def test_reduce_dtype_flag_sets_the_key_and_the_dry_run_shows_it(tmp_path, capsys):
+    code, out, err = _run(tmp_path, capsys, "--nproc", "2", "--zero", "2", "--reduce-dtype", "bf16")
+    assert code == 0 and "ZeRO-2; recompute none; gradients reduced in bf16" in out, err
+    code, out, err = _run(tmp_path, capsys, "--nproc", "2")
+    assert code == 0 and "gradients reduced" not in out, err  # fp32, the default, goes without saying
+    code, out, err = _run(tmp_path, capsys, "--reduce-dtype", "fp16")
+    assert code == 2 and len(err.splitlines()) == 1 and "parallel.reduce_dtype" in err and "'fp32' or 'bf16'" in err
+
+
 def test_dry_run_checks_what_the_run_would_refuse(tmp_path, capsys):
     for flags, needle in (
         (["--micro-batch", "2", "--grad-accum", "4", "--global-batch", "16"], "16 must equal"),

@@ -103,6 +103,27 @@ def test_auto_and_null_values_mean_not_given(tmp_path):
     assert "overlap_comm" not in layer.get("parallel", {})
 
 
+@pytest.mark.parametrize("value, reduce_dtype", [("bf16", "bf16"), ("BF16", "bf16"), ("fp32", "fp32"), ("Fp32", "fp32")])
+def test_communication_data_type_sets_the_reduction_dtype(tmp_path, value, reduce_dtype):
+    """DeepSpeed's `communication_data_type` (any case, as DeepSpeed lower-cases it) ->
+    parallel.reduce_dtype; absent, tenfold's fp32 default stays (tests/test_zero.py observes the
+    collectives' dtype on two ranks)."""
+    layer, unsupported, _ = load_deepspeed_json(_write(tmp_path, {"communication_data_type": value,
+                                                                  "bf16": {"enabled": True}}))
+    assert unsupported == [] and build_config(layer).parallel.reduce_dtype == reduce_dtype
+    layer, _, _ = load_deepspeed_json(_write(tmp_path, {"bf16": {"enabled": True}}))
+    assert build_config(layer).parallel.reduce_dtype == "fp32"
+
+
+def test_fp16_communication_is_reported_and_other_values_refused(tmp_path):
+    layer, unsupported, _ = load_deepspeed_json(_write(tmp_path, {"communication_data_type": "fp16"}))
+    assert unsupported == ['communication_data_type="fp16" (tenfold reduces in fp32 or bf16)']
+    assert build_config(layer).parallel.reduce_dtype == "fp32"
+    for bad in ("int8", 16, True):
+        with pytest.raises(UserError, match="'communication_data_type'.*allowed: fp32, bf16"):
+            load_deepspeed_json(_write(tmp_path, {"communication_data_type": bad}))
+
+
 def test_unsupported_keys_are_all_reported_in_one_warning(tmp_path):
     ds = {
         "fp16": {"enabled": True, "auto_cast": True, "fp16_master_weights_and_grads": False},

@@ -27,10 +27,11 @@ def test_checks_follow_the_gpus():
     args = gpu_check.parse_args(["--steps", "50"])
     assert [c["name"] for c in gpu_check.plan_checks(args, 1, True)] == ["single", "offload"]
     assert [c["name"] for c in gpu_check.plan_checks(args, 1, True, fp8=True)] == ["single", "offload", "fp8"]
-    assert [c["name"] for c in gpu_check.plan_checks(args, 2, False)] == ["single", "offload", "zero3", "hf_pp"]
+    assert [c["name"] for c in gpu_check.plan_checks(args, 2, False)] == [
+        "single", "offload", "zero3", "zero3_bf16_reduce", "hf_pp"]
     checks = gpu_check.plan_checks(args, 8, True, fp8=True)
     assert [(c["name"], c["nproc"]) for c in checks] == [("single", 1), ("offload", 1), ("fp8", 1), ("zero3", 8),
-                                                         ("tp", 8), ("hf_pp", 2), ("hsdp", 8)]
+                                                         ("zero3_bf16_reduce", 8), ("tp", 8), ("hf_pp", 2), ("hsdp", 8)]
     cmd = gpu_check.train_command(args, checks[3], "/tmp/x")
     assert cmd[1:4] == ["-m", "tenfold", "train"] and "--nproc" in cmd and cmd[-2:] == ["--zero", "3"]
     assert cmd[cmd.index("--precision") + 1] == "bf16" and cmd[cmd.index("--steps") + 1] == "100"

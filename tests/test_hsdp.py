@@ -119,13 +119,14 @@ def test_parameters_shard_in_groups_and_replicate_across(hsdp_runs):
 @pytest.mark.multiprocess
 def test_hsdp_all_reduces_across_groups_once_per_step(hsdp_runs):
     """Collectives of one step (accum 2, 3 FSDP2 units): the same all-gathers and
-    reduce-scatters as plain ZeRO-3 over 4 ranks (inside the groups now), plus one all-reduce
-    per unit per step across the groups, not one per micro-step. Mutation: without
-    `set_requires_all_reduce(False)` on the first micro-step, 6 all-reduces instead of 3."""
+    reduce-scatters as plain ZeRO-3 over 4 ranks (inside the groups now: per micro-step the 3
+    units in forward and block 0 again in backward, test_zero.test_collectives_per_step), plus
+    one all-reduce per unit per step across the groups, not one per micro-step. Mutation:
+    without `set_requires_all_reduce(False)` on the first micro-step, 6 all-reduces instead of 3."""
     for rank in map(str, range(4)):
         hsdp = hsdp_runs["four"][rank]["3-fp32"]["collectives"]
         plain = hsdp_runs["four"][rank]["3-fp32-full-shard"]["collectives"]
-        assert hsdp["all_gather_single"] == plain["all_gather_single"] == 3 * 2 * 2
+        assert hsdp["all_gather_single"] == plain["all_gather_single"] == (3 + 1) * 2
         assert hsdp["reduce_scatter_single"] == plain["reduce_scatter_single"] == 3 * 2
         assert hsdp["all_reduce"] - plain.get("all_reduce", 0) == 3
 

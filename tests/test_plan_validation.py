@@ -256,6 +256,28 @@ def test_v27_ring_allreduce_and_zero3_volume():
     assert t3 / t0 == pytest.approx(1.5, rel=1e-6)
 
 
+def test_bf16_reduction_halves_the_gradient_bytes_of_the_dp_collectives():
+    """parallel.reduce_dtype prices tenfold's gradient collectives in that dtype: DDP's
+    all-reduce halves in bf16; at ZeRO-3 only the reduce-scatter (1 of 3 Psi) halves, the
+    gathers of the 16-bit parameters stay. A 16-bit stack (DeepSpeed's bookkeeping) reduces its
+    gradients in their own dtype whatever the key says."""
+    from tenfold.config import build_config
+    from tenfold.run import resolve_run
+
+    hw = replace(CATALOG["a100-80gb"], bus_efficiency=1.0, intra_latency_s=0.0, inter_latency_s=0.0,
+                 collective_latency_s=0.0)
+    base = planned(PRESETS["gpt3-1.3b"], 8, precision="bf16", micro_batch=1, global_batch=8, seq_len=2048,
+                   stack=Stack(overlap_comm=False))
+    t = {(z, r): predict(base.with_(zero_stage=z, reduce_dtype=r, check=False), hw).time.dp_comm_s
+         for z in (0, 3) for r in ("fp32", "bf16")}
+    assert t[0, "bf16"] / t[0, "fp32"] == pytest.approx(0.5, rel=1e-6)
+    # ZeRO-3: 2 gathers of 2-byte parameters + 1 reduce of 4 -> of 2 bytes per parameter
+    assert t[3, "bf16"] / t[3, "fp32"] == pytest.approx((2 * 2 + 2) / (2 * 2 + 4), rel=1e-6)
+    ds = base.with_(stack=deepspeed_stack(overlap_comm=False), check=False)
+    assert predict(ds.with_(reduce_dtype="bf16", check=False), hw).time.dp_comm_s == predict(ds, hw).time.dp_comm_s
+    assert resolve_run(build_config({"parallel": {"reduce_dtype": "bf16"}}), 2).reduce_dtype == "bf16"
+
+
 def test_v28_gpt3_table21_shapes():
     derived = {"gpt3-125m": 0.124, "gpt3-350m": 0.353, "gpt3-760m": 0.757, "gpt3-1.3b": 1.311, "gpt3-2.7b": 2.645,
                "gpt3-6.7b": 6.648, "gpt3-13b": 12.84, "gpt3-175b": 174.56}

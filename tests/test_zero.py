@@ -72,6 +72,61 @@ def test_stage_on_two_ranks_matches_one_process(two_ranks, reference, stage, dty
     assert ref[-1] < ref[0] - 0.5  # it learns: a wrong gradient would show in the curve
 
 
+@pytest.fixture(scope="module")
+def reduce_dtypes(tmp_path_factory):
+    return torchrun("reduce_dtype", tmp_path_factory.mktemp("reduce_dtype"))
+
+
+def gradient_reductions(run: dict) -> dict[str, int]:
+    """{dtype: elements} the backend reduced in the last step, gradient buckets and units only:
+    this model's are >= 16k elements; tenfold's own reductions (token count, the clipping
+    norm's per-tensor sums) have <= 21."""
+    out: dict[str, int] = {}
+    for _name, dtype, numel in run["reductions"]:
+        if numel >= 1024:
+            out[dtype] = out.get(dtype, 0) + numel
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_deepspeed_communication_data_type_bf16_reduces_in_bf16(reduce_dtypes, stage, dtype):
+    """What gloo itself reduced in one step (torch.profiler's `gloo:all_reduce` events: DDP's C++
+    bucket all-reduce, the comm hook's, FSDP2's reduce-scatter, which gloo runs as an
+    all-reduce): every gradient element once per reduction, in fp32 by default (also in bf16
+    training: FSDP2 upcasts the bf16 gradients), in bf16 with a DeepSpeed JSON's
+    `communication_data_type: bf16` read as `--deepspeed` reads it.
+    Mutations: the JSON key ignored, `reduce_dtype_of` always fp32, the DDP hook not
+    registered -> bf16 runs reduce in fp32; a reduce dtype of bf16 by default -> the default fails."""
+    from tenfold.models.presets import param_count
+
+    reductions = 1 if stage <= 1 else 2  # DDP once per step; FSDP2 on each of the 2 micro-steps
+    expected = param_count(worker_model_config()) * reductions
+    for rank in ("0", "1"):
+        assert gradient_reductions(reduce_dtypes[rank][f"{stage}-{dtype}"]) == {"float": expected}
+        assert gradient_reductions(reduce_dtypes[rank][f"{stage}-{dtype}-ds-bf16"]) == {"c10::BFloat16": expected}
+
+
+# bf16 reduction: every partial sum rounded to bf16 (2^-9 relative per element). Measured
+# against one process: fp32 training 1.9e-4 on the loss, 3.7e-3 on the gradient norm;
+# bf16 training 9.3e-4 / 6.6e-3 (the bf16 default: 8.7e-4 / 1.5e-2).
+BF16_REDUCE_RTOL = {"fp32": (1e-3, 1e-2), "bf16": (BF16_RTOL, 2e-2)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_bf16_reduction_on_two_ranks_stays_close_to_one_process(reduce_dtypes, reference, stage, dtype):
+    """Mutations: the DDP hook leaving out the all-reduce's result (each rank keeps its own
+    half-batch gradient) or its division by the group size, FSDP2 reducing nothing -> fail."""
+    loss_rtol, norm_rtol = BF16_REDUCE_RTOL[dtype]
+    for rank in ("0", "1"):
+        got = reduce_dtypes[rank][f"{stage}-{dtype}-ds-bf16"]
+        assert rel_err(got["losses"], reference[dtype]["losses"]) < loss_rtol, (got["losses"], reference[dtype])
+        assert rel_err(got["grad_norms"], reference[dtype]["grad_norms"]) < norm_rtol
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", [2, 3])
 def test_full_recompute_under_fsdp2_matches_one_process(two_ranks, reference, stage):
@@ -106,11 +161,13 @@ def test_collectives_per_step(two_ranks):
     fp32 gradients), so 2 units with the root; each all-gathered once per step although two
     micro-steps run (the gathered parameters are kept between them), and reduce-scattered on
     every micro-step. With a 1-element bucket: one unit per block (3 units). ZeRO-3: one unit
-    per block, gathered for each forward and again for each backward of every micro-step
-    (persistence threshold 0: every unit is freed after use).
+    per block, gathered for each forward of every micro-step and again for its backward,
+    except the last block and the root, whose backward follows their forward at once (kept
+    gathered: persistence threshold 0 frees every other unit after use).
     Mutations: ZeroRedundancyOptimizer without parameters_as_bucket_view broadcasts once per
     parameter tensor; without `_keep_gathered` ZeRO-2 all-gathers twice per unit; without the
-    grouping it has 3 units."""
+    grouping it has 3 units; resharding the last block and the root after forward re-gathers
+    them in backward (12 gathers)."""
     micro = 2
     for rank in ("0", "1"):
         c = {s: two_ranks[rank][f"{s}-fp32"]["collectives"] for s in range(4)}
@@ -119,7 +176,7 @@ def test_collectives_per_step(two_ranks):
         assert c[2]["reduce_scatter_single"] == 2 * micro, c[2]
         per_block = two_ranks[rank]["2-fp32-per-block"]["collectives"]
         assert per_block["all_gather_single"] == 3 and per_block["reduce_scatter_single"] == 3 * micro, per_block
-        assert c[3]["all_gather_single"] == 2 * 3 * micro, c[3]
+        assert c[3]["all_gather_single"] == (3 + 1) * micro, c[3]  # forward: root + 2 blocks; backward: block 0
         assert c[3]["reduce_scatter_single"] == 3 * micro, c[3]
 
 
@@ -269,6 +326,17 @@ def test_persistence_threshold_keeps_small_units_gathered():
     assert _reshard_after_forward(3, 10_001, 10_000) is True
     assert _reshard_after_forward(3, 10_000, 10_000) is False  # DeepSpeed: numel <= threshold persists
     assert _reshard_after_forward(2, 10**9, 0) is False  # stage 2 never frees after forward
+
+
+def test_zero3_keeps_the_last_block_and_the_root_gathered_into_backward():
+    from tenfold.techniques.zero import _backward_follows_forward
+
+    class Dist:
+        pp_size = 1
+
+    assert _backward_follows_forward(3, Dist()) == [False, False, True, True]  # 3 blocks, then the root
+    Dist.pp_size = 2  # pipelining: other micro-batches' forwards run before this backward
+    assert _backward_follows_forward(3, Dist()) == [False] * 4
 
 
 def worker_model_config():

@@ -213,6 +213,10 @@ class ParallelSection(_Section):
     reduce_bucket_size: int | None = None
     overlap_comm: bool | None = None
     contiguous_gradients: bool = True
+    # The dtype data-parallel gradients are reduced in (DeepSpeed's communication_data_type).
+    # fp32 (torchtitan's and Megatron's default): every partial sum exact to fp32. bf16: half
+    # the bytes, each partial sum rounded to 8 mantissa bits (docs/precision.md).
+    reduce_dtype: Literal["fp32", "bf16"] = "fp32"
     timeout_s: float = Field(600.0, gt=0)
     # A rank whose step runs past max(watchdog x median step, watchdog_min_s) stops the job
     # (engine/watchdog.py); 0 turns the watchdog off. Multi-process runs only.

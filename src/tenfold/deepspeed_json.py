@@ -149,6 +149,19 @@ def _disabled_below(limit: int) -> Convert:
     return convert
 
 
+def _communication_dtype(r: _Reader, key: str, v: Any) -> str | None:
+    """DeepSpeed's `communication_data_type` (deepspeed/runtime/config.py: fp32, fp16 or bf16,
+    any case) -> parallel.reduce_dtype. fp16 reduction is DeepSpeed's, not tenfold's: reported,
+    and tenfold reduces in fp32."""
+    value = v.lower() if isinstance(v, str) else v
+    if value in ("fp32", "bf16"):
+        return value
+    if value == "fp16":
+        r.unsupported.append(f"{key}={json.dumps(v)} (tenfold reduces in fp32 or bf16)")
+        return None
+    raise r.bad(key, v, "allowed: fp32, bf16 (fp16 is reported and reduced in fp32)")
+
+
 def _optimizer_type(r: _Reader, key: str, v: Any) -> str:
     if not isinstance(v, str) or v.lower() not in ("adam", "adamw"):
         raise r.bad(key, v, "tenfold trains with AdamW; allowed: Adam, AdamW")
@@ -200,6 +213,7 @@ KEYS: dict[str, Key] = {
     "dump_state": Key(quiet_at=False),
     "sparse_gradients": Key(quiet_at=False),
     "disable_allgather": Key(quiet_at=False),
+    "communication_data_type": Key("parallel.reduce_dtype", _communication_dtype),
     # fp16 and its dynamic loss scaler (same names in [precision])
     "fp16.enabled": Key(None, flag),
     "fp16.loss_scale": Key("precision.loss_scale", number(0)),

@@ -21,7 +21,7 @@ from tenfold import capabilities
 from tenfold.errors import UserError
 from tenfold.models.presets import ModelConfig, param_count
 from tenfold.terms import (
-    MULTI_STAGE_SCHEDULES, OFFLOADS, PIPELINE_SCHEDULES, PRECISIONS, ZERO_STAGES, BatchTriplet, RecomputePolicy,
+    MULTI_STAGE_SCHEDULES, OFFLOADS, PIPELINE_SCHEDULES, PRECISIONS, REDUCE_DTYPES, ZERO_STAGES, BatchTriplet, RecomputePolicy,
     check_tp_heads, num_stages, parse_recompute, resolve_batch, stage_layer_counts, virtual_stages_for, zero_runs_as,
 )
 
@@ -73,6 +73,7 @@ class ResolvedRun:
     stage_layers: tuple[int, ...]  # blocks per pipeline stage, pp x virtual_stages entries (one without pp)
     sequence_parallel: bool = False  # norms and the residual stream split by sequence over the tp ranks
     offload: str = "none"  # ZeRO-Offload: tenfold.terms.OFFLOADS
+    reduce_dtype: str = "fp32"  # the data-parallel gradient collectives' dtype (tenfold.terms.REDUCE_DTYPES)
     shard_group: int | None = None  # dp ranks that shard together (HSDP); None: every dp rank
     pp_split_given: bool = False  # stage_layers came from parallel.pp_split, not the default rule
     model_kind: str = "tenfold"  # tenfold.capabilities.MODEL_KINDS
@@ -145,7 +146,7 @@ class ResolvedRun:
             "precision": self.precision, "micro_batch": self.micro_batch, "grad_accum": self.grad_accum,
             "global_batch": self.global_batch, "seq_len": self.seq_len, "recompute": str(self.recompute),
             "zero_stage": self.zero_stage, "zero_runs_as": self.zero_runs_as, "shard_group": self.shard_group,
-            "offload": self.offload,
+            "offload": self.offload, "reduce_dtype": self.reduce_dtype,
             "pp_schedule": self.pp_schedule, "virtual_stages": self.virtual_stages,
             "stage_layers": list(self.stage_layers), "sequence_parallel": self.sequence_parallel,
             "stack": asdict(self.stack),
@@ -158,6 +159,8 @@ class ResolvedRun:
         parts.append(f"recompute {self.recompute}")
         if self.offload != "none":
             parts.append(f"offload {self.offload}")
+        if self.reduce_dtype != "fp32" and self.dp > 1:
+            parts.append(f"gradients reduced in {self.reduce_dtype}")
         if self.pp > 1:
             split = "/".join(map(str, self.stage_layers))
             parts.append(f"schedule {self.pp_schedule}, {self.virtual_stages} stage(s) per rank, blocks per stage {split}")
@@ -193,6 +196,7 @@ class ResolvedRun:
             "precision": self.precision, "micro_batch": self.micro_batch, "grad_accum": self.grad_accum,
             "global_batch": self.global_batch, "seq_len": self.seq_len, "recompute": self.recompute,
             "zero_stage": self.zero_stage, "offload": self.offload, "shard_group": self.shard_group,
+            "reduce_dtype": self.reduce_dtype,
             "pp": self.pp, "tp": self.tp, "pp_schedule": self.pp_schedule, "virtual_stages": self.virtual_stages,
             "pp_split": self.stage_layers if self.pp_split_given else None,
             "sequence_parallel": self.sequence_parallel, "model_kind": self.model_kind,
@@ -207,7 +211,8 @@ class ResolvedRun:
 # The user's choices `resolve` takes (keyword names), with their defaults.
 CHOICES = {
     "precision": "bf16", "micro_batch": None, "grad_accum": None, "global_batch": None, "seq_len": None,
-    "recompute": "none", "zero_stage": 0, "offload": "none", "shard_group": None, "pp": 1, "tp": 1, "pp_schedule": "1f1b",
+    "recompute": "none", "zero_stage": 0, "offload": "none", "shard_group": None, "reduce_dtype": "fp32",
+    "pp": 1, "tp": 1, "pp_schedule": "1f1b",
     "virtual_stages": None, "pp_split": None, "sequence_parallel": None, "model_kind": "tenfold",
     "hf_model_type": "", "compile": False, "fp8": False, "stack": ENGINE_STACK,
 }
@@ -263,6 +268,7 @@ def resolve(model: ModelConfig | None, world_size: int, *, params: float | None 
         zero_stage=c["zero_stage"], pp_schedule=c["pp_schedule"], virtual_stages=v,
         stage_layers=stage_layer_counts(n_layers, stages, c["pp_split"] if pp > 1 else None),
         sequence_parallel=sequence_parallel, offload=c["offload"], shard_group=shard_group,
+        reduce_dtype=c["reduce_dtype"],
         pp_split_given=pp > 1 and c["pp_split"] is not None, model_kind=c["model_kind"],
         hf_model_type=c["hf_model_type"], compile=c["compile"], fp8=c["fp8"], stack=c["stack"],
         config=config,
@@ -288,6 +294,8 @@ def _check_choices(world_size: int, c: dict) -> None:
         raise UserError(f"parallel.pp_schedule (--pp-schedule) {c['pp_schedule']!r}; allowed: {', '.join(PIPELINE_SCHEDULES)}")
     if c["offload"] not in OFFLOADS:
         raise UserError(f"parallel.offload (--offload) {c['offload']!r}; allowed: {', '.join(OFFLOADS)}")
+    if c["reduce_dtype"] not in REDUCE_DTYPES:
+        raise UserError(f"parallel.reduce_dtype (--reduce-dtype) {c['reduce_dtype']!r}; allowed: {', '.join(REDUCE_DTYPES)}")
     if c["stack"].activation_style not in ACTIVATION_STYLES:
         raise UserError(f"activation_style {c['stack'].activation_style!r}; allowed: {', '.join(ACTIVATION_STYLES)}")
     if c["seq_len"] is not None and (isinstance(c["seq_len"], bool) or not isinstance(c["seq_len"], int)
@@ -317,7 +325,7 @@ def choices_from_config(cfg) -> dict:
         "precision": cfg.precision.dtype, "micro_batch": t.micro_batch, "grad_accum": t.grad_accum,
         "global_batch": t.global_batch, "seq_len": cfg.seq_len(), "recompute": cfg.recompute.policy,
         "zero_stage": par.zero_stage, "offload": par.offload, "shard_group": par.shard_group_size,
-        "pp": par.pp_degree, "tp": par.tp_degree,
+        "reduce_dtype": par.reduce_dtype, "pp": par.pp_degree, "tp": par.tp_degree,
         "pp_schedule": par.pp_schedule, "virtual_stages": par.virtual_stages,
         "pp_split": tuple(par.pp_split) if par.pp_split else None, "sequence_parallel": par.sequence_parallel,
         "model_kind": model_kind(cfg), "hf_model_type": hf_model_type(cfg), "compile": t.compile,
@@ -340,7 +348,7 @@ def config_for_run(base, run: ResolvedRun):
         virtual_stages=run.virtual_stages if run.pp_schedule in MULTI_STAGE_SCHEDULES and run.pp > 1 else None,
         sequence_parallel=None if run.sequence_parallel == (run.tp > 1) else run.sequence_parallel,
         pp_split=list(run.stage_layers) if run.pp_split_given else None, offload=run.offload,
-        shard_group_size=run.shard_group,
+        shard_group_size=run.shard_group, reduce_dtype=run.reduce_dtype,
     )
     d["train"].update(micro_batch=run.micro_batch, global_batch=run.global_batch, grad_accum=None)
     d["data"]["seq_len"] = run.seq_len

@@ -59,6 +59,8 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    help="torch.compile each transformer block (compile time reported on its own; default off: "
                    "see docs/compile.md for where it pays)")
     x.add_argument("--zero", type=int, help="ZeRO stage 0-3 across data-parallel ranks")
+    x.add_argument("--reduce-dtype", help="dtype data-parallel gradients are reduced in: fp32 (default) | bf16 "
+                   "(DeepSpeed's communication_data_type: half the bytes, partial sums rounded to bf16)")
     x.add_argument("--nproc", type=int, help="start N local ranks (a torchrun shortcut)")
     x.add_argument("--watchdog", type=float, metavar="FACTOR", help="multi-process runs: a step that runs past FACTOR x "
                    "the median step (and parallel.watchdog_min_s, 30 s) stops the job, naming the rank that stalled "
@@ -92,6 +94,7 @@ _TRAIN_FLAGS = {
     "eval_every": ("train", "eval_every"), "on_nan": ("train", "on_nan"), "compile": ("train", "compile"), "precision": ("precision", "dtype"),
     "fp8": ("precision", "fp8"), "fp8_emulate": ("precision", "fp8_emulate"),
     "ac": ("recompute", "policy"), "zero": ("parallel", "zero_stage"), "offload": ("parallel", "offload"),
+    "reduce_dtype": ("parallel", "reduce_dtype"),
     "shard_group": ("parallel", "shard_group_size"), "nproc": ("parallel", "nproc"),
     "pp": ("parallel", "pp_degree"), "pp_schedule": ("parallel", "pp_schedule"),
     "tp": ("parallel", "tp_degree"), "sequence_parallel": ("parallel", "sequence_parallel"),

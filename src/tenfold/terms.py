@@ -340,6 +340,7 @@ ZERO_STAGES = (0, 1, 2, 3)  # Rajbhandari et al. 2020: P_os (1), P_os+g (2), P_o
 # ZeRO-Offload (Ren et al. 2021): what lives in host memory. "optimizer": optimizer states and
 # master weights (and the optimizer step runs on the host); "optimizer+params": parameters too.
 OFFLOADS = ("none", "optimizer", "optimizer+params")
+REDUCE_DTYPES = ("fp32", "bf16")  # parallel.reduce_dtype: the dtype data-parallel gradients are reduced in
 
 
 def zero_runs_as(zero_stage: int, tp: int, dp: int, offload: str = "none") -> int:

@@ -42,9 +42,10 @@ def config(stage: int, dtype: str, micro: int, accum: int, out: str, **parallel)
     }
 
 
-def run_steps(cfg: dict, measure_at: int | None = 1, steps: int = STEPS):
-    """Losses of STEPS steps, plus this rank's model-state bytes at the optimizer step and
-    the memory engineer's `measure_step_memory` of step `measure_at` (0-based)."""
+def run_steps(cfg, measure_at: int | None = 1, steps: int = STEPS):
+    """Losses of STEPS steps, plus this rank's model-state bytes at the optimizer step, the
+    memory engineer's `measure_step_memory` of step `measure_at` (0-based), the collectives
+    of the last step counted, and its reductions as the backend ran them (`reductions`)."""
     from tenfold.engine.memory import measure_step_memory
     from tenfold.engine.trainer import Trainer
     from tenfold.techniques import zero
@@ -53,19 +54,20 @@ def run_steps(cfg: dict, measure_at: int | None = 1, steps: int = STEPS):
     t.setup()
     at_step: dict = {}
     t.optimizer.register_step_pre_hook(lambda *_: at_step.update(zero.model_state_bytes(t.model, t.optimizer)))
-    losses, grad_norms, measured, collectives = [], [], None, {}
+    losses, grad_norms, measured, collectives, reductions = [], [], None, {}, []
     for i in range(steps):
         mbs = t.loader.next_step()
         box = []
         if i == measure_at:
             measured = measure_step_memory(t.model, t.optimizer, lambda: box.append(t.train_step(mbs)), t.dist.device)
         else:
-            with counted_collectives(collectives if i == steps - 1 else {}):  # the last step's
+            last = i == steps - 1
+            with counted_collectives(collectives if last else {}), backend_reductions(reductions if last else None):
                 box.append(t.train_step(mbs))
         losses.append(box[0].loss)
         grad_norms.append(box[0].grad_norm)
     return t, {"losses": losses, "grad_norms": grad_norms, "state_bytes": dict(at_step), "measured": measured,
-               "collectives": collectives}
+               "collectives": collectives, "reductions": reductions}
 
 
 COUNTED = ("all_gather_single", "reduce_scatter_single", "broadcast", "all_reduce")  # what FSDP2 calls
@@ -96,6 +98,32 @@ class counted_collectives:
 
         for name, fn in self.saved.items():
             setattr(dist, name, fn)
+
+
+class backend_reductions:
+    """The reductions the process group itself ran while the block runs, as torch.profiler
+    records them (`gloo:all_reduce`, `nccl:reduce_scatter`, ...: the backend's own events, so
+    DDP's C++ bucket all-reduces are seen as well as FSDP2's and a comm hook's): one
+    [name, dtype, numel] per call. `out` None: nothing is recorded."""
+
+    def __init__(self, out: list | None):
+        self.out = out
+
+    def __enter__(self):
+        from torch.profiler import ProfilerActivity, profile
+
+        self.prof = profile(activities=[ProfilerActivity.CPU], record_shapes=True) if self.out is not None else None
+        if self.prof is not None:
+            self.prof.__enter__()
+
+    def __exit__(self, *exc):
+        if self.prof is None:
+            return
+        self.prof.__exit__(*exc)
+        for e in self.prof.events():
+            backend, _, op = e.name.partition(":")
+            if backend in ("gloo", "nccl") and "reduce" in op and e.input_dtypes:
+                self.out.append([e.name, e.input_dtypes[0], int(np.prod(e.input_shapes[0]))])
 
 
 def mode_equivalence(out_dir: str) -> dict:
@@ -161,6 +189,27 @@ class forced_param_dtype:
         zero.apply_zero = self.orig
 
 
+def mode_reduce_dtype(out_dir: str) -> dict:
+    """Each stage and precision, micro 1 x accum 2 per rank: tenfold's default reduction, and
+    a DeepSpeed JSON with `communication_data_type: bf16` read as `--deepspeed` reads it."""
+    from tenfold.config import build_config
+    from tenfold.deepspeed_json import load_deepspeed_json
+
+    results = {}
+    for stage in (0, 1, 2, 3):
+        for dtype in ("fp32", "bf16"):
+            ds = {"zero_optimization": {"stage": stage}, "bf16": {"enabled": dtype == "bf16"},
+                  "communication_data_type": "bf16"}
+            path = os.path.join(out_dir, f"ds-{stage}-{dtype}-{os.environ.get('RANK', '0')}.json")
+            with open(path, "w") as f:
+                json.dump(ds, f)
+            base = config(stage, dtype, 1, 2, out_dir)
+            results[f"{stage}-{dtype}"] = run_steps(build_config(base), measure_at=None)[1]
+            results[f"{stage}-{dtype}-ds-bf16"] = run_steps(
+                build_config(base, load_deepspeed_json(path).layer), measure_at=None)[1]
+    return results
+
+
 def mode_memory(out_dir: str) -> dict:
     """Model states per rank at each stage (fp32, one micro-batch, two steps: the second is
     measured, when the optimizer states exist), for the 1/N checks on larger worlds."""
@@ -214,7 +263,7 @@ def mode_timeout(out_dir: str) -> dict:
 def main() -> None:
     mode, out_path = sys.argv[1], sys.argv[2]
     out_dir = os.path.dirname(out_path)
-    result = {"equivalence": mode_equivalence, "memory": mode_memory,
+    result = {"equivalence": mode_equivalence, "memory": mode_memory, "reduce_dtype": mode_reduce_dtype,
               "fp16_overflow": mode_fp16_overflow, "timeout": mode_timeout}[mode](out_dir)
     if result.pop("os_exit", False):  # the peer is gone; write and leave without a barrier
         with open(out_path, "w") as f:

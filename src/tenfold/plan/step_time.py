@@ -156,10 +156,19 @@ def _trace_time(tr, r: ResolvedRun, hw: Hardware, mb: MicroBatch, bubble: float,
        "tenfold time model (docs/planner.md)")
 
 
+def reduced_grad_bytes(r: ResolvedRun) -> float:
+    """Bytes per gradient element as the data-parallel collectives move them: tenfold's engine
+    (fp32 gradients) reduces in `parallel.reduce_dtype` (FSDP2's reduce_dtype, DDP's comm hook);
+    a 16-bit stack (DeepSpeed's, Megatron's bookkeeping) in its gradients' own dtype."""
+    if r.stack.master_weights:
+        return memory.bytes_per_param(r).grads
+    return element_bytes(r.reduce_dtype)
+
+
 def stage_work(shape: ModelShape, r: ResolvedRun, mb: MicroBatch) -> dp_time.StageWork:
     """What DP/ZeRO moves for the slowest stage, and the compute windows that can hide it."""
     elem = fp8.block_param_bytes(r)  # a gathered block weight: float8 under --fp8 with FSDP2
-    grad_bytes = memory.bytes_per_param(r).grads
+    grad_bytes = reduced_grad_bytes(r)
     on_stage = run_rank_params(shape, r, mb.stage)
     if shape.known:
         per_layer = layer_params(shape, r.tp)

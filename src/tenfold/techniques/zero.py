@@ -23,8 +23,14 @@ the single-process gradient of the global-token mean. We never call FSDP2's
 `set_gradient_divide_factor` (gloo has no PREMUL_SUM, and the average is what we want).
 
 Mixed precision: with `param_dtype` (bf16/fp16), FSDP2's `MixedPrecisionPolicy(param_dtype,
-reduce_dtype=fp32)` all-gathers 16-bit copies of the fp32 sharded master weights and reduces
-gradients in fp32. Stages 0/1 keep fp32 params and rely on autocast (precision.py).
+reduce_dtype)` all-gathers 16-bit copies of the fp32 sharded master weights. Stages 0/1 keep
+fp32 params and rely on autocast (precision.py).
+
+Reduction dtype (`parallel.reduce_dtype`, DeepSpeed's `communication_data_type`): fp32 by
+default, as torchtitan and Megatron reduce. bf16 halves the bytes of every gradient collective
+and rounds each partial sum to bf16 (DeepSpeed's default for bf16 models): FSDP2's
+`reduce_dtype` at stages 2/3 and under `replicate`, PyTorch's `bf16_compress_hook` on DDP at
+stages 0/1 (`reduce_dtype_of`, `_ddp_reduce_hook`).
 """
 
 from __future__ import annotations
@@ -90,7 +96,7 @@ def apply_zero(
     else:
         _broadcast_from_dp_rank0(model, dist)
         if runs_as == 0:
-            wrapped = _wrap_replicate(model, dist, param_dtype, blocks)
+            wrapped = _wrap_replicate(model, parallel_cfg, dist, param_dtype, blocks)
         else:  # ZeRO-1 under TP runs as stage 2 on FSDP2, reducing once per step (grad_sync)
             wrapped = _wrap_fsdp2(model, parallel_cfg, dist, runs_as, param_dtype, blocks)
     setattr(wrapped, _STAGE_ATTR, stage)
@@ -135,7 +141,41 @@ def _wrap_ddp(model: nn.Module, parallel_cfg: Any, dist: Any) -> nn.Module:
         kwargs["bucket_cap_mb"] = parallel_cfg.reduce_bucket_size * 4 / 2**20
     if dist.device.type == "cuda":
         kwargs["device_ids"] = [dist.device.index]
-    return DDP(model, **kwargs)
+    ddp = DDP(model, **kwargs)
+    _ddp_reduce_hook(ddp, parallel_cfg, dist)
+    return ddp
+
+
+REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def reduce_dtype_of(parallel_cfg: Any) -> torch.dtype:
+    """The dtype data-parallel gradients are reduced in (`parallel.reduce_dtype`)."""
+    return REDUCE_DTYPES[getattr(parallel_cfg, "reduce_dtype", "fp32")]
+
+
+def _ddp_reduce_hook(ddp: nn.Module, parallel_cfg: Any, dist: Any) -> None:
+    """bf16 reduction on DDP (ZeRO-0/1) through DDP's communication-hook API; fp32 keeps DDP's
+    own all-reduce (no hook)."""
+    if reduce_dtype_of(parallel_cfg) == torch.float32:
+        return
+    ddp.register_comm_hook(dp_group(dist), bf16_reduce_hook)
+
+
+def bf16_reduce_hook(process_group, bucket):
+    """PyTorch's `bf16_compress_hook` (torch.distributed.algorithms.ddp_comm_hooks.default_hooks),
+    which DDP refuses to register without NCCL or XCCL although gloo reduces bf16 too: cast the
+    fp32 bucket to bf16, divide by the group size, all-reduce, copy the sum back into the fp32
+    bucket in place. (No annotations: DDP compares them with `dist.GradBucket` objects, and
+    this module's are strings.)"""
+    group = process_group if process_group is not None else torch_dist.group.WORLD
+    buffer = bucket.buffer()
+    compressed = buffer.to(torch.bfloat16).div_(group.size())
+
+    def decompress(fut: torch.futures.Future) -> torch.Tensor:
+        return buffer.copy_(fut.value()[0])
+
+    return torch_dist.all_reduce(compressed, group=group, async_op=True).get_future().then(decompress)
 
 
 def _wrap_fsdp2(model: nn.Module, parallel_cfg: Any, dist: Any, stage: int, param_dtype, blocks=None) -> nn.Module:
@@ -144,19 +184,24 @@ def _wrap_fsdp2(model: nn.Module, parallel_cfg: Any, dist: Any, stage: int, para
     from tenfold.techniques.offload import offload_policy
 
     mesh = shard_mesh(dist)
-    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype_of(parallel_cfg))
     offload = offload_policy(parallel_cfg, dist.device)
     threshold = int(parallel_cfg.param_persistence_threshold)
     if blocks is None:
         blocks = list(model.layers.values()) if hasattr(model, "layers") else []
-    for unit in fsdp_units(blocks, stage, unit_bucket(parallel_cfg, dist.device.type)):
+    units = fsdp_units(blocks, stage, unit_bucket(parallel_cfg, dist.device.type))
+    backward_next = _backward_follows_forward(len(units), dist)
+    for unit, next_ in zip(units, backward_next):
+        reshard = _reshard_after_forward(stage, sum(map(_numel, unit)), threshold) and not next_
         fully_shard(unit if len(unit) > 1 else unit[0], mesh=mesh, mp_policy=mp, offload_policy=offload,
-                    reshard_after_forward=_reshard_after_forward(stage, sum(map(_numel, unit)), threshold))
+                    reshard_after_forward=reshard)
     block_params = {id(p) for b in blocks for p in b.parameters()}
     root_numel = sum(p.numel() for p in model.parameters() if id(p) not in block_params)
-    fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload,
-                reshard_after_forward=_reshard_after_forward(stage, root_numel, threshold))
+    reshard = _reshard_after_forward(stage, root_numel, threshold) and not backward_next[-1]
+    fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard)
     setattr(model, _HYBRID_ATTR, mesh.ndim == 2)
+    if dist.device.type == "cpu":
+        _gather_ahead_on_cpu(model)
     return model
 
 
@@ -171,6 +216,40 @@ def shard_mesh(dist: Any):
     dp/N in the all-reduce."""
     hybrid = getattr(dist, "hybrid_mesh", None)
     return hybrid if hybrid is not None else dist.mesh["dp"]
+
+
+def _gather_ahead_on_cpu(model: nn.Module) -> None:
+    """On CPU FSDP2's all-gathers block the step: without device streams its pre-forward and
+    pre-backward unshards wait for gloo before the unit computes, and its prefetches are issued
+    the same blocking way. FSDP2's own switch `_set_unshard_async_op(True)` issues them as
+    async gloo work instead (it documents that forward overlap then needs explicit
+    prefetching): each unit then prefetches the next one in forward
+    (`set_modules_to_forward_prefetch`), FSDP2's implicit backward prefetch gathers the unit
+    below while this one runs its backward, and a rank that is ahead posts its gather and
+    computes instead of waiting for the other. Same collectives, same order, same numerics."""
+    from torch.distributed.fsdp import FSDPModule
+
+    units, seen = [], set()
+    for module in model.modules():  # the root first, then the blocks in forward order
+        if isinstance(module, FSDPModule) and id(module._get_fsdp_state()) not in seen:
+            seen.add(id(module._get_fsdp_state()))
+            units.append(module)
+    for unit, next_unit in zip(units, units[1:]):
+        unit.set_modules_to_forward_prefetch([next_unit])
+    for unit in units:
+        unit._set_unshard_async_op(True)
+
+
+def _backward_follows_forward(n_units: int, dist: Any) -> list[bool]:
+    """Per block unit, then the root (last entry): whether its backward starts right after its
+    forward ends, so that freeing its parameters after forward would only re-gather them at
+    once. Without pipelining that is the last block and the root (embedding + head, whose
+    head runs last in forward and first in backward): FSDP2 keeps its root gathered for that
+    reason when left to choose (`fully_shard`'s root heuristic), torchtitan its last block
+    (`apply_fsdp`). Under pipelining other micro-batches' forwards run in between."""
+    if getattr(dist, "pp_size", 1) > 1:
+        return [False] * (n_units + 1)
+    return [i == n_units - 1 for i in range(n_units)] + [True]
 
 
 CPU_UNIT_BUCKET = 25 * 2**20 // 4  # torch DDP's default bucket (bucket_cap_mb=25) in fp32 gradient elements
@@ -215,7 +294,7 @@ def fsdp_units(blocks: list[nn.Module], stage: int, bucket: int | None) -> list[
     return units
 
 
-def _wrap_replicate(model: nn.Module, dist: Any, param_dtype, blocks=None) -> nn.Module:
+def _wrap_replicate(model: nn.Module, parallel_cfg: Any, dist: Any, param_dtype, blocks=None) -> nn.Module:
     """Replicated data parallelism for tensor-parallel (DTensor) parameters, which DDP does
     not take: PyTorch's `replicate` built on FSDP2's machinery (every dp rank keeps whole
     parameters and gradients; gradients are all-reduced), one unit per block + the root as
@@ -224,7 +303,7 @@ def _wrap_replicate(model: nn.Module, dist: Any, param_dtype, blocks=None) -> nn
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     mesh = dist.mesh["dp"]
-    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype_of(parallel_cfg))
     if blocks is None:
         blocks = list(model.layers.values()) if hasattr(model, "layers") else []
     for block in blocks:
