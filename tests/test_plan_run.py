@@ -211,12 +211,14 @@ def test_tied_embeddings_are_never_pipelined_by_the_advice(capsys):
     assert piped and all("tie_embeddings=true cannot be pipelined" in " ".join(p["unsupported"]) for p in piped)
 
 
-def test_a_hugging_face_model_is_not_pipelined_nor_attention_recomputed(capsys):
-    argv = ["--search", "--hf-config", str(DATA / "llama-tiny" / "config.json"), "--gpu", "a100-80gb", "--gpus", "4",
+def test_a_hugging_face_search_pipelines_it_but_never_wraps_its_attention_core(capsys):
+    """Hugging Face Llama blocks are cut into pipeline stages (3 layers on 3 GPUs: pp 3 is
+    ranked), and attention-core recompute, which needs tenfold's attn.core module, is not."""
+    argv = ["--search", "--hf-config", str(DATA / "llama-tiny" / "config.json"), "--gpu", "a100-80gb", "--gpus", "3",
             "--seq-len", "64", "--top", "200"]
     d = plan_json(capsys, *argv)
-    assert d["best"] and all(p["strategy"]["pp"] == 1 and p["strategy"]["recompute"] != "selective:attention"
-                             for p in d["best"])
+    assert d["best"] and all(p["strategy"]["recompute"] != "selective:attention" for p in d["best"])
+    assert any(p["strategy"]["pp"] == 3 for p in d["best"])
     assert "--hf-config" in d["launch"]
 
 
