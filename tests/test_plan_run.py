@@ -75,6 +75,12 @@ TRAIN_FLAGS = [
      "--seq-len", "64"],
     ["--hf-config", str(DATA / "llama-tiny" / "config.json"), "--nproc", "2", "--pp", "2", "--pp-split", "1,2",
      "--grad-accum", "4", "--precision", "fp32", "--seq-len", "64"],
+    ["--ac", "op"],
+    ["--model", "small", "--precision", "fp32", "--ac", "op", "--grad-accum", "2"],
+    ["--nproc", "4", "--zero", "3", "--shard-group", "2", "--ac", "op"],
+    ["--nproc", "2", "--zero", "3", "--offload", "optimizer+params"],
+    ["--nproc", "2", "--zero", "2", "--offload", "optimizer", "--reduce-dtype", "bf16"],
+    ["--fp8", "--fp8-emulate", "--micro-batch", "4"],
 ]
 
 
