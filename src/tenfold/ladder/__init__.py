@@ -21,14 +21,15 @@ Outputs: a rich table, OUT/ladder.json, OUT/ladder.md, OUT/ladder.png, OUT/rung_
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import shlex
 import sys
 from pathlib import Path
 
 from tenfold.errors import UserError
+from tenfold.ladder.machine import default_nproc, mixed_dtype
 from tenfold.ladder.rungs import RUNG_NAMES
+from tenfold.ladder.runner import Ladder
 
 QUICK = {"tokens": 65536, "global_batch": 16, "timeout_s": 300.0, "max_bytes": 3_000_000, "repeats": 2}
 FULL = {"tokens": 131072, "global_batch": 32, "timeout_s": 1800.0, "max_bytes": None, "repeats": 1}
@@ -105,20 +106,6 @@ def _positive(name: str, value, kind=int):
     return kind(value)
 
 
-def default_nproc() -> int:
-    import torch
-
-    if torch.cuda.is_available():
-        return torch.cuda.device_count()
-    return os.cpu_count() or 1
-
-
-def device_type() -> str:
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
 # --------------------------------------------------------------------------- run
 
 
@@ -139,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
     return ladder.run(show_progress=not args.no_progress)
 
 
-def prepare(args: argparse.Namespace) -> "Ladder":
+def prepare(args: argparse.Namespace) -> Ladder:
     """Validate every option and the rungs' shared config before anything runs (exit 2)."""
     from tenfold.config import build_config, parse_set_item
     from tenfold.ladder.rungs import LadderSetup, budget_tokens
@@ -164,7 +151,7 @@ def prepare(args: argparse.Namespace) -> "Ladder":
     tokens = _positive("--tokens", args.tokens, float) or preset["tokens"]
     setup = LadderSetup(
         seq_len=seq, global_batch=gb, budget_tokens=budget_tokens(int(tokens), seq, gb), nproc=nproc, pp=pp,
-        zero_stage=args.zero, ac_policy=args.ac, mixed_dtype=_mixed_dtype(), seed=base.train.seed,
+        zero_stage=args.zero, ac_policy=args.ac, mixed_dtype=mixed_dtype(), seed=base.train.seed,
         eval_seqs=gb,
     )
     budget = parse_bytes(args.memory_budget) if args.memory_budget else None
@@ -186,16 +173,5 @@ def _default_global_batch(preferred: int, nproc: int, pp: int) -> int:
     return -(-preferred // step) * step
 
 
-def _mixed_dtype() -> str:
-    import torch
-
-    from tenfold.techniques.precision import bf16_supported
-
-    return "bf16" if bf16_supported(torch.device(device_type())) else "fp16"
-
-
 def _command_line() -> str:
     return "tenfold " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:] else "tenfold ladder"
-
-
-from tenfold.ladder.runner import Ladder  # noqa: E402  (after the option helpers it uses)
