@@ -1,5 +1,6 @@
-"""`tenfold ladder`: the recipe's "30 days -> 3 days" path measured on this machine, rung by rung,
-beside the planner's forecast.
+"""`tenfold ladder`: the optimization ladder measured on this machine, rung by rung, beside the
+planner's forecast: each rung adds one technique to the one before it (the "30 days -> 3 days"
+path of fp32 -> mixed precision -> accumulation -> recompute -> ZeRO -> pipeline).
 
     tenfold ladder --quick --out runs/ladder          # six rungs on `tiny`, minutes on 2 cores
     tenfold ladder --rungs fp32,mixed,recompute       # a subset (later rungs keep the earlier techniques)
@@ -38,7 +39,7 @@ DEFAULT_OUT = "runs/ladder"
 
 def register(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
-        "ladder", help="measure the recipe's optimization path step by step on this machine",
+        "ladder", help="measure the optimization ladder (fp32 to ZeRO and pipeline) rung by rung on this machine",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     g = p.add_argument_group("ladder")
@@ -58,7 +59,7 @@ def register(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--ac", default="auto", help="recompute policy of the recompute rung and after; auto (default): the least recompute "
                                                 "that fits the largest micro-batch, then for the zero and pipeline rungs the least "
                                                 "their own per-rank memory still needs (possibly none)")
-    g.add_argument("--zero", type=int, default=3, help="ZeRO stage of the zero rung (default 3, the recipe's)")
+    g.add_argument("--zero", type=int, default=3, help="ZeRO stage of the zero rung (default 3)")
     g.add_argument("--pp", type=int, help="pipeline stages (default 2; with --project 8)")
     g.add_argument("--timeout", type=float, help="seconds one rung may run before it is stopped and reported as failed")
     g.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
