@@ -222,3 +222,29 @@ def test_plan_emit_into_a_read_only_folder_names_the_flag(tmp_path, capsys, monk
     assert main(["plan", "--model", "tiny", "--gpu", "a100", "--emit", str(target)]) == 2
     err = capsys.readouterr().err.strip()
     assert err == f"tenfold: error: --emit {target}: cannot write it (Read-only file system); choose a writable place"
+
+
+def _help(capsys, *argv: str) -> str:
+    with pytest.raises(SystemExit) as exc:
+        main([*argv, "--help"])
+    assert exc.value.code == 0
+    return capsys.readouterr().out
+
+
+def test_train_help_opens_with_what_train_does(capsys):
+    out = _help(capsys, "train")
+    description = out.split("\n\n")[1]  # after argparse's usage block
+    assert description.startswith("tenfold train: train a model"), description
+    assert "plan | ladder" not in out
+
+
+def test_plan_help_lists_only_what_plan_prices(capsys):
+    out = _help(capsys, "plan")
+    for flag in ("--zero", "--micro-batch", "--gpu", "--tokens", "--search"):
+        assert flag in out, flag
+    for flag in ("--out", "--wandb", "--resume", "--overwrite", "--checkpoint-every", "--log-every", "--lr"):
+        assert f"{flag} " not in out and f"{flag}\n" not in out and f"[{flag}" not in out, flag
+    assert "the\nthe" not in out and "recipe" not in out
+    # still accepted: a train command line plans unchanged
+    assert main(["plan", "--model", "tiny", "--out", "runs/x", "--wandb", "--resume", "auto", "--lr", "1e-3",
+                 "--json"]) == 0

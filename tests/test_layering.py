@@ -64,6 +64,106 @@ def test_the_rule_catches_a_violation(tmp_path):
     assert _hits(bad, FORBIDDEN["tune"]) == ["tenfold.cli"]
 
 
+def test_only_the_command_line_imports_the_command_line():
+    """tenfold.cli sits on top of every package and module: nothing below it imports it back."""
+    top = {SRC / "cli.py", SRC / "__main__.py"}
+    bad = {str(p.relative_to(SRC)): _hits(p, (CLI,)) for p in SRC.rglob("*.py") if p not in top}
+    assert not {k: v for k, v in bad.items() if v}
+
+
+# --------------------------------------------------------------------------- import cycles
+
+
+def module_name(path: Path, root: Path = SRC) -> str:
+    parts = list(path.relative_to(root.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph(root: Path = SRC) -> dict[str, set[str]]:
+    """module -> the tenfold modules it imports (module level and inside functions). A relative
+    import is resolved against its package; `from pkg import name` counts as the submodule
+    `pkg.name` where there is one, else as `pkg`; `import a.b.c` as the deepest module named."""
+    files = {module_name(p, root): p for p in root.rglob("*.py")}
+    top = root.name
+
+    def known(name: str) -> str | None:
+        while name and name not in files:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, set[str]] = {}
+    for mod, path in files.items():
+        package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets |= {known(a.name) for a in node.names if a.name.split(".")[0] == top}
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(anchor + ([node.module] if node.module else []))
+                if base.split(".")[0] != top:
+                    continue
+                targets |= {f"{base}.{a.name}" if f"{base}.{a.name}" in files else known(base) for a in node.names}
+        graph[mod] = targets - {mod, None}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_cycles():
+    """A cycle hidden in a function still couples two modules both ways: each is moved to
+    the module that owns the shared piece instead."""
+    found = cycles(import_graph())
+    assert not found, "import cycles: " + "; ".join(" <-> ".join(c) for c in found)
+
+
+def test_the_cycle_finder_sees_function_and_relative_imports(tmp_path):
+    pkg = tmp_path / "tenfold"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text("from tenfold.sub.b import f\n")
+    (pkg / "sub" / "a.py").write_text("def g():\n    from . import b\n")
+    (pkg / "sub" / "b.py").write_text("from tenfold.sub import a\ndef f():\n    pass\n")
+    (pkg / "c.py").write_text("import tenfold.sub.a\n")
+    graph = import_graph(pkg)
+    assert graph["tenfold.sub.a"] == {"tenfold.sub.b"} and graph["tenfold.c"] == {"tenfold.sub.a"}
+    assert cycles(graph) == [["tenfold.sub.a", "tenfold.sub.b"]]
+    (pkg / "sub" / "a.py").write_text("from ..sub import helper_name\n")  # a name of the package itself
+    assert cycles(import_graph(pkg)) == [["tenfold.sub", "tenfold.sub.a", "tenfold.sub.b"]]
+
+
 def test_planner_and_resolved_run_load_without_torch():
     code = ("import sys, tenfold.plan.api, tenfold.plan.for_run, tenfold.run, tenfold.terms, tenfold.pipeline_layout; "
             "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))")

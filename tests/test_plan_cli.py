@@ -188,3 +188,11 @@ def test_hardware_toml(tmp_path, capsys):
     bad.write_text('name = "x"\nmemory_gb = 40\n')
     assert main(["--model", "gpt3-1.3b", "--hardware-file", str(bad)]) == 2
     assert "missing key" in capsys.readouterr().err
+
+
+def test_search_says_what_fills_the_days_column(capsys):
+    assert main(["--search", "--model", "tiny", "--gpus", "2", "--top", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "--tokens" in out and " - " in out
+    assert main(["--search", "--model", "tiny", "--gpus", "2", "--top", "2", "--tokens", "1e9"]) == 0
+    assert "--tokens" not in capsys.readouterr().out

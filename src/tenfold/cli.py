@@ -19,7 +19,7 @@ from tenfold.run_args import add_run_arguments, config_from_args
 SUBCOMMANDS: dict[str, tuple[str | None, str]] = {
     "train": (None, "train a model with the configured techniques (defaults: tiny, stdlib corpus, bf16)"),
     "plan": ("tenfold.plan.cli", "predict memory and time per GPU for a model, fleet and strategy; search strategies"),
-    "ladder": ("tenfold.ladder", "measure the recipe's optimization path step by step on this machine"),
+    "ladder": ("tenfold.ladder", "measure the optimization ladder (fp32 to ZeRO and pipeline) rung by rung on this machine"),
     "tune": ("tenfold.tune", "measure the planner's best strategies here, calibrate the planner, keep the fastest"),
     "export": ("tenfold.engine.export", "write a checkpoint's weights as one safetensors file (+ model config)"),
     "data": ("tenfold.data.prepare", "prepare data: tokenize once into a memory-mapped .bin"),
@@ -52,7 +52,7 @@ class _Parser(argparse.ArgumentParser):
 
 def _add_train_parser(subparsers) -> None:
     p = subparsers.add_parser(
-        "train", help=SUBCOMMANDS["train"][1], description=__doc__.splitlines()[0],
+        "train", help=SUBCOMMANDS["train"][1], description=f"tenfold train: {SUBCOMMANDS['train'][1]}.",
         formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EXAMPLES,
     )
     add_run_arguments(p)

@@ -14,20 +14,37 @@ import argparse
 from tenfold.errors import say
 
 
-def add_run_arguments(p: argparse.ArgumentParser) -> None:
+def add_run_arguments(p: argparse.ArgumentParser, priced_only: bool = False) -> None:
     """The flags that make a run's config (`config_from_args`): `tenfold train` takes them, and
-    `tenfold plan` takes the very same ones to predict that run."""
+    `tenfold plan` takes the very same ones to predict that run. `priced_only`: the flags that
+    do not change the prediction (output, logging, checkpoints, learning rate, ...) are still
+    accepted, so that a train command line plans unchanged, but left out of --help."""
+
+    def only_train(text: str) -> str:
+        return argparse.SUPPRESS if priced_only else text
+
+    _run_group(p, only_train)
+    _model_group(p)
+    _optimization_group(p, only_train)
+    _technique_group(p, only_train)
+    _checkpoint_group(p, only_train)
+
+
+def _run_group(p: argparse.ArgumentParser, only_train) -> None:
     g = p.add_argument_group("run")
     g.add_argument("--config", metavar="FILE.toml", help="TOML config (sections model, data, train, precision, recompute, parallel, checkpoint, log)")
     g.add_argument("--deepspeed", metavar="DS.json", help="a DeepSpeed config, read as DeepSpeed reads it (comments and trailing commas allowed); unsupported keys are named in one warning")
     g.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override any config key (repeatable), e.g. --set train.weight_decay=0.05")
-    g.add_argument("--out", help="output directory (metrics.jsonl, summary.json, tensorboard/, checkpoints/); default runs/tenfold")
-    g.add_argument("--overwrite", action="store_true", default=None, help="replace the earlier run in --out "
+    g.add_argument("--out", help=only_train("output directory (metrics.jsonl, summary.json, tensorboard/, checkpoints/); default runs/tenfold"))
+    g.add_argument("--overwrite", action="store_true", default=None, help=only_train("replace the earlier run in --out "
                    "(moved aside, deleted once the new run has saved its first checkpoint or finished); without it a fresh run into "
-                   "a folder that holds one is refused")
-    g.add_argument("--no-progress", action="store_true", help="no live progress bar: plain per-step lines, as when stdout is not a terminal")
-    g.add_argument("--log-every", type=int, metavar="N", help="metrics rows and plain lines every N steps (default 1); on a terminal, N > 1 also keeps a line every N steps above the bar")
-    g.add_argument("--wandb", action="store_true", help="also log to Weights & Biases (needs tenfold[wandb]; WANDB_MODE=offline works without a network)")
+                   "a folder that holds one is refused"))
+    g.add_argument("--no-progress", action="store_true", help=only_train("no live progress bar: plain per-step lines, as when stdout is not a terminal"))
+    g.add_argument("--log-every", type=int, metavar="N", help=only_train("metrics rows and plain lines every N steps (default 1); on a terminal, N > 1 also keeps a line every N steps above the bar"))
+    g.add_argument("--wandb", action="store_true", help=only_train("also log to Weights & Biases (needs tenfold[wandb]; WANDB_MODE=offline works without a network)"))
+
+
+def _model_group(p: argparse.ArgumentParser) -> None:
     m = p.add_argument_group("model and data")
     m.add_argument("--model", help="preset: tiny, small, gpt3-125m ... gpt3-175b, llama-7b/13b/70b (default tiny)")
     m.add_argument("--seq-len", type=int, help="tokens per sequence (default: the model's context)")
@@ -38,15 +55,21 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--hf-config", metavar="config.json", help="a Hugging Face causal LM from its config.json (random init, no download; needs tenfold[hf])")
     m.add_argument("--hf-pretrained", metavar="DIR", help="a local Hugging Face folder with config.json + *.safetensors weights")
     m.add_argument("--blocks", metavar="ClassName", help="the model's repeated block class for recompute and ZeRO (default: found automatically)")
+
+
+def _optimization_group(p: argparse.ArgumentParser, only_train) -> None:
     t = p.add_argument_group("optimization")
     t.add_argument("--steps", type=int, help="optimizer steps (default 200)")
     t.add_argument("--micro-batch", type=int, help="sequences per micro-batch per rank (default 8)")
     t.add_argument("--grad-accum", type=int, help="micro-batches accumulated per optimizer step")
     t.add_argument("--global-batch", type=int, help="sequences per optimizer step over all ranks")
-    t.add_argument("--lr", type=float, help="peak learning rate (default 2e-3)")
-    t.add_argument("--seed", type=int, help="seed for init and data order (default 1337)")
-    t.add_argument("--eval-every", type=int, help="validation loss every N steps (0: at the end only)")
-    t.add_argument("--on-nan", help="non-finite loss in bf16/fp32: stop (default) or skip")
+    t.add_argument("--lr", type=float, help=only_train("peak learning rate (default 2e-3)"))
+    t.add_argument("--seed", type=int, help=only_train("seed for init and data order (default 1337)"))
+    t.add_argument("--eval-every", type=int, help=only_train("validation loss every N steps (0: at the end only)"))
+    t.add_argument("--on-nan", help=only_train("non-finite loss in bf16/fp32: stop (default) or skip"))
+
+
+def _technique_group(p: argparse.ArgumentParser, only_train) -> None:
     x = p.add_argument_group("techniques")
     x.add_argument("--precision", help="fp32 | bf16 (default) | fp16 (dynamic loss scaling); for FP8 see --fp8")
     x.add_argument("--fp8", action="store_true", default=None, help="float8 matmuls in the transformer blocks (torchao; "
@@ -62,9 +85,9 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     x.add_argument("--reduce-dtype", help="dtype data-parallel gradients are reduced in: fp32 (default) | bf16 "
                    "(DeepSpeed's communication_data_type: half the bytes, partial sums rounded to bf16)")
     x.add_argument("--nproc", type=int, help="start N local ranks (a torchrun shortcut)")
-    x.add_argument("--watchdog", type=float, metavar="FACTOR", help="multi-process runs: a step that runs past FACTOR x "
+    x.add_argument("--watchdog", type=float, metavar="FACTOR", help=only_train("multi-process runs: a step that runs past FACTOR x "
                    "the median step (and parallel.watchdog_min_s, 30 s) stops the job, naming the rank that stalled "
-                   "(default 10; 0: off)")
+                   "(default 10; 0: off)"))
     x.add_argument("--shard-group", type=int, metavar="N", help="hybrid sharding (HSDP) with --zero 2/3: shard inside "
                    "groups of N data-parallel ranks (e.g. one node), replicate across groups (default: all dp ranks)")
     x.add_argument("--offload", choices=("none", "optimizer", "optimizer+params"), help="ZeRO-Offload with --zero 2/3: "
@@ -77,11 +100,14 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     x.add_argument("--pp-schedule", help="gpipe | 1f1b | interleaved | zero-bubble")
     x.add_argument("--virtual-stages", type=int, help="stages per rank for interleaved schedules")
     x.add_argument("--pp-split", type=_int_list, metavar="N,N,...", help="transformer blocks per pipeline stage, e.g. 1,3 (default: even, embedding and head weighted as one block each)")
+
+
+def _checkpoint_group(p: argparse.ArgumentParser, only_train) -> None:
     c = p.add_argument_group("checkpoints")
-    c.add_argument("--checkpoint-every", type=int, help="save every N steps (0: never)")
-    c.add_argument("--keep-last", type=int, help="keep only the newest K checkpoints")
-    c.add_argument("--resume", help="auto (newest complete checkpoint in --out) or a checkpoint path")
-    c.add_argument("--no-final-checkpoint", action="store_true", help="do not save a checkpoint at the last step (saved by default)")
+    c.add_argument("--checkpoint-every", type=int, help=only_train("save every N steps (0: never)"))
+    c.add_argument("--keep-last", type=int, help=only_train("keep only the newest K checkpoints"))
+    c.add_argument("--resume", help=only_train("auto (newest complete checkpoint in --out) or a checkpoint path"))
+    c.add_argument("--no-final-checkpoint", action="store_true", help=only_train("do not save a checkpoint at the last step (saved by default)"))
 
 
 # flag -> (section, key)

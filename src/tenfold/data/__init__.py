@@ -11,7 +11,8 @@ or streamed for corpora larger than memory).
 See docs/data.md.
 """
 
-from tenfold.data.build import DataBundle, build_data
+from tenfold.data.build import build_data
+from tenfold.data.bundle import DataBundle
 from tenfold.data.loader import GlobalBatchLoader, iter_eval, to_batch
 from tenfold.data.stream import StreamingLoader, make_loader
 from tenfold.terms import IGNORE_INDEX

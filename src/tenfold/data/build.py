@@ -2,95 +2,19 @@
 
 from __future__ import annotations
 
-import functools
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
-from tenfold.data import sources
+from tenfold.data import hf_datasets, sources
+from tenfold.data.bundle import DataBundle
 from tenfold.data.examples import ExampleRows, PackStats, example_rows
 from tenfold.data.packing import pack_sequences, split_train_val
 from tenfold.data.records import FINETUNE_FORMATS, RecordSource, detect_format, record_text
-from tenfold.data.tokenizer import IdTokenizer, build_bpe
+from tenfold.data.sidecar import read_sidecar
+from tenfold.data.streaming_build import stream_bundle
+from tenfold.data.tokenizer import IdTokenizer, build_bpe, load_named_tokenizer, resolve_tokenizer
 from tenfold.errors import UserError
-
-@dataclass
-class DataBundle:
-    """Packed rows ([N, seq_len + 1] arrays, possibly memmap views, or `ExampleRows` for
-    fine-tuning formats) and how they were made. `train` and `val` never share a token. A
-    streaming bundle has `stream` (read by `StreamingLoader`) instead of `train`."""
-
-    train: Any
-    val: Any
-    vocab_size: int
-    tokenizer: Any  # encode(str) -> list[int], decode(ids) -> str, describe(), save(folder)
-    source: str
-    num_tokens: int | None
-    seq_len: int
-    format: str = "text"
-    stream: Any = None
-    shuffle_block: int = 1024
-    pack_stats: PackStats | None = None
-    packing: bool = True
-    notes: list[str] = field(default_factory=list)
-
-    def describe(self) -> str:
-        """One line (plus the packing line of fine-tuning data) for the run header."""
-        tok = f"tokenizer {self.tokenizer.name} (vocab {self.vocab_size})"
-        if self.stream is not None:
-            line = (f"{self.source} | {self.format}, streamed (shuffled in blocks of {self.shuffle_block} rows) | "
-                    f"rows of {self.seq_len}+1 | {len(self.val):,} val rows | {tok}")
-        else:
-            what = "target tokens" if self.fine_tuning else "tokens"
-            line = (f"{self.source} | {self.format} | {self.num_tokens:,} {what} | {len(self.train):,} train + "
-                    f"{len(self.val):,} val sequences of {self.seq_len}+1 | {tok}")
-        return "\n".join([line, *self.notes])
-
-    @property
-    def fine_tuning(self) -> bool:
-        return self.format in FINETUNE_FORMATS
-
-    def packing_note(self, masks_examples: bool) -> str | None:
-        """The run header's line on how examples share rows (None for plain text)."""
-        if not self.fine_tuning:
-            return None
-        how = "packed whole into rows" if self.packing else "one per row"
-        stats = (self.pack_stats.describe(self.seq_len + 1, self.packing) if self.pack_stats
-                 else f"examples {how} of {self.seq_len + 1} ids, as they stream")
-        if not self.packing:
-            return f"packing: off, {stats}; no example sees another"
-        if masks_examples:
-            return f"packing: {stats}; attention masked per example (position_ids restart at each)"
-        return (f"packing: {stats}; attention crosses example boundaries inside a row (this model takes "
-                "no document mask; data.packing=false gives one example per row)")
-
-    def fit_to_model(self, model, kind: str, device) -> None:
-        """Fine-tuning rows: batches carry position_ids only if this model masks attention by
-        them (checked on the model itself), and the run header says which applies."""
-        if not self.fine_tuning:
-            return
-        from tenfold.data.examples import model_masks_packed_examples
-
-        masks = self.packing and kind == "hf" and model_masks_packed_examples(model, self.vocab_size, device)
-        self.use_positions(bool(masks))
-        self.notes = [self.packing_note(bool(masks))]
-
-    def use_positions(self, flag: bool) -> None:
-        """Whether batches carry position_ids (only for a model that masks by them)."""
-        for rows in (self.train, self.val):
-            if isinstance(rows, ExampleRows):
-                rows.with_positions = flag
-        if self.stream is not None and self.fine_tuning:
-            self.stream.stack = functools.partial(ExampleRows.stack, with_positions=flag)
-
-    def tokenizer_record(self) -> dict:
-        return self.tokenizer.describe() if hasattr(self.tokenizer, "describe") else {"name": self.tokenizer.name}
-
-    def save_tokenizer(self, folder: str | Path) -> Path | None:
-        """Write the tokenizer's files into `folder` (None when there is nothing to write)."""
-        return self.tokenizer.save(folder) if hasattr(self.tokenizer, "save") else None
 
 
 def build_data(data_cfg, seq_len: int, seed: int, model_vocab_size: int | None = None,
@@ -105,8 +29,6 @@ def build_data(data_cfg, seq_len: int, seed: int, model_vocab_size: int | None =
     del seed
     if seq_len <= 0:
         raise UserError(f"data.seq_len must be a positive integer, got {seq_len}")
-    from tenfold.data.tokenizer import resolve_tokenizer
-
     tokenizer = resolve_tokenizer(data_cfg, hf_pretrained)
     given = tokenizer if data_cfg.tokenizer is not None or hf_pretrained else None  # not the default bytes
     _check_vocab(given, model_vocab_size, data_cfg)
@@ -121,8 +43,6 @@ def build_data(data_cfg, seq_len: int, seed: int, model_vocab_size: int | None =
                         f"{' with data.streaming' if data_cfg.streaming else ''} needs a fixed tokenizer: "
                         "byte, or --tokenizer PATH (a tokenizer.json or tokenizer folder)")
     if data_cfg.streaming:
-        from tenfold.data.streaming_build import stream_bundle
-
         return stream_bundle(source, fmt, tokenizer, data_cfg, seq_len)
     if fmt in FINETUNE_FORMATS:
         return _examples_bundle(source, fmt, tokenizer, data_cfg, seq_len)
@@ -146,8 +66,6 @@ def _check_vocab(tokenizer, model_vocab_size: int | None, data_cfg) -> None:
 
 def open_source(data_cfg) -> tuple[RecordSource, str]:
     """Where the records are and which format they have (`data.format`, or detected)."""
-    from tenfold.data import hf_datasets
-
     path, fmt = data_cfg.path, data_cfg.format
     if path is None:
         return RecordSource("text", "python-stdlib", files=sources.default_corpus_files()), _text_format(fmt)
@@ -224,8 +142,6 @@ def _examples_bundle(source: RecordSource, fmt: str, tokenizer, data_cfg, seq_le
 
 def _bin_bundle(files, data_cfg, seq_len: int, model_vocab_size: int | None, given) -> DataBundle:
     """Pre-tokenized ids. `given`: a tokenizer the run names (--tokenizer, --hf-pretrained), or None."""
-    from tenfold.data.prepare import read_sidecar
-
     sidecar = read_sidecar(files[0]) if len(files) == 1 else {}
     dtype = data_cfg.bin_dtype or sidecar.get("dtype", "uint16")
     tokens = sources.read_bin_tokens(files, dtype, data_cfg.max_bytes)
@@ -241,8 +157,6 @@ def _bin_bundle(files, data_cfg, seq_len: int, model_vocab_size: int | None, giv
 
 def _bin_tokenizer(made_with: dict, given, source: str):
     """The tokenizer a `data prepare` FILE.json names; a tokenizer the run names must be that one."""
-    from tenfold.data.tokenizer import load_named_tokenizer
-
     if not made_with:
         return given
     if given is None:

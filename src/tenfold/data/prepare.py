@@ -17,35 +17,21 @@ from pathlib import Path
 
 import numpy as np
 
+from tenfold.config import DataSection
+from tenfold.data.build import open_source
+from tenfold.data.records import FINETUNE_FORMATS, record_text
+from tenfold.data.sidecar import SIDECAR_FORMAT, sidecar_path
+from tenfold.data.tokenizer import resolve_tokenizer
 from tenfold.errors import UserError
+from tenfold.out_paths import check_output_file
 
-SIDECAR_FORMAT = "tenfold-tokens"
 FLUSH_IDS = 1 << 20  # ids buffered in memory before a write
-
-
-def sidecar_path(bin_path: str | Path) -> Path:
-    return Path(bin_path).with_suffix(".json")
-
-
-def read_sidecar(bin_path: str | Path) -> dict:
-    """FILE.json of a prepared FILE.bin ({} when there is none, or it is something else)."""
-    path = sidecar_path(bin_path)
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) and data.get("format") == SIDECAR_FORMAT else {}
 
 
 def prepare(source_path: str, out: str | Path, tokenizer: str | None = None, data_format: str = "auto",
             jsonl_field: str = "text", split: str = "train", progress: bool = True, overwrite: bool = False) -> dict:
     """Tokenize `source_path` into `out` (see the module docstring); returns FILE.json's content.
     An existing FILE.bin or FILE.json is replaced only with `overwrite`."""
-    from tenfold.config import DataSection
-    from tenfold.data.build import open_source
-    from tenfold.data.records import FINETUNE_FORMATS
-    from tenfold.data.tokenizer import resolve_tokenizer
-
     out = _checked_out(Path(out), overwrite)
     cfg = DataSection(path=source_path, format=data_format, tokenizer=tokenizer, jsonl_field=jsonl_field,
                       split=split, streaming=True)
@@ -77,8 +63,6 @@ def _checked_out(out: Path, overwrite: bool) -> Path:
     """--out before any work: a .bin in a folder that can be written, and without --overwrite
     neither FILE.bin nor FILE.json already there (a run's data, or someone's JSON, is not replaced
     silently)."""
-    from tenfold.out_paths import check_output_file
-
     if out.suffix != ".bin":
         raise UserError(f"data prepare --out {out}: the output must be a .bin file")
     check_output_file(out, flag="data prepare --out", example="corpus.bin")
@@ -101,8 +85,6 @@ def _remove_quietly(*paths: Path) -> None:
 
 def _write_ids(source, tok, jsonl_field: str, out: Path, dtype, show: bool) -> dict:
     """Every document's ids, appended to OUT's temporary file; {"documents", "tokens"}."""
-    from tenfold.data.records import record_text
-
     tmp = out.with_name(f".{out.name}.tmp")
     buf: list[int] = []
     docs = tokens = 0

@@ -11,7 +11,7 @@ from itertools import islice
 
 import numpy as np
 
-from tenfold.data.build import DataBundle
+from tenfold.data.bundle import DataBundle
 from tenfold.data.examples import ExampleRows, example_rows
 from tenfold.data.packing import text_rows
 from tenfold.data.records import FINETUNE_FORMATS, RecordSource

@@ -4,7 +4,8 @@ Measured (`measure_step_memory`):
   * CPU: a tensor-level tracker, PyTorch's `torch.distributed._tools.mem_tracker.MemTracker`
     (a TorchDispatchMode that sees every storage the step creates and frees, and tells
     parameters, buffers, gradients, optimizer states and activations apart through module,
-    gradient and optimizer hooks). The process's RSS cannot separate these categories.
+    gradient and optimizer hooks; tenfold.engine.tensor_tracker). The process's RSS cannot
+    separate these categories.
   * CUDA: the caching allocator's statistics (`max_memory_allocated`) for the peak and tensor
     sizes for the model states (params, gradients, optimizer states, buffers).
 
@@ -27,18 +28,34 @@ peak_bytes = the planner's total (its estimate of the peak).
 from __future__ import annotations
 
 import logging
-import warnings
+import re
 from typing import Any, Callable
 
 import torch
 import torch.nn as nn
+from rich.console import Console, Group
+from rich.table import Table
 
+from tenfold.engine.distributed import gather_to_main
+from tenfold.engine.memory_notes import row_notes
 from tenfold.engine.metrics import peak_memory_bytes
+from tenfold.engine.tensor_tracker import (
+    category_bytes,
+    measure_cpu,
+    model_states_plus_activations,
+    optimizers_of,
+    unique_nbytes,
+)
 from tenfold.engine.tracker_probe import tracker_available
+from tenfold.errors import RunError
 
 # torch-free: `tenfold plan` reports the same prediction in the same words
-from tenfold.plan.for_run import fmt_bytes, memory_by_category, memory_line
+from tenfold.plan.for_run import fmt_bytes, memory_by_category, memory_line, predict_run
+from tenfold.plan.hardware import CATALOG
 from tenfold.terms import MULTI_STAGE_SCHEDULES
+
+# One import stays inside a function (`_ModState` in `module_rows`): private PyTorch API, loaded
+# only once a tracker has run, so a torch without it still trains (tenfold.engine.tracker_probe).
 
 MEMORY_KEYS = (
     "params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes",
@@ -46,163 +63,9 @@ MEMORY_KEYS = (
 )
 log = logging.getLogger("tenfold")
 COMPARED_KEYS = ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes", "peak_bytes")
-# torch's ModTracker (under MemTracker) warns "Please file a bug to PyTorch" when a module is
-# entered while it is still running (a module that calls itself, Hugging Face's nested calls):
-# the categories measured here do not depend on the module hierarchy, and a user cannot act on it.
-TRACKER_NOISE = "The module hierarchy tracking maybe be messed up"
-
-
-# --------------------------------------------------------------------------- CPU tracker
-
-def _make_tracker_class():
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    class StepMemTracker(MemTracker):
-        """MemTracker that accepts several forwards of the root module in one step.
-
-        Gradient accumulation (and pipeline micro-batches) call the model once per
-        micro-batch; MemTracker raises NotImplementedError on a second root forward. We
-        restart the module-wise statistics at each root forward instead (the report shows the
-        last micro-batch, every one has the same shapes); the global peak is kept.
-        """
-
-        def __init__(self, per_module: bool = True) -> None:
-            super().__init__()
-            self.per_module = per_module  # False: only the step's totals (much less overhead)
-            self.act_peak: dict = {}  # per device: (highest Activation + Temp, the snapshot then)
-
-        def _update_peak_stats(self, peak_state) -> None:
-            # Called after every operator: also follow the activation high-water mark, which
-            # need not coincide with the total peak (that can be in the optimizer step).
-            if self.per_module:
-                super()._update_peak_stats(peak_state)
-            else:  # MemTracker's global part only: no per-module peak snapshots (deep copies)
-                for dev, snap in self._curr_mem_snap.items():
-                    if self._peak_mem.get(dev, 0) < snap["Total"]:
-                        self._peak_mem[dev] = snap["Total"]
-                        self._peak_mem_snap[dev] = dict(snap)
-            for dev, snap in self._curr_mem_snap.items():
-                act = sum(v for k, v in snap.items() if getattr(k, "value", k) in ("Activation", "Temp"))
-                if act > self.act_peak.get(dev, (-1, None))[0]:
-                    self.act_peak = {**self.act_peak, dev: (act, dict(snap))}
-
-        def _pre_fw_hook(self, module: nn.Module, inputs: Any) -> None:
-            if module in self.memory_tracking and not self._mod_tracker.is_bw:
-                name = self._mod_tracker.get_known_fqn(module)
-                if set(self._mod_tracker.parents) - {name} == {"Global"}:
-                    self.reset_mod_stats()
-            super()._pre_fw_hook(module, inputs)
-
-    return StepMemTracker
-
-
-def _category_bytes(snapshot: dict, device: torch.device | None = None) -> dict[str, int]:
-    """MemTracker snapshot {device: {reftype: bytes}} -> our keys, summed over devices."""
-    out = dict.fromkeys(("param", "buffer", "grad", "act", "temp", "opt", "other", "total"), 0)
-    names = {
-        "Parameter": "param", "Buffer": "buffer", "Gradient": "grad", "Activation": "act",
-        "Temp": "temp", "Optstate": "opt", "Other": "other", "Total": "total",
-    }
-    for dev, snap in snapshot.items():
-        if device is not None and torch.device(dev).type != device.type:
-            continue
-        for ref, nbytes in snap.items():
-            key = names.get(getattr(ref, "value", ref))
-            if key:
-                out[key] += int(nbytes)
-    return out
-
-
-def _optimizers_of(optimizer: Any) -> list[torch.optim.Optimizer]:
-    """The torch optimizers behind `optimizer` (a plain one, or a container with `.optimizers`)."""
-    if isinstance(optimizer, torch.optim.Optimizer):
-        return [optimizer]
-    inner = getattr(optimizer, "optimizers", None) or getattr(optimizer, "optim", None)
-    if isinstance(inner, torch.optim.Optimizer):
-        return [inner]
-    return [o for o in (inner or []) if isinstance(o, torch.optim.Optimizer)]
-
-
-def _tracked_step(model: nn.Module, optimizer: Any, run_step: Callable[[], None], device: torch.device,
-                  per_module: bool = False):
-    """Run `run_step` once under the tracker. Returns (tracker, snapshots at the optimizer
-    step: {'pre': ..., 'post': ...}, peak snapshot)."""
-    tracker = _make_tracker_class()(per_module)
-    optimizers = _optimizers_of(optimizer)
-    tracker.track_external(model, *optimizers)
-    at_step: dict[str, dict] = {}
-    handles = []
-
-    params = list(model.parameters())
-
-    def snap(key: str) -> None:
-        if key == "post" or key not in at_step:
-            at_step[key] = tracker.get_tracker_snapshot("current")
-            if key == "pre":  # [zero] DDP's bucket-view gradients predate the tracker: count storages
-                at_step["grad_storage_bytes"] = _unique_nbytes(p.grad for p in params)  # type: ignore[assignment]
-
-    for opt in optimizers:
-        # Model states as held at the optimizer step: after backward, before zero_grad frees
-        # the gradients (pre-hook); optimizer states once they exist (post-hook: covers step 1).
-        # (Hooks must return None: a pre-hook's return value would replace step's arguments.)
-        handles.append(opt.register_step_pre_hook(lambda *_: snap("pre")))
-        handles.append(opt.register_step_post_hook(lambda *_: snap("post")))
-    formatwarning = warnings.formatwarning  # ModTracker replaces it for the whole process
-    try:
-        with tracker, warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=TRACKER_NOISE, category=UserWarning)
-            run_step()
-    finally:
-        warnings.formatwarning = formatwarning
-        for h in handles:
-            h.remove()
-    return tracker, at_step, tracker.get_tracker_snapshot("peak")
-
-
-def _measure_cpu(model, optimizer, run_step, device, per_module: bool = False) -> tuple[dict, Any]:
-    tracker, at_step, peak_snap = _tracked_step(model, optimizer, run_step, device, per_module)
-    peak = _category_bytes(peak_snap, device)
-    act_peak = _category_bytes({d: snap for d, (_, snap) in tracker.act_peak.items()}, device)
-    pre = _category_bytes(at_step.get("pre", peak_snap), device)
-    post = _category_bytes(at_step.get("post", at_step.get("pre", peak_snap)), device)
-    measured = {
-        "params_bytes": pre["param"],
-        "grads_bytes": max(pre["grad"], int(at_step.get("grad_storage_bytes", 0))),
-        "optimizer_bytes": max(post["opt"], pre["opt"]),
-        # Saved-for-backward tensors and temporaries at their high-water mark (MemTracker may
-        # file some recomputed tensors under Temp rather than Activation, its documented
-        # limitation; the sum is exact). Not taken at the total peak: with recompute, or
-        # small activations, that peak can fall in the optimizer step (foreach temporaries).
-        "activations_bytes": act_peak["act"] + act_peak["temp"],
-        "buffers_bytes": peak["buffer"],
-        "other_bytes": peak["other"],
-        "peak_bytes": peak["total"],
-    }
-    measured["total_bytes"] = _model_states_plus_activations(measured)
-    return measured, tracker
-
-
-def _model_states_plus_activations(m: dict) -> int:
-    return int(m["params_bytes"] + m["grads_bytes"] + m["optimizer_bytes"] + m["activations_bytes"])
 
 
 # --------------------------------------------------------------------------- CUDA allocator
-
-
-def _unique_nbytes(tensors) -> int:
-    """Bytes of the distinct storages behind `tensors` (local shards for DTensors)."""
-    seen, total = set(), 0
-    for t in tensors:
-        if t is None:
-            continue
-        if hasattr(t, "to_local"):
-            t = t.to_local()
-        st = t.untyped_storage()
-        key = (st.data_ptr(), st.nbytes())
-        if key not in seen:
-            seen.add(key)
-            total += st.nbytes()
-    return total
 
 
 def _optimizer_state_tensors(optimizers) -> list[torch.Tensor]:
@@ -214,12 +77,12 @@ def _measure_cuda(model, optimizer, run_step, device) -> dict:
     activations from gradients, so activations_bytes = peak - (memory held when the step
     started: params, buffers, optimizer states) - gradients live at the peak, the last
     bounded by the gradients held at the optimizer step (a lower bound of activations)."""
-    optimizers = _optimizers_of(optimizer)
+    optimizers = optimizers_of(optimizer)
     params = [p for p in model.parameters()]
     grads_at_step: dict[str, int] = {}
     handles = [
         opt.register_step_pre_hook(
-            lambda *_: grads_at_step.setdefault("g", _unique_nbytes(p.grad for p in params)))
+            lambda *_: grads_at_step.setdefault("g", unique_nbytes(p.grad for p in params)))
         for opt in optimizers
     ]
     torch.cuda.synchronize(device)
@@ -234,15 +97,15 @@ def _measure_cuda(model, optimizer, run_step, device) -> dict:
     peak = int(torch.cuda.max_memory_allocated(device))
     grads = grads_at_step.get("g", 0)
     measured = {
-        "params_bytes": _unique_nbytes(params),
+        "params_bytes": unique_nbytes(params),
         "grads_bytes": grads,
-        "optimizer_bytes": _unique_nbytes(_optimizer_state_tensors(optimizers)),
+        "optimizer_bytes": unique_nbytes(_optimizer_state_tensors(optimizers)),
         "activations_bytes": max(0, peak - start - grads),
-        "buffers_bytes": _unique_nbytes(model.buffers()),
+        "buffers_bytes": unique_nbytes(model.buffers()),
         "other_bytes": 0,
         "peak_bytes": peak,
     }
-    measured["total_bytes"] = _model_states_plus_activations(measured)
+    measured["total_bytes"] = model_states_plus_activations(measured)
     return measured
 
 
@@ -266,7 +129,7 @@ def measure_step_memory(
     dev = _device_of(model, device)
     if dev.type == "cuda":
         return _measure_cuda(model, optimizer, run_step, dev)
-    return _measure_cpu(model, optimizer, run_step, dev)[0]
+    return measure_cpu(model, optimizer, run_step, dev)[0]
 
 
 class MemoryReport:
@@ -278,14 +141,10 @@ class MemoryReport:
         self.note: str | None = None
 
     def __rich__(self):
-        from rich.console import Group
-
         parts = [comparison_table(self.measured, self.predicted), rows_table(self.rows)]
         return Group(*parts, *([self.note] if self.note else []))
 
     def __str__(self) -> str:
-        from rich.console import Console
-
         console = Console(width=120, record=True, file=open("/dev/null", "w"))
         console.print(self)
         return console.export_text()
@@ -301,7 +160,7 @@ def memory_report(
     `GPT.layers.i` depth 3, their attention/MLP depth 4). `tenfold train --memory-report` prints it.
     As for `measure_step_memory`, run a warm-up step first so the optimizer states exist."""
     dev = _device_of(model, device)
-    measured, tracker = _measure_cpu(model, optimizer, run_step, dev, per_module=True)
+    measured, tracker = measure_cpu(model, optimizer, run_step, dev, per_module=True)
     if dev.type == "cuda":  # the allocator's peak is the truth on GPU; keep both visible
         measured["peak_bytes"] = max(measured["peak_bytes"], int(torch.cuda.max_memory_allocated(dev)))
     return MemoryReport(measured, module_rows(tracker, dev, depth), predicted)
@@ -314,7 +173,7 @@ def module_rows(tracker, device: torch.device, depth: int = 4) -> list[dict]:
     from torch.distributed._tools.mem_tracker import _ModState
 
     def total(snaps) -> int:
-        return max((_category_bytes(s, device)["total"] for s in snaps or []), default=0)
+        return max((category_bytes(s, device)["total"] for s in snaps or []), default=0)
 
     rows = []
     for stats in tracker.memory_tracking.values():
@@ -324,7 +183,7 @@ def module_rows(tracker, device: torch.device, depth: int = 4) -> list[dict]:
         pre = stats.snapshots.get(_ModState.PRE_FW, [])
         post = stats.snapshots.get(_ModState.POST_FW, [])
         kept = (
-            _category_bytes(post[-1], device)["total"] - _category_bytes(pre[-1], device)["total"]
+            category_bytes(post[-1], device)["total"] - category_bytes(pre[-1], device)["total"]
             if pre and post else 0
         )
         rows.append({
@@ -337,14 +196,10 @@ def module_rows(tracker, device: torch.device, depth: int = 4) -> list[dict]:
 
 
 def _natural_key(s: str) -> list:
-    import re
-
     return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", s)]
 
 
 def rows_table(rows: list[dict]):
-    from rich.table import Table
-
     t = Table(title="memory by module, MiB (one step, last micro-batch; fw kept = left allocated by its forward)",
               title_justify="left")
     t.add_column("module", no_wrap=True)
@@ -366,8 +221,6 @@ def percent_diff(measured: dict, predicted: dict | None) -> dict[str, float | No
 
 
 def comparison_table(measured: dict, predicted: dict | None = None, title: str = "memory per rank, one step"):
-    from rich.table import Table
-
     t = Table(title=title, title_justify="left")
     t.add_column("")
     if predicted is not None:
@@ -397,8 +250,6 @@ def planner_hardware_name(device: torch.device) -> str:
     the catalog's capacity does not enter the predicted bytes)."""
     if device.type != "cuda":
         return "cpu"
-    from tenfold.plan.hardware import CATALOG
-
     name = torch.cuda.get_device_name(device).lower()
     for family, key in (("h200", "h200"), ("b200", "b200"), ("mi300", "mi300x"), ("l40s", "l40s"),
                         ("4090", "rtx4090"), ("v100", "v100")):
@@ -423,8 +274,6 @@ def predicted_memory(run, device: torch.device | None = None, dtype: str | None 
     `tenfold.plan.for_run.memory_by_category`'s, which `tenfold plan` reports too.
     """
     if plan is None:
-        from tenfold.plan.for_run import predict_run
-
         plan = predict_run(run, planner_hardware_name(device or torch.device("cpu")), dtype, params)
     return memory_by_category(plan.memory)
 
@@ -503,15 +352,11 @@ class RunMemory:
         }
         if self.note:
             out["note"] = self.note
-        from tenfold.engine.memory_notes import row_notes
-
         t = self.trainer
         out["notes"] = row_notes(self.predicted, self.measured, t.run.zero_stage, t.dist.dp_size,
                                  t.user_model is not None)
         dist = self.trainer.dist
         if dist.world_size > 1:  # every rank's measured step (memory.measured's keys), on rank 0
-            from tenfold.engine.distributed import gather_to_main
-
             mine = self.measured or {"peak_bytes": peak_memory_bytes(dist.device)}
             out["measured_per_rank"] = gather_to_main(mine, dist)
         return out
@@ -542,8 +387,6 @@ def run_memory_report(trainer, depth: int = 4):
         trainer.setup()
     usable, why = tracker_available()
     if not usable:
-        from tenfold.errors import RunError
-
         raise RunError(f"--memory-report needs PyTorch's tensor tracker: {why}")
     trainer.train_step(trainer.loader.next_step())
     batches = trainer.loader.next_step()

@@ -1,4 +1,4 @@
-"""Whether PyTorch's tensor tracker works in this torch (engine/memory.py measures with it).
+"""Whether PyTorch's tensor tracker works in this torch (tenfold.engine.tensor_tracker measures with it).
 
 `torch.distributed._tools.mem_tracker` is private PyTorch API: it may be missing or changed in a
 release tenfold was not tested with (pyproject.toml names the tested range). One tiny step runs
@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+
+from tenfold.engine.tensor_tracker import measure_cpu
 
 _TRACKER_PROBE: tuple[bool, str | None] | None = None
 
@@ -35,9 +37,7 @@ def tracker_available() -> tuple[bool, str | None]:
             opt.zero_grad()
 
         try:
-            from tenfold.engine.memory import _measure_cpu
-
-            _measure_cpu(probe, opt, step, torch.device("cpu"))
+            measure_cpu(probe, opt, step, torch.device("cpu"))
             _TRACKER_PROBE = (True, None)
         except Exception as e:  # noqa: BLE001 - any failure of private API means "not usable"
             _TRACKER_PROBE = (False, f"torch {torch.__version__} has no usable torch.distributed._tools.mem_tracker "

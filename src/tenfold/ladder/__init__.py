@@ -1,5 +1,6 @@
-"""`tenfold ladder`: the recipe's "30 days -> 3 days" path measured on this machine, rung by rung,
-beside the planner's forecast.
+"""`tenfold ladder`: the optimization ladder measured on this machine, rung by rung, beside the
+planner's forecast: each rung adds one technique to the one before it (the "30 days -> 3 days"
+path of fp32 -> mixed precision -> accumulation -> recompute -> ZeRO -> pipeline).
 
     tenfold ladder --quick --out runs/ladder          # six rungs on `tiny`, minutes on 2 cores
     tenfold ladder --rungs fp32,mixed,recompute       # a subset (later rungs keep the earlier techniques)
@@ -21,14 +22,15 @@ Outputs: a rich table, OUT/ladder.json, OUT/ladder.md, OUT/ladder.png, OUT/rung_
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import shlex
 import sys
 from pathlib import Path
 
 from tenfold.errors import UserError
+from tenfold.ladder.machine import default_nproc, mixed_dtype
 from tenfold.ladder.rungs import RUNG_NAMES
+from tenfold.ladder.runner import Ladder
 
 QUICK = {"tokens": 65536, "global_batch": 16, "timeout_s": 300.0, "max_bytes": 3_000_000, "repeats": 2}
 FULL = {"tokens": 131072, "global_batch": 32, "timeout_s": 1800.0, "max_bytes": None, "repeats": 1}
@@ -37,7 +39,7 @@ DEFAULT_OUT = "runs/ladder"
 
 def register(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
-        "ladder", help="measure the recipe's optimization path step by step on this machine",
+        "ladder", help="measure the optimization ladder (fp32 to ZeRO and pipeline) rung by rung on this machine",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     g = p.add_argument_group("ladder")
@@ -57,7 +59,7 @@ def register(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--ac", default="auto", help="recompute policy of the recompute rung and after; auto (default): the least recompute "
                                                 "that fits the largest micro-batch, then for the zero and pipeline rungs the least "
                                                 "their own per-rank memory still needs (possibly none)")
-    g.add_argument("--zero", type=int, default=3, help="ZeRO stage of the zero rung (default 3, the recipe's)")
+    g.add_argument("--zero", type=int, default=3, help="ZeRO stage of the zero rung (default 3)")
     g.add_argument("--pp", type=int, help="pipeline stages (default 2; with --project 8)")
     g.add_argument("--timeout", type=float, help="seconds one rung may run before it is stopped and reported as failed")
     g.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
@@ -105,20 +107,6 @@ def _positive(name: str, value, kind=int):
     return kind(value)
 
 
-def default_nproc() -> int:
-    import torch
-
-    if torch.cuda.is_available():
-        return torch.cuda.device_count()
-    return os.cpu_count() or 1
-
-
-def device_type() -> str:
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
 # --------------------------------------------------------------------------- run
 
 
@@ -139,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
     return ladder.run(show_progress=not args.no_progress)
 
 
-def prepare(args: argparse.Namespace) -> "Ladder":
+def prepare(args: argparse.Namespace) -> Ladder:
     """Validate every option and the rungs' shared config before anything runs (exit 2)."""
     from tenfold.config import build_config, parse_set_item
     from tenfold.ladder.rungs import LadderSetup, budget_tokens
@@ -164,7 +152,7 @@ def prepare(args: argparse.Namespace) -> "Ladder":
     tokens = _positive("--tokens", args.tokens, float) or preset["tokens"]
     setup = LadderSetup(
         seq_len=seq, global_batch=gb, budget_tokens=budget_tokens(int(tokens), seq, gb), nproc=nproc, pp=pp,
-        zero_stage=args.zero, ac_policy=args.ac, mixed_dtype=_mixed_dtype(), seed=base.train.seed,
+        zero_stage=args.zero, ac_policy=args.ac, mixed_dtype=mixed_dtype(), seed=base.train.seed,
         eval_seqs=gb,
     )
     budget = parse_bytes(args.memory_budget) if args.memory_budget else None
@@ -186,16 +174,5 @@ def _default_global_batch(preferred: int, nproc: int, pp: int) -> int:
     return -(-preferred // step) * step
 
 
-def _mixed_dtype() -> str:
-    import torch
-
-    from tenfold.techniques.precision import bf16_supported
-
-    return "bf16" if bf16_supported(torch.device(device_type())) else "fp16"
-
-
 def _command_line() -> str:
     return "tenfold " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:] else "tenfold ladder"
-
-
-from tenfold.ladder.runner import Ladder  # noqa: E402  (after the option helpers it uses)

@@ -13,6 +13,7 @@ from typing import Any
 
 from tenfold.ladder import measure, predict, report
 from tenfold.ladder import rungs as R
+from tenfold.ladder.machine import device_type
 
 
 @dataclass
@@ -88,8 +89,6 @@ class Ladder:
     # ------------------------------------------------------------------ run
 
     def run(self, show_progress: bool = True) -> int:
-        from tenfold.ladder import device_type
-
         self.device = device_type()
         if self.memory_budget is None:
             self.memory_budget = self.default_budget()

@@ -1,12 +1,15 @@
 """`tenfold plan`: per-GPU memory, step time, MFU and days for the run `tenfold train` would do
 with the same flags; `--search` for the fastest strategy train can run; `--ladder` for the
-the recipe's path.
+optimization ladder on a fleet (fp32, then mixed precision, gradient accumulation, recompute,
+ZeRO-3 across nodes, a pipeline: the days and memory each rung buys), rung by rung.
 
 `tenfold plan` reads exactly what `tenfold train` reads (every train flag, `--config`,
 `--deepspeed`, `--set`, resolved by the same code), plus the fleet (`--gpu`, `--gpus` =
 train's `--nproc` unless given, `--gpus-per-node`, `--hardware-file`), shape flags for a model
 without a config (`--params`, `--layers/--hidden/...`) and what-ifs train does not run
-(other stacks' bookkeeping).
+(other stacks' bookkeeping). Train's flags that change nothing predicted here (`--out`,
+`--resume`, `--wandb`, checkpoints, logging, learning rate, seed) are accepted and kept in the
+launch line, and not listed below.
 
 `register(subparsers)` plugs into tenfold's CLI; `main(argv)` runs standalone
 (`python -m tenfold.plan.cli ...`). Bad input raises `UserError` (exit status 2)."""
@@ -22,6 +25,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from tenfold.errors import UserError
+from tenfold.run_args import add_run_arguments
 
 USAGE = __doc__.split("\n\n`register")[0]  # the user's part of this docstring
 GiB = 2**30
@@ -50,9 +54,7 @@ def _count(text: str) -> int:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from tenfold.run_args import add_run_arguments
-
-    add_run_arguments(p)  # train's own flags: the run to predict
+    add_run_arguments(p, priced_only=True)  # train's own flags: the run to predict
     m = p.add_argument_group("a model without a preset or config.json (instead of --model / --hf-config)")
     m.add_argument("--params", type=_number, help="parameter count only: model states, no activations, no --search")
     m.add_argument("--layers", type=_count, help="with --hidden, --heads, --vocab: a whole shape (= --set model.n_layers=N ...)")
@@ -80,7 +82,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="--search: also rank strategies tenfold train cannot run (offload, tied embeddings pipelined, ...), marked")
     o.add_argument("--emit", metavar="FILE.toml", help="write the plan (with --search: the fastest runnable one) as a "
                    "config that `tenfold train --config FILE` runs unchanged")
-    o.add_argument("--ladder", action="store_true", help="the recipe's optimization path, rung by rung")
+    o.add_argument("--ladder", action="store_true", help="the optimization ladder on a fleet, rung by rung: fp32, mixed "
+                   "precision, gradient accumulation, recompute, ZeRO-3, pipeline (default --gpus 64)")
 
 
 def _add_what_ifs(p: argparse.ArgumentParser) -> None:
@@ -310,7 +313,7 @@ def _run_search(args, t: Target, hw) -> int:
     from tenfold.plan.search import OFFLOAD_CHOICES, search
 
     result = search(t.run, hw, top_k=args.top, offloads=OFFLOAD_CHOICES, include_unsupported=args.include_unsupported,
-                    name=t.name, sequence_parallel=t.sequence_parallel, gpus=t.gpus)
+                    name=t.name, sequence_parallel=t.sequence_parallel, gpus=t.gpus, tokens=args.tokens)
     best = next((p for p in result.best if not p.unsupported), None)
     if args.emit and best is None:
         raise UserError(f"--emit {args.emit}: no strategy tenfold train can run fits (see the search without --emit); "

@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from tenfold.errors import UserError
+from tenfold.plan.hardware_file import DTYPES, PLAIN_KEYS, SCALED_KEYS, read_hardware_file
 
 GiB = 2**30
 PEAK_DTYPES = ("fp32", "bf16", "fp16", "fp8")  # the keys of Hardware.peak_flops (fp8: float8 matmuls, --fp8)
@@ -314,18 +315,35 @@ def cpu_hardware() -> Hardware:
 
 
 def load_hardware_toml(path: str | os.PathLike) -> Hardware:
-    """User-defined hardware, typed strictly (tenfold.plan.hardware_file: the keys, what each takes)."""
-    from tenfold.plan.hardware_file import load_hardware_toml as load
-
-    return load(path)
+    """User-defined hardware (tenfold.plan.hardware_file: the keys, what each takes) as a
+    `Hardware`. `matmul_fraction` (measured best matmul / peak) sets the GEMM ceiling as the
+    catalog does; `gemm_efficiency` sets it directly. What `tenfold tune` measures: [achieved_matmul_tflops] per dtype, step_overhead_s,
+    microbatch_overhead_s (and shared_compute for CPU ranks that share one machine's cores;
+    `hardware_toml` writes every key read here)."""
+    f = read_hardware_file(path)
+    extra = {key: getattr(f, key) for key in PLAIN_KEYS if getattr(f, key) is not None}
+    for key, (field_name, scale) in SCALED_KEYS.items():
+        if getattr(f, key) is not None:
+            extra[field_name] = getattr(f, key) * scale
+    if f.matmul_fraction is not None and f.gemm_efficiency is None:
+        extra["gemm_efficiency"] = GEMM_SHARE_OF_MAMF * f.matmul_fraction
+    if f.shared_compute is not None:
+        extra["shared_compute"] = f.shared_compute
+    achieved = {d: v * TFLOPS for d in DTYPES if (v := getattr(f.achieved_matmul_tflops, d))}
+    if achieved:
+        extra["achieved_matmul_flops"] = achieved
+    peaks = {d: (v * TFLOPS if (v := getattr(f.peak_tflops, d)) else None) for d in DTYPES}
+    if f.peak_tflops.fp8:  # only where given (most files predate it)
+        peaks["fp8"] = f.peak_tflops.fp8 * TFLOPS
+    return Hardware(name=f.name, peak_flops=peaks, memory_bytes=f.memory_gb * GB, hbm_bw=f.hbm_gbs * GB,
+                    intra_node_bw=f.intra_node_gbs * GB, nic_bw=f.nic_gbs * GB,
+                    sources={"file": str(Path(path)), **f.sources}, **extra)
 
 
 def hardware_toml(hw: Hardware) -> str:
     """`hw` as a hardware file: every key `load_hardware_toml` reads, so that reading it back
     gives the same machine (`tenfold tune` saves the machine it calibrated this way)."""
     import tomli_w
-
-    from tenfold.plan.hardware_file import PLAIN_KEYS, SCALED_KEYS
 
     data: dict = {"name": hw.name, "memory_gb": hw.memory_bytes / GB, "hbm_gbs": hw.hbm_bw / GB,
                   "intra_node_gbs": hw.intra_node_bw / GB, "nic_gbs": hw.nic_bw / GB,

@@ -21,7 +21,9 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from tenfold.config import tomllib
 from tenfold.errors import UserError
+from tenfold.textfiles import read_text
 
 Positive = Annotated[float, Field(gt=0)]
 NonNegative = Annotated[float, Field(ge=0)]
@@ -103,9 +105,6 @@ def _message(err: ValidationError, where: str) -> str:
 
 def read_hardware_file(path: str | os.PathLike) -> HardwareFile:
     """The file, parsed and typed, or one UserError line."""
-    from tenfold.config import tomllib
-    from tenfold.textfiles import read_text
-
     where = f"--hardware-file {path}"
     text = read_text(path, "--hardware-file")
     try:
@@ -119,34 +118,6 @@ def read_hardware_file(path: str | os.PathLike) -> HardwareFile:
     if not any(getattr(parsed.peak_tflops, d) for d in DTYPES):
         raise UserError(f"{where}: [peak_tflops] needs at least one of fp32, bf16, fp16")
     return parsed
-
-
-def load_hardware_toml(path: str | os.PathLike):
-    """User-defined hardware as a `Hardware` (tenfold.plan.hardware). `matmul_fraction` (measured
-    best matmul / peak) sets the GEMM ceiling as the catalog does; `gemm_efficiency` sets it
-    directly. What `tenfold tune` measures: [achieved_matmul_tflops] per dtype, step_overhead_s,
-    microbatch_overhead_s (and shared_compute for CPU ranks that share one machine's cores;
-    `hardware_toml` writes every key read here)."""
-    from tenfold.plan.hardware import GB, GEMM_SHARE_OF_MAMF, TFLOPS, Hardware
-
-    f = read_hardware_file(path)
-    extra = {key: getattr(f, key) for key in PLAIN_KEYS if getattr(f, key) is not None}
-    for key, (field_name, scale) in SCALED_KEYS.items():
-        if getattr(f, key) is not None:
-            extra[field_name] = getattr(f, key) * scale
-    if f.matmul_fraction is not None and f.gemm_efficiency is None:
-        extra["gemm_efficiency"] = GEMM_SHARE_OF_MAMF * f.matmul_fraction
-    if f.shared_compute is not None:
-        extra["shared_compute"] = f.shared_compute
-    achieved = {d: v * TFLOPS for d in DTYPES if (v := getattr(f.achieved_matmul_tflops, d))}
-    if achieved:
-        extra["achieved_matmul_flops"] = achieved
-    peaks = {d: (v * TFLOPS if (v := getattr(f.peak_tflops, d)) else None) for d in DTYPES}
-    if f.peak_tflops.fp8:  # only where given (most files predate it)
-        peaks["fp8"] = f.peak_tflops.fp8 * TFLOPS
-    return Hardware(name=f.name, peak_flops=peaks, memory_bytes=f.memory_gb * GB, hbm_bw=f.hbm_gbs * GB,
-                    intra_node_bw=f.intra_node_gbs * GB, nic_bw=f.nic_gbs * GB,
-                    sources={"file": str(Path(path)), **f.sources}, **extra)
 
 
 # Optional keys: name -> Hardware field of the same name, or (field, scale to the field's unit).

@@ -199,6 +199,8 @@ def print_search(result, hw: Hardware, gpus: int, advice=None, console: Console 
                   f"{p.mfu:.1%}", "-" if p.train_days is None else f"{p.train_days:,.1f}",
                   "runs" if not p.unsupported else "[red]cannot[/]")
     c.print(t)
+    if any(p.train_days is None for p in result.best):
+        c.print("days: - without a token budget; --tokens N (training tokens, e.g. 300e9) fills it")
     for i, p in enumerate(result.best, 1):
         if p.unsupported:
             c.print(f"#{i}: tenfold train cannot run it: {'; '.join(p.unsupported)}", highlight=False)

@@ -59,12 +59,14 @@ def default_global_batch(seq_len: int, dp_max: int) -> int:
 
 def search(base: ResolvedRun, hardware: "str | Hardware", top_k: int = 5, gpus_per_node: int | None = None,
            offloads: tuple[str, ...] = OFFLOAD_CHOICES, include_unsupported: bool = False,
-           name: str | None = None, sequence_parallel: bool | None = None, gpus: int | None = None) -> SearchResult:
+           name: str | None = None, sequence_parallel: bool | None = None, gpus: int | None = None,
+           tokens: float | None = None) -> SearchResult:
     """The top `top_k` layouts of `base` (same model, global batch and precision) on `gpus`
     processes (default: base's) that fit, fastest first. Only runs `tenfold train` can do
     (tenfold.capabilities) unless `include_unsupported`: then the others are ranked too, each
     with its reasons in `Plan.unsupported`. `sequence_parallel`: as the user asked for it (None:
-    train's default, on wherever tp > 1)."""
+    train's default, on wherever tp > 1). `tokens`: the training budget that fills each best
+    layout's days."""
     if base.model is None:
         raise UserError("--search needs a model shape (--model, dimensions or --hf-config), not only --params")
     hw = with_gpus_per_node(get_hardware(hardware), gpus_per_node)
@@ -90,7 +92,8 @@ def search(base: ResolvedRun, hardware: "str | Hardware", top_k: int = 5, gpus_p
                 plans.append((run, p))
     plans.sort(key=lambda rp: -rp[1].tokens_per_s)
     result.fitting = len(plans)
-    result.best = [replace(predict(run, hw, name=name), unsupported=p.unsupported) for run, p in plans[:top_k]]
+    result.best = [replace(predict(run, hw, name=name, tokens=tokens), unsupported=p.unsupported)
+                   for run, p in plans[:top_k]]
     return result
 
 

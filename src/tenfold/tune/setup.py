@@ -101,7 +101,7 @@ def _limit(args: argparse.Namespace, hw: Hardware, nproc: int) -> float:
 
 
 def prepare(args: argparse.Namespace) -> TuneSetup:
-    from tenfold.ladder import device_type
+    from tenfold.ladder.machine import device_type
 
     budget = _positive("--budget", args.budget) or DEFAULT_BUDGET_S
     margin = DEFAULT_MARGIN if args.margin is None else args.margin

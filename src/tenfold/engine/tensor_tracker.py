@@ -1,0 +1,172 @@
+"""One step's memory by category, measured with PyTorch's tensor tracker
+(`torch.distributed._tools.mem_tracker.MemTracker`: a TorchDispatchMode that sees every storage
+the step creates and frees, and tells parameters, buffers, gradients, optimizer states and
+activations apart through module, gradient and optimizer hooks). tenfold.engine.memory reports
+it; tenfold.engine.tracker_probe checks once that it works in this torch.
+
+MemTracker is imported inside `_make_tracker_class` on purpose: it is private PyTorch API that
+may be missing in an untested release, and a run without it must still train (the probe says
+why memory was not measured).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+# torch's ModTracker (under MemTracker) warns "Please file a bug to PyTorch" when a module is
+# entered while it is still running (a module that calls itself, Hugging Face's nested calls):
+# the categories measured here do not depend on the module hierarchy, and a user cannot act on it.
+TRACKER_NOISE = "The module hierarchy tracking maybe be messed up"
+
+
+def _make_tracker_class():
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    class StepMemTracker(MemTracker):
+        """MemTracker that accepts several forwards of the root module in one step.
+
+        Gradient accumulation (and pipeline micro-batches) call the model once per
+        micro-batch; MemTracker raises NotImplementedError on a second root forward. We
+        restart the module-wise statistics at each root forward instead (the report shows the
+        last micro-batch, every one has the same shapes); the global peak is kept.
+        """
+
+        def __init__(self, per_module: bool = True) -> None:
+            super().__init__()
+            self.per_module = per_module  # False: only the step's totals (much less overhead)
+            self.act_peak: dict = {}  # per device: (highest Activation + Temp, the snapshot then)
+
+        def _update_peak_stats(self, peak_state) -> None:
+            # Called after every operator: also follow the activation high-water mark, which
+            # need not coincide with the total peak (that can be in the optimizer step).
+            if self.per_module:
+                super()._update_peak_stats(peak_state)
+            else:  # MemTracker's global part only: no per-module peak snapshots (deep copies)
+                for dev, snap in self._curr_mem_snap.items():
+                    if self._peak_mem.get(dev, 0) < snap["Total"]:
+                        self._peak_mem[dev] = snap["Total"]
+                        self._peak_mem_snap[dev] = dict(snap)
+            for dev, snap in self._curr_mem_snap.items():
+                act = sum(v for k, v in snap.items() if getattr(k, "value", k) in ("Activation", "Temp"))
+                if act > self.act_peak.get(dev, (-1, None))[0]:
+                    self.act_peak = {**self.act_peak, dev: (act, dict(snap))}
+
+        def _pre_fw_hook(self, module: nn.Module, inputs: Any) -> None:
+            if module in self.memory_tracking and not self._mod_tracker.is_bw:
+                name = self._mod_tracker.get_known_fqn(module)
+                if set(self._mod_tracker.parents) - {name} == {"Global"}:
+                    self.reset_mod_stats()
+            super()._pre_fw_hook(module, inputs)
+
+    return StepMemTracker
+
+
+def category_bytes(snapshot: dict, device: torch.device | None = None) -> dict[str, int]:
+    """MemTracker snapshot {device: {reftype: bytes}} -> our keys, summed over devices."""
+    out = dict.fromkeys(("param", "buffer", "grad", "act", "temp", "opt", "other", "total"), 0)
+    names = {
+        "Parameter": "param", "Buffer": "buffer", "Gradient": "grad", "Activation": "act",
+        "Temp": "temp", "Optstate": "opt", "Other": "other", "Total": "total",
+    }
+    for dev, snap in snapshot.items():
+        if device is not None and torch.device(dev).type != device.type:
+            continue
+        for ref, nbytes in snap.items():
+            key = names.get(getattr(ref, "value", ref))
+            if key:
+                out[key] += int(nbytes)
+    return out
+
+
+def optimizers_of(optimizer: Any) -> list[torch.optim.Optimizer]:
+    """The torch optimizers behind `optimizer` (a plain one, or a container with `.optimizers`)."""
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return [optimizer]
+    inner = getattr(optimizer, "optimizers", None) or getattr(optimizer, "optim", None)
+    if isinstance(inner, torch.optim.Optimizer):
+        return [inner]
+    return [o for o in (inner or []) if isinstance(o, torch.optim.Optimizer)]
+
+
+def _tracked_step(model: nn.Module, optimizer: Any, run_step: Callable[[], None], device: torch.device,
+                  per_module: bool = False):
+    """Run `run_step` once under the tracker. Returns (tracker, snapshots at the optimizer
+    step: {'pre': ..., 'post': ...}, peak snapshot)."""
+    tracker = _make_tracker_class()(per_module)
+    optimizers = optimizers_of(optimizer)
+    tracker.track_external(model, *optimizers)
+    at_step: dict[str, dict] = {}
+    handles = []
+
+    params = list(model.parameters())
+
+    def snap(key: str) -> None:
+        if key == "post" or key not in at_step:
+            at_step[key] = tracker.get_tracker_snapshot("current")
+            if key == "pre":  # [zero] DDP's bucket-view gradients predate the tracker: count storages
+                at_step["grad_storage_bytes"] = unique_nbytes(p.grad for p in params)  # type: ignore[assignment]
+
+    for opt in optimizers:
+        # Model states as held at the optimizer step: after backward, before zero_grad frees
+        # the gradients (pre-hook); optimizer states once they exist (post-hook: covers step 1).
+        # (Hooks must return None: a pre-hook's return value would replace step's arguments.)
+        handles.append(opt.register_step_pre_hook(lambda *_: snap("pre")))
+        handles.append(opt.register_step_post_hook(lambda *_: snap("post")))
+    formatwarning = warnings.formatwarning  # ModTracker replaces it for the whole process
+    try:
+        with tracker, warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=TRACKER_NOISE, category=UserWarning)
+            run_step()
+    finally:
+        warnings.formatwarning = formatwarning
+        for h in handles:
+            h.remove()
+    return tracker, at_step, tracker.get_tracker_snapshot("peak")
+
+
+def measure_cpu(model, optimizer, run_step, device, per_module: bool = False) -> tuple[dict, Any]:
+    tracker, at_step, peak_snap = _tracked_step(model, optimizer, run_step, device, per_module)
+    peak = category_bytes(peak_snap, device)
+    act_peak = category_bytes({d: snap for d, (_, snap) in tracker.act_peak.items()}, device)
+    pre = category_bytes(at_step.get("pre", peak_snap), device)
+    post = category_bytes(at_step.get("post", at_step.get("pre", peak_snap)), device)
+    measured = {
+        "params_bytes": pre["param"],
+        "grads_bytes": max(pre["grad"], int(at_step.get("grad_storage_bytes", 0))),
+        "optimizer_bytes": max(post["opt"], pre["opt"]),
+        # Saved-for-backward tensors and temporaries at their high-water mark (MemTracker may
+        # file some recomputed tensors under Temp rather than Activation, its documented
+        # limitation; the sum is exact). Not taken at the total peak: with recompute, or
+        # small activations, that peak can fall in the optimizer step (foreach temporaries).
+        "activations_bytes": act_peak["act"] + act_peak["temp"],
+        "buffers_bytes": peak["buffer"],
+        "other_bytes": peak["other"],
+        "peak_bytes": peak["total"],
+    }
+    measured["total_bytes"] = model_states_plus_activations(measured)
+    return measured, tracker
+
+
+def model_states_plus_activations(m: dict) -> int:
+    return int(m["params_bytes"] + m["grads_bytes"] + m["optimizer_bytes"] + m["activations_bytes"])
+
+
+
+def unique_nbytes(tensors) -> int:
+    """Bytes of the distinct storages behind `tensors` (local shards for DTensors)."""
+    seen, total = set(), 0
+    for t in tensors:
+        if t is None:
+            continue
+        if hasattr(t, "to_local"):
+            t = t.to_local()
+        st = t.untyped_storage()
+        key = (st.data_ptr(), st.nbytes())
+        if key not in seen:
+            seen.add(key)
+            total += st.nbytes()
+    return total
