@@ -26,7 +26,7 @@ import torch
 import torch.distributed as torch_dist
 import torch.nn as nn
 
-from tenfold.capabilities import ENGINE, pipeline_model_problem
+from tenfold.capabilities import pipeline_model_problem
 from tenfold.engine.distributed import DistInfo
 from tenfold.errors import UserError
 from tenfold.models.adapter import ModelAdapter
