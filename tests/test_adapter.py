@@ -149,10 +149,13 @@ def test_logits_of_accepts_tensor_object_and_tuple():
         logits_of({"x": 1})
 
 
-def _cfg(**sections):
+def _run(**sections):
+    """The resolved run of a config (on as many processes as its pipeline has stages)."""
     from tenfold.config import build_config
+    from tenfold.run import resolve_run
 
-    return build_config(sections)
+    cfg = build_config(sections)
+    return resolve_run(cfg, cfg.parallel.pp_degree, check=False)
 
 
 @pytest.mark.parametrize("policy", ["full", "every:2", "segments:2", "selective:mlp"])
@@ -160,23 +163,23 @@ def test_recompute_needs_blocks(policy):
     a = adapt(NoBlocks(), SEQ)
     assert a.blocks == []
     with pytest.raises(UserError, match=r"--blocks ClassName"):
-        check_techniques(a, _cfg(recompute={"policy": policy}))
+        check_techniques(a, _run(recompute={"policy": policy}))
 
 
 def test_zero3_needs_blocks_and_pipeline_needs_tenfold_gpt():
     a = adapt(NoBlocks(), SEQ)
     with pytest.raises(UserError, match=r"zero_stage 3.*--blocks"):
-        check_techniques(a, _cfg(parallel={"zero_stage": 3}))
-    check_techniques(a, _cfg(parallel={"zero_stage": 2}))  # one FSDP2 unit (the root) is fine
+        check_techniques(a, _run(parallel={"zero_stage": 3}))
+    check_techniques(a, _run(parallel={"zero_stage": 2}))  # one FSDP2 unit (the root) is fine
     with pytest.raises(UserError, match=r"pp_degree 2.*cannot be split"):
-        check_techniques(adapt(MyLM(), SEQ), _cfg(parallel={"pp_degree": 2}))
+        check_techniques(adapt(MyLM(), SEQ), _run(parallel={"pp_degree": 2}))
 
 
 def test_selective_attention_on_a_block_without_attention_core():
     a = adapt(MyLM(), SEQ)
-    check_techniques(a, _cfg(recompute={"policy": "selective:mlp"}))  # MyBlock.mlp exists
+    check_techniques(a, _run(recompute={"policy": "selective:mlp"}))  # MyBlock.mlp exists
     with pytest.raises(UserError, match=r"selective:attention.*Possible for this model: selective:mlp, full"):
-        check_techniques(a, _cfg(recompute={"policy": "selective"}))
+        check_techniques(a, _run(recompute={"policy": "selective"}))
 
 
 def test_trainer_refuses_full_recompute_without_blocks(tmp_path):

@@ -138,11 +138,13 @@ def test_pipeline_and_unknown_blocks_are_user_errors(tmp_path):
     from tenfold.engine.parallelize import check_techniques
     from tenfold.models.adapter import adapt
     from tenfold.models.hf import build_hf_model
+    from tenfold.run import resolve_run
 
-    check_techniques(adapt(build_hf_model(hf_config=str(LLAMA)), 32), build_config({"parallel": {"pp_degree": 2}}))
+    two_stages = resolve_run(build_config({"parallel": {"pp_degree": 2}}), 2, check=False)
+    check_techniques(adapt(build_hf_model(hf_config=str(LLAMA)), 32), two_stages)
     a = adapt(build_hf_model(hf_config=str(GPT2)), 32)  # not of the Llama layout the split cuts
     with pytest.raises(UserError, match=r"pp_degree 2.*model_types llama, mistral, qwen2.*'gpt2' cannot be split"):
-        check_techniques(a, build_config({"parallel": {"pp_degree": 2}}))
+        check_techniques(a, two_stages)
     with pytest.raises(UserError, match=r"'Nope'.*LlamaDecoderLayer"):
         Trainer(hf_config(tmp_path / "b", LLAMA, model={"blocks": "Nope"})).setup()
     with pytest.raises(UserError, match=r"model.n_layers cannot be combined with model.hf_config"):

@@ -15,21 +15,27 @@ capabilities.py) and before FSDP2, whose hooks then run eagerly around the compi
 (techniques/compile.py). Mixed precision is not a wrapper: autocast is entered in the step
 (techniques/precision.py), and under FSDP2 the ZeRO module passes a MixedPrecisionPolicy.
 
-`check_techniques` runs first: every technique the config asks for must fit the model.
+`check_techniques` runs first: every technique the run asks for must fit the model.
+Everything is read from the resolved run (tenfold.run); its `config` only for the knobs the run
+does not carry (float8 emulation, DeepSpeed's bucket and persistence settings for the ZeRO wrappers).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as torch_dist
 import torch.nn as nn
 
-from tenfold.capabilities import ENGINE
-from tenfold.config import TenfoldConfig
+from tenfold.capabilities import pipeline_model_problem
 from tenfold.engine.distributed import DistInfo
 from tenfold.errors import UserError
 from tenfold.models.adapter import ModelAdapter
 from tenfold.run import ResolvedRun
-from tenfold.terms import parse_recompute
+from tenfold.techniques import fp8, recompute, zero
+from tenfold.techniques import tensor_parallel as tp
+from tenfold.techniques.compile import apply_compile, check_supported as check_compile_supported
+from tenfold.techniques.pipeline import split_for_rank
+from tenfold.techniques.pipeline_runner import build_pipelined_model
 
 
 def parallelize(
@@ -41,20 +47,13 @@ def parallelize(
     (None for fp32); FSDP2 (ZeRO-2/3) then gathers parameters in it and reduces in fp32, over
     fp32 sharded master weights (MixedPrecisionPolicy). `kind`: the adapter's model kind, which
     picks the tensor-parallel plan; `tp_plan`: a user's own plan instead."""
-    if run.config.train.compile:  # before any work: no C++ compiler (CPU) or Triton (GPU), no run
-        from tenfold.techniques.compile import check_supported
-
-        check_supported(dist.device.type)
-    if run.config.precision.fp8:  # before any work too: a device without float8 matmuls, no torchao
-        from tenfold.techniques import fp8
-
+    if run.compile:  # before any work: no C++ compiler (CPU) or Triton (GPU), no run
+        check_compile_supported(dist.device.type)
+    if run.fp8:  # before any work too: a device without float8 matmuls, no torchao
         fp8.check_supported(dist.device, run.config.precision.fp8_emulate)
     if dist.tp_size > 1:
         _broadcast_from_rank0(model)  # the tp ranks split one model: it must be the same everywhere
     if dist.pp_size > 1:  # split first; each stage then gets TP + recompute + ZeRO alone
-        from tenfold.techniques.pipeline import split_for_rank
-        from tenfold.techniques.pipeline_runner import build_pipelined_model
-
         split = split_for_rank(model, run, dist, param_dtype)  # stage modules, each with its own blocks
         parts = [_apply_techniques(part, run, dist, part.blocks, param_dtype, kind, tp_plan) for part in split.modules]
         return build_pipelined_model(split, parts, run, dist, param_dtype)
@@ -63,22 +62,14 @@ def parallelize(
 
 def _apply_techniques(model: nn.Module, run: ResolvedRun, dist: DistInfo, blocks, param_dtype, kind: str,
                       tp_plan: dict | None) -> nn.Module:
-    from tenfold.techniques import recompute, zero
-
-    if run.config.precision.fp8:
-        from tenfold.techniques import fp8
-
+    if run.fp8:
         fp8.apply_fp8(model, blocks if blocks is not None else recompute.find_blocks(model), dist.device,
                       run.config.precision.fp8_emulate, fsdp_all_gather=run.zero_stage >= 2 and dist.dp_size > 1)
     if dist.tp_size > 1:
-        from tenfold.techniques import tensor_parallel as tp
-
         tp.apply_tensor_parallel(model, dist.mesh["tp"], tp.plan_for(model, kind, run.sequence_parallel, tp_plan))
     if run.recompute.kind != "none":
         recompute.apply_recompute(model, run.recompute, blocks=blocks)
-    if run.config.train.compile:
-        from tenfold.techniques.compile import apply_compile
-
+    if run.compile:
         apply_compile(model, blocks=blocks)
     return zero.apply_zero(model, run.config.parallel, dist, param_dtype=param_dtype, blocks=blocks)
 
@@ -86,8 +77,6 @@ def _apply_techniques(model: nn.Module, run: ResolvedRun, dist: DistInfo, blocks
 @torch.no_grad()
 def _broadcast_from_rank0(model: nn.Module) -> None:
     """Every rank starts from global rank 0's weights (before any split: plain tensors)."""
-    import torch.distributed as torch_dist
-
     for t in list(model.parameters()) + list(model.buffers()):
         torch_dist.broadcast(t.data, src=0)
 
@@ -95,26 +84,24 @@ def _broadcast_from_rank0(model: nn.Module) -> None:
 # --------------------------------------------------------------------------- technique checks
 
 
-def check_techniques(adapter: ModelAdapter, cfg: TenfoldConfig) -> None:
-    """Every technique the config asks for can be applied to this model, else a UserError
+def check_techniques(adapter: ModelAdapter, run: ResolvedRun) -> None:
+    """Every technique the run asks for can be applied to this model, else a UserError
     (exit 2) naming what is possible. Runs before anything is wrapped."""
-    policy = parse_recompute(cfg.recompute.policy)
+    policy = run.recompute
     if policy.kind != "none":
         adapter.require_blocks(f"recompute.policy {str(policy)!r} (--ac)")
     if policy.kind == "selective":
         _check_selective(adapter, policy.target)
-    if int(cfg.parallel.zero_stage) == 3:
+    if run.zero_stage == 3:
         # ZeRO-3 gathers one unit at a time; without blocks the whole model is one unit and
         # the full parameters are gathered at once: no ZeRO-3 saving. (ZeRO-2 with the root as
         # its only unit still shards gradients and optimizer states, so it is allowed.)
         # Checked on one process too: the error is about the model, not the launch.
         adapter.require_blocks("parallel.zero_stage 3 (--zero 3, FSDP2 one unit per block)")
-    if cfg.precision.fp8:  # the blocks' Linears run in float8; the first and last layers, outside them, do not
+    if run.fp8:  # the blocks' Linears run in float8; the first and last layers, outside them, do not
         adapter.require_blocks("precision.fp8 (--fp8, float8 matmuls in the blocks)")
-    if cfg.parallel.pp_degree > 1:
-        from tenfold.capabilities import pipeline_model_problem
-
-        problem = pipeline_model_problem(cfg.parallel.pp_degree, adapter.kind, adapter.hf_model_type)
+    if run.pp > 1:
+        problem = pipeline_model_problem(run.pp, adapter.kind, adapter.hf_model_type)
         if problem:
             raise UserError(f"{problem} ({adapter.describe()})")
 
@@ -148,8 +135,6 @@ def check_tensor_parallel(model: nn.Module, adapter: ModelAdapter, run: Resolved
         if tp_plan is not None:
             raise UserError("a tensor-parallel plan (tp_plan) was given but parallel.tp_degree (--tp) is 1")
         return
-    from tenfold.techniques import tensor_parallel as tp
-
     plan = tp.plan_for(model, adapter.kind, run.sequence_parallel, tp_plan)
     if tp_plan is None:  # a user's plan may use patterns and keep modules replicated on purpose
         tp.check_plan(model, plan, run.tp)

@@ -24,6 +24,7 @@ Modules:
     reader.py       reading DCP files without running code or leaving the folder
     resume.py       verify -> validate everything -> restore; `--resume auto` fallback
     manager.py      CheckpointManager(out, states={...}): saves, preemption, resume
+    save_files.py   one save's folders on disk: manifest, rename into place, prune, failed saves
 """
 
 from tenfold.engine.checkpoint.layout import (

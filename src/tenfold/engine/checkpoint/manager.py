@@ -15,8 +15,6 @@ Every public method is collective: all ranks call it at the same step boundary.
 
 from __future__ import annotations
 
-import errno
-import os
 import signal
 import sys
 import time
@@ -32,9 +30,10 @@ import torch.distributed.checkpoint as dcp
 from tenfold.engine import distributed as d
 from tenfold.engine.checkpoint import layout as lay
 from tenfold.engine.checkpoint import resume as rs
-from tenfold.engine.checkpoint.reader import inner_error
+from tenfold.engine.checkpoint import save_files as disk
+from tenfold.engine.checkpoint.save_files import SLOW_SAVE_ENV  # noqa: F401 (re-exported)
 from tenfold.engine.safe_files import Folder
-from tenfold.errors import RunError, UserError
+from tenfold.errors import RunError
 
 DCP_STATES = rs.DCP_STATES
 RANK_STATES = rs.RANK_STATES
@@ -43,10 +42,6 @@ _RESERVED = ("step", "world_size", "dp_size", "pp_size", "torch_version")
 # One process is a supported layout, not an accident: DCP's "assuming the intent is to save/load
 # in a single process" warning would print on every save of every single-process run.
 warnings.filterwarnings("ignore", message=r"torch\.distributed is (disabled, )?unavailable or uninitialized")
-
-# Test hook (an environment variable, read at save time): slow the write down so a test can
-# SIGKILL the process in the middle of a save.
-SLOW_SAVE_ENV = "TENFOLD_TEST_SLOW_SAVE"
 
 
 @dataclass
@@ -177,7 +172,7 @@ class CheckpointManager:
         tmp = self.root / f"{lay.TMP_PREFIX}{final.name}"
         pending = _PendingSave(step=step, tmp=tmp, final=final, started=t0, blocked_s=0.0)
         try:
-            d.on_every_rank(lambda: self._make_tmp(tmp.name) if d.rank_now() == 0 else None)
+            d.on_every_rank(lambda: disk.make_tmp(self.root, tmp.name) if d.rank_now() == 0 else None)
             d.on_every_rank(lambda: self._write_side_files(tmp, step))
             state = {k: self.states[k] for k in DCP_STATES if k in self.states}
             kwargs = {"checkpoint_id": tmp, "process_group": d.side_group(), "no_dist": not d.dist_on()}
@@ -185,10 +180,10 @@ class CheckpointManager:
                 pending.future = dcp.async_save(state, **kwargs)
             else:
                 dcp.save(state, **kwargs)
-            _slow_save_hook()
+            disk.slow_save_hook()
         except BaseException as e:
-            self._abandon(tmp, e)
-            raise self._save_error(e, tmp) from e
+            disk.abandon(self.root, tmp, e)
+            raise disk.save_error(self.root, e, tmp) from e
         pending.blocked_s = time.perf_counter() - t0
         self._pending = pending
         if pending.future is None:
@@ -202,16 +197,6 @@ class CheckpointManager:
         names = [b for b in d.all_gather_small(self.states["model"].non_finite_parameter()) if b]
         if names:
             raise RunError(f"refusing to save checkpoint at step {step}: parameter {names[0]} holds NaN/inf")
-
-    def _make_tmp(self, name: str) -> None:
-        """Rank 0: remove leftovers of killed saves (a link is unlinked, never followed), then
-        create the save's own folder."""
-        self.root.mkdir(parents=True, exist_ok=True)
-        with Folder(self.root, follow=True) as root:
-            for entry in root.names():
-                if entry.startswith(lay.TMP_PREFIX):
-                    root.remove(entry)
-            root.mkdir(name)
 
     def _write_side_files(self, tmp: Path, step: int) -> None:
         rank = d.rank_now()
@@ -253,12 +238,13 @@ class CheckpointManager:
         try:
             if p.future is not None:
                 p.future.result()
-            _slow_save_hook()
-            total = self._write_manifest(p)
-            d.on_every_rank(lambda: self._publish(p) if d.rank_now() == 0 else None)
+            disk.slow_save_hook()
+            total = disk.write_manifest(p.tmp, p.step)
+            d.on_every_rank(lambda: disk.publish(self.root, p.tmp, p.final, self.keep_last)
+                            if d.rank_now() == 0 else None)
         except BaseException as e:
-            self._abandon(p.tmp, e)
-            raise self._save_error(e, p.tmp) from e
+            disk.abandon(self.root, p.tmp, e)
+            raise disk.save_error(self.root, e, p.tmp) from e
         seconds = p.blocked_s if p.future is not None else time.perf_counter() - p.started
         result = SaveResult(p.final, p.step, seconds, total)
         self.saves.append(result)
@@ -268,81 +254,6 @@ class CheckpointManager:
             f"{time.perf_counter() - p.started:.2f} s, {seconds:.2f} s blocking)"
         )
         return result
-
-    def _write_manifest(self, p: _PendingSave) -> int:
-        """Every file's size and sha256 (hashed round-robin over ranks), then rank 0 writes
-        the manifest last: a folder without one is an unfinished save."""
-        d.side_barrier()  # every rank's files are on disk
-        with Folder(p.tmp) as folder:
-            names = d.broadcast_small(folder.names() if d.rank_now() == 0 else None)
-            mine = names[d.rank_now():: d.world_now()]
-            part = d.on_every_rank(lambda: lay.digests(folder, mine))
-            files: dict = {}
-            for each in d.all_gather_small(part):
-                files.update(each)
-
-            def write() -> None:
-                if d.rank_now() == 0:
-                    folder.create(lay.MANIFEST, lay.encode_json(lay.manifest_for(p.step, d.world_now(), files)))
-                    folder.fsync()
-
-            d.on_every_rank(write)
-        return sum(v["bytes"] for v in files.values())
-
-    def _publish(self, p: _PendingSave) -> None:
-        """Rank 0: rename .tmp-step_N -> step_N, then update `latest`, then prune."""
-        with Folder(self.root, follow=True) as root:
-            if root.lstat(p.final.name) is not None:  # an older step_N (or a link there): replaced
-                trash = f"{lay.TMP_PREFIX}old-{p.final.name}"
-                root.remove(trash)
-                root.rename(p.final.name, trash)
-                root.rename(p.tmp.name, p.final.name)
-                root.remove(trash)
-            else:
-                root.rename(p.tmp.name, p.final.name)
-            root.fsync()
-            lay.write_latest(root, p.final.name)
-            self._prune(root, keep=p.final.name)
-
-    def _prune(self, root: Folder, keep: str) -> None:
-        """--keep-last: delete the oldest real checkpoint folders (links are left alone)."""
-        if not self.keep_last:
-            return
-        for i, (_, path) in enumerate(lay.list_step_dirs(self.root)):
-            if i >= self.keep_last and path.name != keep:
-                root.remove(path.name)
-
-    def _abandon(self, tmp: Path, err: BaseException) -> None:
-        """A failed save: remove the partial folder; the previous checkpoint and `latest`
-        were never touched. (After Ctrl-C-twice no barrier: the other ranks may not come.)"""
-        if not isinstance(err, (KeyboardInterrupt, SystemExit)):
-            try:
-                d.side_barrier()
-            except Exception:  # noqa: BLE001 - best effort; the error being reported is `err`
-                pass
-        if d.rank_now() == 0:
-            try:
-                with Folder(self.root, follow=True) as root:
-                    root.remove(tmp.name)
-            except (OSError, UserError):
-                pass  # the next save removes it
-
-    def _save_error(self, e: BaseException, tmp: Path) -> BaseException:
-        if isinstance(e, (KeyboardInterrupt, SystemExit, UserError, RunError)):
-            return e
-        os_err = _find_os_error(e)
-        previous = lay.read_latest(self.root)
-        keep = f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint exists"
-        if os_err is not None:
-            what = os.strerror(os_err.errno) if os_err.errno else str(os_err)
-            hint = "; free disk space or set --out elsewhere" if os_err.errno == errno.ENOSPC else ""
-            return lay.CheckpointError(
-                f"checkpoint save to {tmp} failed: {what} (errno {os_err.errno}); removed the "
-                f"partial save; {keep}{hint}"
-            )
-        return lay.CheckpointError(
-            f"checkpoint save to {tmp} failed: {d.first_line(inner_error(e))}; removed the partial save; {keep}"
-        )
 
     def close(self) -> None:
         self.wait()
@@ -370,20 +281,3 @@ class CheckpointManager:
         self.last_saved_step = tstate["step"]
         return tstate
 
-
-def _find_os_error(e: BaseException | None) -> OSError | None:
-    """The OSError (ENOSPC, EACCES, ...) behind a failed save, if there is one."""
-    seen = 0
-    while e is not None and seen < 10:
-        e = inner_error(e)
-        if isinstance(e, OSError):
-            return e
-        e = e.__cause__ or e.__context__
-        seen += 1
-    return None
-
-
-def _slow_save_hook() -> None:
-    delay = os.environ.get(SLOW_SAVE_ENV)
-    if delay:
-        time.sleep(float(delay))

@@ -1,0 +1,195 @@
+"""The run around the steps (`Trainer.fit`): open the outputs (folder, header, resume, metrics,
+progress, signals, watchdog), step until done or preempted (evaluate, log, checkpoint), then
+the summary and exports (engine/run_outputs.py). Reads the run's layout from the resolved run;
+the loop's own settings (steps, logging, checkpoints) from its config.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from tenfold.engine import run_outputs
+from tenfold.engine import summary as run_summary
+from tenfold.engine.checkpoint import CheckpointManager, read_latest
+from tenfold.engine.memory import RunMemory
+from tenfold.engine.metrics import MetricsWriter, peak_memory_bytes
+from tenfold.engine.run_folder import RunFolder
+from tenfold.engine.steady import StepTime
+from tenfold.engine.step_log import StepLog, process_peak_label
+from tenfold.engine.watchdog import start_watchdog
+from tenfold.techniques.compile import CompileClock, compile_failures
+from tenfold.techniques.precision import StepResult
+
+if TYPE_CHECKING:  # the trainer builds a Fit; typing only
+    from tenfold.engine.trainer import Trainer
+
+log = logging.getLogger("tenfold")
+
+
+class Fit:
+    """One `Trainer.fit()` over the trainer's parts and counters (`trainer.state`)."""
+
+    def __init__(self, trainer: Trainer, folder: RunFolder):
+        self.trainer, self.folder = trainer, folder
+        self.cfg, self.run, self.dist, self.state = trainer.cfg, trainer.run, trainer.dist, trainer.state
+        self.out_dir = Path(self.cfg.log.out)
+        self.writer: MetricsWriter | None = None  # none until the outputs are open
+        self.watchdog = None  # engine/watchdog.StepWatchdog while a multi-process fit() runs
+        self.val_loss: float | None = None
+
+    def __call__(self) -> dict:
+        wall_start = time.perf_counter()
+        try:
+            self._open_outputs()
+            with compile_failures(self.run.compile):  # one line, not dynamo's traceback
+                last = self._loop(wall_start)
+            return run_outputs.finish(self, last, time.perf_counter() - wall_start)
+        except BaseException:
+            if self.dist.is_main:  # OUT as it was found, or the run --overwrite replaces kept aside
+                self.folder.failed()
+            raise
+        finally:
+            if self.writer is not None:
+                self.writer.close()  # after finish's final figures
+
+    # ------------------------------------------------------------------ outputs
+
+    def _open_outputs(self) -> None:
+        """Output folder, header, memory prediction, resume, metrics writer, progress bar."""
+        t, main = self.trainer, self.dist.is_main
+        if main:
+            self.folder.open()  # creates OUT; --overwrite moves the earlier run aside
+        self.tokenizer_dir = run_outputs.save_tokenizer(t.data, self.out_dir) if main else None  # OUT/tokenizer
+        self.console = t.console = run_outputs.console(main)
+        self.facts = run_outputs.facts(t)
+        if self.console is not None:
+            self.console.print(run_summary.header_line(self.facts, self.cfg.train.steps, self.dist.dp_size,
+                                                       self.dist.device.type, self.dist.tp_size))
+            self.console.print(f"data: {t.data.describe()}")
+        self.checkpoints = CheckpointManager.from_config(self.cfg, t._checkpoint_states(), self.dist, self.say)
+        saved = self.checkpoints.resume()
+        self.run_memory = RunMemory(t)  # after the resume: it measures this run's second step
+        self.run_memory.announce(self.console)
+        self._check_resumed_batch(saved)
+        self.checkpoints.install_signal_handlers()
+        self.writer = MetricsWriter(self.out_dir, main, self.cfg.log.tensorboard, start_step=self.state.step,
+                                    wandb=run_outputs.start_wandb(self) if main else None)
+        if self.writer.dropped_rows:  # resumed: the rows of the steps about to be redone
+            self.say(f"metrics: {self.writer.dropped_rows} row(s) after step {self.state.step} removed from "
+                     "metrics.jsonl (redone from the checkpoint)")
+        lc = self.cfg.log
+        self.step_log = StepLog(self.console, self.cfg.train.steps, self.state.step, lc.log_every, lc.progress,
+                                peak_label=process_peak_label(self.dist.device.type))
+        self.step_times: list[StepTime] = []
+        self.compile_clock = CompileClock(self.run.compile)  # compile time on its own
+        self.watchdog = start_watchdog(self.cfg, self.dist, self._on_stall)
+
+    def _check_resumed_batch(self, saved: dict | None) -> None:
+        """A resume that changes the global batch (another number of ranks with the default
+        micro-batch, other flags) changes what a step means: say so, and how to keep it."""
+        old, new = self.state.global_batch, self.run.global_batch
+        self.state.global_batch = new
+        if saved is None or not old or old == new:
+            return
+        dp = self.dist.dp_size
+        keep = (f"pass --global-batch {old} to keep it" if old % dp == 0 else
+                f"{old} is not a multiple of this run's {dp} data-parallel ranks, so it cannot be kept here")
+        message = (f"resume: the global batch changes from {old} to {new} sequences per step (saved on "
+                   f"{saved.get('world_size', '?')} rank(s), resumed on {self.dist.world_size}); each step now "
+                   f"takes {new / old:.3g}x the tokens under the same learning-rate schedule; {keep}")
+        if self.dist.is_main:
+            log.warning(f"tenfold: warning: {message}")
+
+    def _on_stall(self, message: str) -> None:
+        """The watchdog fired (its thread; this rank's loop is stuck in a collective): keep what
+        can be kept without the peers. Rank 0 flushes the metrics and writes summary.json
+        with the reason and the checkpoint to resume from."""
+        if not self.dist.is_main:
+            return
+        self.writer.flush()
+        summary = run_summary.build_summary(self.facts, self.state.history, run_outputs.totals(self), {}, 0.0)
+        latest = read_latest(self.checkpoints.root)
+        summary["stopped"] = {"reason": message, "at_step": self.state.step + 1,
+                              "resume_from": str(latest) if latest else None}
+        run_summary.write_json_atomic(self.out_dir / "summary.json", summary)
+
+    def _close_outputs(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.close()
+        self.checkpoints.close()  # finish a background save, restore signal handlers
+        self.step_log.stop()
+
+    def say(self, message: str) -> None:  # one line, main rank only
+        if self.console is not None:
+            self.console.print(message, markup=False, highlight=False)
+
+    # ------------------------------------------------------------------ loop
+
+    def _loop(self, wall_start: float) -> dict:
+        last: dict = {}
+        try:
+            self.step_log.start()
+            while self.state.step < self.cfg.train.steps:
+                last = self._step_and_log(wall_start)  # then a checkpoint: every N, last, SIGTERM
+                stop = self.checkpoints.after_step(self.state.step, last=self.is_last_step())
+                if self.dist.is_main:  # a run it replaces (--overwrite) goes once this one has a checkpoint
+                    self.folder.stepped(saved=bool(self.checkpoints.saves))
+                if stop:
+                    break
+        except BaseException:
+            self.writer.close()  # also when a step fails
+            raise
+        finally:
+            self._close_outputs()
+        return last
+
+    def is_last_step(self) -> bool:
+        return self.state.step == self.cfg.train.steps
+
+    def _step_and_log(self, wall_start: float) -> dict:
+        """One optimizer step: run it, update the counters, evaluate when due, write the
+        metrics row and the progress bar. Returns the row."""
+        t, s = self.trainer, self.state
+        micro_batches = t.loader.next_step()
+        if self.watchdog is not None:
+            self.watchdog.step_started(s.step + 1)
+        c0, t0 = self.compile_clock.seconds(), time.perf_counter()
+        result = self.run_memory.step(s.step + 1, lambda: t.train_step(micro_batches))
+        step_time = time.perf_counter() - t0
+        if self.watchdog is not None:
+            self.watchdog.step_finished(step_time)
+        s.step += 1
+        s.tokens += self.run.tokens_per_step
+        s.skipped += int(result.skipped)
+        s.history.append((s.step, result.loss))
+        self.step_times.append(StepTime(s.step, step_time, self.run.tokens_per_step,
+                                        instrumented=self.run_memory.measured_step == s.step,
+                                        compile_s=self.compile_clock.seconds() - c0))
+        row = self._metrics_row(result, step_time, time.perf_counter() - wall_start)
+        every = self.cfg.train.eval_every
+        if (every and s.step % every == 0) or self.is_last_step():
+            self.val_loss = row["val_loss"] = t.evaluate()
+            if self.val_loss is not None:
+                self.writer.log_eval(s.step, self.val_loss)
+        if s.step % self.cfg.log.log_every == 0 or self.is_last_step():
+            self.writer.log_step(row)
+        self.step_log.update(row)
+        return row
+
+    def _metrics_row(self, result: StepResult, step_time: float, elapsed: float) -> dict:
+        t = self.trainer
+        tps = self.run.tokens_per_step / step_time
+        row = {
+            "step": self.state.step, "loss": result.loss, "lr": t.optimizer.param_groups[0]["lr"],
+            "grad_norm": result.grad_norm, "tokens_per_s": tps,
+            "mfu": run_summary.mfu(t.flops_per_token, tps, self.facts.peak_flops_per_device, self.dist.world_size)[0],
+            "loss_scale": t.scaler.scale, "skipped": self.state.skipped,
+            "peak_mem_bytes": peak_memory_bytes(self.dist.device), "step_time_s": step_time,
+            "tokens": self.state.tokens, "elapsed_s": elapsed,
+        }
+        if self.dist.pp_size > 1:  # per-device tokens/s; rank 0's bubble vs (P-1)/m
+            row.update(t.model.step_metrics(tps, self.dist.world_size))
+        return row

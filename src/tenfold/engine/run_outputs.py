@@ -1,0 +1,123 @@
+"""What a training run writes besides the metrics: the run's facts (header and summary.json),
+summary.json itself, the 16-bit and Hugging Face exports, the tokenizer, the closing lines.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from rich.console import Console
+
+from tenfold.engine import summary as run_summary
+from tenfold.engine import wandb_log
+from tenfold.engine.export import export_after_training
+from tenfold.engine.peak import peak_source
+from tenfold.engine.run_folder import replace_folder
+from tenfold.models.hf import save_hf_pretrained
+
+if TYPE_CHECKING:  # typing only: both import this module
+    from tenfold.engine.fit import Fit
+    from tenfold.engine.trainer import Trainer
+
+
+def console(main: bool) -> Console | None:
+    if not main:
+        return None
+    return Console(soft_wrap=True)  # a line stays one line in a log file; tables keep their width
+
+
+def facts(t: Trainer) -> run_summary.RunFacts:
+    r = t.run
+    peak, mfu_note = t.mfu_peak()
+    return run_summary.RunFacts(
+        config=t.cfg.to_dict(), model_label=model_label(t),
+        blocks=f"{len(t.adapter.blocks)} x {t.adapter.block_class}", params=t.param_count,
+        flops_per_token=t.flops_per_token, device=str(t.dist.device), world_size=t.dist.world_size,
+        dtype=t.dtype_name, peak_flops_per_device=peak, mfu_note=mfu_note, peak_source=peak_source(t.dist.device.type),
+        batch=r.batch_summary(), layout=r.layout(), layout_line=r.layout_line(),
+    )
+
+
+def model_label(t: Trainer) -> str:  # preset name, HF config path or the user's class
+    m = t.cfg.model
+    if t.user_model is not None:
+        return type(t.user_model).__name__
+    return m.hf_pretrained or m.hf_config or m.name
+
+
+def totals(fit: Fit) -> dict:  # the counters summary.json reports
+    s = fit.state
+    return {"steps": s.step, "tokens": s.tokens, "skipped_steps": s.skipped, "val_loss": fit.val_loss,
+            "loss_scale": fit.trainer.scaler.scale, "compile_s": fit.compile_clock.report()}
+
+
+def start_wandb(fit: Fit):
+    if not fit.cfg.log.wandb:
+        return None
+    return wandb_log.start(fit.cfg.log, fit.cfg.to_dict(), fit.out_dir, fit.state.step, fit.say)
+
+
+def finish(fit: Fit, last: dict, wall: float) -> dict:
+    """summary.json (rank 0), the requested exports, the summary table."""
+    t, s = fit.trainer, fit.state
+    summary = run_summary.build_summary(fit.facts, s.history, totals(fit), last, wall, fit.step_times)
+    if fit.dist.pp_size > 1:  # split, measured bubble per stage vs (P-1)/m
+        summary["pipeline"] = t.model.report(fit.dist)
+    summary["memory"].update(fit.run_memory.summary())
+    summary.update(exports(fit))
+    summary["tokenizer"] = tokenizer_summary(t.data, fit.tokenizer_dir, summary.get("hf_export"))
+    fit.writer.log_final(summary["final"])
+    if fit.dist.is_main:
+        run_summary.write_json_atomic(fit.out_dir / "summary.json", summary)
+        fit.console.print(run_summary.summary_table(summary, fit.out_dir))
+        fit.console.print(run_summary.outputs_text(written_paths(fit, summary)), soft_wrap=True, highlight=False)
+        fit.folder.commit()  # finished: the run --overwrite replaces goes now
+    return summary
+
+
+def written_paths(fit: Fit, summary: dict) -> list[tuple[str, str]]:
+    """(path, what it is) of every file or folder this run wrote, for the closing lines."""
+    out = [(str(fit.out_dir / "summary.json"), "final figures, resolved config, memory")]
+    out += [(str(path), what) for path, what in fit.writer.paths.values()]
+    saves = fit.checkpoints.saves
+    if saves:
+        out.append((str(saves[-1].path), f"checkpoint of step {saves[-1].step}"))
+    if summary.get("export"):
+        out.append((summary["export"], "16-bit weights (checkpoint.export_16bit)"))
+    if summary.get("hf_export"):
+        out.append((summary["hf_export"], "Hugging Face save_pretrained folder"))
+    if fit.tokenizer_dir is not None:
+        out.append((str(fit.tokenizer_dir), "the tokenizer that made the token ids"))
+    return out
+
+
+def exports(fit: Fit) -> dict:
+    """The 16-bit safetensors export (DeepSpeed's stage3_gather_16bit_weights_on_model_save)
+    and, for a Hugging Face model, its save_pretrained folder. Every rank takes part."""
+    t, out_dir = fit.trainer, fit.out_dir
+    out: dict = {}
+    if fit.cfg.checkpoint.export_16bit and fit.is_last_step():
+        final = fit.checkpoints.save_final(fit.state.step)  # the trainer exports, not the manager
+        exported = export_after_training(out_dir, final, t.dtype_name, log=fit.say)
+        out["export"] = exported["safetensors"] if exported else str(out_dir / "model.safetensors")
+    if t.adapter.kind == "hf":
+        save_hf_pretrained(t.model, out_dir / "hf", fit.dist.is_main)
+        out["hf_export"] = str(out_dir / "hf")
+    return out
+
+
+def save_tokenizer(data: Any, out_dir: Path) -> Path | None:
+    """OUT/tokenizer: the tokenizer that made the ids, written under a fresh scratch name and
+    renamed into place (the tokenizers library follows links; a link there is replaced)."""
+    if not hasattr(data, "save_tokenizer"):
+        return None
+    return replace_folder(out_dir, "tokenizer", data.save_tokenizer)
+
+
+def tokenizer_summary(data: Any, saved: Path | None, hf_dir: str | None) -> dict | None:
+    """summary.json's record of the tokenizer; a copy goes beside the HF weights."""
+    if saved is not None and hf_dir:
+        data.save_tokenizer(hf_dir)
+    record = data.tokenizer_record() if hasattr(data, "tokenizer_record") else None
+    return {**record, "saved": str(saved) if saved else None} if record else None
