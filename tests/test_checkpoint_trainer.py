@@ -87,7 +87,7 @@ def test_export_16bit_at_end_of_training(tmp_path):
 
 SIGTERM_SCRIPT = """
 import sys, time
-from conftest import CLI_MODEL_SHAPE, cli_train, text_corpus
+from tenfold import cli
 import tenfold.engine.checkpoint as ck
 real = ck.CheckpointManager.after_step
 def slow_after_step(self, step, last=False):
