@@ -147,7 +147,7 @@ def test_packed_examples_attend_only_to_themselves(tmp_path, hf_dir, pc_file):
 
 
 def test_finetune_records_the_tokenizer_and_exports_a_folder_that_generates(tmp_path, hf_dir, pc_file):
-    """The issue's fine-tuning path end to end: `--hf-pretrained` on prompt/completion JSONL
+    """The fine-tuning path end to end: `--hf-pretrained` on prompt/completion JSONL
     trains with the folder's tokenizer (named in summary.json, saved in OUT/tokenizer), and
     both the run's OUT/hf and `tenfold export` load in transformers and generate."""
     from transformers import AutoModelForCausalLM, AutoTokenizer

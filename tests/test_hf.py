@@ -147,7 +147,7 @@ def test_export_loads_in_transformers_with_the_same_logits_and_resumes_as_pretra
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
 def test_two_ranks_zero3_full_recompute_match_one_process(tmp_path, name):
-    """The issue's "done when": `tenfold train --hf-config ... --nproc 2 --zero 3 --ac full`
+    """`tenfold train --hf-config ... --nproc 2 --zero 3 --ac full`
     gives the single-process loss curve (fp32, rel 1e-4) and its export loads in transformers
     with the single-process model's logits. persistence threshold 0: every block is really
     resharded after forward and re-gathered inside the recomputed forward."""

@@ -1,4 +1,4 @@
-"""`tenfold plan` as a user runs it: the issue's "Done when" lines, JSON keys, bad input -> 2."""
+"""`tenfold plan` as a user runs it: the promised outputs, JSON keys, bad input -> 2."""
 
 from __future__ import annotations
 
