@@ -224,6 +224,7 @@ KILLED = textwrap.dedent(
     """
     import sys
     sys.path.insert(0, {tests!r})
+    from conftest import cli_train
     from pathlib import Path
     sys.exit(cli_train(Path({out!r}), Path({data!r}), "--checkpoint-every", "3", "--steps", "100000"))
     """
@@ -279,6 +280,7 @@ READ_ONLY = textwrap.dedent(
     """
     import subprocess, sys
     sys.path.insert(0, {tests!r})
+    from conftest import cli_train
     from pathlib import Path
     import tenfold.data
     def built(*a, **k):
