@@ -3,12 +3,12 @@
 #   make test   install into .venv and run the test suite
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# A CPU wheel of this release is on local disk here; on a GPU box pip takes the CUDA build.
+# On a CPU-only machine install a CPU wheel of this release first; on a GPU box pip takes the CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 
-# Python 3.10, the lowest Python tenfold supports. Only torch-free tests run there: no torch
-# 2.13 CPU wheel for CPython 3.10 is on this machine's disk, and the package index holds only
-# the CUDA build (plus gigabytes of CUDA libraries). Every module is still byte-compiled by 3.10.
+# Python 3.10, the lowest Python tenfold supports. Only the torch-free tests run there (the
+# package index's torch 2.13 for CPython 3.10 is the CUDA build, gigabytes of CUDA libraries);
+# every module is still byte-compiled by 3.10.
 PY310 ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.10*/bin/python) python3.10)
 VENV310 ?= .venv310
 TESTS_WITHOUT_TORCH := tests/test_cli_config.py tests/test_fuzz_cli.py tests/test_deepspeed_json.py tests/test_plan_validation.py
@@ -35,8 +35,9 @@ demo: install
 	@echo "  tenfold plan --model tiny --gpu cpu --micro-batch 8 --seq-len 256  # the planner's forecast of this run"
 	@echo "More in README.md; examples/ has a TOML config, the recipe's DeepSpeed JSON and a SLURM script."
 
+# --durations: the 25 slowest tests in the output, so a test that grows slow is visible in CI
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 # Unit tests only: no test that starts several processes, no multi-minute test (a few minutes).
 test-fast: install
@@ -53,9 +54,9 @@ $(VENV310)/.installed: pyproject.toml
 	$(VENV310)/bin/python -m pip install -q "pydantic>=2.5" "rich>=13" "hjson>=3.0" "tomli>=1.1" "tomli-w>=1.0" "pytest>=7" "hypothesis>=6.100"
 	touch $@
 
-# On a CUDA machine: the ~1B preset on one GPU, ZeRO-Offload and FP8 on one, then ZeRO-3, TP, HSDP and a
-# Hugging Face pipeline on several, within
-# 8 minutes; results in gpu_check.json (benchmarks/gpu_check.py, docs/benchmarks.md)
+# On a CUDA machine: the ~1B preset on one GPU, ZeRO-Offload and FP8 on one, then ZeRO-3, TP, HSDP
+# and a Hugging Face pipeline on several, within 8 minutes; results in gpu_check.json
+# (benchmarks/gpu_check.py, docs/benchmarks.md)
 gpu-check: install
 	$(PY) benchmarks/gpu_check.py --out gpu_check.json
 

@@ -38,7 +38,7 @@ def run(model: str, precision: str, micro: int, seq: int, steps: int, compiled: 
 
 
 def add_shape_arguments(p: argparse.ArgumentParser) -> None:
-    """The run the issue's MFU figure is about: small, bf16, micro-batch 8, sequence 256."""
+    """The run of the MFU figure in docs/benchmarks.md: small, bf16, micro-batch 8, sequence 256."""
     p.add_argument("--model", default="small")
     p.add_argument("--precision", default="bf16")
     p.add_argument("--micro-batch", type=int, default=8)

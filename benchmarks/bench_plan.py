@@ -1,4 +1,4 @@
-"""How fast the planner answers (the issue: `tenfold plan` well under a second, `--search`
+"""How fast the planner answers (targets: `tenfold plan` well under a second, `--search`
 under 2 s for GPT-3 175B on 1024 A100s), and how its time model compares with Narayanan et
 al. 2021 Table 1 (the calibration set). Run: python benchmarks/bench_plan.py
 

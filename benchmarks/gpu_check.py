@@ -21,7 +21,7 @@ default data, the final checkpoint and exports off:
   hf_pp    a Hugging Face Llama (a ~1B config.json written here, random weights) in 2 pipeline
            stages with ZeRO-1 (2 or more GPUs)
 
-Targets (issue text, H100-class GPU): MFU >= 45%, predicted peak memory within 10% of the
+Targets (H100-class GPU): MFU >= 45%, predicted peak memory within 10% of the
 measured one. Each check gets what is left of the 8-minute budget (`--budget-s`); one that
 runs out is recorded as `timeout`, the others still run. Without CUDA nothing is trained: the
 file records why (CI runs only the argument and schema checks, tests/test_gpu_check.py).

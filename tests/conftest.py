@@ -1,8 +1,15 @@
-"""Shared test helpers: a very small model shape so that CPU tests stay fast."""
+"""Shared test helpers: a very small model shape so that CPU tests stay fast, and the ways the
+tests start `tenfold` (in this process, in a child process, under torchrun). Torch-free at
+import, as the Python 3.10 run (make test-py310) loads this file without torch; test modules
+import these helpers with `from conftest import ...`, never from one another."""
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -40,6 +47,120 @@ def table_text(text: str) -> str:
 
 def read_metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+# --------------------------------------------------------------------------- running tenfold
+
+HERE = Path(__file__).parent
+TENFOLD = [sys.executable, "-m", "tenfold", "train"]
+RUN_FLAGS = SMALL_FLAGS + ["--seed", "7", "--set", "train.eval_every=0"]
+
+# Tolerances of a multi-process run against one process: fp32 rel 1e-5 (only the order of the
+# fp32 reductions differs); bf16 rel 2e-3 (autocast rounds matmul inputs to an 8-bit mantissa,
+# 2^-8 = 3.9e-3 per element, and the ranks round their half-batch sums differently).
+FP32_RTOL, BF16_RTOL = 1e-5, 2e-3
+
+
+def tenfold_child(*args: str, timeout: int = 240, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`python -m tenfold ARGS` in a child process, output captured; `env` adds variables."""
+    return subprocess.run([sys.executable, "-m", "tenfold", *args], env={**os.environ, **(env or {})},
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def hf_cli(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
+    """`tenfold ARGS` in a child process with the Hugging Face hub offline and one OpenMP thread."""
+    return tenfold_child(*args, timeout=timeout, env={"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
+
+
+def train_summary(out: Path, *flags: str, timeout: int = 400) -> dict:
+    """`tenfold train` of the small model (fp32, seed 7, micro-batch 2) in a child process; its
+    summary.json. `flags` add --steps, --grad-accum, the parallel layout."""
+    proc = tenfold_child("train", "--seed", "7", "--precision", "fp32", "--micro-batch", "2",
+                         "--out", str(out), *SMALL_FLAGS, *flags, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads((out / "summary.json").read_text())
+
+
+def torchrun(mode: str, tmp_path: Path, nproc: int = 2, timeout: int = 240, worker: str = "zero_worker.py") -> dict:
+    """tests/workers/WORKER MODE under torchrun on `nproc` local ranks; the JSON rank 0 writes."""
+    out = tmp_path / f"{mode}-{nproc}.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+           str(HERE / "workers" / worker), mode, str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return json.loads(out.read_text())
+
+
+def rel_err(a: list[float], b: list[float]) -> float:
+    assert len(a) == len(b)
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+
+
+CLI_MODEL_SHAPE = {"n_layers": 2, "d_model": 32, "n_heads": 2, "d_ff": 64, "max_seq_len": 16}
+
+
+def text_corpus(folder: Path) -> Path:
+    """A 6000-word text file of code-like words (numpy's seeded generator): a corpus in seconds."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    words = ["def", "return", "self", "import", "class", "for", "in", "if", "else", "x", "y", "(", ")", ":"]
+    path = folder / "corpus.txt"
+    path.write_text(" ".join(rng.choice(words, size=6000)))
+    return path
+
+
+def cli_train(out: Path, data: Path, *extra: str) -> int:
+    """`tenfold train` in this process: a 2-layer model, fp32, seq 16, micro-batch 2 x accum 2."""
+    from tenfold import cli
+
+    return cli.main([
+        "train", "--out", str(out), "--data", str(data), "--seq-len", "16", "--micro-batch", "2",
+        "--grad-accum", "2", "--precision", "fp32", "--eval-every", "0", "--lr", "1e-2",
+        "--no-progress", "--set", "log.tensorboard=false",
+        *[f"--set=model.{k}={v}" for k, v in CLI_MODEL_SHAPE.items()], *extra,
+    ])
+
+
+def one_line(text: str) -> str:
+    """The single non-empty line of `text` (a user error), with no traceback."""
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    assert len(lines) == 1, text
+    assert "Traceback" not in text
+    return lines[0]
+
+
+def private_mount_prefix() -> list[str] | None:
+    """A command prefix that runs a child in its own mount namespace where it may mount a
+    tmpfs (root, or an unprivileged user namespace); None when neither is permitted."""
+    if not shutil.which("unshare"):
+        return None
+    for prefix in (["unshare", "--mount"], ["unshare", "--user", "--map-root-user", "--mount"]):
+        probe = subprocess.run([*prefix, "sh", "-c", "mount -t tmpfs -o size=64k tmpfs /mnt"],
+                               capture_output=True, timeout=30)
+        if probe.returncode == 0:
+            return prefix
+    return None
+
+
+def child_pids(pid: int) -> list[int]:
+    out = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        out += [int(c) for c in (task / "children").read_text().split()]
+    return out
+
+
+def rank_of(pid: int) -> int | None:
+    """The RANK a process was started with (torchrun sets it), None when unreadable."""
+    try:
+        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    for item in env:
+        if item.startswith(b"RANK="):
+            return int(item[5:])
+    return None
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as torch_dist
 import torch.multiprocessing as mp
 
-import test_checkpoint as t
+import plain_loop as t
 from tenfold.engine.distributed import shutdown
 
 WORLD = 2

@@ -5,12 +5,12 @@ files, as an attacker who hands you a checkpoint would do, so the sha256 check a
 catch it. Through `tenfold train` / `tenfold export` (the paths users take):
 
 * manifest entries outside the folder (`../../../../dev/zero`, `/dev/zero`, a link to it) are
-  refused in well under 5 s, one line, exit 2 (they used to make the hash read forever);
-* DCP `.metadata` whose storage file is `../step_3/__0_0.distcp` is refused (it used to resume
-  "from step 6" with step 3's weights), and a `.metadata` pickle with code is one line;
+  refused in well under 5 s, one line, exit 2 (a hash would read them forever);
+* DCP `.metadata` whose storage file is `../step_3/__0_0.distcp` is refused (else the run would
+  resume "from step 6" with step 3's weights), and a `.metadata` pickle with code is one line;
 * `--resume` on a regular file is one line, exit 2;
 * a rank state file without `rng.numpy`: `--resume auto` falls back to the previous checkpoint
-  naming the file, `--resume PATH` exits 2 (it used to be KeyError, exit 1); the same for
+  naming the file, `--resume PATH` exits 2 (not a KeyError, exit 1); the same for
   every kind of malformed manifest, metadata, rank state and trainer state, with nothing of
   the run changed by a refused checkpoint;
 * links planted in OUT/checkpoints (`.tmp-latest`, `.tmp-step_N`, a step folder) are never
@@ -33,8 +33,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import test_checkpoint as t
-import test_checkpoint_trainer as ct
+import plain_loop as t
+from conftest import cli_train, one_line, private_mount_prefix, text_corpus
 from tenfold.engine import checkpoint as ck
 from tenfold.errors import UserError
 
@@ -45,9 +45,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def saved_run(tmp_path_factory):
     """A run trained through `tenfold train` to step 6 with checkpoints at 3 and 6."""
     base = tmp_path_factory.mktemp("hardening")
-    data = ct._text_file(base)
+    data = text_corpus(base)
     out = base / "run"
-    assert ct._cli_train(out, data, "--checkpoint-every", "3", "--steps", "6") == 0
+    assert cli_train(out, data, "--checkpoint-every", "3", "--steps", "6") == 0
     return out, data
 
 
@@ -72,13 +72,6 @@ def reseal(ckpt: Path, extra: dict | None = None) -> None:
     mpath.write_text(json.dumps(manifest))
 
 
-def one_line(text: str) -> str:
-    lines = [line for line in text.strip().splitlines() if line.strip()]
-    assert len(lines) == 1, text
-    assert "Traceback" not in text
-    return lines[0]
-
-
 @pytest.fixture(autouse=True)
 def wide_console(monkeypatch):
     """rich wraps the log at the terminal width; one log line per line here."""
@@ -86,7 +79,7 @@ def wide_console(monkeypatch):
 
 
 def train_cli(out: Path, data: Path, *extra: str) -> int:
-    return ct._cli_train(out, data, "--checkpoint-every", "3", *extra)
+    return cli_train(out, data, "--checkpoint-every", "3", *extra)
 
 
 # --------------------------------------------------------------------------- manifest entries
@@ -370,7 +363,7 @@ FULL_DISK = textwrap.dedent(
     from pathlib import Path
     import torch
     torch.set_num_threads(1)
-    import test_checkpoint as t
+    import plain_loop as t
     from tenfold.errors import UserError
     mnt = Path({mnt!r})
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size={size}", "tmpfs", str(mnt)], check=True)
@@ -389,21 +382,8 @@ FULL_DISK = textwrap.dedent(
 )
 
 
-def _private_mount_prefix() -> list[str] | None:
-    """A command prefix that runs a child in its own mount namespace where it may mount a
-    tmpfs (root, or an unprivileged user namespace); None when neither is permitted."""
-    if not shutil.which("unshare"):
-        return None
-    for prefix in (["unshare", "--mount"], ["unshare", "--user", "--map-root-user", "--mount"]):
-        probe = subprocess.run([*prefix, "sh", "-c", "mount -t tmpfs -o size=64k tmpfs /mnt"],
-                               capture_output=True, timeout=30)
-        if probe.returncode == 0:
-            return prefix
-    return None
-
-
 def test_real_full_disk_keeps_the_previous_checkpoint(tmp_path):
-    prefix = _private_mount_prefix()
+    prefix = private_mount_prefix()
     if prefix is None:
         pytest.skip("cannot mount a small tmpfs here (needs root or unprivileged user namespaces + unshare)")
     size = sum(f.stat().st_size for f in _one_checkpoint(tmp_path / "probe").iterdir())

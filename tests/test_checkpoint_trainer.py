@@ -1,4 +1,4 @@
-"""The issue's "Done when", checked through tenfold's own trainer:
+"""Checkpoint and resume through tenfold's own trainer:
 
 * `tenfold train ... --checkpoint-every 3 --steps 6` equals `--steps 3` followed by
   `--steps 6 --resume auto` in the same --out (rel. 1e-6 on the losses of steps 4-6; they
@@ -24,30 +24,14 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from tenfold import cli
+from conftest import CLI_MODEL_SHAPE, cli_train, text_corpus
 from tenfold.engine import checkpoint as ck
 
 MODEL = {"name": "tiny", "n_layers": 2, "d_model": 32, "n_heads": 2, "d_ff": 64, "vocab_size": 64, "max_seq_len": 16}
-CLI_MODEL = [f"--set=model.{k}={v}" for k, v in MODEL.items() if k not in ("name", "vocab_size")]
+CLI_MODEL = [f"--set=model.{k}={v}" for k, v in CLI_MODEL_SHAPE.items()]
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def _text_file(tmp_path: Path) -> Path:
-    rng = np.random.default_rng(0)
-    words = ["def", "return", "self", "import", "class", "for", "in", "if", "else", "x", "y", "(", ")", ":"]
-    path = tmp_path / "corpus.txt"
-    path.write_text(" ".join(rng.choice(words, size=6000)))
-    return path
-
-
-def _cli_train(out: Path, data: Path, *extra: str) -> int:
-    return cli.main([
-        "train", "--out", str(out), "--data", str(data), "--seq-len", "16", "--micro-batch", "2",
-        "--grad-accum", "2", "--precision", "fp32", "--eval-every", "0", "--lr", "1e-2",
-        "--no-progress", "--set", "log.tensorboard=false", *CLI_MODEL, *extra,
-    ])
 
 
 def _metrics_losses(out: Path) -> dict[int, float]:
@@ -60,12 +44,12 @@ def _rel_close(a: list[float], b: list[float], rel: float) -> bool:
 
 
 def test_done_when_cli_resume_auto_equals_uninterrupted(tmp_path):
-    data = _text_file(tmp_path)
+    data = text_corpus(tmp_path)
     full, split = tmp_path / "full", tmp_path / "split"
-    assert _cli_train(full, data, "--checkpoint-every", "3", "--steps", "6") == 0
-    assert _cli_train(split, data, "--checkpoint-every", "3", "--steps", "3") == 0
+    assert cli_train(full, data, "--checkpoint-every", "3", "--steps", "6") == 0
+    assert cli_train(split, data, "--checkpoint-every", "3", "--steps", "3") == 0
     assert ck.read_latest(split / "checkpoints") == split / "checkpoints" / "step_3"
-    assert _cli_train(split, data, "--checkpoint-every", "3", "--steps", "6", "--resume", "auto") == 0
+    assert cli_train(split, data, "--checkpoint-every", "3", "--steps", "6", "--resume", "auto") == 0
     want, got = _metrics_losses(full), _metrics_losses(split)
     assert sorted(got) == [1, 2, 3, 4, 5, 6]  # metrics.jsonl is appended across the two runs
     assert _rel_close([got[s] for s in (4, 5, 6)], [want[s] for s in (4, 5, 6)], 1e-6)
@@ -79,12 +63,12 @@ def test_done_when_cli_resume_auto_equals_uninterrupted(tmp_path):
 
 
 def test_cli_keep_last_and_bad_resume_path(tmp_path, capsys):
-    data = _text_file(tmp_path)
+    data = text_corpus(tmp_path)
     out = tmp_path / "run"
-    assert _cli_train(out, data, "--checkpoint-every", "1", "--keep-last", "2", "--steps", "4") == 0
+    assert cli_train(out, data, "--checkpoint-every", "1", "--keep-last", "2", "--steps", "4") == 0
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["latest", "step_3", "step_4"]
     capsys.readouterr()
-    assert _cli_train(out, data, "--steps", "6", "--resume", str(tmp_path / "nope")) == 2
+    assert cli_train(out, data, "--steps", "6", "--resume", str(tmp_path / "nope")) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "checkpoint not found" in err
 
@@ -92,9 +76,9 @@ def test_cli_keep_last_and_bad_resume_path(tmp_path, capsys):
 def test_export_16bit_at_end_of_training(tmp_path):
     from safetensors.torch import load_file
 
-    data = _text_file(tmp_path)
+    data = text_corpus(tmp_path)
     out = tmp_path / "run"
-    assert _cli_train(out, data, "--steps", "2", "--set", "checkpoint.export_16bit=true") == 0
+    assert cli_train(out, data, "--steps", "2", "--set", "checkpoint.export_16bit=true") == 0
     weights = load_file(str(out / "model.safetensors"))
     assert weights and all(w.dtype == torch.bfloat16 for w in weights.values())
     assert (out / "checkpoints" / "step_2").is_dir()  # the export reads the final checkpoint
@@ -117,7 +101,7 @@ sys.exit(cli.main(sys.argv[1:]))
 
 
 def test_sigterm_saves_once_and_exits_cleanly(tmp_path):
-    data = _text_file(tmp_path)
+    data = text_corpus(tmp_path)
     out = tmp_path / "run"
     args = ["train", "--out", str(out), "--data", str(data), "--seq-len", "16", "--micro-batch", "2",
             "--precision", "fp32", "--eval-every", "0", "--no-progress", "--set", "log.tensorboard=false",
@@ -279,13 +263,13 @@ def test_on_nan_stop_names_the_step_and_keeps_last_good_checkpoint(tmp_path):
 def test_fp16_loss_scale_and_schedule_continue(tmp_path):
     """The dynamic loss scaler (window 2: its scale moves every other step) and the LR
     warm-up continue across --resume exactly as in the uninterrupted run."""
-    data = _text_file(tmp_path)
+    data = text_corpus(tmp_path)
     fp16 = ["--precision", "fp16", "--set", "precision.loss_scale_window=2",
             "--set", "precision.initial_scale_power=4", "--checkpoint-every", "3"]
     full, split = tmp_path / "full", tmp_path / "split"
-    assert _cli_train(full, data, *fp16, "--steps", "6") == 0
-    assert _cli_train(split, data, *fp16, "--steps", "3") == 0
-    assert _cli_train(split, data, *fp16, "--steps", "6", "--resume", "auto") == 0
+    assert cli_train(full, data, *fp16, "--steps", "6") == 0
+    assert cli_train(split, data, *fp16, "--steps", "3") == 0
+    assert cli_train(split, data, *fp16, "--steps", "6", "--resume", "auto") == 0
 
     def rows(out):
         return {r["step"]: (r["loss"], r["lr"], r["loss_scale"]) for r in

@@ -8,14 +8,12 @@ the cache (no compile time, nothing tested)."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import SMALL_FLAGS, table_text
+from conftest import SMALL_FLAGS, table_text, tenfold_child
 from tenfold.engine.steady import StepTime, steady_state
 from tenfold.errors import UserError
 from tenfold.techniques import compile as tc
@@ -33,9 +31,8 @@ BF16_REL = 2e-2
 
 
 def train(out: Path, *extra: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
-    return subprocess.run([sys.executable, "-m", "tenfold", "train", *FLAGS, *extra, "--out", str(out)],
-                          capture_output=True, text=True, timeout=600, env=env)
+    return tenfold_child("train", *FLAGS, *extra, "--out", str(out), timeout=600,
+                         env={"OMP_NUM_THREADS": "1", **(env or {})})
 
 
 def summary(out: Path, *extra: str) -> dict:

@@ -1,8 +1,8 @@
 """`tenfold train --nproc N` (engine/launch.py) and the failure handling of
 engine/distributed.py: the real CLI under torchrun's agent on gloo.
 
-* the recipe's DeepSpeed JSON (ZeRO-3 + fp16 + clipping) runs unchanged on 2 ranks and gives
-  the one-process loss curve (fp16: rel 5e-3, the loss is computed from fp16 matmuls whose
+* a DeepSpeed JSON (tests/data/ds_seed.json: ZeRO-3 + fp16 + clipping) runs unchanged on 2
+  ranks and gives the one-process loss curve (fp16: rel 5e-3, the loss is computed from fp16 matmuls whose
   rounding differs when each rank sees half the batch);
 * an inconsistent batch triplet exits 2 with DeepSpeed's message, before any rank starts; a
   user error found inside the ranks exits 2 too, each rank's line prefixed with its rank;
@@ -24,16 +24,13 @@ import pytest
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
-from conftest import SMALL_FLAGS, read_metrics  # noqa: E402
+from conftest import RUN_FLAGS, TENFOLD, child_pids, rank_of, read_metrics, tenfold_child  # noqa: E402
 
-TENFOLD = [sys.executable, "-m", "tenfold", "train"]
 DS_SEED = HERE / "data" / "ds_seed.json"
-RUN_FLAGS = SMALL_FLAGS + ["--seed", "7", "--set", "train.eval_every=0"]
 
 
 def tenfold(args: list[str], timeout: int = 240) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    return subprocess.run(TENFOLD + args, capture_output=True, text=True, timeout=timeout, env=env)
+    return tenfold_child("train", *args, timeout=timeout, env={"PYTHONUNBUFFERED": "1"})
 
 
 @pytest.mark.multiprocess
@@ -88,24 +85,6 @@ def test_a_refusal_on_every_rank_is_one_line(tmp_path):
     assert r.stderr.strip().splitlines() == [f"tenfold: error: data.path: file or directory not found: {missing}"]
 
 
-def _children(pid: int) -> list[int]:
-    out = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        out += [int(c) for c in (task / "children").read_text().split()]
-    return out
-
-
-def _rank_of(pid: int) -> int | None:
-    try:
-        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    except OSError:
-        return None
-    for item in env:
-        if item.startswith(b"RANK="):
-            return int(item[5:])
-    return None
-
-
 @pytest.mark.multiprocess
 @pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="finds the rank processes through /proc (Linux)")
@@ -122,7 +101,7 @@ def test_killed_rank_stops_the_job_with_a_message(tmp_path):
             assert proc.poll() is None, proc.communicate()[1][-3000:]
             assert time.time() < deadline, "no step within 180 s"
             time.sleep(0.5)
-        victim = next(p for p in _children(proc.pid) if _rank_of(p) == 1)
+        victim = next(p for p in child_pids(proc.pid) if rank_of(p) == 1)
         os.kill(victim, signal.SIGKILL)
         killed_at = time.time()
         _, stderr = proc.communicate(timeout=60)

@@ -11,12 +11,13 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-import test_checkpoint as t
+import plain_loop as t
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 from tenfold import cli
-from tenfold.config import build_config
+from tenfold.config import TrainSection, build_config
 from tenfold.engine import export
+from tenfold.engine.schedule import build_scheduler
 from tenfold.models.gpt import GPT
 from tenfold.models.presets import ModelConfig
 
@@ -29,7 +30,7 @@ def _trained(tmp_path, model_overrides: dict | None = None):
         torch.manual_seed(0)
         run.model, run.cfg = GPT(cfg.model_config_resolved()), cfg
         run.optimizer = torch.optim.AdamW(run.model.parameters(), lr=1e-2)
-        run.scheduler = t.build_scheduler(run.optimizer, t.TrainSection(steps=t.STEPS), t.STEPS)
+        run.scheduler = build_scheduler(run.optimizer, TrainSection(steps=t.STEPS), t.STEPS)
     t.train(run, 3, t.manager(tmp_path, run))
     return run
 

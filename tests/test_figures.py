@@ -31,7 +31,7 @@ def _times(seconds, tokens=100, instrumented=()):
 
 
 def test_warmup_is_the_leading_slow_steps():
-    """The issue's run: steps 1-3 at ~400 tok/s, then ~1,900: the summary reports ~1,900."""
+    """A run whose steps 1-3 at ~400 tok/s, then ~1,900: the summary reports ~1,900."""
     s = steady_state(_times([0.25, 0.24, 0.26, 0.053, 0.052, 0.054], tokens=100))
     assert s["warmup_steps"] == 3 and s["steady_from_step"] == 4
     assert s["warmup_s"] == pytest.approx(0.75)

@@ -19,6 +19,7 @@ import torch
 pytest.importorskip("transformers", reason="Hugging Face tests need the hf extra: pip install 'tenfold[hf]'")
 os.environ["HF_HUB_OFFLINE"] = "1"
 
+from conftest import hf_cli as cli  # noqa: E402
 from hf_folder import write_chat, write_llama_folder, write_prompt_completion, write_tokenizer_folder  # noqa: E402
 
 from tenfold import Trainer  # noqa: E402
@@ -53,9 +54,7 @@ def ft_config(out: Path, hf_dir: Path, data: Path, **sections) -> dict:
     return cfg
 
 
-def cli(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "tenfold", *args], env=env, capture_output=True, text=True, timeout=240)
+
 
 
 def _records(path: Path) -> list[dict]:
@@ -148,7 +147,7 @@ def test_packed_examples_attend_only_to_themselves(tmp_path, hf_dir, pc_file):
 
 
 def test_finetune_records_the_tokenizer_and_exports_a_folder_that_generates(tmp_path, hf_dir, pc_file):
-    """The issue's fine-tuning path end to end: `--hf-pretrained` on prompt/completion JSONL
+    """The fine-tuning path end to end: `--hf-pretrained` on prompt/completion JSONL
     trains with the folder's tokenizer (named in summary.json, saved in OUT/tokenizer), and
     both the run's OUT/hf and `tenfold export` load in transformers and generate."""
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -105,3 +105,18 @@ def test_rmsnorm_under_autocast_feeds_its_linears_the_same_16bit_values():
     assert torch.equal(y_ours, y_ref)
     for a, b in zip(g_ours, g_ref):  # the 3 (2) branch gradients now add in bf16: ~bf16 eps apart
         assert (a - b).norm() <= 4e-3 * b.norm(), ((a - b).norm() / b.norm()).item()
+
+
+def test_param_count_equals_the_built_model_for_every_block_kind():
+    """The planner's `param_count` (pure Python) against the parameters GPT really allocates
+    (tied weights counted once), over the switches that change the count."""
+    from tenfold.models.gpt import GPT
+    from tenfold.models.presets import ModelConfig, param_count
+
+    base = dict(n_layers=2, d_model=32, n_heads=4, vocab_size=64, max_seq_len=16, d_ff=48)
+    variants = [{}, {"bias": True}, {"tie_embeddings": True}, {"n_kv_heads": 2}, {"mlp": "gelu", "norm": "layernorm", "pos": "learned"},
+                {"mlp": "gelu", "norm": "layernorm", "pos": "learned", "bias": True, "tie_embeddings": True}]
+    for extra in variants:
+        cfg = ModelConfig(**base, **extra)
+        model = GPT(cfg)
+        assert param_count(cfg) == sum(p.numel() for p in model.parameters()), extra

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -21,49 +19,15 @@ os.environ["HF_HUB_OFFLINE"] = "1"  # belt and braces: tenfold never asks the hu
 
 from transformers import AutoModelForCausalLM  # noqa: E402
 
+from conftest import hf_cli as cli  # noqa: E402
+from hf_runs import GPT2, LLAMA, hf_config, logits, train  # noqa: E402
 from tenfold import Trainer  # noqa: E402
 from tenfold.errors import UserError  # noqa: E402
 
-DATA = Path(__file__).parent / "data"
-LLAMA = DATA / "llama-tiny" / "config.json"
-GPT2 = DATA / "gpt2-tiny" / "config.json"
 CONFIGS = {"llama": LLAMA, "gpt2": GPT2}
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def hf_config(out: Path, config: Path, **sections) -> dict:
-    cfg = {
-        "model": {"hf_config": str(config)},
-        "data": {"max_bytes": 200_000, "seq_len": 32},
-        "train": {"steps": 4, "micro_batch": 4, "lr": 3e-3, "warmup_steps": 0, "eval_every": 0, "eval_batches": 1},
-        "precision": {"dtype": "fp32"},
-        "log": {"out": str(out), "progress": False, "tensorboard": False},
-    }
-    for name, values in sections.items():
-        cfg.setdefault(name, {}).update(values)
-    return cfg
-
-
-def train(out: Path, config: Path, **sections) -> tuple[Trainer, dict]:
-    trainer = Trainer(hf_config(out, config, **sections))
-    return trainer, trainer.fit()
-
-
-def cli(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "tenfold", *args], env=env, capture_output=True, text=True, timeout=timeout)
-
-
-def probe_ids() -> torch.Tensor:
-    return torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
-
-
-@torch.no_grad()
-def logits(model) -> torch.Tensor:
-    model.eval()
-    return model(input_ids=probe_ids(), use_cache=False).logits
 
 
 # --------------------------------------------------------------------------- shape and planner
@@ -185,7 +149,7 @@ def test_export_loads_in_transformers_with_the_same_logits_and_resumes_as_pretra
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
 def test_two_ranks_zero3_full_recompute_match_one_process(tmp_path, name):
-    """The issue's "done when": `tenfold train --hf-config ... --nproc 2 --zero 3 --ac full`
+    """`tenfold train --hf-config ... --nproc 2 --zero 3 --ac full`
     gives the single-process loss curve (fp32, rel 1e-4) and its export loads in transformers
     with the single-process model's logits. persistence threshold 0: every block is really
     resharded after forward and re-gathered inside the recomputed forward."""

@@ -23,7 +23,7 @@ import torch
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE / "workers"))
-from test_zero import BF16_RTOL, rel_err, torchrun  # noqa: E402
+from conftest import BF16_RTOL, rel_err, torchrun  # noqa: E402
 from workers import scale_worker as worker  # noqa: E402
 from workers.zero_worker import config, run_steps  # noqa: E402
 

@@ -4,13 +4,10 @@ data loader (on a smaller shape)."""
 
 from __future__ import annotations
 
-import json
 import math
-import subprocess
-import sys
 
 import pytest
-from conftest import SMALL_FLAGS, read_metrics
+from conftest import read_metrics, train_summary
 
 from tenfold.cli import main
 
@@ -47,14 +44,7 @@ def test_bad_pipeline_settings_exit_2(tmp_path, capsys, flags, needle):
 
 
 def _train(tmp_path, name: str, *flags: str) -> dict:
-    out = tmp_path / name
-    proc = subprocess.run(
-        [sys.executable, "-m", "tenfold", "train", "--steps", "3", "--seed", "7", "--precision", "fp32",
-         "--micro-batch", "2", "--grad-accum", "4", "--out", str(out), *SMALL_FLAGS, *flags],
-        capture_output=True, text=True, timeout=400,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads((out / "summary.json").read_text())
+    return train_summary(tmp_path / name, "--steps", "3", "--grad-accum", "4", *flags)
 
 
 @pytest.mark.multiprocess

@@ -21,7 +21,8 @@ import torch
 
 pytest.importorskip("transformers", reason="Hugging Face tests need the hf extra: pip install 'tenfold[hf]'")
 
-from test_pipeline import (  # noqa: E402
+from conftest import hf_cli  # noqa: E402
+from pipeline_harness import (  # noqa: E402
     SEQ, assert_close_curve, assert_matches_fsdp_bf16, assert_same_grads, launch, load_full_grads, reference_run,
 )
 
@@ -210,9 +211,7 @@ def test_pp2_with_zero_on_dp2_or_tp2_matches_one_process(tmp_path):
 
 
 def _cli_train(out: Path, *flags: str) -> dict:
-    from test_hf import cli
-
-    r = cli("train", "--hf-config", LLAMA, "--steps", "4", "--micro-batch", "2", "--grad-accum", "2",
+    r = hf_cli("train", "--hf-config", LLAMA, "--steps", "4", "--micro-batch", "2", "--grad-accum", "2",
             "--precision", "fp32", "--seq-len", "32", "--lr", "3e-3", "--eval-every", "0", "--no-progress",
             "--out", str(out), "--set", "data.max_bytes=200000", "--set", "train.warmup_steps=0",
             "--set", "train.eval_batches=1", "--set", "log.tensorboard=false", *flags, timeout=400)
@@ -227,7 +226,7 @@ def test_tenfold_train_pp2_resumes_exactly_and_exports_hugging_face_folders(tmp_
     real trainer and loader; its checkpoints hold the Hugging Face names, so a resumed run
     continues the same curve, and the end-of-run save_pretrained folder and `tenfold export`
     of the pipelined checkpoint load in transformers with the one-process model's logits."""
-    from test_hf import logits, train
+    from hf_runs import logits, train
     from transformers import AutoModelForCausalLM
 
     from tenfold.cli import main

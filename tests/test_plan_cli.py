@@ -1,4 +1,4 @@
-"""`tenfold plan` as a user runs it: the issue's "Done when" lines, JSON keys, bad input -> 2."""
+"""`tenfold plan` as a user runs it: the promised outputs, JSON keys, bad input -> 2."""
 
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ def test_done_when_ladder_prints_seed_path_with_notes(capsys):
     rungs = d["rungs"]
     assert len(rungs) == 7
     assert [r["seed"]["days"] for r in rungs] == [30, 15, 10, 13, 2.2, 1.8, 3]
-    # The recipe's §5 (ZeRO-3 with 8 pipeline stages on 64 GPUs) does not fit: pipelining keeps each
+    # The recipe's final configuration (ZeRO-3 with 8 pipeline stages on 64 GPUs) does not fit: pipelining keeps each
     # stage's gradients unreduced and its parameters unsharded between micro-batches.
     assert rungs[0]["fits"] is False and rungs[-1]["fits"] is False
     assert "reduces once per step" in " ".join(rungs[-1]["notes"])

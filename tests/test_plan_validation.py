@@ -46,7 +46,7 @@ def test_v1_zero_7_5b_dp64():
 
 @pytest.mark.parametrize("psi", sorted(ZERO_TABLE1))
 def test_v2_full_zero_table1_grid_within_1pct(psi):
-    # The paper truncates several cells (4187.5 -> 4187), so 1% (the tolerance), or half
+    # The paper truncates several cells (4187.5 -> 4187), so 1%, or half
     # a unit of the last printed digit where that is larger: 0.1172 is printed as 0.12 (2.4%).
     for dp, cells in ZERO_TABLE1[psi].items():
         for stage, published in zip((1, 2, 3), cells):

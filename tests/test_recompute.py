@@ -196,7 +196,7 @@ def test_same_loss_and_gradients_as_no_recompute_fp32(policy, accum):
     model = make_model()
     apply_recompute(model, policy)
     losses, grads = train(model, steps_for(accum))
-    # fp32 on CPU: the recomputed forward runs the very same kernels; rel 1e-6 as the issue asks.
+    # fp32 on CPU: the recomputed forward runs the very same kernels; rel 1e-6.
     for got, want in zip(losses, ref_losses):
         assert got == pytest.approx(want, rel=1e-6)
     assert_close_rel(grads, ref_grads, 1e-6)

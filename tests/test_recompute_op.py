@@ -254,7 +254,7 @@ def test_same_loss_and_gradients_as_no_recompute(overrides, half):
 
 
 def measured_activations(policy: str, dtype: str, preset: str = "tiny", b: int = 4, s: int = 128) -> int:
-    from test_memory import measure
+    from memory_runs import measure
 
     return measure(preset, policy, b, s, dtype=dtype)["activations_bytes"]
 

@@ -2,11 +2,11 @@
 without following links (engine/run_folder.py), through `tenfold train` / `tenfold export`:
 
 * a fresh run into an --out that holds an earlier run exits 2 naming --resume auto and
-  --overwrite, before data or model are built, and changes nothing (it used to append the
-  metrics, overwrite step_2 and move `latest` back); --overwrite moves the earlier run aside,
+  --overwrite, before data or model are built, and changes nothing (no metrics appended, no
+  step_2 overwritten, `latest` not moved back); --overwrite moves the earlier run aside,
   deletes it only after the new run's first step, and puts it back if the new run fails first;
 * on resume metrics.jsonl is cut back to the resumed step (also after a real kill -9), so
-  every step appears once (it used to repeat steps);
+  every step appears once;
 * --out that is a file, under a file, in /proc or on a read-only file system; --resume that is
   a device, a FIFO or a dangling link; --data that is a device or a FIFO; export --out that is
   a folder or cannot be written: one line, exit 2, before any work;
@@ -28,8 +28,7 @@ from pathlib import Path
 
 import pytest
 
-import test_checkpoint_hardening as hard
-import test_checkpoint_trainer as ct
+from conftest import cli_train, one_line, private_mount_prefix, text_corpus
 from tenfold import cli
 from tenfold.engine import checkpoint as ck
 
@@ -57,7 +56,7 @@ def no_build(monkeypatch):
 def earlier(tmp_path_factory):
     """A finished run: 4 steps, checkpoints at 2 and 4."""
     base = tmp_path_factory.mktemp("run_folder")
-    data = ct._text_file(base)
+    data = text_corpus(base)
     out = base / "run"
     assert train(out, data, "--steps", "4") == 0
     return out, data
@@ -72,7 +71,7 @@ def run_copy(earlier, tmp_path):
 
 
 def train(out: Path, data: Path, *extra: str) -> int:
-    return ct._cli_train(out, data, "--checkpoint-every", "2", *extra)
+    return cli_train(out, data, "--checkpoint-every", "2", *extra)
 
 
 def steps(out: Path) -> list[int]:
@@ -89,7 +88,7 @@ def snapshot(folder: Path) -> dict:
 
 
 def error_line(capsys) -> str:
-    return hard.one_line(capsys.readouterr().err)
+    return one_line(capsys.readouterr().err)
 
 
 # --------------------------------------------------------------------------- one run per folder
@@ -166,7 +165,7 @@ def test_overwrite_without_checkpoints_replaces_the_earlier_run_once_finished(ru
         return real(self, micro_batches)
 
     monkeypatch.setattr(Trainer, "train_step", each_step)
-    assert ct._cli_train(out, data, "--steps", "2", "--overwrite", "--no-final-checkpoint") == 0
+    assert cli_train(out, data, "--steps", "2", "--overwrite", "--no-final-checkpoint") == 0
     assert seen == [1, 1] and not [p for p in out.iterdir() if p.name.startswith(ASIDE_PREFIX)]
     assert steps(out) == [1, 2] and not (out / "checkpoints").exists()
 
@@ -188,7 +187,7 @@ def test_overwrite_that_fails_before_its_first_step_puts_the_earlier_run_back(ru
 def test_a_new_run_that_fails_before_its_first_step_leaves_no_folder(tmp_path, monkeypatch):
     from tenfold.engine.trainer import Trainer
 
-    data = ct._text_file(tmp_path)
+    data = text_corpus(tmp_path)
 
     def fails(self, micro_batches):
         raise RuntimeError("no first step")
@@ -225,15 +224,15 @@ KILLED = textwrap.dedent(
     """
     import sys
     sys.path.insert(0, {tests!r})
-    import test_checkpoint_trainer as ct
+    from conftest import cli_train
     from pathlib import Path
-    sys.exit(ct._cli_train(Path({out!r}), Path({data!r}), "--checkpoint-every", "3", "--steps", "100000"))
+    sys.exit(cli_train(Path({out!r}), Path({data!r}), "--checkpoint-every", "3", "--steps", "100000"))
     """
 )
 
 
 def test_every_step_once_after_a_real_kill_and_resume(tmp_path):
-    data = ct._text_file(tmp_path)
+    data = text_corpus(tmp_path)
     out = tmp_path / "run"
     script = KILLED.format(tests=str(Path(__file__).parent), out=str(out), data=str(data))
     proc = subprocess.Popen([sys.executable, "-c", script], env={**os.environ, "OMP_NUM_THREADS": "1"},
@@ -271,7 +270,7 @@ def test_out_that_cannot_be_a_folder_is_one_line_before_any_work(tmp_path, no_bu
     out = _long_name(tmp_path) if where == "long" else where if where.startswith("/") else str(tmp_path / where)
     before = sorted(p.name for p in tmp_path.iterdir())
     capsys.readouterr()
-    assert ct._cli_train(Path(out), tmp_path / "a_file", "--nproc", str(nproc)) == 2  # --nproc 2: the launcher, once
+    assert cli_train(Path(out), tmp_path / "a_file", "--nproc", str(nproc)) == 2  # --nproc 2: the launcher, once
     err = error_line(capsys)
     assert err.startswith("tenfold: error: --out ") and expected.format(tmp=tmp_path) in err, err
     assert sorted(p.name for p in tmp_path.iterdir()) == before and (tmp_path / "a_file").read_text() == "mine"
@@ -281,29 +280,29 @@ READ_ONLY = textwrap.dedent(
     """
     import subprocess, sys
     sys.path.insert(0, {tests!r})
+    from conftest import cli_train
     from pathlib import Path
-    import test_checkpoint_trainer as ct
     import tenfold.data
     def built(*a, **k):
         raise AssertionError("data built")
     tenfold.data.build_data = built
     mnt = Path({mnt!r})
     subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(mnt)], check=True)
-    sys.exit(ct._cli_train(mnt / "run", Path({data!r})))
+    sys.exit(cli_train(mnt / "run", Path({data!r})))
     """
 )
 
 
 def test_out_on_a_read_only_file_system_is_one_line_before_any_work(tmp_path):
-    prefix = hard._private_mount_prefix()
+    prefix = private_mount_prefix()
     if prefix is None:
         pytest.skip("cannot mount a read-only tmpfs here (needs root or unprivileged user namespaces + unshare)")
     mnt = tmp_path / "mnt"
     mnt.mkdir()
-    script = READ_ONLY.format(tests=str(Path(__file__).parent), mnt=str(mnt), data=str(ct._text_file(tmp_path)))
+    script = READ_ONLY.format(tests=str(Path(__file__).parent), mnt=str(mnt), data=str(text_corpus(tmp_path)))
     proc = subprocess.run([*prefix, sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr[-3000:]
-    assert hard.one_line(proc.stderr) == (f"tenfold: error: --out {mnt}/run cannot be written: creating a folder in "
+    assert one_line(proc.stderr) == (f"tenfold: error: --out {mnt}/run cannot be written: creating a folder in "
                                           f"{mnt} fails (Read-only file system); choose a writable place")
 
 
@@ -315,7 +314,7 @@ def _fifo(tmp_path: Path) -> Path:
 
 @pytest.mark.parametrize("kind", ["device", "fifo", "dangling link"])
 def test_resume_that_is_not_a_folder_is_one_line_before_any_work(tmp_path, no_build, capsys, kind):
-    data = ct._text_file(tmp_path)
+    data = text_corpus(tmp_path)
     if kind == "device":
         path, expected = Path(os.devnull), f"--resume {os.devnull} is a device, FIFO or socket, not a checkpoint"
     elif kind == "fifo":
@@ -326,7 +325,7 @@ def test_resume_that_is_not_a_folder_is_one_line_before_any_work(tmp_path, no_bu
         os.symlink(tmp_path / "nowhere", path)
         expected = f"checkpoint not found: --resume {path} is a symbolic link to {tmp_path / 'nowhere'}, which does not exist"
     capsys.readouterr()
-    assert ct._cli_train(tmp_path / "run", data, "--resume", str(path)) == 2
+    assert cli_train(tmp_path / "run", data, "--resume", str(path)) == 2
     assert expected in error_line(capsys)
     assert not (tmp_path / "run").exists()
 
@@ -349,7 +348,7 @@ def test_export_of_what_is_not_a_checkpoint_folder_is_one_line(earlier, tmp_path
 def test_data_that_is_a_device_or_fifo_is_one_line(tmp_path, capsys, kind):
     path = Path(os.devnull) if kind == "device" else _fifo(tmp_path)
     capsys.readouterr()
-    assert ct._cli_train(tmp_path / "run", path) == 2
+    assert cli_train(tmp_path / "run", path) == 2
     assert f"data.path: {path} is not a regular file or a folder; give a data file or a folder of them" in error_line(capsys)
     assert not (tmp_path / "run").exists()
 

@@ -2,13 +2,13 @@
 engine/watchdog.py), through the real CLI under torchrun's agent on gloo:
 
 * SIGTERM to the launcher, or to one rank, saves at the next step boundary and ends every
-  process with exit status 0, as docs/checkpoints.md promises (the launcher used to exit 143);
+  process with exit status 0, as docs/checkpoints.md promises (the launcher does not exit 143);
 * a rank stopped with SIGSTOP (during a step or a checkpoint save) makes rank 0 stop within
   seconds (watchdog 4 x the median step, at least 5 s), naming rank 1, with summary.json saying why and which checkpoint to resume
-  from (rank 0 used to wait out the 120 s collective timeout);
+  from (rank 0 does not wait out the 120 s collective timeout);
 * the rank named as failing first is the one that died, not the one whose collective noticed:
-  the ordering is checked on torchelastic's own failure objects with the timestamps of the
-  flaky run (rank 0 "killed by SIGTERM: ... Connection reset by peer" one second before the
+  the ordering is checked on torchelastic's own failure objects with the timestamps of a
+  recorded failing run (rank 0 "killed by SIGTERM: ... Connection reset by peer" one second before the
   agent saw rank 1's SIGKILL);
 * the watchdog itself, in-process with a dict for a store: fires past its bound and not
   before, names the silent rank, and says so when every peer is alive.
@@ -20,14 +20,13 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from test_distributed import RUN_FLAGS, TENFOLD, _children, _rank_of
+from conftest import RUN_FLAGS, TENFOLD, child_pids, rank_of
 
 SLOW_FLAGS = ["--nproc", "2", "--steps", "100000", "--micro-batch", "1", *RUN_FLAGS]
 
@@ -53,7 +52,7 @@ def _wait_for_steps(proc: subprocess.Popen, out: Path, n: int, within: float = 1
 
 
 def _rank_pid(proc: subprocess.Popen, rank: int) -> int:
-    return next(p for p in _children(proc.pid) if _rank_of(p) == rank)
+    return next(p for p in child_pids(proc.pid) if rank_of(p) == rank)
 
 
 def _running(pid: int) -> bool:

@@ -17,15 +17,12 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import SMALL_FLAGS, read_metrics
-from test_zero import FP32_RTOL, rel_err, torchrun
+from conftest import FP32_RTOL, read_metrics, rel_err, torchrun, train_summary
 from workers import tp_worker as worker
 from workers.zero_worker import MODEL, run_steps, token_array
 
@@ -270,14 +267,7 @@ def test_planner_traffic_per_layer_is_narayanans():
 
 
 def _train(tmp_path: Path, name: str, *flags: str, timeout: int = 400) -> dict:
-    out = tmp_path / name
-    proc = subprocess.run(
-        [sys.executable, "-m", "tenfold", "train", "--steps", "4", "--seed", "7", "--precision", "fp32",
-         "--micro-batch", "2", "--grad-accum", "2", "--out", str(out), *SMALL_FLAGS, *flags],
-        capture_output=True, text=True, timeout=timeout,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads((out / "summary.json").read_text())
+    return train_summary(tmp_path / name, "--steps", "4", "--grad-accum", "2", *flags, timeout=timeout)
 
 
 def _losses(tmp_path: Path, name: str) -> list[float]:

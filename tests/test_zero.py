@@ -14,9 +14,6 @@ of the summed gradients differs between runs and drifts over 4 updates at lr 1e-
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 import warnings
 from pathlib import Path
@@ -26,25 +23,8 @@ import torch
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
+from conftest import BF16_RTOL, FP32_RTOL, rel_err, torchrun  # noqa: E402
 from workers import zero_worker as worker  # noqa: E402
-
-FP32_RTOL, BF16_RTOL = 1e-5, 2e-3
-
-
-def torchrun(mode: str, tmp_path: Path, nproc: int = 2, timeout: int = 240, worker: str = "zero_worker.py") -> dict:
-    out = tmp_path / f"{mode}-{nproc}.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           str(HERE / "workers" / worker), mode, str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return json.loads(out.read_text())
-
-
-def rel_err(a: list[float], b: list[float]) -> float:
-    assert len(a) == len(b)
-    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
-
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):

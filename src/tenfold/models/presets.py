@@ -2,7 +2,7 @@
 
 Pure Python on purpose: the planner (`tenfold.plan`) imports this module and must not
 import torch. `param_count(cfg)` equals `sum(p.numel() for p in GPT(cfg).parameters())`
-exactly (tests/test_models.py holds the two together).
+exactly (tests/test_gpt.py holds the two together).
 """
 
 from __future__ import annotations

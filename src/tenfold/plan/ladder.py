@@ -1,10 +1,10 @@
 """`--ladder`: the recipe's "30 days -> 3 days" path, rung by rung, as the planner sees it, beside
 the recipe's own claimed figures, with a note wherever they disagree and why.
 
-The recipe's scenario (recipe §1-§5): GPT-3 175B, A100 80GB; baseline one GPU in fp32 at batch 1;
+The recipe's scenario: GPT-3 175B, A100 80GB; baseline one GPU in fp32 at batch 1;
 then fp16 mixed precision (claimed /2), gradient accumulation x8 (/1.5), activation
 checkpointing every 12 layers (x1.3), 8 GPUs with ZeRO-3 (/6), pipeline parallelism with 8
-stages (/1.2): 30 -> 15 -> 10 -> 13 -> 2.2 -> 1.8 days, "about 3 days in practice". Its §5
+stages (/1.2): 30 -> 15 -> 10 -> 13 -> 2.2 -> 1.8 days, "about 3 days in practice". Its final
 configuration (64 GPUs, fp16, effective batch 4096, a checkpoint every 24 layers, ZeRO-3,
 8 pipeline stages) claims 5.5 + 5.5 + 22 + ~30 = ~63 GB per GPU. The recipe never says how many
 tokens its days are for; the planner uses 300B (GPT-3's budget) and compares multipliers.
@@ -79,7 +79,7 @@ def seed_rungs(model, gpus_node: int = 8, gpus_final: int = 64, pp: int = 8, seq
     ckpt = {**acc, "recompute": f"segments:{seg_a}"}
     zero3 = {**ckpt, "zero_stage": 3}
     pipe = {**zero3, "pp": pp}
-    # recipe §5: effective batch 4096, a checkpoint every 24 layers
+    # the recipe's final configuration: effective batch 4096, a checkpoint every 24 layers
     final = {**pipe, "recompute": f"segments:{seg_b}", "grad_accum": None, "global_batch": 4096}
     plural = "s" if gpus_node > 1 else ""
     return [
@@ -89,7 +89,7 @@ def seed_rungs(model, gpus_node: int = 8, gpus_final: int = 64, pp: int = 8, seq
         Rung(f"+ checkpoint every {n_layers // seg_a} layers", run(1, **ckpt)),
         Rung(f"+ {gpus_node} {device}{plural}, ZeRO-3", run(gpus_node, **zero3)),
         Rung(f"+ pipeline {pp} stages", run(gpus_final, **pipe)),
-        Rung(f"recipe §5: batch 4096, ckpt/{n_layers // seg_b}", run(gpus_final, **final)),
+        Rung(f"final: batch 4096, ckpt/{n_layers // seg_b}", run(gpus_final, **final)),
     ]
 
 

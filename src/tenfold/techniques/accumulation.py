@@ -1,4 +1,4 @@
-"""Gradient accumulation with token-weighted loss (recipe §2).
+"""Gradient accumulation with token-weighted loss.
 
 The loss of a step is sum(token losses) / (target tokens in the WHOLE global batch, over
 every micro-batch and every data-parallel rank). Dividing each micro-batch by its own

@@ -1,4 +1,4 @@
-"""Mixed precision (recipe §1): autocast policy, fp32 master weights, loss scaling.
+"""Mixed precision (Micikevicius et al. 2018): autocast policy, fp32 master weights, loss scaling.
 
 Design (the "fp32 master weights" recipe, Micikevicius et al. 2018, as torch.amp does it):
 

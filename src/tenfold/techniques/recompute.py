@@ -1,4 +1,4 @@
-"""Activation checkpointing (recipe §3): keep fewer activations, recompute them in backward.
+"""Activation checkpointing (Chen et al. 2016): keep fewer activations, recompute them in backward.
 
 Policies (`--ac`, config `[recompute] policy`; grammar and block lists in tenfold.terms,
 which the planner reads too), applied per transformer block with

@@ -1,4 +1,4 @@
-"""ZeRO stages 0-3 (Rajbhandari et al. 2020; recipe §4) on PyTorch's own sharding engines.
+"""ZeRO stages 0-3 (Rajbhandari et al. 2020) on PyTorch's own sharding engines.
 
     stage 0  DDP                                 every rank holds everything; grads all-reduced
     stage 1  DDP + ZeroRedundancyOptimizer       optimizer states 1/N; grads and params full
