@@ -79,10 +79,24 @@ def module_name(path: Path, root: Path = SRC) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+def _runtime_nodes(tree: ast.AST):
+    """Every node of `tree` except the bodies of `if TYPE_CHECKING:` blocks."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        yield node
+        if isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
+            stack.extend(node.orelse)
+        else:
+            stack.extend(ast.iter_child_nodes(node))
+
+
 def import_graph(root: Path = SRC) -> dict[str, set[str]]:
     """module -> the tenfold modules it imports (module level and inside functions). A relative
     import is resolved against its package; `from pkg import name` counts as the submodule
-    `pkg.name` where there is one, else as `pkg`; `import a.b.c` as the deepest module named."""
+    `pkg.name` where there is one, else as `pkg`; `import a.b.c` as the deepest module named.
+    Imports under `if TYPE_CHECKING:` are left out: they never run, they only name types for
+    annotations."""
     files = {module_name(p, root): p for p in root.rglob("*.py")}
     top = root.name
 
@@ -95,7 +109,7 @@ def import_graph(root: Path = SRC) -> dict[str, set[str]]:
     for mod, path in files.items():
         package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
         targets = set()
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        for node in _runtime_nodes(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.Import):
                 targets |= {known(a.name) for a in node.names if a.name.split(".")[0] == top}
             elif isinstance(node, ast.ImportFrom):
@@ -162,6 +176,10 @@ def test_the_cycle_finder_sees_function_and_relative_imports(tmp_path):
     assert cycles(graph) == [["tenfold.sub.a", "tenfold.sub.b"]]
     (pkg / "sub" / "a.py").write_text("from ..sub import helper_name\n")  # a name of the package itself
     assert cycles(import_graph(pkg)) == [["tenfold.sub", "tenfold.sub.a", "tenfold.sub.b"]]
+    # an import that only names a type for annotations never runs: no edge
+    (pkg / "sub" / "a.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from . import b\n"
+                                      "else:\n    import tenfold.c\n")
+    assert import_graph(pkg)["tenfold.sub.a"] == {"tenfold.c"}
 
 
 def test_planner_and_resolved_run_load_without_torch():

@@ -19,7 +19,7 @@ from typing import Any
 
 RUNG_NAMES = ("fp32", "mixed", "accum", "recompute", "zero", "pipeline")
 
-# What each rung adds, and the recipe's claim for it (recipe §"30 天 -> 3 天优化路径").
+# What each rung adds, and the recipe's claim for it.
 RUNG_TITLES = {
     "fp32": "fp32, micro-batch 1 (baseline)",
     "mixed": "+ mixed precision",
