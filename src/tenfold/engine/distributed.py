@@ -21,6 +21,7 @@
 
 from __future__ import annotations
 
+import atexit
 import io
 import os
 import sys
@@ -31,6 +32,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.distributed_c10d import _set_pg_timeout
+from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+from tenfold.errors import UserError
 
 
 @dataclass
@@ -110,7 +116,6 @@ def init_distributed(pp_size: int = 1, timeout_s: float = 600.0, tp_size: int = 
     FSDP2 even on one process (`_one_process_group`) and reduces host tensors (`backend_for`)."""
     if not launched_by_torchrun() or int(os.environ["WORLD_SIZE"]) == 1:
         return _one_process_group(timeout_s) if offload else DistInfo(device=pick_device(0))
-    from tenfold.errors import UserError
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if pp_size < 1 or tp_size < 1 or world % (pp_size * tp_size):
@@ -155,7 +160,6 @@ def _one_process_group(timeout_s: float) -> DistInfo:
 
 def build_mesh(device_type: str, pp_size: int, dp_size: int, tp_size: int):
     """The ("pp", "dp", "tp") device mesh."""
-    from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh(device_type, (pp_size, dp_size, tp_size), mesh_dim_names=("pp", "dp", "tp"))
     if dp_size > 1 and tp_size > 1:
@@ -202,7 +206,6 @@ def tighten_timeouts(info: DistInfo, timeout_s: float) -> None:
     init); afterwards a rank that stops answering is detected within `timeout_s`."""
     if not (info.initialized and dist.is_initialized()):
         return
-    from torch.distributed.distributed_c10d import _set_pg_timeout
 
     for group in _all_groups(info):
         _set_pg_timeout(timedelta(seconds=timeout_s), group)
@@ -297,8 +300,6 @@ def install_failure_reporting(rank: int) -> None:
         _FAILING = True
         if os.environ.get("TORCHELASTIC_ERROR_FILE") and not issubclass(exc_type, KeyboardInterrupt):
             try:
-                from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
-
                 ErrorHandler().record_exception(exc)
             except Exception:  # reporting must never mask the original error
                 pass
@@ -318,8 +319,6 @@ def _register_exit_shutdown() -> None:
     that no entry point can forget it (see `shutdown`)."""
     global _exit_registered
     if not _exit_registered:
-        import atexit
-
         atexit.register(_shutdown_at_exit)
         _exit_registered = True
 

@@ -21,18 +21,25 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import warnings
 from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
+from safetensors.torch import save_file
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from tenfold.config import build_config
+from tenfold.data.hf_tokenizer import copy_tokenizer_files
 from tenfold.engine import distributed as d
 from tenfold.engine.checkpoint import layout as lay
 from tenfold.engine.checkpoint.reader import SafeLoadPlanner, SafeReader, inner_error, read_safe_metadata
+from tenfold.engine.run_folder import check_checkpoint_path, check_out_path, check_output_file
 from tenfold.engine.safe_files import Folder
 from tenfold.errors import UserError
+from tenfold.models.hf import export_checkpoint_to_hf
 from tenfold.techniques.precision import DTYPES  # the one name -> torch dtype table
 
 MODEL_PREFIX = "model."
@@ -91,7 +98,6 @@ def saved_model_section(ckpt: Path) -> dict:
 
 def model_config_of(ckpt: Path) -> dict:
     """The checkpoint's resolved model shape (preset + overrides) as a plain dict."""
-    from tenfold.config import build_config
 
     saved = saved_model_section(ckpt)
     try:
@@ -103,7 +109,6 @@ def model_config_of(ckpt: Path) -> dict:
 
 def write_safetensors(weights: dict[str, torch.Tensor], out: Path, dtype: str, info: dict) -> tuple[Path, Path]:
     """Cast, write OUT.safetensors and OUT.config.json atomically; return both paths."""
-    from safetensors.torch import save_file
 
     torch_dtype = DTYPES[dtype]
     # Tied weights (output = tok_emb) come back from DCP as separate tensors, so no storage
@@ -136,7 +141,6 @@ def export_checkpoint(source: str | Path, out: str | Path | None = None, dtype: 
     the paths `out` names; `tokenizer`: copy the run's tokenizer beside the weights."""
     if dtype not in DTYPES:
         raise UserError(f"export --dtype {dtype!r} is not supported; allowed: {', '.join(sorted(DTYPES))}")
-    from tenfold.engine.run_folder import check_checkpoint_path
 
     check_checkpoint_path(source, "export")
     ckpt = lay.resolve_checkpoint_path(source)
@@ -149,7 +153,6 @@ def export_checkpoint(source: str | Path, out: str | Path | None = None, dtype: 
     saved_model = saved_model_section(ckpt)
     out_path = _checked_out(ckpt, out, saved_model, overwrite)  # its bytes are verified now
     if saved_model.get("hf_config") or saved_model.get("hf_pretrained"):  # [any model] -> save_pretrained folder
-        from tenfold.models.hf import export_checkpoint_to_hf
 
         out_dir = out_path
         info = {"dtype": dtype, "step": manifest["step"], "source": str(ckpt)}
@@ -171,9 +174,6 @@ def export_checkpoint(source: str | Path, out: str | Path | None = None, dtype: 
 def _checked_out(ckpt: Path, out: str | Path | None, saved_model: dict, overwrite: bool) -> Path:
     """Where the export goes (one line if it cannot be written, or if it would replace something
     without --overwrite): a Hugging Face model's is a folder."""
-    import os
-
-    from tenfold.engine.run_folder import check_out_path, check_output_file
 
     if saved_model.get("hf_config") or saved_model.get("hf_pretrained"):
         folder = Path(out).with_suffix("") if out is not None else default_out(ckpt).with_name("hf")
@@ -192,9 +192,6 @@ def _checked_out(ckpt: Path, out: str | Path | None, saved_model: dict, overwrit
 def _copy_run_tokenizer(ckpt: Path, out_dir: Path, replace: bool = False) -> str | None:
     """The run's OUT/tokenizer (saved by `tenfold train`) copied to `out_dir` (`replace`: an
     earlier copy there goes first, so no stale file of another tokenizer stays beside it)."""
-    import shutil
-
-    from tenfold.data.hf_tokenizer import copy_tokenizer_files
 
     source = default_out(ckpt).parent / "tokenizer"
     if replace and out_dir.is_dir() and not out_dir.is_symlink() and source.resolve() != out_dir.resolve():

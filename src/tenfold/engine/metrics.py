@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from tenfold.engine.safe_files import Folder, UnsafeFileError
+
 MAX_METRICS_BYTES = 1 << 34  # read whole to cut on resume; more is not a metrics file
 REQUIRED_KEYS = (
     "step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "loss_scale", "skipped", "peak_mem_bytes",
@@ -100,7 +102,6 @@ class MetricsWriter:
         self.dropped_rows = 0
         if not enabled:
             return
-        from tenfold.engine.safe_files import Folder
 
         out_dir.mkdir(parents=True, exist_ok=True)
         with Folder(out_dir, follow=True) as folder:
@@ -173,7 +174,6 @@ def _tensorboard_writer(folder, start_step: int):
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:  # tensorboard is a dependency; tolerate a stripped install
         return None
-    from tenfold.engine.safe_files import UnsafeFileError
 
     st = folder.lstat("tensorboard")
     if st is None:

@@ -31,6 +31,7 @@ Top level imports torch only (no transformers): `tenfold.models.hf` is imported 
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -38,6 +39,7 @@ import torch
 import torch.nn as nn
 
 from tenfold.errors import TenfoldNote, UserError
+from tenfold.models.gpt import GPT
 from tenfold.models.loss import replicated_value, token_loss_sum
 
 LossFn = Callable[[nn.Module, dict], Any]
@@ -230,8 +232,6 @@ def estimate_flops_per_token(
 
 
 def model_kind(model: nn.Module) -> str:
-    from tenfold.models.gpt import GPT
-
     if isinstance(model, GPT):
         return "tenfold"
     if _is_hf_causal_lm(model):
@@ -281,7 +281,6 @@ def _check_against_no_split_modules(model: nn.Module, found: list[nn.Module]) ->
     declared = set(getattr(model, "_no_split_modules", None) or ())
     if not declared or (found and type(found[0]).__name__ in declared):
         return
-    import warnings
 
     guess = type(found[0]).__name__ if found else "none"
     warnings.warn(

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy
 
 from tenfold.errors import UserError
 
@@ -32,7 +33,6 @@ def offload_policy(parallel_cfg: Any, device: torch.device):
     """FSDP2's offload policy for `parallel.offload` (the module docstring says what each value
     runs). Pinned host memory (asynchronous copies) only where there is a CUDA device to copy
     to: pinning needs one."""
-    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 
     if _value(parallel_cfg) not in OFFLOADS:
         raise UserError(f"parallel.offload must be one of {', '.join(OFFLOADS)}, got {parallel_cfg.offload!r}")
@@ -53,7 +53,6 @@ def optimizer_device(parallel_cfg: Any, device: torch.device) -> torch.device:
 def offloaded(model: nn.Module) -> bool:
     """True when FSDP2 holds this model's sharded parameters under CPUOffloadPolicy (the
     policy really applied, read back from FSDP2's own per-parameter state)."""
-    from torch.distributed.fsdp import FSDPModule
 
     states = [m._get_fsdp_state() for m in model.modules() if isinstance(m, FSDPModule)]
     params = [fp for st in states if st._fsdp_param_group for fp in st._fsdp_param_group.fsdp_params]

@@ -39,9 +39,11 @@ import torch.nn as nn
 # The split (blocks per stage) is the resolved run's `stage_layers`, checked and shared with the
 # planner (tenfold.terms); the schedules' rules are the capability table's (tenfold.capabilities).
 from tenfold.errors import UserError
+from tenfold.models.adapter import model_kind
+from tenfold.models.gpt import GPT
 from tenfold.pipeline_layout import block_index, stage_layout  # torch-free, shared with the planner
 from tenfold.techniques.pipeline_hf import HFStage
-from tenfold.terms import local_stage_ids
+from tenfold.terms import local_stage_ids, runs_on_fsdp2
 
 
 class GPTStage(nn.Module):
@@ -54,7 +56,6 @@ class GPTStage(nn.Module):
 
     def __init__(self, model: nn.Module, fqns: Sequence[str], stage_id: int, n_stages: int):
         super().__init__()
-        from tenfold.models.gpt import GPT  # local: keep this module importable for planning
 
         if not isinstance(model, GPT):
             raise TypeError(f"GPTStage slices tenfold's GPT, not {type(model).__name__}")
@@ -88,8 +89,6 @@ class GPTStage(nn.Module):
         return list(self.layers.values())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from tenfold.models.gpt import GPT
-
         h = GPT.embed(self, x) if self.is_first else x  # type: ignore[arg-type]
         for block in self.layers.values():
             h = block(h, self.rope_cos, self.rope_sin)
@@ -187,7 +186,6 @@ def split_model(model: nn.Module, pp_rank: int, pp_size: int, counts: Sequence[i
 
 def _model_facts(model: nn.Module) -> tuple[str, int, bool, int, int]:
     """(kind, layers, learned positions, d_model, vocab) of a model the split can cut."""
-    from tenfold.models.adapter import model_kind
 
     kind = model_kind(model)
     if kind == "tenfold":
@@ -256,7 +254,6 @@ def split_for_rank(model: nn.Module, run, dist_info, compute_dtype: torch.dtype 
     rules were checked when it was resolved (tenfold.run.resolve_run). `compute_dtype`: the
     autocast dtype (None for fp32)."""
     split = split_model(model, dist_info.pp_rank, dist_info.pp_size, run.stage_layers, compute_dtype or torch.float32)
-    from tenfold.terms import runs_on_fsdp2
 
     if compute_dtype is not None and runs_on_fsdp2(run.zero_stage, dist_info.tp_size, dist_info.dp_size, run.offload):
         # FSDP2's 16-bit parameters make the residual stream 16-bit too (the embedding's output,

@@ -13,12 +13,16 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed import pipelining as pl
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.pipelining import PipelineStage
 
 from tenfold.errors import UserError
 from tenfold.models.loss import replicated_value
-from tenfold.terms import IGNORE_INDEX
+from tenfold.techniques.accumulation import all_reduce_sum, count_targets
 from tenfold.techniques.pipeline import PipelineSplit, stage_io_examples
-from tenfold.terms import MULTI_STAGE_SCHEDULES
+from tenfold.techniques.tensor_parallel import loss_context
+from tenfold.terms import IGNORE_INDEX, MULTI_STAGE_SCHEDULES
 
 
 # --------------------------------------------------------------------------- the step
@@ -107,8 +111,6 @@ class PipelineRunner:
         seq_len: int | None = None,
         with_positions: bool = False,
     ):
-        from torch.distributed.pipelining import PipelineStage
-
         self.schedule_name = schedule
         self.n_microbatches = n_microbatches
         self.stage_ids = list(stage_ids)
@@ -174,7 +176,6 @@ class PipelineRunner:
         tgt = targets if self.has_last_stage else None
         losses: list[torch.Tensor] = []
         run = self.schedule.step if train else self.schedule.eval
-        from tenfold.techniques.tensor_parallel import loss_context
 
         # keyword arguments reach every stage, cut into micro-batches like the inputs
         kwargs = self._position_kwargs(inputs, positions)
@@ -256,8 +257,6 @@ class PipelineRunner:
 
 
 def build_schedule(name: str, stages: list, n_microbatches: int, loss_fn: Callable):
-    from torch.distributed import pipelining as pl
-
     classes = {
         "gpipe": pl.ScheduleGPipe,
         "1f1b": pl.Schedule1F1B,
@@ -306,7 +305,6 @@ class PipelinedModel(nn.Module):
                    dp_group: dist.ProcessGroup | None = None) -> PipelineStepResult:
         """Forward+backward of this dp rank's micro-batches (dicts with input_ids, labels)
         through the pipeline; the loss is normalised by the GLOBAL target-token count."""
-        from tenfold.techniques.accumulation import all_reduce_sum, count_targets
 
         global_tokens = int(all_reduce_sum(count_targets(micro_batches), dp_group))
         inputs, labels, positions = _concat(micro_batches)
@@ -322,7 +320,6 @@ class PipelinedModel(nn.Module):
         stage's tensors are gathered over dp and tp (ZeRO-3 shards, tp splits) on its own ranks,
         then the stages' first dp/tp ranks, which form global rank 0's pp group, send them to
         rank 0. Collective: every rank calls it."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         state = get_model_state_dict(self, options=StateDictOptions(full_state_dict=True))
         state = {k: v.detach().cpu() for k, v in state.items()}

@@ -43,8 +43,14 @@ from typing import Any
 import torch
 import torch.distributed as torch_dist
 import torch.nn as nn
+from torch.distributed._composable.replicate_with_fsdp import replicate
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.nn.parallel import DistributedDataParallel
 
 from tenfold.errors import TenfoldNote, UserError
+from tenfold.techniques.offload import offload_policy, offloads, optimizer_device
+from tenfold.techniques.optimizer import allocate_states, build_optimizer, clip_grad_norm as _clip
 from tenfold.terms import ZERO_STAGES, runs_on_fsdp2, zero_runs_as
 
 ENGINES = {
@@ -81,7 +87,6 @@ def apply_zero(
     for every stage (a single-process run is the reference the stages are tested against),
     unless it offloads (ZeRO-Offload's single-GPU case: FSDP2 on a mesh of one rank).
     """
-    from tenfold.techniques.offload import offloads
 
     stage = int(parallel_cfg.zero_stage)
     if stage not in ZERO_STAGES:
@@ -110,7 +115,6 @@ def dp_group(dist: Any):
 
 def unwrap(model: nn.Module) -> nn.Module:
     """The user's module under a DDP wrapper (FSDP2 modifies the module in place)."""
-    from torch.nn.parallel import DistributedDataParallel
 
     return model.module if isinstance(model, DistributedDataParallel) else model
 
@@ -129,8 +133,6 @@ def _broadcast_from_dp_rank0(model: nn.Module, dist: Any) -> None:
 
 
 def _wrap_ddp(model: nn.Module, parallel_cfg: Any, dist: Any) -> nn.Module:
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
     kwargs: dict[str, Any] = {
         "process_group": dp_group(dist),
         # DeepSpeed's contiguous_gradients: gradients live in DDP's contiguous buckets.
@@ -141,7 +143,7 @@ def _wrap_ddp(model: nn.Module, parallel_cfg: Any, dist: Any) -> nn.Module:
         kwargs["bucket_cap_mb"] = parallel_cfg.reduce_bucket_size * 4 / 2**20
     if dist.device.type == "cuda":
         kwargs["device_ids"] = [dist.device.index]
-    ddp = DDP(model, **kwargs)
+    ddp = DistributedDataParallel(model, **kwargs)
     _ddp_reduce_hook(ddp, parallel_cfg, dist)
     return ddp
 
@@ -179,10 +181,6 @@ def bf16_reduce_hook(process_group, bucket):
 
 
 def _wrap_fsdp2(model: nn.Module, parallel_cfg: Any, dist: Any, stage: int, param_dtype, blocks=None) -> nn.Module:
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    from tenfold.techniques.offload import offload_policy
-
     mesh = shard_mesh(dist)
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype_of(parallel_cfg))
     offload = offload_policy(parallel_cfg, dist.device)
@@ -227,7 +225,6 @@ def _gather_ahead_on_cpu(model: nn.Module) -> None:
     (`set_modules_to_forward_prefetch`), FSDP2's implicit backward prefetch gathers the unit
     below while this one runs its backward, and a rank that is ahead posts its gather and
     computes instead of waiting for the other. Same collectives, same order, same numerics."""
-    from torch.distributed.fsdp import FSDPModule
 
     units, seen = [], set()
     for module in model.modules():  # the root first, then the blocks in forward order
@@ -299,8 +296,6 @@ def _wrap_replicate(model: nn.Module, parallel_cfg: Any, dist: Any, param_dtype,
     not take: PyTorch's `replicate` built on FSDP2's machinery (every dp rank keeps whole
     parameters and gradients; gradients are all-reduced), one unit per block + the root as
     for FSDP2, so each block's all-reduce overlaps the backward of the blocks below it."""
-    from torch.distributed._composable.replicate_with_fsdp import replicate
-    from torch.distributed.fsdp import MixedPrecisionPolicy
 
     mesh = dist.mesh["dp"]
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype_of(parallel_cfg))
@@ -351,8 +346,6 @@ def build_optimizer_for(model: nn.Module, train_cfg: Any, parallel_cfg: Any, dis
     one dp rank, the same optimizer inside `ZeroRedundancyOptimizer`, which gives each rank
     the states of ~1/N of the parameters (whole tensors, largest first, greedy) and broadcasts
     the updated parameters after each step."""
-    from tenfold.techniques.offload import optimizer_device
-    from tenfold.techniques.optimizer import allocate_states, build_optimizer
 
     optimizer = build_optimizer(unwrap(model), train_cfg, optimizer_device(parallel_cfg, dist.device))
     if zero_runs_as(int(parallel_cfg.zero_stage), getattr(dist, "tp_size", 1), dist.dp_size, parallel_cfg.offload) == 1:
@@ -362,8 +355,6 @@ def build_optimizer_for(model: nn.Module, train_cfg: Any, parallel_cfg: Any, dis
 
 
 def _zero_redundancy(optimizer: torch.optim.Optimizer, dist: Any) -> torch.optim.Optimizer:
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
     # Only the constructor's own keywords: AdamW's `defaults` also carry internal entries
     # (e.g. `decoupled_weight_decay`) its __init__ does not accept.
     accepted = set(inspect.signature(type(optimizer).__init__).parameters) - {"self", "params"}
@@ -463,7 +454,6 @@ def clip_grad_norm(model: nn.Module, max_norm: float, extra_groups=()) -> float:
     FSDP2 gradients are DTensors sharded on dim 0: the norm of the local shards is a Partial
     DTensor whose `full_tensor()` all-reduces the squares (tenfold.techniques.optimizer.clip_grad_norm).
     DDP gradients are already full on every rank. `max_norm == 0` only measures."""
-    from tenfold.techniques.optimizer import clip_grad_norm as _clip
 
     return _clip([p for p in model.parameters() if p.grad is not None], max_norm, extra_groups=extra_groups)
 

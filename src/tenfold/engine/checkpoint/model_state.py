@@ -17,6 +17,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.optim import ZeroRedundancyOptimizer
 
 # Optimizer state keyed per parameter FQN ("state.layers.0.attn.wq.weight.exp_avg",
 # "param_groups.layers.0.attn.wq.weight.lr"), as torchtitan does: pipeline ranks hold different
@@ -32,7 +33,6 @@ def local_optimizers(optimizer) -> list:
     back through the LR schedule's load_state_dict.)"""
     if optimizer is None:
         return []
-    from torch.distributed.optim import ZeroRedundancyOptimizer
 
     return [optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer]
 

@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 import torch.distributed.checkpoint as dcp
 
+from tenfold.config import build_config
 from tenfold.engine import distributed as d
 from tenfold.engine.checkpoint import layout as lay
 from tenfold.engine.checkpoint.reader import SafeLoadPlanner, SafeReader, inner_error, read_safe_metadata
@@ -58,8 +59,6 @@ def check_same_model(folder: Folder, config: Any, manifest: dict) -> None:
     cfile = folder.path / lay.CONFIG_FILE
     saved = _listed_json(folder, lay.CONFIG_FILE, manifest).get("model", {})
     try:
-        from tenfold.config import build_config
-
         saved_model = build_config({"model": saved}).model_config_resolved().to_dict()
     except UserError as e:
         raise lay.CheckpointError(f"checkpoint config {cfile} is not valid: {e}") from None
