@@ -111,6 +111,14 @@ def text_corpus(folder: Path) -> Path:
     return path
 
 
+def copy_of_run(run: tuple[Path, Path], tmp_path: Path) -> tuple[Path, Path]:
+    """A private copy of a module-scoped run folder (links kept as links) and its corpus."""
+    out, data = run
+    copy = tmp_path / "run"
+    shutil.copytree(out, copy, symlinks=True)
+    return copy, data
+
+
 def cli_train(out: Path, data: Path, *extra: str) -> int:
     """`tenfold train` in this process: a 2-layer model, fp32, seq 16, micro-batch 2 x accum 2."""
     from tenfold import cli

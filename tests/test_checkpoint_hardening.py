@@ -34,7 +34,7 @@ import pytest
 import torch
 
 import plain_loop as t
-from conftest import cli_train, one_line, private_mount_prefix, text_corpus
+from conftest import cli_train, copy_of_run, one_line, private_mount_prefix, text_corpus
 from tenfold.engine import checkpoint as ck
 from tenfold.errors import UserError
 
@@ -53,10 +53,7 @@ def saved_run(tmp_path_factory):
 
 @pytest.fixture
 def run_copy(saved_run, tmp_path):
-    out, data = saved_run
-    copy = tmp_path / "run"
-    shutil.copytree(out, copy, symlinks=True)
-    return copy, data
+    return copy_of_run(saved_run, tmp_path)
 
 
 def reseal(ckpt: Path, extra: dict | None = None) -> None:

@@ -9,9 +9,6 @@ casts, scales and fp32 accumulation as on an H100, without the speed."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from conftest import SMALL_FLAGS, read_metrics, small_config
+from conftest import SMALL_FLAGS, read_metrics, small_config, torchrun
 from tenfold import capabilities
 from tenfold.cli import main
 from tenfold.techniques import fp8
@@ -198,13 +195,7 @@ def test_tiny_trains_within_2_percent_of_bf16_after_50_steps(tmp_path):
 
 @pytest.fixture(scope="module")
 def two_rank_fp8(tmp_path_factory):
-    out = tmp_path_factory.mktemp("fp8zero") / "zero.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(HERE / "workers" / "fp8_worker.py"), "zero", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return json.loads(out.read_text())
+    return torchrun("zero", tmp_path_factory.mktemp("fp8zero"), timeout=400, worker="fp8_worker.py")
 
 
 @pytest.fixture(scope="module")

@@ -5,10 +5,6 @@ and pipeline parallelism), and its activation memory lies between `full` and `no
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,6 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import CheckpointPolicy
 
+from conftest import torchrun
 from tenfold.models.gpt import GPT
 from tenfold.models.presets import get_preset
 from tenfold.techniques import recompute_ops
@@ -275,13 +272,7 @@ def test_activation_memory_between_full_and_none(dtype):
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("op") / "op.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(HERE / "workers" / "recompute_worker.py"), "op", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return json.loads(out.read_text())
+    return torchrun("op", tmp_path_factory.mktemp("op"), timeout=900, worker="recompute_worker.py")
 
 
 LAYOUTS = ["zero0-fp32", "zero3-fp32", "zero3-bf16", "tp2-fp32", "tp2-sp-fp32", "pp2-fp32"]

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import cli_train, one_line, private_mount_prefix, text_corpus
+from conftest import cli_train, copy_of_run, one_line, private_mount_prefix, text_corpus
 from tenfold import cli
 from tenfold.engine import checkpoint as ck
 
@@ -64,10 +64,7 @@ def earlier(tmp_path_factory):
 
 @pytest.fixture
 def run_copy(earlier, tmp_path):
-    out, data = earlier
-    copy = tmp_path / "run"
-    shutil.copytree(out, copy, symlinks=True)
-    return copy, data
+    return copy_of_run(earlier, tmp_path)
 
 
 def train(out: Path, data: Path, *extra: str) -> int:
