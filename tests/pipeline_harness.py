@@ -132,9 +132,10 @@ def run_case(d, case: dict, out: str | None = None) -> dict:
     from tenfold.techniques.precision import LossScaler, build_precision
 
     cfg = run_config(case, d.dp_size)
-    compute_dtype = build_precision(cfg.precision, d.device).compute_dtype
+    run = resolve_run(cfg, d.world_size)
+    compute_dtype = build_precision(run.precision, cfg.precision, d.device).compute_dtype
     kind = "hf" if case.get("hf") else "tenfold"
-    pm = parallelize(new_model(case.get("hf")), resolve_run(cfg, d.world_size), d, param_dtype=compute_dtype, kind=kind)
+    pm = parallelize(new_model(case.get("hf")), run, d, param_dtype=compute_dtype, kind=kind)
     opt = zero.build_optimizer_for(pm, cfg.train, cfg.parallel, d)
     dp_group = d.mesh["dp"].get_group()
     rows = ROWS // d.dp_size

@@ -105,7 +105,7 @@ def train_prediction(argv: list[str]) -> tuple[dict, dict, dict]:
     cfg = config_from_args(args)
     run = resolve_run(cfg, cfg.parallel.nnodes * cfg.parallel.nproc)
     cpu = torch.device("cpu")
-    return predicted_memory(run, cpu, build_precision(cfg.precision, cpu).name), run.batch_summary(), run.layout()
+    return predicted_memory(run, cpu, build_precision(run.precision, cfg.precision, cpu).name), run.batch_summary(), run.layout()
 
 
 def _flags(flags, run_toml) -> list[str]:
@@ -116,7 +116,7 @@ def _flags(flags, run_toml) -> list[str]:
 def test_plan_predicts_the_run_train_announces(capsys, run_toml, flags):
     flags = _flags(flags, run_toml)
     memory, batch, layout = train_prediction(flags)
-    run = plan_json(capsys, *flags)["run"]
+    run = plan_json(capsys, *flags, "--gpu", "cpu")["run"]  # the machine train runs on: `auto` precision alike
     assert run["memory_predicted"] == memory
     assert run["batch"] == batch
     assert run["layout"] == layout  # processes, ZeRO as it runs, recompute, schedule, blocks per stage, ...
@@ -130,7 +130,7 @@ def test_plan_config_file_predicts_train_config_file(tmp_path, capsys, run_toml,
     path = tmp_path / "x.toml"
     path.write_text(config_toml(cfg))
     memory, batch, layout = train_prediction(["--config", str(path)])
-    run = plan_json(capsys, "--config", str(path))["run"]
+    run = plan_json(capsys, "--config", str(path), "--gpu", "cpu")["run"]
     assert (run["memory_predicted"], run["batch"], run["layout"]) == (memory, batch, layout)
     assert len(TRAIN_FLAGS) >= 30
 
@@ -350,7 +350,8 @@ def test_emit_never_overwrites_a_file_it_did_not_write(tmp_path, capsys):
 
 def test_the_table_is_what_the_config_accepts():
     assert set(capabilities.ENGINE.pipeline_schedules) == set(typing.get_args(ParallelSection.model_fields["pp_schedule"].annotation))
-    assert set(capabilities.ENGINE.precisions) == set(typing.get_args(PrecisionSection.model_fields["dtype"].annotation))
+    # the config also takes `auto`, which resolves to one of the engine's precisions
+    assert {"auto", *capabilities.ENGINE.precisions} == set(typing.get_args(PrecisionSection.model_fields["dtype"].annotation))
     for stage in capabilities.ENGINE.zero_stages:
         build_config({"parallel": {"zero_stage": stage}})
     with pytest.raises(UserError):

@@ -18,6 +18,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from tenfold.engine.distributed import shutdown
+from tenfold import terms
 from tenfold.config import build_config
 from tenfold.techniques.optimizer import build_optimizer, clip_grad_norm
 from tenfold.engine.schedule import build_scheduler
@@ -165,6 +166,48 @@ def test_resolve_dtype_validates_and_warns_once_for_fp16_on_cpu(monkeypatch):
         assert resolve_dtype("bf16", CPU) == "fp32"
 
 
+def test_cpu_bf16_matrix_instructions_are_read_from_the_flags_line(tmp_path):
+    def cpuinfo(flags: str) -> Path:
+        path = tmp_path / f"cpuinfo-{len(list(tmp_path.iterdir()))}"
+        path.write_text(f"processor\t: 0\nmodel name\t: Some CPU\nflags\t\t: fpu sse2 {flags}\n\n")
+        return path
+
+    assert terms.cpu_has_bf16_matmul(cpuinfo("avx2 avx512f avx512_bf16"))
+    assert terms.cpu_has_bf16_matmul(cpuinfo("avx2 amx_tile amx_bf16"))
+    assert not terms.cpu_has_bf16_matmul(cpuinfo("avx2 avx512f avx512_vnni"))  # AVX-512 alone is not enough
+    assert not terms.cpu_has_bf16_matmul(tmp_path / "absent")
+
+
+@pytest.mark.parametrize("fast_bf16", [True, False])
+def test_auto_precision_is_bf16_on_gpus_and_fast_cpus_else_fp32(monkeypatch, fast_bf16):
+    monkeypatch.setattr(terms, "cpu_has_bf16_matmul", lambda: fast_bf16)
+    assert terms.resolve_precision("auto", on_cpu=False) == "bf16"
+    assert terms.resolve_precision("auto", on_cpu=True) == ("bf16" if fast_bf16 else "fp32")
+    assert terms.resolve_precision("auto", on_cpu=True, fp8=True) == "bf16"  # FP8 runs inside bf16 autocast
+    for name in ("fp32", "bf16", "fp16"):  # a named precision is kept as given
+        assert terms.resolve_precision(name, on_cpu=True) == name
+    with pytest.raises(UserError, match="fp17"):
+        terms.resolve_precision("fp17", on_cpu=True)
+
+
+@pytest.mark.parametrize("fast_bf16", [True, False])
+def test_the_trainer_computes_in_the_precision_auto_picks(small_cfg, monkeypatch, fast_bf16):
+    """The default config (`auto`) on this CPU: the Trainer's autocast dtype and the layout it
+    reports follow the CPU's bf16 instructions; a named precision is not touched."""
+    from tenfold.engine.trainer import Trainer
+
+    monkeypatch.setattr(terms, "cpu_has_bf16_matmul", lambda: fast_bf16)
+    assert build_config({}).precision.dtype == "auto"  # the default
+    t = Trainer(small_cfg(precision={"dtype": "auto"}))
+    t.setup()
+    expected = "bf16" if fast_bf16 else "fp32"
+    assert t.dtype_name == expected and t.run.precision == expected
+    assert (t.precision.compute_dtype is torch.bfloat16) == fast_bf16
+    named = Trainer(small_cfg(precision={"dtype": "bf16"}))
+    named.setup()
+    assert named.dtype_name == "bf16"
+
+
 def test_autocast_keeps_fp32_master_weights():
     lin = nn.Linear(8, 8)
     with autocast_context("bf16", CPU):
@@ -234,7 +277,7 @@ def _step_setup(dtype: str = "fp16"):
     model = _tiny_gpt()
     opt = build_optimizer(model, cfg.train, CPU)
     sched = build_scheduler(opt, cfg.train, total_steps=10)
-    return cfg, model, opt, sched, build_precision(cfg.precision, CPU)
+    return cfg, model, opt, sched, build_precision(dtype, cfg.precision, CPU)
 
 
 def _finish(opt, sched, precision, model, max_norm, loss=1.0):

@@ -153,7 +153,8 @@ class TrainSection(_Section):
 
 
 class PrecisionSection(_Section):
-    dtype: Literal["fp32", "bf16", "fp16"] = "bf16"
+    # auto: bf16 on GPUs and on CPUs with bf16 matrix instructions, else fp32 (terms.resolve_precision)
+    dtype: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
     # Float8 matmuls in the transformer blocks' Linears (torchao), the rest in `dtype` (bf16):
     # a switch on top of bf16, not a dtype (techniques/fp8.py, docs/precision.md).
     fp8: bool = False

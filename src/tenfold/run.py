@@ -21,8 +21,9 @@ from tenfold import capabilities
 from tenfold.errors import UserError
 from tenfold.models.presets import ModelConfig, param_count
 from tenfold.terms import (
-    MULTI_STAGE_SCHEDULES, OFFLOADS, PIPELINE_SCHEDULES, PRECISIONS, REDUCE_DTYPES, ZERO_STAGES, BatchTriplet, RecomputePolicy,
-    check_tp_heads, num_stages, parse_recompute, resolve_batch, stage_layer_counts, virtual_stages_for, zero_runs_as,
+    MULTI_STAGE_SCHEDULES, OFFLOADS, PIPELINE_SCHEDULES, PRECISION_CHOICES, REDUCE_DTYPES, ZERO_STAGES, BatchTriplet,
+    RecomputePolicy, check_tp_heads, local_device_is_cpu, num_stages, parse_recompute, resolve_batch, resolve_precision,
+    stage_layer_counts, virtual_stages_for, zero_runs_as,
 )
 
 ACTIVATION_STYLES = ("tenfold", "megatron")
@@ -65,7 +66,7 @@ class ResolvedRun:
     tp: int  # tensor-parallel ranks: each layer's matrices split over them
     batch: BatchTriplet
     seq_len: int
-    precision: str  # as configured; the engine may fall back to fp32 on a device without bf16
+    precision: str  # `auto` resolved; the engine may fall back to fp32 where bf16 autocast is missing
     recompute: RecomputePolicy
     zero_stage: int  # as configured (`zero_runs_as` is what runs)
     pp_schedule: str
@@ -235,12 +236,13 @@ def zero_text(run: ResolvedRun) -> str:
 
 
 def resolve(model: ModelConfig | None, world_size: int, *, params: float | None = None, check: bool = True,
-            config: object = None, own_model: bool = False, **choices) -> ResolvedRun:
+            config: object = None, own_model: bool = False, on_cpu: bool = False, **choices) -> ResolvedRun:
     """Check the choices against each other, the model and the processes, derive every shared
     value, and refuse (UserError) a run the engine cannot do. `check=False`: do not refuse for
     the engine (tenfold plan prices such a run and says why train would refuse it); a run that
     cannot exist at all is always refused. `own_model`: the model is the user's own module
-    (Python API), so the configured shape says nothing about its heads."""
+    (Python API), so the configured shape says nothing about its heads. `on_cpu`: the run
+    computes on a CPU, which decides what precision `auto` is (tenfold.terms.resolve_precision)."""
     unknown = sorted(set(choices) - set(CHOICES))
     if unknown:
         raise TypeError(f"unknown run choice(s): {', '.join(unknown)}")
@@ -264,7 +266,7 @@ def resolve(model: ModelConfig | None, world_size: int, *, params: float | None 
     run = ResolvedRun(
         model=model, params=float(params if params is not None else param_count(model)), world_size=world_size,
         pp=pp, dp=dp, tp=tp, batch=resolve_batch(c["micro_batch"], c["grad_accum"], c["global_batch"], dp),
-        seq_len=seq_len, precision=c["precision"], recompute=parse_recompute(c["recompute"]),
+        seq_len=seq_len, precision=resolve_precision(c["precision"], on_cpu, c["fp8"]), recompute=parse_recompute(c["recompute"]),
         zero_stage=c["zero_stage"], pp_schedule=c["pp_schedule"], virtual_stages=v,
         stage_layers=stage_layer_counts(n_layers, stages, c["pp_split"] if pp > 1 else None),
         sequence_parallel=sequence_parallel, offload=c["offload"], shard_group=shard_group,
@@ -286,8 +288,8 @@ def _check_choices(world_size: int, c: dict) -> None:
         v = c[name]
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise UserError(f"parallel.{name}_degree (--{name}) must be a positive integer, got {v!r}")
-    if c["precision"] not in PRECISIONS:
-        raise UserError(f"precision {c['precision']!r}; allowed: {', '.join(PRECISIONS)}")
+    if c["precision"] not in PRECISION_CHOICES:
+        raise UserError(f"precision {c['precision']!r}; allowed: {', '.join(PRECISION_CHOICES)}")
     if c["zero_stage"] not in ZERO_STAGES or isinstance(c["zero_stage"], bool):
         raise UserError(f"parallel.zero_stage (--zero) {c['zero_stage']!r}; allowed: {', '.join(map(str, ZERO_STAGES))}")
     if c["pp_schedule"] not in PIPELINE_SCHEDULES:
@@ -312,10 +314,12 @@ def _seq_len(model: ModelConfig | None, requested: int | None) -> int:
     return seq
 
 
-def resolve_run(cfg, world_size: int, check: bool = True, own_model: bool = False) -> ResolvedRun:
-    """`cfg` (a TenfoldConfig) on `world_size` processes: the run `tenfold train` does."""
+def resolve_run(cfg, world_size: int, check: bool = True, own_model: bool = False,
+                on_cpu: bool | None = None) -> ResolvedRun:
+    """`cfg` (a TenfoldConfig) on `world_size` processes: the run `tenfold train` does, on a CPU
+    or not as `on_cpu` says (None: as train would run on this machine)."""
     return resolve(cfg.model.build(), world_size, check=check, config=cfg, own_model=own_model,
-                   **choices_from_config(cfg))
+                   on_cpu=local_device_is_cpu() if on_cpu is None else on_cpu, **choices_from_config(cfg))
 
 
 def choices_from_config(cfg) -> dict:

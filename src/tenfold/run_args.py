@@ -71,7 +71,8 @@ def _optimization_group(p: argparse.ArgumentParser, only_train) -> None:
 
 def _technique_group(p: argparse.ArgumentParser, only_train) -> None:
     x = p.add_argument_group("techniques")
-    x.add_argument("--precision", help="fp32 | bf16 (default) | fp16 (dynamic loss scaling); for FP8 see --fp8")
+    x.add_argument("--precision", help="auto (default: bf16 on GPUs and on CPUs with bf16 matrix instructions, else fp32) "
+                   "| fp32 | bf16 | fp16 (dynamic loss scaling); for FP8 see --fp8")
     x.add_argument("--fp8", action="store_true", default=None, help="float8 matmuls in the transformer blocks (torchao; "
                    "the embedding, head and the rest stay bf16); needs an H100/H200/B200-class GPU (compute capability >= 8.9)")
     x.add_argument("--fp8-emulate", action="store_true", default=None, help="allow --fp8 without float8 matmuls "

@@ -10,7 +10,9 @@ No torch here: the planner runs on a laptop without it.
 
 from __future__ import annotations
 
+import functools
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -38,6 +40,43 @@ def check_precision(name: str) -> str:
     if name not in PRECISIONS:
         raise UserError(f"invalid precision {name!r}; allowed: {', '.join(PRECISIONS)}")
     return name
+
+
+# `precision.dtype = "auto"` (the default) picks one of PRECISIONS by where the run computes.
+PRECISION_CHOICES = ("auto", *PRECISIONS)
+# x86 flags (/proc/cpuinfo) of bf16 matrix instructions, which torch's CPU bf16 GEMMs (oneDNN)
+# use. Without them bf16 matmuls run through conversions: a `tiny` training step measured 11x
+# slower in bf16 than in fp32 on a 2-core AVX2 EPYC (docs/precision.md).
+CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+@functools.lru_cache(maxsize=4)
+def cpu_has_bf16_matmul(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
+    """Whether this machine's CPU has bf16 matrix instructions (CPU_BF16_FLAGS in the `flags`
+    line of /proc/cpuinfo; False where that file does not exist)."""
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return False
+    flags = next((line.split() for line in text.splitlines() if line.startswith("flags")), [])
+    return any(flag in flags for flag in CPU_BF16_FLAGS)
+
+
+def local_device_is_cpu() -> bool:
+    """Whether `tenfold train` on this machine computes on its CPU: torch's own answer (no CUDA
+    device) where torch is loaded; else, torch-free, whether no GPU device node exists."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        return not torch.cuda.is_available()
+    return not any(Path(node).exists() for node in ("/dev/nvidiactl", "/dev/kfd"))
+
+
+def resolve_precision(name: str, on_cpu: bool, fp8: bool = False) -> str:
+    """`auto` -> bf16 on a GPU, on a CPU with bf16 matrix instructions and under FP8 (whose
+    matmuls run inside bf16 autocast), fp32 on other CPUs; any other name as given."""
+    if name == "auto":
+        return "bf16" if fp8 or not on_cpu or cpu_has_bf16_matmul() else "fp32"
+    return check_precision(name)
 
 
 # --------------------------------------------------------------------------- recompute

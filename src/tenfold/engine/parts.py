@@ -74,7 +74,7 @@ def build_parts(cfg: TenfoldConfig, user_model: nn.Module | None = None, user_da
     run = resolve_run(cfg, world, own_model=user_model is not None)
     check_available(cfg.log.wandb)
     dist = init_distributed(run.pp, cfg.parallel.timeout_s, run.tp, run.shard_group, offload=run.offload != "none")
-    precision = build_precision(cfg.precision, dist.device)
+    precision = build_precision(run.precision, cfg.precision, dist.device)
     if dist.device.type == "cpu":  # before the model and data take their memory
         tune_malloc()
     data = build_data(run, user_dataset, own_model=user_model is not None)

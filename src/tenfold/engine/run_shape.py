@@ -39,6 +39,14 @@ def world_size(cfg) -> int:
     return planned
 
 
+def precision_text(precision: str, configured: str) -> str:
+    """`fp32 (auto: this CPU has no bf16 matrix instructions)`, `bf16 (fp32 where ...)`."""
+    if configured == "auto" and precision == "fp32":
+        return "fp32 (auto: this CPU has no bf16 matrix instructions)"
+    why = "auto; " if configured == "auto" else ""
+    return precision + (f" ({why}fp32 where the device has no bf16)" if precision == "bf16" else "")
+
+
 def describe(run, predicted: dict[str, int]) -> list[str]:
     """The dry run's report, one line per aspect."""
     from tenfold.models.presets import param_count
@@ -49,7 +57,7 @@ def describe(run, predicted: dict[str, int]) -> list[str]:
         "tenfold train --dry-run: the config is valid; nothing was built, read or written",
         f"  model      {name}: {m.n_layers} layers, d_model {m.d_model}, {m.n_heads} heads, vocab {m.vocab_size}, "
         f"context {m.max_seq_len} ({param_count(m) / 1e6:,.2f}M params)",
-        f"  precision  {run.precision}" + (" (fp32 where the device has no bf16)" if run.precision == "bf16" else ""),
+        f"  precision  {precision_text(run.precision, c.precision.dtype)}",
         f"  batch      {run.global_batch} = {run.micro_batch} x {run.grad_accum} x dp {run.dp} sequences of "
         f"{run.seq_len} tokens ({run.tokens_per_step:,} tokens per step), {c.train.steps} steps",
         f"  processes  {run.layout_line()}" + (f" ({c.parallel.nnodes} nodes x {c.parallel.nproc})"

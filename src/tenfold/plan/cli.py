@@ -152,9 +152,9 @@ def _shape_overrides(args) -> list[str]:
     return [f"model.{k}={toml_literal(v)}" for k, v in values.items() if v is not None]
 
 
-def resolve_target(args) -> Target:
+def resolve_target(args, on_cpu: bool) -> Target:
     """The run `tenfold train` would do with these flags, on `--gpus` (default: the config's
-    processes, nnodes x nproc)."""
+    processes, nnodes x nproc) of the planned hardware (`on_cpu`: this machine's CPU)."""
     from dataclasses import replace as dc_replace
 
     from tenfold.run import Stack, resolve_run
@@ -169,9 +169,9 @@ def resolve_target(args) -> Target:
     gpus = a.gpus or cfg.parallel.nnodes * cfg.parallel.nproc
     stack = Stack(**{k: getattr(a, k) for k in STACK_FLAGS})
     if getattr(a, "search", False):
-        run = _search_base(cfg, gpus)
+        run = _search_base(cfg, gpus, on_cpu)
     else:
-        run = resolve_run(cfg, gpus, check=False)  # priced even when train would refuse it (Plan.unsupported)
+        run = resolve_run(cfg, gpus, check=False, on_cpu=on_cpu)  # priced even when train would refuse it (Plan.unsupported)
     changes = {"stack": stack} if stack != run.stack else {}
     if a.params:
         changes.update(seq_len=seq_for_params or 2048)
@@ -182,17 +182,17 @@ def resolve_target(args) -> Target:
     return Target(cfg, run, _label(a, cfg), gpus, bool(a.params), cfg.parallel.sequence_parallel)
 
 
-def _search_base(cfg, gpus: int):
+def _search_base(cfg, gpus: int, on_cpu: bool):
     """What --search varies the layout of: the config's model, precision and sequence length at
     the global batch given (else the one train would use on `gpus`), on one process (the search
     sets the processes, the layout and the micro-batch itself)."""
     from tenfold.run import choices_from_config, resolve, resolve_run
 
-    glob = cfg.train.global_batch or resolve_run(cfg, gpus, check=False).global_batch
+    glob = cfg.train.global_batch or resolve_run(cfg, gpus, check=False, on_cpu=on_cpu).global_batch
     choices = {**choices_from_config(cfg), "pp": 1, "tp": 1, "pp_schedule": "1f1b", "virtual_stages": None,
                "pp_split": None, "zero_stage": 0, "offload": "none", "sequence_parallel": None,
                "micro_batch": None, "grad_accum": None, "global_batch": glob}
-    return resolve(cfg.model.build(), 1, config=cfg, check=False, **choices)
+    return resolve(cfg.model.build(), 1, config=cfg, check=False, on_cpu=on_cpu, **choices)
 
 
 def _label(args, cfg) -> str:
@@ -222,7 +222,7 @@ def run(args) -> int:
     hw = _hardware(args)
     if args.ladder:
         return _run_ladder(args, hw)
-    target = resolve_target(args)
+    target = resolve_target(args, on_cpu=hw.shared_compute)
     other = target.run.stack.departures()
     if args.emit and other:  # the file would describe another stack than the run it holds
         raise UserError(f"--emit {args.emit}: this plan is priced as another training stack ({', '.join(other)}); "

@@ -333,8 +333,10 @@ class Precision:
         return autocast_context(self.name, self.device)
 
 
-def build_precision(precision_section: Any, device: torch.device) -> Precision:
-    name = resolve_dtype(precision_section.dtype, device)
+def build_precision(dtype: str, precision_section: Any, device: torch.device) -> Precision:
+    """The run's precision: `dtype` as resolved (ResolvedRun.precision, never `auto`), the loss
+    scaler's settings from the config's [precision]."""
+    name = resolve_dtype(dtype, device)
     return Precision(name, device, build_loss_scaler(precision_section, name))
 
 

@@ -13,6 +13,7 @@ from tenfold.config import TenfoldConfig
 from tenfold.errors import UserError
 from tenfold.plan.hardware import Hardware
 from tenfold.tune.candidates import KNOBS
+from tenfold.terms import resolve_precision
 
 DEFAULT_OUT = "runs/tune"
 DEFAULT_BUDGET_S = 600.0
@@ -112,9 +113,10 @@ def prepare(args: argparse.Namespace) -> TuneSetup:
     device = device_type()
     precisions, bf16 = _precisions(device)
     hw = _prior_hardware(args, device, nproc)
+    configured = resolve_precision(cfg.precision.dtype, device == "cpu", cfg.precision.fp8)
     return TuneSetup(
         cfg=cfg, nproc=nproc, device=device, precisions=precisions,
-        baseline_precision="fp32" if cfg.precision.dtype == "bf16" and not bf16 else cfg.precision.dtype,
+        baseline_precision="fp32" if configured == "bf16" and not bf16 else configured,
         hardware=hw, limit_bytes=_limit(args, hw, nproc), margin=margin, fixed=parse_fixed(args.fixed),
         window_s=_positive("--window", args.window) or DEFAULT_WINDOW_S,
         trial_timeout_s=_positive("--trial-timeout", args.trial_timeout),
