@@ -151,19 +151,20 @@ def test_cli_bad_or_unsupported_policy_exits_2(tmp_path, capsys, flag, message):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("policy, expected", [("every:4", -2.0), ("segments:4", -5.1)])
+@pytest.mark.parametrize("policy, expected", [("every:4", -2.4), ("segments:4", -1.8)])
 def test_cli_prediction_for_layer_counts_the_policy_does_not_divide(tmp_path, policy, expected):
     """6 layers: every:4 recomputes block 3 alone, segments:4 the groups [0,1], [2,3], [4];
     the planner counts exactly those blocks (tenfold.terms). The tracker counts bytes, so the
-    prediction's error is the same on every run (torch 2.13: -2.0% and -5.1%), and it is held
-    to 0.7 points: segments split another way move it by 1.4 points or more (5 runs instead of
-    4: -8.0%), which a 15% tolerance let through."""
+    prediction's error is the same on every run (torch 2.13, fp32: -2.4% and -1.8%), and it is
+    held to 0.7 points: segments split another way in the engine move it by 1.9 points (5 runs
+    instead of 4: -3.7%), which a 15% tolerance let through. fp32, named: the figures are
+    bytes of fp32 activations whatever the machine's `auto` precision."""
     import subprocess
     import sys
 
     out = tmp_path / "run"
     proc = subprocess.run([sys.executable, "-m", "tenfold", "train", "--model", "tiny", "--set", "model.n_layers=6",
-                           "--ac", policy, "--steps", "2", "--no-progress", "--out", str(out)],
+                           "--ac", policy, "--steps", "2", "--no-progress", "--precision", "fp32", "--out", str(out)],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     diff = json.loads((out / "summary.json").read_text())["memory"]["diff_percent"]
