@@ -59,6 +59,15 @@ def test_rungs_are_cumulative_and_train_the_same_tokens():
         assert t["eval_batches"] * t["micro_batch"] == s.eval_seqs
 
 
+@pytest.mark.parametrize("fast_bf16, on_cpu", [(False, True), (True, True), (False, False)])
+def test_the_bf16_rung_says_when_this_cpu_has_no_bf16_instructions(monkeypatch, fast_bf16, on_cpu):
+    monkeypatch.setattr(R, "cpu_has_bf16_matmul", lambda: fast_bf16)
+    monkeypatch.setattr(R, "local_device_is_cpu", lambda: on_cpu)
+    said = any("no bf16 matrix instructions" in n for n in R.mixed_rung(_setup()).notes)
+    assert said == (on_cpu and not fast_bf16)
+    assert not any("bf16 matrix" in n for n in R.mixed_rung(_setup(mixed_dtype="fp16")).notes)
+
+
 def test_skips_name_the_reason():
     one = _setup(nproc=1)
     assert "at least 2" in R.zero_rung(one, 4).skip

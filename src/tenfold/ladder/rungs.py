@@ -17,6 +17,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from tenfold.terms import cpu_has_bf16_matmul, local_device_is_cpu
+
 RUNG_NAMES = ("fp32", "mixed", "accum", "recompute", "zero", "pipeline")
 
 # What each rung adds, and the recipe's claim for it.
@@ -143,7 +145,11 @@ def mixed_rung(setup: LadderSetup) -> RungSpec:
     o["precision"]["dtype"] = setup.mixed_dtype
     note = (f"torch.amp autocast to {setup.mixed_dtype}, fp32 master weights and optimizer"
             + (" + dynamic loss scaling" if setup.mixed_dtype == "fp16" else ""))
-    return RungSpec(1, "mixed", f"{RUNG_TITLES['mixed']} ({setup.mixed_dtype})", 1, o, [note])
+    notes = [note]
+    if setup.mixed_dtype == "bf16" and local_device_is_cpu() and not cpu_has_bf16_matmul():
+        notes.append("this CPU has no bf16 matrix instructions: its bf16 matmuls run through conversions, "
+                     "slower than fp32 (tenfold train's default precision, auto, is fp32 here)")
+    return RungSpec(1, "mixed", f"{RUNG_TITLES['mixed']} ({setup.mixed_dtype})", 1, o, notes)
 
 
 def accum_rung(setup: LadderSetup) -> RungSpec:
