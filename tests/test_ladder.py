@@ -59,13 +59,19 @@ def test_rungs_are_cumulative_and_train_the_same_tokens():
         assert t["eval_batches"] * t["micro_batch"] == s.eval_seqs
 
 
-@pytest.mark.parametrize("fast_bf16, on_cpu", [(False, True), (True, True), (False, False)])
-def test_the_bf16_rung_says_when_this_cpu_has_no_bf16_instructions(monkeypatch, fast_bf16, on_cpu):
-    monkeypatch.setattr(R, "cpu_has_bf16_matmul", lambda: fast_bf16)
-    monkeypatch.setattr(R, "local_device_is_cpu", lambda: on_cpu)
-    said = any("no bf16 matrix instructions" in n for n in R.mixed_rung(_setup()).notes)
-    assert said == (on_cpu and not fast_bf16)
-    assert not any("bf16 matrix" in n for n in R.mixed_rung(_setup(mixed_dtype="fp16")).notes)
+@pytest.mark.parametrize("fast_bf16", [True, False])
+def test_a_cpu_without_bf16_instructions_skips_the_mixed_rung_and_the_rest_train_in_fp32(monkeypatch, fast_bf16):
+    from tenfold.ladder import machine
+
+    monkeypatch.setattr(machine, "device_type", lambda: "cpu")
+    monkeypatch.setattr(machine, "cpu_has_bf16_matmul", lambda: fast_bf16)
+    dtype, skip = machine.mixed_precision()
+    assert (dtype, skip is None) == (("bf16", True) if fast_bf16 else ("fp32", False))
+    s = _setup(mixed_dtype=dtype, mixed_skip=skip)
+    mixed = R.mixed_rung(s)
+    assert mixed.skip == skip and (fast_bf16 or "no bf16 matrix instructions" in mixed.skip)
+    later = [R.accum_rung(s), R.recompute_rung(s, 4, ""), R.zero_rung(s, 4), R.pipeline_rung(s, 4)]
+    assert {sp.knobs["precision"] for sp in later} == {dtype}
 
 
 def test_skips_name_the_reason():
@@ -215,6 +221,7 @@ def test_off_a_terminal_the_ladder_says_each_rung_as_it_goes(tmp_path, capsys, m
         return r
 
     monkeypatch.setattr(measure, "run_rung", fake_rung)
+    monkeypatch.setattr("tenfold.ladder.mixed_precision", bf16_pays_here)
     assert main(["ladder", "--rungs", "fp32,mixed,accum", "--nproc", "1", "--tokens", "256", "--global-batch", "2",
                  "--repeats", "1", "--timeout", "300", "--out", str(tmp_path), *SMALL]) == 0
     printed.append(capsys.readouterr().out)
@@ -279,12 +286,20 @@ def test_a_repeat_keeps_the_best_run_and_every_figure():
 # --------------------------------------------------------------------------- a real ladder
 
 
+def bf16_pays_here() -> tuple[str, None]:
+    """ladder.mixed_precision as on a machine where bf16 pays (a GPU, a CPU with bf16 matrix
+    instructions): tests of the ladder's own mechanics measure the mixed rung on any CPU."""
+    return "bf16", None
+
+
 @pytest.fixture(scope="module")
 def ladder_out(tmp_path_factory):
     """fp32 and mixed measured; zero and pipeline skipped (one process); ~20 s of CPU."""
     out = tmp_path_factory.mktemp("ladder")
-    rc = main(["ladder", "--quick", "--rungs", "fp32,mixed,zero,pipeline", "--nproc", "1", "--tokens", "256",
-               "--global-batch", "2", "--no-progress", "--out", str(out), *SMALL])
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("tenfold.ladder.mixed_precision", bf16_pays_here)
+        rc = main(["ladder", "--quick", "--rungs", "fp32,mixed,zero,pipeline", "--nproc", "1", "--tokens", "256",
+                   "--global-batch", "2", "--no-progress", "--out", str(out), *SMALL])
     assert rc == 0
     return out
 

@@ -8,7 +8,8 @@ path of fp32 -> mixed precision -> accumulation -> recompute -> ZeRO -> pipeline
 
 Rungs (cumulative; each trains the same token budget, `tenfold train` in a subprocess):
   0 fp32       one process, fp32, micro-batch 1, one sequence per optimizer step (the baseline)
-  1 mixed      + torch.amp autocast: bf16 where supported, else fp16 with dynamic loss scaling
+  1 mixed      + torch.amp autocast: bf16 where supported, else fp16 with dynamic loss scaling;
+                 skipped on a CPU without bf16 matrix instructions (the later rungs then fp32)
   2 accum      + gradient accumulation to the target global batch (micro-batch 1)
   3 recompute  + activation checkpointing, micro-batch raised to the largest that fits --memory-budget
   4 zero       + ZeRO (FSDP2) across --nproc local ranks, same global batch
@@ -28,7 +29,7 @@ import sys
 from pathlib import Path
 
 from tenfold.errors import UserError
-from tenfold.ladder.machine import default_nproc, mixed_dtype
+from tenfold.ladder.machine import default_nproc, mixed_precision
 from tenfold.ladder.rungs import RUNG_NAMES
 from tenfold.ladder.runner import Ladder
 
@@ -150,9 +151,10 @@ def prepare(args: argparse.Namespace) -> Ladder:
     seq = base.seq_len()
     gb = _positive("--global-batch", args.global_batch) or _default_global_batch(preset["global_batch"], nproc, pp)
     tokens = _positive("--tokens", args.tokens, float) or preset["tokens"]
+    dtype, mixed_skip = mixed_precision()
     setup = LadderSetup(
         seq_len=seq, global_batch=gb, budget_tokens=budget_tokens(int(tokens), seq, gb), nproc=nproc, pp=pp,
-        zero_stage=args.zero, ac_policy=args.ac, mixed_dtype=mixed_dtype(), seed=base.train.seed,
+        zero_stage=args.zero, ac_policy=args.ac, mixed_dtype=dtype, mixed_skip=mixed_skip, seed=base.train.seed,
         eval_seqs=gb,
     )
     budget = parse_bytes(args.memory_budget) if args.memory_budget else None

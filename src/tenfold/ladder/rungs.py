@@ -17,8 +17,6 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from tenfold.terms import cpu_has_bf16_matmul, local_device_is_cpu
-
 RUNG_NAMES = ("fp32", "mixed", "accum", "recompute", "zero", "pipeline")
 
 # What each rung adds, and the recipe's claim for it.
@@ -88,7 +86,8 @@ class LadderSetup:
     pp: int
     zero_stage: int
     ac_policy: str
-    mixed_dtype: str  # bf16, or fp16 where the device has no bf16
+    mixed_dtype: str  # bf16, or fp16 where the device has no bf16; fp32 where no 16-bit format pays
+    mixed_skip: str | None = None  # why the mixed-precision rung is not run here (machine.mixed_precision)
     seed: int = 1337
     eval_seqs: int = 16  # every rung scores the same first validation sequences
     extra: dict[str, dict[str, Any]] = field(default_factory=dict)  # e.g. data.max_bytes for --quick
@@ -145,11 +144,7 @@ def mixed_rung(setup: LadderSetup) -> RungSpec:
     o["precision"]["dtype"] = setup.mixed_dtype
     note = (f"torch.amp autocast to {setup.mixed_dtype}, fp32 master weights and optimizer"
             + (" + dynamic loss scaling" if setup.mixed_dtype == "fp16" else ""))
-    notes = [note]
-    if setup.mixed_dtype == "bf16" and local_device_is_cpu() and not cpu_has_bf16_matmul():
-        notes.append("this CPU has no bf16 matrix instructions: its bf16 matmuls run through conversions, "
-                     "slower than fp32 (tenfold train's default precision, auto, is fp32 here)")
-    return RungSpec(1, "mixed", f"{RUNG_TITLES['mixed']} ({setup.mixed_dtype})", 1, o, notes)
+    return RungSpec(1, "mixed", f"{RUNG_TITLES['mixed']} ({setup.mixed_dtype})", 1, o, [note], setup.mixed_skip)
 
 
 def accum_rung(setup: LadderSetup) -> RungSpec:
