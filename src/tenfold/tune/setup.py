@@ -13,7 +13,7 @@ from tenfold.config import TenfoldConfig
 from tenfold.errors import UserError
 from tenfold.plan.hardware import Hardware
 from tenfold.tune.candidates import KNOBS
-from tenfold.terms import resolve_precision
+from tenfold.terms import cpu_has_bf16_matmul, resolve_precision
 
 DEFAULT_OUT = "runs/tune"
 DEFAULT_BUDGET_S = 600.0
@@ -72,13 +72,16 @@ def _user_config(args: argparse.Namespace) -> TenfoldConfig:
 
 def _precisions(device: str) -> tuple[list[str], bool]:
     """(precisions to try, bf16 supported). A CPU has no fast fp16 matmul kernels (tenfold train
-    warns about fp16 there), so fp16 is tried on GPUs only."""
+    warns about fp16 there), so fp16 is tried on GPUs only, and bf16 on a CPU only where it has
+    bf16 matrix instructions (elsewhere its bf16 matmuls run through conversions, many times
+    slower than fp32: a trial there spends the budget on a known loser)."""
     import torch
 
     from tenfold.techniques.precision import bf16_supported
 
     bf16 = bf16_supported(torch.device(device))
-    return ["fp32", *(["bf16"] if bf16 else []), *(["fp16"] if device == "cuda" else [])], bf16
+    try_bf16 = bf16 and (device != "cpu" or cpu_has_bf16_matmul())
+    return ["fp32", *(["bf16"] if try_bf16 else []), *(["fp16"] if device == "cuda" else [])], bf16
 
 
 def _prior_hardware(args: argparse.Namespace, device: str, nproc: int) -> Hardware:
