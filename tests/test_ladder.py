@@ -70,6 +70,7 @@ def test_a_cpu_without_bf16_instructions_skips_the_mixed_rung_and_the_rest_train
     s = _setup(mixed_dtype=dtype, mixed_skip=skip)
     mixed = R.mixed_rung(s)
     assert mixed.skip == skip and (fast_bf16 or "no bf16 matrix instructions" in mixed.skip)
+    assert mixed.knobs["precision"] == "bf16" and mixed.title.endswith("(bf16)")  # what it runs, or would
     later = [R.accum_rung(s), R.recompute_rung(s, 4, ""), R.zero_rung(s, 4), R.pipeline_rung(s, 4)]
     assert {sp.knobs["precision"] for sp in later} == {dtype}
 

@@ -141,10 +141,11 @@ def fp32_rung(setup: LadderSetup) -> RungSpec:
 
 def mixed_rung(setup: LadderSetup) -> RungSpec:
     o = base_overrides(setup, _steps(setup, 1), 1, 1)
-    o["precision"]["dtype"] = setup.mixed_dtype
-    note = (f"torch.amp autocast to {setup.mixed_dtype}, fp32 master weights and optimizer"
-            + (" + dynamic loss scaling" if setup.mixed_dtype == "fp16" else ""))
-    return RungSpec(1, "mixed", f"{RUNG_TITLES['mixed']} ({setup.mixed_dtype})", 1, o, [note], setup.mixed_skip)
+    dtype = "bf16" if setup.mixed_skip else setup.mixed_dtype  # a skipped rung names what it would run
+    o["precision"]["dtype"] = dtype
+    note = (f"torch.amp autocast to {dtype}, fp32 master weights and optimizer"
+            + (" + dynamic loss scaling" if dtype == "fp16" else ""))
+    return RungSpec(1, "mixed", f"{RUNG_TITLES['mixed']} ({dtype})", 1, o, [note], setup.mixed_skip)
 
 
 def accum_rung(setup: LadderSetup) -> RungSpec:
