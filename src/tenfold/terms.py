@@ -50,16 +50,35 @@ PRECISION_CHOICES = ("auto", *PRECISIONS)
 CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
-@functools.lru_cache(maxsize=4)
-def cpu_has_bf16_matmul(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
-    """Whether this machine's CPU has bf16 matrix instructions (CPU_BF16_FLAGS in the `flags`
-    line of /proc/cpuinfo; False where that file does not exist)."""
+CPUINFO = Path("/proc/cpuinfo")
+
+
+def cpuinfo_field(name: str, cpuinfo: Path = CPUINFO) -> str | None:
+    """The value of the first `name : value` line of /proc/cpuinfo; None where the file (not
+    Linux) or the line is missing."""
     try:
         text = cpuinfo.read_text()
     except OSError:
-        return False
-    flags = next((line.split() for line in text.splitlines() if line.startswith("flags")), [])
+        return None
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        if sep and key.strip() == name:
+            return value.strip()
+    return None
+
+
+@functools.lru_cache(maxsize=4)
+def cpu_has_bf16_matmul(cpuinfo: Path = CPUINFO) -> bool:
+    """Whether this machine's CPU has bf16 matrix instructions (CPU_BF16_FLAGS in the `flags`
+    line of /proc/cpuinfo; False where that file does not exist)."""
+    flags = (cpuinfo_field("flags", cpuinfo) or "").split()
     return any(flag in flags for flag in CPU_BF16_FLAGS)
+
+
+def bf16_pays(on_cpu: bool) -> bool:
+    """Whether bf16 matmuls are fast where the run computes: on a GPU, and on a CPU with bf16
+    matrix instructions. The one rule behind `auto`, the ladder's mixed rung and tune's trials."""
+    return not on_cpu or cpu_has_bf16_matmul()
 
 
 def local_device_is_cpu() -> bool:
@@ -75,7 +94,7 @@ def resolve_precision(name: str, on_cpu: bool, fp8: bool = False) -> str:
     """`auto` -> bf16 on a GPU, on a CPU with bf16 matrix instructions and under FP8 (whose
     matmuls run inside bf16 autocast), fp32 on other CPUs; any other name as given."""
     if name == "auto":
-        return "bf16" if fp8 or not on_cpu or cpu_has_bf16_matmul() else "fp32"
+        return "bf16" if fp8 or bf16_pays(on_cpu) else "fp32"
     return check_precision(name)
 
 

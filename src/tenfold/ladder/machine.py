@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-from tenfold.terms import cpu_has_bf16_matmul
+from tenfold.terms import bf16_pays
 
 
 def default_nproc() -> int:
@@ -36,7 +36,7 @@ def mixed_precision() -> tuple[str, str | None]:
     from tenfold.techniques.precision import bf16_supported
 
     device = device_type()
-    if device == "cpu" and not cpu_has_bf16_matmul():
+    if not bf16_pays(on_cpu=device == "cpu"):
         return "fp32", ("this CPU has no bf16 matrix instructions (avx512_bf16, amx_bf16): its bf16 matmuls run "
                         "through conversions, many times slower than fp32, and fp16 has no fast CPU kernels; "
                         "the rungs after this one train in fp32")

@@ -37,6 +37,7 @@ from pathlib import Path
 
 from tenfold.errors import UserError
 from tenfold.plan.hardware_file import DTYPES, PLAIN_KEYS, SCALED_KEYS, read_hardware_file
+from tenfold.terms import cache_dir, cpuinfo_field
 
 GiB = 2**30
 PEAK_DTYPES = ("fp32", "bf16", "fp16", "fp8")  # the keys of Hardware.peak_flops (fp8: float8 matmuls, --fp8)
@@ -239,20 +240,12 @@ CPU_MEMORY_BW = 10 * GB
 
 
 def cpu_model_name() -> str:
-    model = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return model
+    return cpuinfo_field("model name") or platform.processor() or platform.machine()
 
 
 def _cpu_peak_cache_path() -> Path:
-    # Same rule as tenfold.engine.peak.cache_path (replicated: that module's siblings import torch).
-    root = os.environ.get("TENFOLD_CACHE_DIR") or os.path.join(Path.home(), ".cache", "tenfold")
-    return Path(root) / "cpu_peak.json"
+    # The file tenfold.engine.peak.cache_path writes (that package's siblings import torch).
+    return cache_dir() / "cpu_peak.json"
 
 
 def _cached_cpu_peak() -> dict[str, float] | None:

@@ -13,7 +13,7 @@ from tenfold.config import TenfoldConfig
 from tenfold.errors import UserError
 from tenfold.plan.hardware import Hardware
 from tenfold.tune.candidates import KNOBS
-from tenfold.terms import cpu_has_bf16_matmul, resolve_precision
+from tenfold.terms import bf16_pays, resolve_precision
 
 DEFAULT_OUT = "runs/tune"
 DEFAULT_BUDGET_S = 600.0
@@ -80,7 +80,7 @@ def _precisions(device: str) -> tuple[list[str], bool]:
     from tenfold.techniques.precision import bf16_supported
 
     bf16 = bf16_supported(torch.device(device))
-    try_bf16 = bf16 and (device != "cpu" or cpu_has_bf16_matmul())
+    try_bf16 = bf16 and bf16_pays(on_cpu=device == "cpu")
     return ["fp32", *(["bf16"] if try_bf16 else []), *(["fp16"] if device == "cuda" else [])], bf16
 
 
