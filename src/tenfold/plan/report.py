@@ -108,6 +108,8 @@ def _time_table(p: Plan) -> Table:
                     (f"DP/ZeRO comm exposed (of {_secs(p.time.dp_comm_s)})", p.time.dp_comm_exposed_s),
                     ("optimizer step", p.time.optimizer_s)):
         tt.add_row(name, _secs(v))
+    if p.time.embedding_sync_s:
+        tt.add_row("tied embedding all-reduce (first + last stage)", _secs(p.time.embedding_sync_s))
     if p.time.overhead_s:
         tt.add_row("overhead (measured: per step + per micro-batch)", _secs(p.time.overhead_s))
     tt.add_row("[bold]step[/]", f"[bold]{_secs(p.time.step_s)}[/]")
