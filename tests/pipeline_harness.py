@@ -249,7 +249,7 @@ def assert_close_curve(got: list[float], want: list[float], rel: float, what: st
 
 
 # Tied embeddings: the first step's global gradient norm within 1e-6 of one process (it counts the
-# tied weight once; counting it twice moves it by far more, docs/pipeline.md). Later steps' norms
+# tied weight once; counted twice it is 22% higher on the tiny GPT, docs/pipeline.md). Later steps' norms
 # within 1e-4: the two copies' gradients are summed in another order than one process sums the one
 # Parameter's, and AdamW's first updates are about lr x sign(g) whatever |g|, so an element where
 # the embedding's and the head's contributions nearly cancel can step the other way (measured:

@@ -140,6 +140,30 @@ def test_a_tie_between_other_stages_is_refused():
         pp.split_model(model, 0, 2)
 
 
+@pytest.mark.parametrize("zero,shards", [(0, 1), (2, 64)])  # ZeRO-0 under tp: whole gradients
+def test_the_planner_prices_the_tied_embedding_all_reduce_once_per_step(zero, shards):
+    """GPT-3 175B on tp 4 x pp 4 x dp 64 (its fastest layouts): tied, the step adds one
+    all-reduce of the local (V, d) gradient (/ tp, / dp where ZeRO-2/3 shards it, fp32) over the
+    first and the last pipeline rank, two nodes apart, and the last stage holds the same parameters
+    as an untied head (planner vs engine: test_the_planner_prices_the_parameters_each_rank_really_holds)."""
+    from tenfold.plan import comm
+    from tenfold.plan.api import predict
+    from tenfold.plan.hardware import get_hardware
+
+    gpt3 = get_preset("gpt3-175b")
+    choices = dict(tp=4, pp=4, pp_schedule="interleaved", virtual_stages=4, micro_batch=1, global_batch=1536,
+                   zero_stage=zero)
+    tied, untied = (predict(resolve(m, 1024, **choices), "a100-80gb")
+                    for m in (gpt3, gpt3.with_overrides(tie_embeddings=False)))
+    local_bytes = 4 * gpt3.vocab_size * gpt3.d_model / 4 / shards
+    want = comm.all_reduce_time(local_bytes, get_hardware("a100-80gb"), comm.Group(2, 1))
+    assert tied.time.embedding_sync_s == pytest.approx(want) and want > 0 and untied.time.embedding_sync_s == 0
+    assert tied.time.step_s == pytest.approx(untied.time.step_s + want)
+    assert tied.memory.total_bytes == untied.memory.total_bytes
+    one_stage = predict(resolve(gpt3, 1024, tp=4, micro_batch=1, global_batch=1536, zero_stage=3), "a100-80gb")
+    assert one_stage.time.embedding_sync_s == 0  # pp 1: one Parameter, nothing to reduce
+
+
 def test_predicted_bubble():
     assert pipeline_runner.predicted_bubble(2, 4) == 0.25
     assert pipeline_runner.predicted_bubble(4, 8, 2) == 3 / 16

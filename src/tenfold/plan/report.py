@@ -191,7 +191,7 @@ def print_search(result, hw: Hardware, gpus: int, advice=None, console: Console 
                if result.unsupported else ""))
     if not result.best:
         c.print("[red]no strategy fits[/]: more GPUs, a smaller global batch, or --include-unsupported for "
-                "strategies tenfold train cannot run (offload, tied embeddings pipelined, ...)")
+                "strategies tenfold train cannot run (offload at ZeRO-0/1, another training stack, ...)")
         return
     t = Table(title="Fastest strategies that fit", box=box.SIMPLE_HEAVY)
     for col in ("#", "layout", "GiB/GPU", "step", "tokens/s", "MFU", "days", "train"):

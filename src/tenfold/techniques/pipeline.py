@@ -26,6 +26,10 @@ Everything that schedules, sends and receives is `torch.distributed.pipelining`
 
 Looped placement for multi-stage schedules: rank r owns stages r, r+P, r+2P, ...
 (torchtitan's `stage_ids_this_rank` for "loop" style schedules).
+
+Tied embeddings (the head's weight is the embedding's): the split finds the tie and, on a rank
+that holds the last stage without the first, gives the head a copy of its own
+(techniques/tied_embeddings.py keeps the two copies one weight).
 """
 
 from __future__ import annotations
