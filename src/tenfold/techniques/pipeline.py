@@ -175,7 +175,9 @@ def split_model(model: nn.Module, pp_rank: int, pp_size: int, counts: Sequence[i
     Every rank builds the same full model from the same seed first, so the pipeline starts
     from exactly the weights a single process would have; the modules a rank does not own
     are dropped with the full model (for models too large for one host, build on the meta
-    device and load a seed checkpoint by FQN, as torchtitan recommends).
+    device and load a seed checkpoint by FQN, as torchtitan recommends). With tied embeddings a
+    rank that runs the last stage but not the first unties the model's head (a zero-filled copy
+    of its own, techniques/tied_embeddings.py): split a model once.
     """
     kind, n_layers, has_pos_emb, d_model, vocab = _model_facts(model)
     layout = stage_layout(n_layers, len(counts) if counts is not None else pp_size, counts, kind, has_pos_emb)

@@ -152,6 +152,8 @@ class TiedEmbedding:
         copies are split alike over dp and tp (module docstring)."""
         for name in self.local:
             p = model.get_parameter(name)
+            if not p.requires_grad:  # frozen (both copies alike: untie_head keeps the flag)
+                continue
             if p.grad is None:
                 raise RuntimeError(f"tied weight {name} has no gradient after the pipeline step")
             settle_gradients([p])  # a vocabulary-parallel embedding's gradient comes back Replicate
