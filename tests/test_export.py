@@ -79,11 +79,26 @@ def test_export_tied_embeddings(tmp_path):
     run = _trained(tmp_path, {"tie_embeddings": True})
     out = tmp_path / "tied.safetensors"
     export.export_checkpoint(tmp_path, out, "fp32")
-    model = _model_from_export(out, tmp_path / "tied.config.json")
+    assert "output.weight" not in load_file(str(out))  # the tied matrix once, as tok_emb.weight
+    model = _model_from_export(out, tmp_path / "tied.config.json")  # strict: the head is taken from it
     assert model.output.weight is model.tok_emb.weight
     ids = torch.randint(0, t.MC.vocab_size, (2, t.SEQ))
     with torch.no_grad():
         assert torch.equal(model(ids), run.model(ids))
+
+
+def test_tied_copies_that_differ_are_a_damaged_checkpoint(tmp_path):
+    """A pipelined tied model checkpoints two copies (first and last stage), which training keeps
+    equal: copies that differ are not exported as either."""
+    from tenfold.engine.checkpoint.layout import CheckpointError
+
+    emb = torch.ones(4, 2)
+    weights = {"tok_emb.weight": emb, "output.weight": emb.clone(), "norm.weight": torch.ones(2)}
+    assert set(export.one_tied_weight(dict(weights), True, "tenfold", tmp_path)) == {"tok_emb.weight", "norm.weight"}
+    assert set(export.one_tied_weight(dict(weights), False, "tenfold", tmp_path)) == set(weights)
+    weights["output.weight"][0, 0] = 2.0
+    with pytest.raises(CheckpointError, match=r"the tied weights tok_emb.weight and output.weight differ \(max 1\)"):
+        export.one_tied_weight(weights, True, "tenfold", tmp_path)
 
 
 def test_cli_export_and_bad_input(tmp_path, capsys):

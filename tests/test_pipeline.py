@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from pipeline_harness import (
-    CFG, SEQ, assert_close_curve, assert_matches_fsdp_bf16, assert_same_grads, launch, load_full_grads, reference_run,
+    CFG, SEQ, assert_close_curve, assert_matches_fsdp_bf16, assert_same_grads, assert_tied_norms, launch, load_full_grads,
+    reference_run,
 )
 from tenfold.errors import UserError
 from tenfold.models.gpt import GPT
@@ -88,19 +89,79 @@ def test_manual_split_and_description():
 @pytest.mark.parametrize("layout", [
     dict(pp=2), dict(pp=4, grad_accum=4), dict(pp=2, pp_schedule="interleaved", grad_accum=2),
     dict(pp=2, pp_split=(3, 1)), dict(pp=2, pp_schedule="interleaved", virtual_stages=3, grad_accum=2, n_layers=10),
+    dict(pp=2, tie=True), dict(pp=4, grad_accum=4, tie=True),
+    dict(pp=2, pp_schedule="interleaved", grad_accum=2, tie=True),
 ])
 def test_the_planner_prices_the_parameters_each_rank_really_holds(layout):
     """One split for both: the resolved run's `stage_layers` cut the real model (split_model)
-    and give the planner's per-rank parameters (tenfold.plan.shape.run_rank_params)."""
+    and give the planner's per-rank parameters (tenfold.plan.shape.run_rank_params), the last
+    stage's copy of a tied embedding included."""
     from tenfold.plan.shape import run_rank_params, shape_of
 
-    cfg = CFG.with_overrides(n_layers=layout.pop("n_layers", CFG.n_layers))
+    cfg = CFG.with_overrides(n_layers=layout.pop("n_layers", CFG.n_layers), tie_embeddings=layout.pop("tie", False))
     run = resolve(cfg, layout["pp"], check=False, **layout)
     model = GPT(cfg)
     for rank in range(run.pp):
         split = pp.split_model(model, rank, run.pp, run.stage_layers)
         held = sum(p.numel() for stage in split.modules for p in stage.parameters())
         assert run_rank_params(shape_of(cfg), run, rank) == held, (rank, run.stage_layers)
+
+
+def test_a_tied_embedding_is_one_parameter_on_one_rank_and_two_copies_across_ranks():
+    """Tied embeddings (techniques/tied_embeddings.py): stages on one rank share the Parameter
+    (chained, they compute the tied model's logits); on different ranks the last stage's head is
+    a Parameter of its own, zero until the broadcast from the first stage fills it."""
+    from tenfold.techniques.tied_embeddings import TiedPair
+
+    tied = CFG.with_overrides(tie_embeddings=True)
+    torch.manual_seed(0)
+    model = GPT(tied)
+    split = pp.split_model(model, 0, 1, layer_counts(CFG.n_layers, 3))  # all 3 stages on one "rank"
+    assert split.tied == TiedPair("tok_emb.weight", "output.weight") and split.tied_local == ()
+    assert split.modules[-1].output.weight is split.modules[0].tok_emb.weight
+    ids = torch.randint(0, CFG.vocab_size, (2, SEQ))
+    h = ids
+    for stage in split.modules:
+        h = stage(h)
+    assert torch.equal(h, model(ids))
+    first, last = (pp.split_model(GPT(tied), rank, 2) for rank in (0, 1))
+    assert first.tied_local == ("tok_emb.weight",) and last.tied_local == ("output.weight",)
+    head = last.modules[0].output.weight
+    assert head.shape == (CFG.vocab_size, CFG.d_model) and not head.any()
+    assert pp.describe_split(last)[-1].endswith("params; output.weight tied to stage 0's tok_emb.weight")
+    assert first.params[-1] == last.params[-1] == sum(p.numel() for p in last.modules[0].parameters())
+
+
+def test_a_tie_between_other_stages_is_refused():
+    model = GPT(CFG)
+    model.layers["3"].attn.wq.weight = model.layers["0"].attn.wq.weight
+    with pytest.raises(UserError, match=r"layers.0.attn.wq.weight \(pipeline stage 0\) and layers.3.attn.wq.weight "
+                                        r"\(stage 1\) are one tied weight; pipeline stages share only the embedding"):
+        pp.split_model(model, 0, 2)
+
+
+@pytest.mark.parametrize("zero,shards", [(0, 1), (2, 64)])  # ZeRO-0 under tp: whole gradients
+def test_the_planner_prices_the_tied_embedding_all_reduce_once_per_step(zero, shards):
+    """GPT-3 175B on tp 4 x pp 4 x dp 64 (its fastest layouts): tied, the step adds one
+    all-reduce of the local (V, d) gradient (/ tp, / dp where ZeRO-2/3 shards it, fp32) over the
+    first and the last pipeline rank, two nodes apart, and the last stage holds the same parameters
+    as an untied head (planner vs engine: test_the_planner_prices_the_parameters_each_rank_really_holds)."""
+    from tenfold.plan import comm
+    from tenfold.plan.api import predict
+    from tenfold.plan.hardware import get_hardware
+
+    gpt3 = get_preset("gpt3-175b")
+    choices = dict(tp=4, pp=4, pp_schedule="interleaved", virtual_stages=4, micro_batch=1, global_batch=1536,
+                   zero_stage=zero)
+    tied, untied = (predict(resolve(m, 1024, **choices), "a100-80gb")
+                    for m in (gpt3, gpt3.with_overrides(tie_embeddings=False)))
+    local_bytes = 4 * gpt3.vocab_size * gpt3.d_model / 4 / shards
+    want = comm.all_reduce_time(local_bytes, get_hardware("a100-80gb"), comm.Group(2, 1))
+    assert tied.time.embedding_sync_s == pytest.approx(want) and want > 0 and untied.time.embedding_sync_s == 0
+    assert tied.time.step_s == pytest.approx(untied.time.step_s + want)
+    assert tied.memory.total_bytes == untied.memory.total_bytes
+    one_stage = predict(resolve(gpt3, 1024, tp=4, micro_batch=1, global_batch=1536, zero_stage=3), "a100-80gb")
+    assert one_stage.time.embedding_sync_s == 0  # pp 1: one Parameter, nothing to reduce
 
 
 def test_predicted_bubble():
@@ -131,7 +192,6 @@ def _check(**overrides):
         ({"pp_schedule": "interleaved", "virtual_stages": 2, "grad_accum": 5}, "multiple of parallel.pp_degree"),
         ({"virtual_stages": 2}, "needs an interleaved schedule"),
         ({"pp_schedule": "dualpipe"}, "parallel.pp_schedule (--pp-schedule) 'dualpipe'; allowed"),
-        ({"tie_embeddings": True}, "model.tie_embeddings=true cannot be pipelined"),
         ({"pp_split": [4]}, "parallel.pp_split has 1 entries but there are 2 stages"),
         ({"pp_split": [3, 3]}, "summing to model.n_layers (4)"),
         ({"world_size": 4, "pp_schedule": "zero-bubble", "virtual_stages": 2, "zero_stage": 1},
@@ -156,6 +216,7 @@ def test_valid_configs_pass():
     _check(pp_split=[0, 4])
     _check(world_size=4, pp_schedule="zero-bubble", virtual_stages=2, zero_stage=2)
     _check(n_layers=10, pp_schedule="interleaved", grad_accum=2)  # 10 layers on 4 stages: 3/3/2/2 (uneven is fine)
+    _check(tie_embeddings=True)  # the first and the last stage each keep a copy (techniques/tied_embeddings.py)
 
 
 # --------------------------------------------------------------------------- multi-process
@@ -174,27 +235,55 @@ PP2_CASES = [
     {"pp": 2, "schedule": "1f1b", "m": 2, "split": [1, 3], "ac": "full"},
     {"pp": 2, "schedule": "1f1b", "m": 4, "dtype": "bf16"},
     {"pp": 2, "schedule": "gpipe", "m": 4, "loss_scale": 1024.0},  # a power of 2: exact in fp32
+    # tied embeddings: the first stage's embedding and the last stage's head are two copies
+    {"pp": 2, "schedule": "gpipe", "m": 4, "tie": True},
+    {"pp": 2, "schedule": "1f1b", "m": 4, "tie": True, "loss_scale": 1024.0},
+    {"pp": 2, "schedule": "interleaved", "v": 2, "m": 4, "tie": True},
+    {"pp": 2, "schedule": "zero-bubble", "v": 2, "m": 4, "tie": True},
 ]
+
+
+TIED_RTOL = 1e-6  # tied embeddings: losses and eval loss against one process (norms: assert_tied_norms)
+
+
+@pytest.fixture(scope="module")
+def tied_references():
+    """One-process runs of the tied model: CFG's 4 blocks and 8 (for 4 ranks x 2 stages)."""
+    return {layers: reference_run(tie=True, layers=layers) for layers in (CFG.n_layers, 8)}
+
+
+def assert_tied_copies_equal(res: dict, what: str) -> None:
+    """The first stage's embedding and the last stage's head, bit for bit after training."""
+    assert res["tied_copies_differ_by"] == 0.0, f"{what}: the tied copies differ by {res['tied_copies_differ_by']}"
 
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
-def test_pp2_every_schedule_matches_one_process(reference, tmp_path):
+def test_pp2_every_schedule_matches_one_process(reference, tied_references, tmp_path):
+    """Every schedule, untied and tied, against one process: losses, gradient norms (the tied
+    weight counted once), eval loss, and the first step's gradient of every parameter (the
+    tied weight's under both of its names: both copies hold the summed gradient)."""
     results = launch(2, PP2_CASES, tmp_path)
     assert len(results) == len(PP2_CASES), results[-1]
-    full_names = sorted(n for n, _ in GPT(CFG).named_parameters())
     bf16 = reference_run(torch.bfloat16)
     for case, res in zip(PP2_CASES, results):
         what = f"{case}"
-        want = bf16 if case.get("dtype") == "bf16" else reference
+        want = bf16 if case.get("dtype") == "bf16" else tied_references[CFG.n_layers] if case.get("tie") else reference
+        full_names = sorted(n for n, _ in GPT(CFG.with_overrides(tie_embeddings=bool(case.get("tie"))))
+                            .named_parameters(remove_duplicate=False))
+        if case.get("tie"):
+            assert_tied_copies_equal(res, what)
         # bf16: the same autocast ops in the same order per row; tolerance for the
         # different micro-batch grouping of the matmuls (2 rows vs ROWS/m rows).
-        rel = 2e-3 if case.get("dtype") == "bf16" else 1e-5
+        rel = 2e-3 if case.get("dtype") == "bf16" else TIED_RTOL if case.get("tie") else 1e-5
         assert_close_curve(res["loss"], want["loss"], rel, what + " loss")
-        assert_close_curve(res["grad_norm"], want["grad_norm"], max(rel, 1e-5), what + " grad norm")
+        if case.get("tie"):
+            assert_tied_norms(res["grad_norm"], want["grad_norm"], what)
+        else:
+            assert_close_curve(res["grad_norm"], want["grad_norm"], max(rel, 1e-5), what + " grad norm")
         grad_tol = 2e-3 if case.get("dtype") == "bf16" else 1e-6
         assert_same_grads(load_full_grads(tmp_path, case), want["grads"], grad_tol, grad_tol, what)
-        assert math.isclose(res["eval_sum"], want["eval_sum"], rel_tol=max(rel, 1e-5)), what
+        assert math.isclose(res["eval_sum"], want["eval_sum"], rel_tol=rel), what
         assert res["names"] == full_names, what  # stages together hold the full model's FQNs
         rep = res["report"]
         assert rep["bubble_predicted"] == pipeline_runner.predicted_bubble(2, case["m"], case.get("v", 1))
@@ -208,17 +297,33 @@ DP_CASES = [  # ZeRO 1 = DDP + ZeroRedundancyOptimizer, 2/3 = FSDP2 (techniques/
     {"pp": 2, "schedule": "interleaved", "v": 2, "m": 2, "zero": 0},  # DDP, 2 stages per rank
     {"pp": 2, "schedule": "zero-bubble", "v": 2, "m": 2, "zero": 2, "ac": "full"},
     {"pp": 2, "schedule": "1f1b", "m": 2, "zero": 3, "dtype": "bf16"},  # 16-bit residual stream between stages
+    # tied embeddings on 4 ranks: ZeRO-1/2/3 on dp 2, tensor parallelism, 4 pipeline ranks
+    {"pp": 2, "schedule": "1f1b", "m": 4, "zero": 1, "tie": True},
+    {"pp": 2, "schedule": "interleaved", "v": 2, "m": 2, "zero": 3, "tie": True},
+    {"pp": 2, "schedule": "zero-bubble", "v": 2, "m": 2, "zero": 2, "tie": True},
+    {"pp": 2, "schedule": "1f1b", "m": 4, "tp": 2, "tie": True},
+    {"pp": 4, "schedule": "1f1b", "m": 4, "tie": True},
+    {"pp": 4, "schedule": "interleaved", "v": 2, "m": 4, "tie": True, "layers": 8},
 ]
+
+
 @pytest.mark.multiprocess
 @pytest.mark.slow
-def test_pp2_dp2_zero_matches_one_process(reference, tmp_path):
+def test_pp2_dp2_zero_matches_one_process(reference, tied_references, tmp_path):
     results = launch(4, DP_CASES, tmp_path)
     assert len(results) == len(DP_CASES), results[-1]
     for case, res in zip(DP_CASES, results):
         if case.get("dtype") == "bf16":
             assert_matches_fsdp_bf16(res, reference_run(torch.bfloat16), str(case))
             continue
-        assert_close_curve(res["loss"], reference["loss"], 1e-5, f"{case} loss")
-        assert_close_curve(res["grad_norm"], reference["grad_norm"], 1e-5, f"{case} grad norm")
-        assert math.isclose(res["eval_sum"], reference["eval_sum"], rel_tol=1e-5), case
-        assert_same_grads(load_full_grads(tmp_path, case), reference["grads"], 1e-6, 1e-6, str(case))
+        want = tied_references[case.get("layers", CFG.n_layers)] if case.get("tie") else reference
+        if case.get("tie"):
+            assert_tied_copies_equal(res, str(case))
+        rel = TIED_RTOL if case.get("tie") else 1e-5
+        assert_close_curve(res["loss"], want["loss"], rel, f"{case} loss")
+        if case.get("tie"):
+            assert_tied_norms(res["grad_norm"], want["grad_norm"], str(case))
+        else:
+            assert_close_curve(res["grad_norm"], want["grad_norm"], rel, f"{case} grad norm")
+        assert math.isclose(res["eval_sum"], want["eval_sum"], rel_tol=rel), case
+        assert_same_grads(load_full_grads(tmp_path, case), want["grads"], 1e-6, 1e-6, str(case))

@@ -23,7 +23,8 @@ pytest.importorskip("transformers", reason="Hugging Face tests need the hf extra
 
 from conftest import hf_cli  # noqa: E402
 from pipeline_harness import (  # noqa: E402
-    SEQ, assert_close_curve, assert_matches_fsdp_bf16, assert_same_grads, launch, load_full_grads, reference_run,
+    SEQ, assert_close_curve, assert_matches_fsdp_bf16, assert_same_grads, assert_tied_norms, launch, load_full_grads,
+    reference_run,
 )
 
 from tenfold.errors import UserError  # noqa: E402
@@ -34,6 +35,7 @@ from tenfold.techniques import pipeline as pp  # noqa: E402
 
 DATA = Path(__file__).parent / "data"
 LLAMA, MISTRAL, QWEN2 = (str(DATA / f"{name}-tiny" / "config.json") for name in ("llama", "mistral", "qwen2"))
+TIED = str(DATA / "llama-tied-tiny" / "config.json")  # 4 layers, tie_word_embeddings: true
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -100,7 +102,7 @@ def test_stages_keep_the_hugging_face_names_and_tensors():
     assert sum(split.params) == sum(p.numel() for p in model.parameters())
 
 
-def test_models_the_split_cannot_cut_are_refused_in_one_line(tmp_path):
+def test_models_the_split_cannot_cut_are_refused_in_one_line():
     from tenfold.capabilities import pipeline_model_problem
     from tenfold.config import build_config
     from tenfold.run import resolve_run
@@ -110,16 +112,29 @@ def test_models_the_split_cannot_cut_are_refused_in_one_line(tmp_path):
     with pytest.raises(UserError, match=r"cuts tenfold's GPT and Hugging Face model_types llama, mistral, qwen2 .*"
                                         r"model_type 'gpt2' cannot be split"):
         resolve_run(cfg, 2)
-    tied = llama_with(tmp_path, tie_word_embeddings=True)
-    cfg = build_config({"model": {"hf_config": tied}, "train": {"grad_accum": 2}, "parallel": {"pp_degree": 2}})
-    with pytest.raises(UserError, match="tie_word_embeddings=true in the Hugging Face config.json cannot be pipelined"):
-        resolve_run(cfg, 2)
-    tied_model = build_hf_model(hf_config=tied)  # handed over through the Python API: caught at the split
-    with pytest.raises(UserError, match=r"model.embed_tokens.weight \(pipeline stage 0\) and lm_head.weight \(stage 1\) "
-                                        r"are one tied weight"):
-        pp.split_model(tied_model, 0, 2)
     assert pipeline_model_problem(2, "hf", "qwen2") is None
     assert "a user's own model cannot be split" in pipeline_model_problem(2, "user")
+
+
+def test_a_tied_model_is_one_parameter_on_one_rank_and_two_copies_across_ranks():
+    """tie_word_embeddings: stages on one rank share lm_head's Parameter with model.embed_tokens
+    (chained, they give the model's logits); on another rank the last stage's lm_head is its own
+    zero-filled copy (the broadcast from the first stage fills it: techniques/tied_embeddings.py)."""
+    from tenfold.techniques.tied_embeddings import TiedPair
+
+    model = build_hf_model(hf_config=TIED)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    split = pp.split_model(model, 0, 1, layer_counts(4, 3))
+    assert split.tied == TiedPair("model.embed_tokens.weight", "lm_head.weight") and split.tied_local == ()
+    assert split.modules[-1].lm_head.weight is split.modules[0].model.embed_tokens.weight
+    ids = torch.randint(0, 256, (2, SEQ), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        h = ids
+        for stage in split.modules:
+            h = stage(h, **pp.stage_kwargs(stage, ids))
+        assert torch.equal(h, model(input_ids=ids, use_cache=False).logits)
+    last = pp.split_model(build_hf_model(hf_config=TIED), 1, 2)
+    assert last.tied_local == ("lm_head.weight",) and not last.modules[0].lm_head.weight.any()
 
 
 def test_an_older_transformers_is_refused_in_one_line(monkeypatch):
@@ -136,10 +151,14 @@ FP32_RTOL = 1e-6  # loss, gradient norm and eval loss curves
 GRAD_TOL = 1e-6  # the first step's gradient of every parameter (rtol and atol)
 
 
-def assert_matches(res: dict, ref: dict, grads: dict, rtol: float = FP32_RTOL, grad_tol: float = GRAD_TOL) -> None:
+def assert_matches(res: dict, ref: dict, grads: dict, rtol: float = FP32_RTOL, grad_tol: float = GRAD_TOL,
+                   tied: bool = False) -> None:
     what = res.get("case", "")
     assert_close_curve(res["loss"], ref["loss"], rtol, f"{what} loss")
-    assert_close_curve(res["grad_norm"], ref["grad_norm"], rtol, f"{what} grad norm")
+    if tied:  # the two copies' gradients summed in another order (pipeline_harness.assert_tied_norms)
+        assert_tied_norms(res["grad_norm"], ref["grad_norm"], what)
+    else:
+        assert_close_curve(res["grad_norm"], ref["grad_norm"], rtol, f"{what} grad norm")
     assert math.isclose(res["eval_sum"], ref["eval_sum"], rel_tol=rtol), what
     assert res["names"] == sorted(ref["grads"]), what  # the stages hold the model's own names
     assert_same_grads(grads, ref["grads"], grad_tol, grad_tol, what)
@@ -160,6 +179,8 @@ def pp2_cases(llama4: str) -> list[dict]:
         {"hf": MISTRAL, "pp": 2, "schedule": "1f1b", "m": 4},
         {"hf": QWEN2, "pp": 2, "schedule": "1f1b", "m": 4},
         {"hf": LLAMA, "pp": 2, "schedule": "1f1b", "m": 4, "dtype": "bf16"},
+        {"hf": TIED, "pp": 2, "schedule": "1f1b", "m": 4},  # lm_head tied to model.embed_tokens
+        {"hf": TIED, "pp": 2, "schedule": "interleaved", "v": 2, "m": 4},
     ]
 
 
@@ -179,7 +200,10 @@ def test_pp2_every_schedule_and_family_matches_one_process(tmp_path, llama4):
         if dtype == torch.bfloat16:  # autocast rounds per micro-batch matmul alike; the sums differ
             assert_matches(res, refs[key], load_full_grads(tmp_path, case), rtol=2e-3, grad_tol=2e-3)
         else:
-            assert_matches(res, refs[key], load_full_grads(tmp_path, case))
+            assert_matches(res, refs[key], load_full_grads(tmp_path, case),
+                           tied=case["hf"] == TIED)
+        if case["hf"] == TIED:
+            assert res["tied_copies_differ_by"] == 0.0, res["case"]
         rep = res["report"]
         assert rep["blocks_per_stage"] == (case.get("split") or layer_counts(
             json.loads(Path(case["hf"]).read_text())["num_hidden_layers"], 2 * case.get("v", 1)))
@@ -190,6 +214,11 @@ DP_TP_CASES = [  # pp 2 x dp 2: ZeRO-1 (DDP + ZeroRedundancyOptimizer), ZeRO-3 (
     {"hf": LLAMA, "pp": 2, "schedule": "gpipe", "m": 2, "zero": 3},
     {"hf": LLAMA, "pp": 2, "schedule": "1f1b", "m": 2, "tp": 2},
     {"hf": LLAMA, "pp": 2, "schedule": "1f1b", "m": 2, "zero": 3, "dtype": "bf16"},  # bf16 between stages
+    # tied embeddings: ZeRO-1 and ZeRO-3 on dp 2 (interleaved), tp 2, 4 pipeline ranks
+    {"hf": TIED, "pp": 2, "schedule": "1f1b", "m": 2, "zero": 1},
+    {"hf": TIED, "pp": 2, "schedule": "interleaved", "v": 2, "m": 2, "zero": 3},
+    {"hf": TIED, "pp": 2, "schedule": "1f1b", "m": 2, "tp": 2},
+    {"hf": TIED, "pp": 4, "schedule": "1f1b", "m": 4},
 ]
 
 
@@ -198,20 +227,23 @@ DP_TP_CASES = [  # pp 2 x dp 2: ZeRO-1 (DDP + ZeroRedundancyOptimizer), ZeRO-3 (
 def test_pp2_with_zero_on_dp2_or_tp2_matches_one_process(tmp_path):
     results = launch(4, DP_TP_CASES, tmp_path)
     assert len(results) == len(DP_TP_CASES), results[-1]
-    ref = reference_run(hf=LLAMA)
+    refs = {LLAMA: reference_run(hf=LLAMA), TIED: reference_run(hf=TIED)}
     for case, res in zip(DP_TP_CASES, results):
         res["case"] = str(case)
         if case.get("dtype") == "bf16":
             assert_matches_fsdp_bf16(res, reference_run(torch.bfloat16, hf=LLAMA), str(case))
         else:
-            assert_matches(res, ref, load_full_grads(tmp_path, case))
+            assert_matches(res, refs[case["hf"]], load_full_grads(tmp_path, case),
+                           tied=case["hf"] == TIED)
+        if case["hf"] == TIED:
+            assert res["tied_copies_differ_by"] == 0.0, res["case"]
 
 
 # --------------------------------------------------------------------------- trainer, checkpoints, export
 
 
-def _cli_train(out: Path, *flags: str) -> dict:
-    r = hf_cli("train", "--hf-config", LLAMA, "--steps", "4", "--micro-batch", "2", "--grad-accum", "2",
+def _cli_train(out: Path, *flags: str, config: str = LLAMA) -> dict:
+    r = hf_cli("train", "--hf-config", config, "--steps", "4", "--micro-batch", "2", "--grad-accum", "2",
             "--precision", "fp32", "--seq-len", "32", "--lr", "3e-3", "--eval-every", "0", "--no-progress",
             "--out", str(out), "--set", "data.max_bytes=200000", "--set", "train.warmup_steps=0",
             "--set", "train.eval_batches=1", "--set", "log.tensorboard=false", *flags, timeout=400)
@@ -246,4 +278,36 @@ def test_tenfold_train_pp2_resumes_exactly_and_exports_hugging_face_folders(tmp_
     torch.testing.assert_close(logits(loaded), want, rtol=1e-4, atol=1e-5)
     assert main(["export", str(tmp_path / "pp"), "--dtype", "fp32", "--out", str(tmp_path / "exported")]) == 0
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "exported", local_files_only=True)
+    torch.testing.assert_close(logits(exported), logits(loaded), rtol=0, atol=0)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_a_tied_model_pipelined_resumes_exactly_at_pp2_and_pp1_and_exports_one_weight(tmp_path):
+    """tie_word_embeddings through `tenfold train --nproc 2 --pp 2`: a run resumed from its step-2
+    checkpoint continues the same curve (pp 2) and, resharded to one process (pp 1: the two
+    copies' names load into the one tied Parameter), the same curve within fp32 reduction order;
+    the end-of-run save_pretrained folder and `tenfold export` hold ONE tied weight and load in
+    transformers with lm_head tied and the same logits."""
+    from hf_runs import logits
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from tenfold.cli import main
+
+    full = _cli_train(tmp_path / "pp", "--nproc", "2", "--pp", "2", "--checkpoint-every", "2", config=TIED)
+    step2 = str(tmp_path / "pp" / "checkpoints" / "step_2")
+    resumed = _cli_train(tmp_path / "resumed", "--nproc", "2", "--pp", "2", "--resume", step2, config=TIED)
+    assert resumed["losses"][-2:] == full["losses"][-2:], (resumed["losses"], full["losses"])
+    one = _cli_train(tmp_path / "one", "--resume", step2, config=TIED)
+    assert all(math.isclose(a, b, rel_tol=1e-5) for a, b in zip(one["losses"][-2:], full["losses"][-2:], strict=True))
+
+    assert main(["export", str(tmp_path / "pp"), "--dtype", "fp32", "--out", str(tmp_path / "exported")]) == 0
+    for folder in (tmp_path / "pp" / "hf", tmp_path / "exported"):
+        with safe_open(str(folder / "model.safetensors"), "pt") as f:
+            names = set(f.keys())
+        assert "model.embed_tokens.weight" in names and "lm_head.weight" not in names, folder
+    loaded, exported = (AutoModelForCausalLM.from_pretrained(tmp_path / name, local_files_only=True)
+                        for name in ("pp/hf", "exported"))
+    assert exported.lm_head.weight is exported.model.embed_tokens.weight
     torch.testing.assert_close(logits(exported), logits(loaded), rtol=0, atol=0)

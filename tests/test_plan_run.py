@@ -208,13 +208,12 @@ def test_nothing_unsupported_is_ranked_by_default(capsys):
     assert all(bool(p["unsupported"]) == (p["strategy"]["zero_stage"] < 2) for p in offloaded)
 
 
-def test_tied_embeddings_are_never_pipelined_by_the_advice(capsys):
-    d = plan_json(capsys, "--search", "--model", "gpt3-1.3b", "--gpus", "8", "--global-batch", "64", "--top", "100")
-    assert d["best"] and all(p["strategy"]["pp"] == 1 for p in d["best"])
-    d = plan_json(capsys, "--search", "--model", "gpt3-1.3b", "--gpus", "8", "--global-batch", "64", "--top", "400",
-                  "--include-unsupported")
+def test_tied_embeddings_are_pipelined_by_the_advice(capsys):
+    """GPT-3 ties its embeddings: the search ranks pipelined layouts as runnable (the first and
+    the last stage each keep a copy, techniques/tied_embeddings.py), none marked."""
+    d = plan_json(capsys, "--search", "--model", "gpt3-1.3b", "--gpus", "8", "--global-batch", "64", "--top", "400")
     piped = [p for p in d["best"] if p["strategy"]["pp"] > 1]
-    assert piped and all("tie_embeddings=true cannot be pipelined" in " ".join(p["unsupported"]) for p in piped)
+    assert piped and not any(p["unsupported"] for p in piped)
 
 
 def test_a_hugging_face_search_pipelines_it_but_never_wraps_its_attention_core(capsys):
@@ -307,6 +306,8 @@ def test_a_fleet_plan_emits_a_config_train_accepts_on_that_fleet(tmp_path, capsy
     planned_line = next(x for x in toml.read_text().splitlines() if x.startswith("# memory per rank"))[2:]
     best = d["best"][0]
     assert planned_line == memory_line(memory_by_category_of(best))
+    if model == "gpt3-175b":  # GPT-3 ties its embeddings: its fastest layouts are pipelined and run
+        assert best["strategy"]["pp"] > 1 and not best["unsupported"], best["strategy"]
     for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": str(gpus), "LOCAL_WORLD_SIZE": str(gpus // nodes),
                        "MASTER_ADDR": "head", "MASTER_PORT": "29500"}.items():
         monkeypatch.setenv(key, value)
@@ -366,9 +367,7 @@ def test_the_table_is_what_the_config_accepts():
 def test_train_refuses_what_the_table_refuses(tmp_path, capsys):
     tied = build_config({"model": {"name": "tiny", "tie_embeddings": True}, "parallel": {"pp_degree": 2},
                          "train": {"grad_accum": 2}})
-    with pytest.raises(UserError, match="tie_embeddings=true cannot be pipelined"):
-        resolve_run(tied, 2)
-    assert resolve_run(tied, 2, check=False).pp == 2  # the planner prices it, marked
+    assert resolve_run(tied, 2).pp == 2  # tied embeddings pipeline (techniques/tied_embeddings.py)
     narrow = replace(capabilities.ENGINE, zero_stages=(0, 1))
     run = resolve_run(build_config({"parallel": {"zero_stage": 3}}), 2)
     assert capabilities.problems(run) == [] and "ZeRO stage 3" in capabilities.problems(run, narrow)[0]
@@ -379,9 +378,7 @@ def test_train_refuses_what_the_table_refuses(tmp_path, capsys):
     for argv, needle in ((["--offload", "optimizer"], "parallel.offload 'optimizer' (--offload) runs through FSDP2"),
                          (["--set", "parallel.offload=nvme"], "invalid value 'nvme' for parallel.offload"),
                          (["--nproc", "4", "--zero", "3", "--shard-group", "3"], "must divide the 4 data-parallel ranks"),
-                         (["--nproc", "4", "--zero", "1", "--shard-group", "2"], "needs --zero 2 or 3, got 1"),
-                         (["--nproc", "2", "--pp", "2", "--grad-accum", "2", "--set", "model.tie_embeddings=true"],
-                          "cannot be pipelined")):
+                         (["--nproc", "4", "--zero", "1", "--shard-group", "2"], "needs --zero 2 or 3, got 1")):
         try:
             code = main(["train", "--out", str(tmp_path / "never"), *argv])
         except SystemExit as e:

@@ -90,16 +90,10 @@ def problems(run, caps: Capabilities = ENGINE) -> list[str]:
     cannot_split = pipeline_model_problem(run.pp, run.model_kind, run.hf_model_type, caps)
     if cannot_split:
         out.append(cannot_split)
-    elif run.pp > 1 and run.model_kind == "hf" and run.model is not None and run.model.tie_embeddings:
-        out.append(
-            "tie_word_embeddings=true in the Hugging Face config.json cannot be pipelined: the embedding (first "
-            "stage) and lm_head (last stage) would share one weight across ranks; use --pp 1"
-        )
     elif run.pp > 1 and run.pp_schedule in caps.pipeline_schedules:
-        tied = run.model is not None and run.model.tie_embeddings
         try:
             validate_pipeline(pp_size=run.pp, schedule=run.pp_schedule, n_microbatches=run.grad_accum,
-                              dp_size=run.dp, zero_stage=run.zero_stage, tie_embeddings=tied)
+                              dp_size=run.dp, zero_stage=run.zero_stage)
         except UserError as e:
             out.append(str(e))
     departures = run.stack.departures()
@@ -208,19 +202,15 @@ def check(run, caps: Capabilities = ENGINE) -> None:
 # --------------------------------------------------------------------------- pipeline rules
 
 
-def validate_pipeline(*, pp_size: int, schedule: str, n_microbatches: int, dp_size: int = 1, zero_stage: int = 0,
-                      tie_embeddings: bool = False) -> None:
+def validate_pipeline(*, pp_size: int, schedule: str, n_microbatches: int, dp_size: int = 1,
+                      zero_stage: int = 0) -> None:
     """What a pipelined run needs from torch.distributed.pipelining's schedules, as a UserError
     (exit 2) naming the field, the value and what is allowed. (The split itself, stages against
-    layers and a given `pp_split`, is checked when the run is resolved: tenfold.terms.)"""
+    layers and a given `pp_split`, is checked when the run is resolved: tenfold.terms.) Tied
+    embeddings pipeline: the first and the last stage each keep a copy whose gradients are summed
+    (techniques/tied_embeddings.py)."""
     if pp_size == 1:
         return
-    if tie_embeddings:
-        raise UserError(
-            "model.tie_embeddings=true cannot be pipelined: the embedding (first stage) and the "
-            "output head (last stage) would share one weight across ranks; set "
-            "model.tie_embeddings=false or use --pp 1"
-        )
     _check_microbatches(schedule, pp_size, n_microbatches, dp_size, zero_stage)
 
 

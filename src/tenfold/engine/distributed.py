@@ -54,6 +54,7 @@ class DistInfo:
     mesh: object | None = None  # torch DeviceMesh ("pp", "dp", "tp") when world_size > 1
     shard_size: int = 0  # dp ranks that shard together: dp_size, or the HSDP group (0: one process)
     hybrid_mesh: object | None = None  # ("dp_replicate", "dp_shard") under hybrid sharding (`hybrid_mesh`)
+    embedding_group: object | None = None  # tied embeddings across pipeline stages (`embedding_group`)
 
     @property
     def hybrid(self) -> bool:
@@ -180,6 +181,26 @@ def hybrid_mesh(mesh, dp_size: int, shard_size: int):
     return mesh["dp"]._unflatten(0, (dp_size // shard_size, shard_size), ("dp_replicate", "dp_shard"))
 
 
+def embedding_group(info: DistInfo) -> tuple[Any, int | None]:
+    """Megatron-LM's embedding group for tied embeddings across pipeline stages: the first and
+    the last pipeline rank at this rank's (dp, tp) coordinate, as (group, global rank of its
+    first-stage member); (None, None) on a middle pipeline rank, which is in none. With two
+    pipeline ranks that is the "pp" group itself; otherwise each pair is its own group, created
+    by its two members only (`use_local_synchronization`), so a world of thousands of ranks
+    creates no group it does not use. Kept in `info.embedding_group` (its timeout is tightened
+    with the others')."""
+    ranks = info.mesh.mesh  # (pp, dp, tp) -> global rank
+    pair = [int(ranks[0, info.dp_rank, info.tp_rank]), int(ranks[-1, info.dp_rank, info.tp_rank])]
+    if info.rank not in pair:
+        return None, None
+    if info.pp_size == 2:
+        group = info.mesh["pp"].get_group()
+    else:
+        group = dist.new_group(ranks=pair, use_local_synchronization=True)
+    info.embedding_group = group
+    return group, pair[0]
+
+
 # --------------------------------------------------------------------------- timeouts
 
 
@@ -190,6 +211,8 @@ def _all_groups(info: DistInfo) -> list:
             groups.append(info.mesh[name].get_group())
     if info.hybrid_mesh is not None:
         groups += [info.hybrid_mesh[name].get_group() for name in ("dp_replicate", "dp_shard")]
+    if info.embedding_group is not None:
+        groups.append(info.embedding_group)
     return groups
 
 

@@ -9,8 +9,8 @@ exports the same as a one-process one. Only `model.*` entries are read: the opti
 (2/3 of a checkpoint under AdamW) is never loaded.
 
 Output, every path named from `--out NAME.safetensors`: NAME.safetensors (weights cast to
---dtype, keys = the model's parameter names, loadable with `safetensors.torch.load_file` +
-`model.load_state_dict`), NAME.config.json (the `ModelConfig` fields + dtype, step and source)
+--dtype, keys = the model's parameter names, a tied embedding once as `tok_emb.weight`, loadable
+with `safetensors.torch.load_file` + `model.load_state_dict`), NAME.config.json (the `ModelConfig` fields + dtype, step and source)
 and, when the run saved its tokenizer, NAME.tokenizer/ (no fixed-name `tokenizer/` beside it that
 could be another run's). A Hugging Face model's export is the folder `--out` names. Nothing that
 exists is replaced without `--overwrite`; files are written to a temporary name and renamed, so
@@ -39,7 +39,7 @@ from tenfold.engine.checkpoint.reader import SafeLoadPlanner, SafeReader, inner_
 from tenfold.engine.run_folder import check_checkpoint_path, check_out_path, check_output_file
 from tenfold.engine.safe_files import Folder
 from tenfold.errors import UserError
-from tenfold.models.hf import export_checkpoint_to_hf
+from tenfold.models.hf import export_checkpoint_to_hf, ties_word_embeddings
 from tenfold.techniques.precision import DTYPES  # the one name -> torch dtype table
 
 MODEL_PREFIX = "model."
@@ -87,6 +87,27 @@ def consolidated_model_state(ckpt: Path, listed: set[str] | None = None) -> dict
     return state["model"]
 
 
+# A tied model's (embedding, head) names: the head is the embedding, exported once under its name.
+TIED_NAMES = {"tenfold": ("tok_emb.weight", "output.weight"), "hf": ("model.embed_tokens.weight", "lm_head.weight")}
+
+
+def one_tied_weight(weights: dict[str, torch.Tensor], tied: bool, kind: str, ckpt: Path) -> dict[str, torch.Tensor]:
+    """A tied model's weights with the tied matrix once, under the embedding's name (as Hugging
+    Face's save_pretrained writes it; GPT.load_state_dict and from_pretrained tie the head back).
+    A checkpoint holds it under both names: one Parameter's two names on one process, the first
+    and the last pipeline stage's copies under pipelining, which training keeps equal; copies
+    that differ are a damaged checkpoint, not something to choose from."""
+    embedding, head = TIED_NAMES[kind]
+    if not tied or head not in weights or embedding not in weights:
+        return weights
+    copy = weights.pop(head)
+    if not torch.equal(copy, weights[embedding]):
+        raise lay.CheckpointError(
+            f"checkpoint {ckpt}: the tied weights {embedding} and {head} differ (max "
+            f"{(copy - weights[embedding]).abs().max().item():.3g}); the model ties them, so they must be equal")
+    return weights
+
+
 def saved_model_section(ckpt: Path) -> dict:
     """The `[model]` section of the checkpoint's config.json."""
     saved = lay.read_json(ckpt / lay.CONFIG_FILE)
@@ -111,8 +132,7 @@ def write_safetensors(weights: dict[str, torch.Tensor], out: Path, dtype: str, i
     """Cast, write OUT.safetensors and OUT.config.json atomically; return both paths."""
 
     torch_dtype = DTYPES[dtype]
-    # Tied weights (output = tok_emb) come back from DCP as separate tensors, so no storage
-    # is shared and safetensors needs no de-duplication.
+    # A tied head is written once, as tok_emb.weight (one_tied_weight): no storage is shared.
     tensors = {k: v.detach().to("cpu", torch_dtype).contiguous() for k, v in sorted(weights.items())}
     out.parent.mkdir(parents=True, exist_ok=True)
     cfg_path = config_path_for(out)
@@ -156,10 +176,12 @@ def export_checkpoint(source: str | Path, out: str | Path | None = None, dtype: 
 
         out_dir = out_path
         info = {"dtype": dtype, "step": manifest["step"], "source": str(ckpt)}
-        summary = export_checkpoint_to_hf(consolidated_model_state(ckpt, listed), saved_model, out_dir, info)
+        tied = ties_word_embeddings(saved_model.get("hf_pretrained") or saved_model.get("hf_config"))
+        weights = one_tied_weight(consolidated_model_state(ckpt, listed), tied, "hf", ckpt)
+        summary = export_checkpoint_to_hf(weights, saved_model, out_dir, info)
         return {**summary, "tokenizer": _copy_run_tokenizer(ckpt, out_dir) if tokenizer else None}
     model_cfg = model_config_of(ckpt)
-    weights = consolidated_model_state(ckpt, listed)
+    weights = one_tied_weight(consolidated_model_state(ckpt, listed), model_cfg["tie_embeddings"], "tenfold", ckpt)
     info = {
         "format": "tenfold-gpt", "model": model_cfg, "dtype": dtype, "step": manifest["step"],
         "source": str(ckpt), "num_params": int(sum(v.numel() for v in weights.values())),

@@ -27,15 +27,16 @@ import torch.distributed as torch_dist
 import torch.nn as nn
 
 from tenfold.capabilities import pipeline_model_problem
-from tenfold.engine.distributed import DistInfo
+from tenfold.engine.distributed import DistInfo, embedding_group
 from tenfold.errors import UserError
 from tenfold.models.adapter import ModelAdapter
 from tenfold.run import ResolvedRun
 from tenfold.techniques import fp8, recompute, zero
 from tenfold.techniques import tensor_parallel as tp
 from tenfold.techniques.compile import apply_compile, check_supported as check_compile_supported
-from tenfold.techniques.pipeline import split_for_rank
+from tenfold.techniques.pipeline import PipelineSplit, split_for_rank
 from tenfold.techniques.pipeline_runner import build_pipelined_model
+from tenfold.techniques.tied_embeddings import TiedEmbedding
 
 
 def parallelize(
@@ -55,8 +56,9 @@ def parallelize(
         _broadcast_from_rank0(model)  # the tp ranks split one model: it must be the same everywhere
     if dist.pp_size > 1:  # split first; each stage then gets TP + recompute + ZeRO alone
         split = split_for_rank(model, run, dist, param_dtype)  # stage modules, each with its own blocks
+        tied = _tie_stages(split, dist)  # tied embeddings: the last stage's copy = the first stage's
         parts = [_apply_techniques(part, run, dist, part.blocks, param_dtype, kind, tp_plan) for part in split.modules]
-        return build_pipelined_model(split, parts, run, dist, param_dtype)
+        return build_pipelined_model(split, parts, run, dist, param_dtype, tied)
     return _apply_techniques(model, run, dist, blocks, param_dtype, kind, tp_plan)
 
 
@@ -72,6 +74,20 @@ def _apply_techniques(model: nn.Module, run: ResolvedRun, dist: DistInfo, blocks
     if run.compile:
         apply_compile(model, blocks=blocks)
     return zero.apply_zero(model, run.config.parallel, dist, param_dtype=param_dtype, blocks=blocks)
+
+
+def _tie_stages(split: PipelineSplit, dist: DistInfo) -> TiedEmbedding | None:
+    """Tied embeddings across pipeline stages (techniques/tied_embeddings.py): the embedding
+    group of this rank, and the last stage's copy set to the first stage's values over it, on
+    plain tensors before tensor parallelism and ZeRO split them. Every rank knows of the tie
+    (the split saw every stage); a middle pipeline rank holds no copy."""
+    if split.tied is None:
+        return None
+    tied = TiedEmbedding(split.tied, local=split.tied_local)
+    if tied.local:
+        tied.group, first_stage_rank = embedding_group(dist)
+        tied.broadcast_initial(split.modules, src=first_stage_rank)
+    return tied
 
 
 @torch.no_grad()

@@ -139,6 +139,14 @@ class Block(nn.Module):
         return x + self.mlp(self.norm2(x))
 
 
+def _head_from_tied_embedding(module, state_dict, prefix, *args) -> None:
+    """A tied GPT's weights may name the shared matrix once, as `tok_emb.weight` (tenfold export
+    writes it once, as Hugging Face's save_pretrained does): the head takes it from there."""
+    head, embedding = prefix + "output.weight", prefix + "tok_emb.weight"
+    if head not in state_dict and embedding in state_dict:
+        state_dict[head] = state_dict[embedding]
+
+
 class GPT(nn.Module):
     """Token ids (b, s) -> logits (b, s, vocab). Blocks live in `self.layers` (a ModuleDict
     keyed "0".."L-1", torchtitan's convention) so a pipeline stage can delete the blocks it
@@ -154,6 +162,7 @@ class GPT(nn.Module):
         self.output = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_emb.weight
+            self.register_load_state_dict_pre_hook(_head_from_tied_embedding)
         if cfg.pos == "rope":
             cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
             self.register_buffer("rope_cos", cos, persistent=False)

@@ -180,6 +180,11 @@ def write_hf_folder(state: dict, config, out_dir: str | Path, dtype: str = "fp32
     return out, sum(p.numel() for p in fresh.parameters())
 
 
+def ties_word_embeddings(source: str | Path) -> bool:
+    """Whether the model of this config.json (or folder) ties lm_head to the token embedding."""
+    return bool(getattr(load_hf_config(source, "the checkpoint's model.hf_config"), "tie_word_embeddings", False))
+
+
 def export_checkpoint_to_hf(weights: dict, saved_model: dict, out_dir: str | Path, info: dict) -> dict:
     """`tenfold export` of a Hugging Face run's checkpoint (called by engine/export.py): the
     consolidated `model.*` tensors -> a save_pretrained folder in `info["dtype"]`. The config

@@ -79,7 +79,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     o.add_argument("--search", action="store_true", help="the fastest strategies tenfold train can run that fit")
     o.add_argument("--top", type=_count, default=5, help="--search: how many to show")
     o.add_argument("--include-unsupported", action="store_true",
-                   help="--search: also rank strategies tenfold train cannot run (offload, tied embeddings pipelined, ...), marked")
+                   help="--search: also rank strategies tenfold train cannot run (offload at ZeRO-0/1, another training stack, ...), marked")
     o.add_argument("--emit", metavar="FILE.toml", help="write the plan (with --search: the fastest runnable one) as a "
                    "config that `tenfold train --config FILE` runs unchanged")
     o.add_argument("--ladder", action="store_true", help="the optimization ladder on a fleet, rung by rung: fp32, mixed "

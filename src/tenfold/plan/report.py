@@ -108,6 +108,8 @@ def _time_table(p: Plan) -> Table:
                     (f"DP/ZeRO comm exposed (of {_secs(p.time.dp_comm_s)})", p.time.dp_comm_exposed_s),
                     ("optimizer step", p.time.optimizer_s)):
         tt.add_row(name, _secs(v))
+    if p.time.embedding_sync_s:
+        tt.add_row("tied embedding all-reduce (first + last stage)", _secs(p.time.embedding_sync_s))
     if p.time.overhead_s:
         tt.add_row("overhead (measured: per step + per micro-batch)", _secs(p.time.overhead_s))
     tt.add_row("[bold]step[/]", f"[bold]{_secs(p.time.step_s)}[/]")
@@ -189,7 +191,7 @@ def print_search(result, hw: Hardware, gpus: int, advice=None, console: Console 
                if result.unsupported else ""))
     if not result.best:
         c.print("[red]no strategy fits[/]: more GPUs, a smaller global batch, or --include-unsupported for "
-                "strategies tenfold train cannot run (offload, tied embeddings pipelined, ...)")
+                "strategies tenfold train cannot run (offload at ZeRO-0/1, another training stack, ...)")
         return
     t = Table(title="Fastest strategies that fit", box=box.SIMPLE_HEAVY)
     for col in ("#", "layout", "GiB/GPU", "step", "tokens/s", "MFU", "days", "train"):

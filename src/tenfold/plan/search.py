@@ -4,8 +4,8 @@ a model, fleet and global batch; the top k that fit, by predicted throughput.
 GPipe is never better than 1F1B (same bubble, more activations in flight) and is left out.
 Every candidate is a `tenfold.run.ResolvedRun` derived from the user's run by `with_`, so the
 search uses the engine's own rules. Only runs `tenfold train` can do are ranked
-(tenfold.capabilities: no pipeline for a model with tied embeddings or fewer micro-batches than
-stages, ...); `include_unsupported=True` ranks the others too, marked. Optimizer offload is
+(tenfold.capabilities: no offload at ZeRO-0/1, no pipeline with fewer micro-batches than stages,
+...); `include_unsupported=True` ranks the others too, marked. Optimizer offload is
 priced by its host-link traffic; when a layout fits without offload its offloaded twin is
 skipped as dominated (counted, not evaluated).
 Valid means: tp divides the query and key/value heads and stays inside a node (TP over the network is never

@@ -33,6 +33,7 @@ class TimeBreakdown:
     bubble_fraction: float
     source: str  # "model" or "achieved_tflops"
     overhead_s: float = 0.0  # measured per-step + per-micro-batch overhead (Hardware; `tenfold tune`)
+    embedding_sync_s: float = 0.0  # tied embeddings under pp: the first + last stage's gradient all-reduce
 
 
 @dataclass
@@ -110,14 +111,37 @@ def step_time(shape: ModelShape, hw: Hardware, r: ResolvedRun, tr,
     pcie = ((4.0 if z == 1 else 2.0) if r.stack.master_weights else 0.0) if r.offload != "none" else 0.0
     opt = tm.optimizer_step_time(on_rank, hw, r.offload != "none", min(r.world_size, hw.gpus_per_node), pcie)
     overhead = m * hw.microbatch_overhead_s + hw.step_overhead_s
-    step = m * t_mb + bubble + dp.exposed_s + opt + hw.step_overhead_s
+    sync = tied_embedding_sync_time(shape, hw, r)
+    step = m * t_mb + bubble + dp.exposed_s + opt + sync + hw.step_overhead_s
     _trace_time(tr, r, hw, mb, bubble, dp, opt, step)
+    if sync:
+        tr("tied_embedding_sync_s", sync, "all-reduce of the tied (V, d) gradient / tp (/ N_d under ZeRO-2/3) over the "
+           "2-rank embedding group (first + last pipeline stage), once per step, not overlapped",
+           "Narayanan et al. 2021 (Megatron-LM) §2; Megatron _allreduce_word_embedding_grads")
     t = TimeBreakdown(
         compute_s=m * (mb.fwd + mb.bwd), recompute_s=m * mb.rc, tp_comm_s=m * mb.tpc, pp_comm_s=m * mb.ppc,
         host_transfer_s=m * mb.host, bubble_s=bubble, dp_comm_s=dp.total_s, dp_comm_exposed_s=dp.exposed_s,
         optimizer_s=opt, step_s=step, bubble_fraction=bubble / (m * t_mb), source="model", overhead_s=overhead,
+        embedding_sync_s=sync,
     )
     return t, model_flops, hw_flops
+
+
+def tied_embedding_sync_time(shape: ModelShape, hw: Hardware, r: ResolvedRun) -> float:
+    """Tied embeddings under pipeline parallelism: the first stage's embedding and the last
+    stage's output layer are two copies of one (V, d) matrix, whose gradients are summed by an
+    all-reduce over the "embedding group" (the first and the last pipeline rank at the same dp,
+    tp coordinate) after the backward and before the optimizer step, with nothing to overlap it
+    (Narayanan et al. 2021, Megatron-LM; Megatron's `_allreduce_word_embedding_grads`; the
+    engine's techniques/tied_embeddings.py). Each rank reduces its local gradient: V d / tp
+    (vocabulary-parallel), / N_d where ZeRO-2/3 shards it, in the gradients' own dtype. The two
+    ranks sit (pp - 1) dp tp ranks apart, on two nodes once that reaches a node."""
+    cfg = shape.cfg
+    if cfg is None or r.pp <= 1 or not cfg.tie_embeddings:
+        return 0.0
+    elements = cfg.vocab_size * cfg.d_model / r.tp / (r.shard_size if r.zero_runs_as >= 2 else 1)
+    group = comm.group_layout(2, (r.pp - 1) * r.dp * r.tp, hw.gpus_per_node)
+    return comm.all_reduce_time(elements * memory.bytes_per_param(r).grads, hw, group)
 
 
 def bubble_factor(schedule: str) -> float:
@@ -152,7 +176,8 @@ def _trace_time(tr, r: ResolvedRun, hw: Hardware, mb: MicroBatch, bubble: float,
     if hw.step_overhead_s or hw.microbatch_overhead_s:
         tr("overhead_s", m * hw.microbatch_overhead_s + hw.step_overhead_s,
            "m x per-micro-batch overhead + per-step overhead", f"measured: {hw.sources.get('overhead', 'hardware file')}")
-    tr("step_time_s", step, "m x t_mb + bubble + exposed DP/ZeRO comm + optimizer step (+ overhead)",
+    tr("step_time_s", step, "m x t_mb + bubble + exposed DP/ZeRO comm + optimizer step (+ tied embedding "
+       "all-reduce, overhead)",
        "tenfold time model (docs/planner.md)")
 
 

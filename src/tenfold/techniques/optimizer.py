@@ -98,6 +98,7 @@ def clip_grad_norm(
     max_norm: float,
     norm_type: float = 2.0,
     extra_groups: Sequence[dist.ProcessGroup] = (),
+    uncounted: Iterable[nn.Parameter] = (),
 ) -> float:
     """Clip gradients to a global norm of `max_norm`; return the PRE-clip global norm.
 
@@ -106,15 +107,19 @@ def clip_grad_norm(
     `full_tensor()` is already the norm over all shards (torchtitan's `clip_grad_norm_`
     does the same). `extra_groups` are process groups whose ranks hold *disjoint* parameters
     that this rank's `params` don't cover (pipeline stages): the local norms are combined
-    over them (sum of norm**p, or max for the inf-norm) before clipping.
+    over them (sum of norm**p, or max for the inf-norm) before clipping. `uncounted`: parameters
+    clipped with the others but left out of the norm, because another rank counts the same
+    weight (a tied embedding's copy on the last pipeline stage, techniques/tied_embeddings.py).
     """
     params = [p for p in params if p.grad is not None]
     if not params:
         return 0.0
+    skip = {id(p) for p in uncounted}
+    counted = [p for p in params if id(p) not in skip]
     # Tensor parallelism mixes meshes (FSDP2 puts the tp-split parameters on a (dp, tp) mesh,
     # the others on the dp mesh, plain tensors beside them), and a foreach kernel takes one.
     groups = by_mesh(params)
-    total = _combine([_group_norm([p.grad for p in ps], norm_type) for ps in groups], norm_type)
+    total = _combine([_group_norm([p.grad for p in ps], norm_type) for ps in by_mesh(counted)], norm_type)
     for group in extra_groups:
         if math.isinf(norm_type):
             dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)

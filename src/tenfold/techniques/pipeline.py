@@ -26,6 +26,10 @@ Everything that schedules, sends and receives is `torch.distributed.pipelining`
 
 Looped placement for multi-stage schedules: rank r owns stages r, r+P, r+2P, ...
 (torchtitan's `stage_ids_this_rank` for "loop" style schedules).
+
+Tied embeddings (the head's weight is the embedding's): the split finds the tie and, on a rank
+that holds the last stage without the first, gives the head a copy of its own
+(techniques/tied_embeddings.py keeps the two copies one weight).
 """
 
 from __future__ import annotations
@@ -41,8 +45,9 @@ import torch.nn as nn
 from tenfold.errors import UserError
 from tenfold.models.adapter import model_kind
 from tenfold.models.gpt import GPT
-from tenfold.pipeline_layout import block_index, stage_layout  # torch-free, shared with the planner
+from tenfold.pipeline_layout import STAGE_NAMES, block_index, stage_layout  # torch-free, shared with the planner
 from tenfold.techniques.pipeline_hf import HFStage
+from tenfold.techniques.tied_embeddings import TiedPair, find_tied_pair, untie_on_rank
 from tenfold.terms import local_stage_ids, runs_on_fsdp2
 
 
@@ -157,6 +162,8 @@ class PipelineSplit:
     d_model: int = 0  # width of the residual stream sent between stages
     vocab_size: int = 0  # width of the last stage's logits
     dtypes: list[torch.dtype] | None = None  # each stage's output dtype (boundary_dtypes)
+    tied: TiedPair | None = None  # the embedding the last stage's head is tied to (every rank knows it)
+    tied_local: tuple[str, ...] = ()  # this rank's copies of it kept apart from another rank's (tied_embeddings)
 
 
 def split_model(model: nn.Module, pp_rank: int, pp_size: int, counts: Sequence[int] | None = None,
@@ -168,19 +175,23 @@ def split_model(model: nn.Module, pp_rank: int, pp_size: int, counts: Sequence[i
     Every rank builds the same full model from the same seed first, so the pipeline starts
     from exactly the weights a single process would have; the modules a rank does not own
     are dropped with the full model (for models too large for one host, build on the meta
-    device and load a seed checkpoint by FQN, as torchtitan recommends).
+    device and load a seed checkpoint by FQN, as torchtitan recommends). With tied embeddings a
+    rank that runs the last stage but not the first unties the model's head (a zero-filled copy
+    of its own, techniques/tied_embeddings.py): split a model once.
     """
     kind, n_layers, has_pos_emb, d_model, vocab = _model_facts(model)
     layout = stage_layout(n_layers, len(counts) if counts is not None else pp_size, counts, kind, has_pos_emb)
     n = len(layout.counts)
     stage_cls = GPTStage if kind == "tenfold" else HFStage
     every = [stage_cls(model, layout.fqns[s], s, n) for s in range(n)]
-    _check_untied(every)
+    tied = find_tied_pair(every, STAGE_NAMES[kind])  # tied embeddings: the first and the last stage each keep a copy
     ids = local_stage_ids(pp_rank, pp_size, n)
+    params = [sum(p.numel() for p in m.parameters()) for m in every]
+    dtypes = boundary_dtypes(every, autocast_dtype)  # on the full model, before any copy is untied
     return PipelineSplit(
         stage_ids=ids, modules=[every[s] for s in ids], n_stages=n, pp_size=pp_size, counts=layout.counts,
-        fqns=layout.fqns, params=[sum(p.numel() for p in m.parameters()) for m in every], kind=kind,
-        d_model=d_model, vocab_size=vocab, dtypes=boundary_dtypes(every, autocast_dtype),
+        fqns=layout.fqns, params=params, kind=kind, d_model=d_model, vocab_size=vocab, dtypes=dtypes,
+        tied=tied, tied_local=untie_on_rank(tied, every, ids),
     )
 
 
@@ -198,22 +209,6 @@ def _model_facts(model: nn.Module) -> tuple[str, int, bool, int, int]:
         f"parallel.pp_degree > 1 splits tenfold's GPT or a Hugging Face Llama-family model into stages; "
         f"{type(model).__name__} is neither (use --pp 1, or pipeline it with torch.distributed.pipelining directly)"
     )
-
-
-def _check_untied(stages: Sequence[nn.Module]) -> None:
-    """No parameter on two stages: a tied weight (embedding = output head) would be trained as
-    two copies on different ranks. The run's config is checked for ties before (capabilities);
-    this catches a model handed over through the Python API."""
-    owner: dict[int, tuple[int, str]] = {}
-    for s, stage in enumerate(stages):
-        for name, p in stage.named_parameters():
-            first = owner.setdefault(id(p), (s, name))
-            if first[0] != s:
-                raise UserError(
-                    f"{first[1]} (pipeline stage {first[0]}) and {name} (stage {s}) are one tied weight, which "
-                    "pipeline stages on different ranks cannot share; untie them (model.tie_embeddings=false, "
-                    "tie_word_embeddings=false) or use --pp 1"
-                )
 
 
 def _send_as(dtype: torch.dtype):
@@ -239,9 +234,11 @@ def describe_split(split: PipelineSplit) -> list[str]:
         else:
             span = f"layers {blocks[0]}-{blocks[-1]}"
         extras = [x for x in names if block_index(x, split.kind) is None]
+        tie = (f"; {split.tied.head} tied to stage 0's {split.tied.embedding}"
+               if split.tied and s == split.n_stages - 1 else "")
         lines.append(
             f"stage {s} (pp rank {s % split.pp_size}): "
-            f"{span}{' + ' + ', '.join(extras) if extras else ''}; {split.params[s]:,} params"
+            f"{span}{' + ' + ', '.join(extras) if extras else ''}; {split.params[s]:,} params{tie}"
         )
     return lines
 

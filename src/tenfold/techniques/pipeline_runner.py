@@ -22,6 +22,7 @@ from tenfold.models.loss import replicated_value
 from tenfold.techniques.accumulation import all_reduce_sum, count_targets
 from tenfold.techniques.pipeline import PipelineSplit, stage_io_examples
 from tenfold.techniques.tensor_parallel import loss_context
+from tenfold.techniques.tied_embeddings import TiedEmbedding
 from tenfold.terms import IGNORE_INDEX, MULTI_STAGE_SCHEDULES
 
 
@@ -283,7 +284,8 @@ class PipelinedModel(nn.Module):
     rank cannot run the whole forward.
     """
 
-    def __init__(self, split: PipelineSplit, parts: Sequence[nn.Module], runner: PipelineRunner, dist_info=None):
+    def __init__(self, split: PipelineSplit, parts: Sequence[nn.Module], runner: PipelineRunner, dist_info=None,
+                 tied: TiedEmbedding | None = None):
         super().__init__()
         for stage_id, m in zip(split.stage_ids, split.modules):
             for fqn in split.fqns[stage_id]:
@@ -293,6 +295,7 @@ class PipelinedModel(nn.Module):
         self.split = split
         self.parts = list(parts)  # plain list: the parts' modules are registered above
         self.runner = runner
+        self.tied = tied  # tied embeddings: this rank's copy and its embedding group (tied_embeddings.py)
         self.bubbles: list[float] = []  # measured bubble of each step on this rank (idle / busy)
 
     def forward(self, *args, **kwargs):
@@ -309,6 +312,8 @@ class PipelinedModel(nn.Module):
         global_tokens = int(all_reduce_sum(count_targets(micro_batches), dp_group))
         inputs, labels, positions = _concat(micro_batches)
         result = self.runner.train_step(inputs, labels, global_tokens, loss_scale, positions)
+        if self.tied is not None:  # the two copies' gradients summed: before clipping and the step
+            self.tied.all_reduce_grads(self)
         self.bubbles.append(result.bubble)
         return result
 
@@ -382,9 +387,9 @@ def _concat(batches: list[dict]) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
 
 
 def build_pipelined_model(split: PipelineSplit, parts: Sequence[nn.Module], run, dist_info,
-                          compute_dtype: torch.dtype | None) -> PipelinedModel:
+                          compute_dtype: torch.dtype | None, tied: TiedEmbedding | None = None) -> PipelinedModel:
     """Last step of `engine.parallelize` under PP: the parts (after recompute and ZeRO) go
-    into `PipelineStage`s and the configured schedule."""
+    into `PipelineStage`s and the configured schedule. `tied`: the tied embedding's copies."""
     micro_batch = run.micro_batch
     io = None
     if split.dtypes is not None:
@@ -399,7 +404,7 @@ def build_pipelined_model(split: PipelineSplit, parts: Sequence[nn.Module], run,
         autocast_dtype=compute_dtype or torch.float32, stage_io=io, tp_size=dist_info.tp_size, seq_len=run.seq_len,
         with_positions=split.kind == "hf",
     )
-    return PipelinedModel(split, parts, runner, dist_info)
+    return PipelinedModel(split, parts, runner, dist_info, tied)
 
 
 def gather_per_rank(value) -> list:

@@ -51,6 +51,7 @@ from torch.nn.parallel import DistributedDataParallel
 from tenfold.errors import TenfoldNote, UserError
 from tenfold.techniques.offload import offload_policy, offloads, optimizer_device
 from tenfold.techniques.optimizer import allocate_states, build_optimizer, clip_grad_norm as _clip
+from tenfold.techniques.tied_embeddings import uncounted_in_norm
 from tenfold.terms import ZERO_STAGES, runs_on_fsdp2, zero_runs_as
 
 ENGINES = {
@@ -453,9 +454,11 @@ def clip_grad_norm(model: nn.Module, max_norm: float, extra_groups=()) -> float:
 
     FSDP2 gradients are DTensors sharded on dim 0: the norm of the local shards is a Partial
     DTensor whose `full_tensor()` all-reduces the squares (tenfold.techniques.optimizer.clip_grad_norm).
-    DDP gradients are already full on every rank. `max_norm == 0` only measures."""
+    DDP gradients are already full on every rank. `max_norm == 0` only measures. A tied
+    embedding's copy on the last pipeline stage is clipped but counted once, on the first stage."""
 
-    return _clip([p for p in model.parameters() if p.grad is not None], max_norm, extra_groups=extra_groups)
+    return _clip([p for p in model.parameters() if p.grad is not None], max_norm, extra_groups=extra_groups,
+                 uncounted=uncounted_in_norm(model))
 
 
 # --------------------------------------------------------------------------- inspection

@@ -19,6 +19,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
+from tenfold.techniques.tied_embeddings import optimizer_aliases, rename_keys
+
 # Optimizer state keyed per parameter FQN ("state.layers.0.attn.wq.weight.exp_avg",
 # "param_groups.layers.0.attn.wq.weight.lr"), as torchtitan does: pipeline ranks hold different
 # parameters, and a nested `param_groups` list would collide across them in DCP (one rank's
@@ -60,13 +62,20 @@ class ModelState:
 
 
 class OptimizerState:
-    """The optimizer's state (AdamW moments, step counts, param_groups), flattened per FQN."""
+    """The optimizer's state (AdamW moments, step counts, param_groups), flattened per FQN.
+
+    A tied embedding's copy on the last pipeline stage keeps its state under the tied weight's
+    name (`state.tok_emb.weight.exp_avg`, not `state.output.weight.exp_avg`), the name a
+    one-process run gives the one Parameter: both stages write the same (equal) entries, and a
+    checkpoint of any pp degree loads at any other (techniques/tied_embeddings.py)."""
 
     def __init__(self, model: torch.nn.Module, optimizer):
         self.model, self.optimizers = model, local_optimizers(optimizer)
 
     def state_dict(self) -> dict:
-        return get_optimizer_state_dict(self.model, self.optimizers, options=STATE_DICT_OPTIONS)
+        state = get_optimizer_state_dict(self.model, self.optimizers, options=STATE_DICT_OPTIONS)
+        return rename_keys(state, optimizer_aliases(self.model))
 
     def load_state_dict(self, state: dict) -> None:
+        state = rename_keys(state, optimizer_aliases(self.model), reverse=True)
         set_optimizer_state_dict(self.model, self.optimizers, state, options=STATE_DICT_OPTIONS)
