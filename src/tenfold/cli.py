@@ -49,6 +49,14 @@ class _Parser(argparse.ArgumentParser):
         sys.stderr.write(f"{self.prog}: error: {escaped(message)} (see {self.prog} --help)\n")
         raise SystemExit(2)
 
+    def _get_values(self, action, arg_strings):  # every value of every flag and argument passes here
+        """An empty value (`--emit ""`, `--config ""`) is refused: taken as given it reads as
+        "not given" and is silently ignored, or names the current folder."""
+        if not isinstance(action, argparse._SubParsersAction) and any(not s.strip() for s in arg_strings):
+            name = "/".join(action.option_strings) or action.metavar or action.dest
+            self.error(f"argument {name}: expected a value, got an empty string")
+        return super()._get_values(action, arg_strings)
+
 
 def _add_train_parser(subparsers) -> None:
     p = subparsers.add_parser(

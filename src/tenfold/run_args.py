@@ -146,8 +146,10 @@ def config_from_args(args: argparse.Namespace):
     from tenfold.config import build_config, load_toml, parse_set_item
 
     layers: list[dict] = []
+    sources: list[str | None] = []  # named in a message about a value that layer holds
     if args.config:
         layers.append(load_toml(args.config))
+        sources.append(f"config file {args.config}")
     if args.deepspeed:
         from tenfold.deepspeed_json import load_deepspeed_json, unsupported_warning
 
@@ -158,6 +160,7 @@ def config_from_args(args: argparse.Namespace):
         if warning:
             say("warning", warning)
         layers.append(ds.layer)
+        sources.append(f"DeepSpeed config {args.deepspeed}")
     flags: dict = {}
     for name, (section, key) in _TRAIN_FLAGS.items():
         value = getattr(args, name, None)
@@ -168,7 +171,7 @@ def config_from_args(args: argparse.Namespace):
             flags.setdefault(section, {})[key] = value
     layers.append(flags)
     layers.extend(parse_set_item(item) for item in args.set)
-    return build_config(*layers)
+    return build_config(*layers, sources=tuple(sources))
 
 
 LAUNCHER_KEYS = {("parallel", "nproc"), ("parallel", "nnodes")}
