@@ -78,10 +78,12 @@ def run_train(args: argparse.Namespace) -> int:
         from tenfold.engine.run_shape import dry_run
 
         return dry_run(cfg)
-    from tenfold.engine.distributed import launched_by_torchrun
+    from tenfold.engine.run_shape import check_fit, world_size  # torch-free
+    from tenfold.engine.torchrun_env import launched_by_torchrun
 
     if cfg.parallel.nnodes > 1 and not launched_by_torchrun():
         raise UserError(multinode_refusal(cfg, args.argv))
+    check_fit(cfg, world_size(cfg))  # before torch is imported: a run too large for this machine is one line
     if cfg.parallel.nproc > 1 and not launched_by_torchrun():
         from tenfold.engine.launch import run_under_torchrun
 

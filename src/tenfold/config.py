@@ -145,6 +145,9 @@ class TrainSection(_Section):
     # CPU it measured 1.02-1.12x eager on `small` and costs 25-45 s of compile time per process,
     # more than short runs gain (docs/compile.md).
     compile: bool = False
+    # Refuse a run whose predicted memory per rank exceeds what the rank has, before anything is
+    # built (tenfold.plan.room); false (--no-fit-check) starts it anyway.
+    fit_check: bool = True
 
     @model_validator(mode="after")
     def _schedule_params_fit_the_schedule(self) -> "TrainSection":

@@ -41,6 +41,8 @@ def _run_group(p: argparse.ArgumentParser, only_train) -> None:
                    "a folder that holds one is refused"))
     g.add_argument("--no-progress", action="store_true", help=only_train("no live progress bar: plain per-step lines, as when stdout is not a terminal"))
     g.add_argument("--log-every", type=int, metavar="N", help=only_train("metrics rows and plain lines every N steps (default 1); on a terminal, N > 1 also keeps a line every N steps above the bar"))
+    g.add_argument("--no-fit-check", action="store_true", help=only_train("start the run even where the planner's "
+                   "memory prediction per rank exceeds the memory the rank has (refused by default, before anything is built)"))
     g.add_argument("--wandb", action="store_true", help=only_train("also log to Weights & Biases (needs tenfold[wandb]; WANDB_MODE=offline works without a network)"))
 
 
@@ -132,7 +134,7 @@ _TRAIN_FLAGS = {
 # store_true flags -> (section, key, value when given)
 _SWITCHES = {
     "no_progress": ("log", "progress", False), "wandb": ("log", "wandb", True),
-    "no_final_checkpoint": ("checkpoint", "final", False),
+    "no_final_checkpoint": ("checkpoint", "final", False), "no_fit_check": ("train", "fit_check", False),
 }
 
 
