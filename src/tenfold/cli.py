@@ -13,6 +13,7 @@ import sys
 
 from tenfold import __version__
 from tenfold.errors import RunError, TenfoldNote, UserError, escaped, say
+from tenfold.quiet import VERBOSE_ENV, hush_libraries, verbose
 from tenfold.run_args import add_run_arguments, config_from_args
 
 # name -> (module with register(subparsers), one-line help). `train` is registered here.
@@ -40,6 +41,8 @@ EXAMPLES = """examples:
 
 
 DEBUG_HELP = "on an error, show Python's traceback instead of the one-line message"
+VERBOSE_HELP = (f"show the libraries' own warnings and log lines (torch, torchao, transformers), kept back by "
+                f"default; {VERBOSE_ENV}=1 does the same")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -120,6 +123,7 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"tenfold {__version__}")
     parser.add_argument("--debug", action="store_true", help=DEBUG_HELP)
+    parser.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
     sub = parser.add_subparsers(dest="command", metavar="{" + ",".join(SUBCOMMANDS) + "}", parser_class=_Parser)
     wanted = next((a for a in argv if not a.startswith("-")), None)
     for name, (module, help_text) in SUBCOMMANDS.items():
@@ -146,12 +150,15 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     args, extra = parser.parse_known_args(argv)
-    if "--debug" in extra:  # accepted after any subcommand, not only where it is declared
-        extra.remove("--debug")
-        args.debug = True
+    for flag in ("--debug", "--verbose"):  # accepted after any subcommand, not only where declared
+        if flag in extra:
+            extra.remove(flag)
+            setattr(args, flag.removeprefix("--"), True)
     if extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.argv = argv  # the launcher re-runs this very command under torchrun
+    if not verbose(getattr(args, "verbose", False)):
+        hush_libraries()  # before any subcommand imports torch, torchao or transformers
     if not args.debug:
         warnings_as_lines()
     if not hasattr(args, "func"):
