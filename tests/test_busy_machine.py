@@ -72,18 +72,21 @@ def no_subprocess_measurement(monkeypatch):
 
 
 class FakeMachine:
-    """GEMMs that take `flops / rate` seconds on a clock of their own."""
+    """GEMMs that take `flops / rate` seconds on a clock of their own; from call `busy_from` on,
+    each takes `busy_s` (another process took the cores in the middle of the measurement)."""
 
-    def __init__(self, rate: float, slowdown: float = 1.0):
-        self.rate, self.slowdown, self.now, self.calls = rate, slowdown, 0.0, []
+    def __init__(self, rate: float, busy_from: int | None = None, busy_s: float = 0.0):
+        self.rate, self.busy_from, self.busy_s = rate, busy_from, busy_s
+        self.now, self.calls = 0.0, []
 
     def clock(self) -> float:
         return self.now
 
     def gemms(self, dtype: str, n: int):
         def gemm():
+            busy = self.busy_from is not None and len(self.calls) >= self.busy_from
             self.calls.append(n)
-            self.now += 2.0 * n**3 / self.rate * self.slowdown
+            self.now += self.busy_s if busy else 2.0 * n**3 / self.rate
 
         return [gemm, gemm]  # torch.mm and F.linear
 
@@ -98,16 +101,18 @@ def test_the_peak_is_a_fixed_number_of_timed_gemms_with_the_best_kept():
 
 
 def test_a_busy_machine_lowers_the_peak_but_cannot_stretch_the_measurement():
-    """Each GEMM 50x slower (other processes on the cores): the measurement still ends at its
-    budget, after one timed GEMM past it at most; a slow dtype stops growing its size."""
+    """Every GEMM 50x slower (other processes on the cores): a lower figure, sizes that would
+    take too long left out. The cores taken in the middle of the measurement, each GEMM then
+    taking 1 s: it still ends at its budget, one GEMM past it at most. A slow dtype stops
+    growing its size."""
     from tenfold.engine import peak
 
-    busy = FakeMachine(rate=1e12, slowdown=50.0)
-    figure = peak.measure_peak("fp32", gemms=busy.gemms, clock=busy.clock)
-    assert figure == pytest.approx(1e12 / 50)
-    one_gemm = 2.0 * max(busy.calls) ** 3 / 1e12 * 50
-    assert busy.now <= peak.BUDGET_S + 2 * one_gemm  # the budget, and the GEMM that crossed it
-    assert len(busy.calls) < len(peak.SIZES) * 2 * (1 + peak.REPEATS)
+    slow = FakeMachine(rate=1e12 / 50)
+    assert peak.measure_peak("fp32", gemms=slow.gemms, clock=slow.clock) == pytest.approx(1e12 / 50)
+    assert 2048 not in slow.calls  # one 2048 GEMM would take 0.86 s
+    taken = FakeMachine(rate=1e12, busy_from=8, busy_s=1.0)  # after the 512 GEMMs
+    assert peak.measure_peak("fp32", gemms=taken.gemms, clock=taken.clock) == pytest.approx(1e12)
+    assert taken.now <= peak.BUDGET_S + 1.0 + 1.0  # the budget, the warm-up and the GEMM that crossed it
     crawling = FakeMachine(rate=2e9)  # fp16 without matrix instructions: a 2048 GEMM would take 8 s
     peak.measure_peak("fp16", gemms=crawling.gemms, clock=crawling.clock)
     assert 2048 not in crawling.calls and crawling.now <= peak.BUDGET_S + 1.0
@@ -119,14 +124,18 @@ def test_a_run_measures_only_its_dtype_and_only_after_its_timings(tmp_path, empt
     from tenfold.engine import peak
     from tenfold.engine.trainer import Trainer
 
-    calls = []
+    from tenfold.engine import run_outputs
+
+    calls, events = [], []
     trainer = Trainer(small_config(tmp_path, train={"steps": 3}))
-    monkeypatch.setattr(peak, "measure_peak", lambda dtype: calls.append((dtype, trainer.state.step,
-                                                                           time.perf_counter())) or 1e15)
-    start = time.perf_counter()
+    monkeypatch.setattr(peak, "measure_peak", lambda dtype: calls.append((dtype, trainer.state.step))
+                        or events.append("measured") or 1e15)
+    finish = run_outputs.finish
+    monkeypatch.setattr(run_outputs, "finish", lambda fit, last, wall: events.append("wall time taken")
+                        or finish(fit, last, wall))
     summary = trainer.fit()
-    assert [(d, s) for d, s, _ in calls] == [("fp32", 3)]  # once, the run's dtype, after its last step
-    assert summary["final"]["wall_s"] <= calls[0][2] - start  # the wall time was taken before it
+    assert calls == [("fp32", 3)]  # once, the run's dtype, after its last step
+    assert events == ["wall time taken", "measured"]  # outside every throughput figure
     assert all(r["mfu"] is None for r in read_metrics(tmp_path / "run"))  # not measured yet while it ran
     assert summary["final"]["mfu"] is not None and summary["hardware"]["peak_flops_per_device"] == 1e15
     entry = json.loads((empty_cache / "cpu_peak.json").read_text())[peak.cpu_key()]
