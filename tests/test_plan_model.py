@@ -132,8 +132,9 @@ def test_pipeline_memory_is_the_most_loaded_stage_and_gpipe_holds_m():
 
 
 def test_cpu_hardware_reads_the_engine_cache_without_torch(tmp_path, monkeypatch):
-    model = hardware.cpu_model_name()
-    (tmp_path / "cpu_peak.json").write_text(json.dumps({f"{model}|threads=2": {"fp32": 1e11, "bf16": 2e11, "fp16": 1e9}}))
+    from tenfold.plan.cpu_peak import cache_key, machine_threads
+
+    (tmp_path / "cpu_peak.json").write_text(json.dumps({cache_key(machine_threads()): {"fp32": 1e11, "bf16": 2e11}}))
     monkeypatch.setenv("TENFOLD_CACHE_DIR", str(tmp_path))
     hw = hardware.get_hardware("cpu")
     assert hw.peak("fp32") == 1e11 and hw.shared_compute and hw.memory_bytes > 2**30

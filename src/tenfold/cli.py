@@ -13,6 +13,7 @@ import sys
 
 from tenfold import __version__
 from tenfold.errors import RunError, TenfoldNote, UserError, escaped, say
+from tenfold.quiet import VERBOSE_ENV, hush_libraries, verbose
 from tenfold.run_args import add_run_arguments, config_from_args
 
 # name -> (module with register(subparsers), one-line help). `train` is registered here.
@@ -40,6 +41,8 @@ EXAMPLES = """examples:
 
 
 DEBUG_HELP = "on an error, show Python's traceback instead of the one-line message"
+VERBOSE_HELP = (f"show the libraries' own warnings and log lines (torch, torchao, transformers), kept back by "
+                f"default; {VERBOSE_ENV}=1 does the same")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -48,6 +51,14 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # type: ignore[override]
         sys.stderr.write(f"{self.prog}: error: {escaped(message)} (see {self.prog} --help)\n")
         raise SystemExit(2)
+
+    def _get_values(self, action, arg_strings):  # every value of every flag and argument passes here
+        """An empty value (`--emit ""`, `--config ""`) is refused: taken as given it reads as
+        "not given" and is silently ignored, or names the current folder."""
+        if not isinstance(action, argparse._SubParsersAction) and any(not s.strip() for s in arg_strings):
+            name = "/".join(action.option_strings) or action.metavar or action.dest
+            self.error(f"argument {name}: expected a value, got an empty string")
+        return super()._get_values(action, arg_strings)
 
 
 def _add_train_parser(subparsers) -> None:
@@ -70,10 +81,12 @@ def run_train(args: argparse.Namespace) -> int:
         from tenfold.engine.run_shape import dry_run
 
         return dry_run(cfg)
-    from tenfold.engine.distributed import launched_by_torchrun
+    from tenfold.engine.run_shape import check_fit, world_size  # torch-free
+    from tenfold.engine.torchrun_env import launched_by_torchrun
 
     if cfg.parallel.nnodes > 1 and not launched_by_torchrun():
         raise UserError(multinode_refusal(cfg, args.argv))
+    check_fit(cfg, world_size(cfg))  # before torch is imported: a run too large for this machine is one line
     if cfg.parallel.nproc > 1 and not launched_by_torchrun():
         from tenfold.engine.launch import run_under_torchrun
 
@@ -110,6 +123,7 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"tenfold {__version__}")
     parser.add_argument("--debug", action="store_true", help=DEBUG_HELP)
+    parser.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
     sub = parser.add_subparsers(dest="command", metavar="{" + ",".join(SUBCOMMANDS) + "}", parser_class=_Parser)
     wanted = next((a for a in argv if not a.startswith("-")), None)
     for name, (module, help_text) in SUBCOMMANDS.items():
@@ -136,12 +150,15 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     args, extra = parser.parse_known_args(argv)
-    if "--debug" in extra:  # accepted after any subcommand, not only where it is declared
-        extra.remove("--debug")
-        args.debug = True
+    for flag in ("--debug", "--verbose"):  # accepted after any subcommand, not only where declared
+        if flag in extra:
+            extra.remove(flag)
+            setattr(args, flag.removeprefix("--"), True)
     if extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.argv = argv  # the launcher re-runs this very command under torchrun
+    if not verbose(getattr(args, "verbose", False)):
+        hush_libraries()  # before any subcommand imports torch, torchao or transformers
     if not args.debug:
         warnings_as_lines()
     if not hasattr(args, "func"):

@@ -145,6 +145,9 @@ class TrainSection(_Section):
     # CPU it measured 1.02-1.12x eager on `small` and costs 25-45 s of compile time per process,
     # more than short runs gain (docs/compile.md).
     compile: bool = False
+    # Refuse a run whose predicted memory per rank exceeds what the rank has, before anything is
+    # built (tenfold.plan.room); false (--no-fit-check) starts it anyway.
+    fit_check: bool = True
 
     @model_validator(mode="after")
     def _schedule_params_fit_the_schedule(self) -> "TrainSection":
@@ -281,15 +284,38 @@ class TenfoldConfig(_Section):
 # --------------------------------------------------------------------------- loading
 
 
-def _format_validation_error(err: ValidationError) -> str:
+def _format_validation_error(err: ValidationError, within: tuple = ()) -> str:
     first = err.errors()[0]
-    loc = ".".join(str(p) for p in first["loc"])
+    loc = ".".join(str(p) for p in (*within, *first["loc"]))
     msg = first["msg"]
     if first["type"] == "extra_forbidden":
         section = first["loc"][0] if len(first["loc"]) > 1 else None
         allowed = _allowed_keys(section)
         return f"unknown config key {loc!r}; allowed: {', '.join(allowed)}"
     return f"invalid value {first.get('input')!r} for {loc}: {msg.removeprefix('Value error, ')}"
+
+
+def check_layer(layer: dict, source: str | None = None) -> None:
+    """Each value of one layer (a config file, a DeepSpeed JSON, the flags, one --set) checked on
+    its own against its key's type and range, so that a bad value is refused where it is written
+    even when a later layer overrides it (`steps = "2"` in a file beside `--steps 3`). Rules over
+    several keys, and unknown keys, are checked once the layers are merged (`build_config`)."""
+    for section, values in layer.items():
+        field = TenfoldConfig.model_fields.get(section) if isinstance(section, str) else None
+        if field is None or not isinstance(values, dict):
+            continue
+        model = field.annotation
+        for key, value in values.items():
+            if key not in model.model_fields:  # type: ignore[union-attr]
+                continue
+            try:
+                model.model_validate({key: value})  # type: ignore[union-attr]
+            except ValidationError as e:
+                if e.errors()[0]["loc"][:1] == (key,):  # not a rule over several keys
+                    text = _format_validation_error(e, within=(section,))
+                    raise UserError(f"{source}: {text}" if source else text) from None
+            except UserError:
+                pass  # a rule over several keys (e.g. fp8_emulate needs fp8): checked on the merged config
 
 
 def _allowed_keys(section: str | int | None) -> list[str]:
@@ -334,11 +360,14 @@ def load_toml(path: str | Path) -> dict:
         raise UserError(f"malformed TOML in {path}: {e}") from None
 
 
-def build_config(*layers: dict) -> TenfoldConfig:
-    """Merge dict layers (lowest precedence first) and validate into a `TenfoldConfig`."""
+def build_config(*layers: dict, sources: tuple[str | None, ...] = ()) -> TenfoldConfig:
+    """Merge dict layers (lowest precedence first) and validate into a `TenfoldConfig`; each
+    layer's values are checked on their own first (`check_layer`; `sources` names the layers in
+    its messages)."""
     merged: dict = {}
-    for layer in layers:
+    for i, layer in enumerate(layers):
         if layer:
+            check_layer(layer, sources[i] if i < len(sources) else None)
             merged = deep_merge(merged, layer)
     try:
         cfg = TenfoldConfig.model_validate(merged)

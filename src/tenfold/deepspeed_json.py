@@ -140,10 +140,11 @@ def _offload_device(r: _Reader, key: str, v: Any) -> bool:
     return True
 
 
-def _disabled_below(limit: int) -> Convert:
-    """An integer for which DeepSpeed's values below `limit` (its defaults -1 and 1) mean off."""
+def _disabled_below(limit: int, minimum: int | None = None) -> Convert:
+    """An integer for which DeepSpeed's values below `limit` (its defaults -1 and 1) mean off;
+    `minimum`: the lowest value DeepSpeed's own config accepts."""
     def convert(r: _Reader, key: str, v: Any) -> int | None:
-        n = integer()(r, key, v)
+        n = integer(minimum)(r, key, v)
         return n if n >= limit else None
 
     return convert
@@ -245,7 +246,8 @@ KEYS: dict[str, Key] = {
     # parallel.shard_group_size does (-1: off); ZeRO++ hpZ (1: off) is read the same way, with a note
     "zero_optimization.mics_shard_size": Key("parallel.shard_group_size", _disabled_below(1)),
     "zero_optimization.mics_hierarchical_params_gather": Key(quiet_at=False),
-    "zero_optimization.zero_hpz_partition_size": Key(None, _disabled_below(2)),
+    # DeepSpeedZeroConfig: zero_hpz_partition_size = Field(1, ge=0)
+    "zero_optimization.zero_hpz_partition_size": Key(None, _disabled_below(2, minimum=0)),
     "zero_optimization.reduce_scatter": Key(quiet_at=True),
     "zero_optimization.allgather_partitions": Key(quiet_at=True),
     "zero_optimization.load_from_fp32_weights": Key(quiet_at=True),

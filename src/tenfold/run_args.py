@@ -41,6 +41,8 @@ def _run_group(p: argparse.ArgumentParser, only_train) -> None:
                    "a folder that holds one is refused"))
     g.add_argument("--no-progress", action="store_true", help=only_train("no live progress bar: plain per-step lines, as when stdout is not a terminal"))
     g.add_argument("--log-every", type=int, metavar="N", help=only_train("metrics rows and plain lines every N steps (default 1); on a terminal, N > 1 also keeps a line every N steps above the bar"))
+    g.add_argument("--no-fit-check", action="store_true", help=only_train("start the run even where the planner's "
+                   "memory prediction per rank exceeds the memory the rank has (refused by default, before anything is built)"))
     g.add_argument("--wandb", action="store_true", help=only_train("also log to Weights & Biases (needs tenfold[wandb]; WANDB_MODE=offline works without a network)"))
 
 
@@ -132,7 +134,7 @@ _TRAIN_FLAGS = {
 # store_true flags -> (section, key, value when given)
 _SWITCHES = {
     "no_progress": ("log", "progress", False), "wandb": ("log", "wandb", True),
-    "no_final_checkpoint": ("checkpoint", "final", False),
+    "no_final_checkpoint": ("checkpoint", "final", False), "no_fit_check": ("train", "fit_check", False),
 }
 
 
@@ -146,8 +148,10 @@ def config_from_args(args: argparse.Namespace):
     from tenfold.config import build_config, load_toml, parse_set_item
 
     layers: list[dict] = []
+    sources: list[str | None] = []  # named in a message about a value that layer holds
     if args.config:
         layers.append(load_toml(args.config))
+        sources.append(f"config file {args.config}")
     if args.deepspeed:
         from tenfold.deepspeed_json import load_deepspeed_json, unsupported_warning
 
@@ -158,6 +162,7 @@ def config_from_args(args: argparse.Namespace):
         if warning:
             say("warning", warning)
         layers.append(ds.layer)
+        sources.append(f"DeepSpeed config {args.deepspeed}")
     flags: dict = {}
     for name, (section, key) in _TRAIN_FLAGS.items():
         value = getattr(args, name, None)
@@ -168,7 +173,7 @@ def config_from_args(args: argparse.Namespace):
             flags.setdefault(section, {})[key] = value
     layers.append(flags)
     layers.extend(parse_set_item(item) for item in args.set)
-    return build_config(*layers)
+    return build_config(*layers, sources=tuple(sources))
 
 
 LAUNCHER_KEYS = {("parallel", "nproc"), ("parallel", "nnodes")}

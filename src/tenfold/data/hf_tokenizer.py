@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from tenfold.errors import UserError
+from tenfold.textfiles import MAX_TOKENIZER_BYTES, check_file, read_text
 
 FLAG = "data.tokenizer (--tokenizer)"
 ALLOWED = "byte, bpe, a tokenizer.json file or a Hugging Face tokenizer folder"
@@ -49,11 +50,11 @@ def _token_text(value: Any) -> str | None:
 
 
 def _read_json(path: Path) -> dict:
-    if not path.is_file():
+    if not path.exists():
         return {}
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as e:
+    try:  # a regular file of a few MB (tenfold.textfiles), not a device or FIFO read forever
+        data = json.loads(read_text(path, FLAG))
+    except ValueError as e:
         raise UserError(f"{FLAG} {path}: not valid JSON ({e})") from None
     return data if isinstance(data, dict) else {}
 
@@ -154,7 +155,8 @@ class HFTokenizer:
             from tenfold.models.hf import _transformers
 
             try:
-                self._auto = _transformers().AutoTokenizer.from_pretrained(str(self.folder), local_files_only=True)
+                self._auto = _transformers().AutoTokenizer.from_pretrained(_checked_folder(self.folder),
+                                                                           local_files_only=True)
             except (OSError, ValueError) as e:
                 raise UserError(f"{FLAG} {self.folder}: transformers cannot load it ({e})") from None
         return self._auto
@@ -202,7 +204,7 @@ def load_tokenizer_path(path: str | Path) -> HFTokenizer:
     meta = {}
     if folder is not None:
         meta = {**_read_json(folder / "special_tokens_map.json"), **_read_json(folder / "tokenizer_config.json")}
-    if tok_file.is_file():
+    if tok_file.exists() and not tok_file.is_dir():
         tok = _tokenizer_from_file(tok_file)
     elif p.is_dir() and has_tokenizer(p):
         tok = _converted_by_transformers(p)
@@ -215,17 +217,27 @@ def load_tokenizer_path(path: str | Path) -> HFTokenizer:
 def _tokenizer_from_file(path: Path):
     from tokenizers import Tokenizer
 
+    text = read_text(path, FLAG, MAX_TOKENIZER_BYTES)  # a regular file of bounded size, then parsed
     try:
-        return Tokenizer.from_file(str(path))
+        return Tokenizer.from_str(text)
     except Exception as e:  # tokenizers raises a bare Exception on a malformed file
         raise UserError(f"{FLAG} {path}: not a tokenizers tokenizer.json ({str(e).splitlines()[0]})") from None
+
+
+def _checked_folder(folder: Path) -> str:
+    """`folder` once every tokenizer file in it that transformers opens by name is a regular file
+    of bounded size (tenfold.textfiles)."""
+    for name in TOKENIZER_FILES:
+        if (folder / name).exists():
+            check_file(folder / name, FLAG, MAX_TOKENIZER_BYTES, "a tokenizer file")
+    return str(folder)
 
 
 def _converted_by_transformers(folder: Path):
     from tenfold.models.hf import _transformers
 
     try:
-        auto = _transformers().AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+        auto = _transformers().AutoTokenizer.from_pretrained(_checked_folder(folder), local_files_only=True)
     except (OSError, ValueError) as e:
         raise UserError(f"{FLAG} {folder}: transformers cannot load it ({e})") from None
     backend = getattr(auto, "backend_tokenizer", None)

@@ -15,9 +15,12 @@ def sidecar_path(bin_path: str | Path) -> Path:
 
 def read_sidecar(bin_path: str | Path) -> dict:
     """FILE.json of a prepared FILE.bin ({} when there is none, or it is something else)."""
+    from tenfold.errors import UserError
+    from tenfold.textfiles import read_text  # a regular file of a few MB: never a FIFO read forever
+
     path = sidecar_path(bin_path)
     try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
+        data = json.loads(read_text(path, "sidecar"))
+    except (UserError, ValueError):
         return {}
     return data if isinstance(data, dict) and data.get("format") == SIDECAR_FORMAT else {}

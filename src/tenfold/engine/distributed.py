@@ -36,6 +36,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.distributed_c10d import _set_pg_timeout
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
+from tenfold.engine.torchrun_env import launched_by_torchrun
 from tenfold.errors import UserError
 
 
@@ -69,10 +70,6 @@ class DistInfo:
     @property
     def initialized(self) -> bool:
         return self.world_size > 1
-
-
-def launched_by_torchrun() -> bool:
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
 def pick_device(local_rank: int) -> torch.device:

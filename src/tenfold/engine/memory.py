@@ -50,7 +50,7 @@ from tenfold.engine.tracker_probe import tracker_available
 from tenfold.errors import RunError
 
 # torch-free: `tenfold plan` reports the same prediction in the same words
-from tenfold.plan.for_run import fmt_bytes, memory_by_category, memory_line, predict_run
+from tenfold.plan.for_run import fmt_bytes, memory_by_category, memory_line, predict_run_memory
 from tenfold.plan.hardware import CATALOG
 from tenfold.terms import MULTI_STAGE_SCHEDULES
 
@@ -273,9 +273,10 @@ def predicted_memory(run, device: torch.device | None = None, dtype: str | None 
     model states are predicted, activations are 0). The categories are
     `tenfold.plan.for_run.memory_by_category`'s, which `tenfold plan` reports too.
     """
-    if plan is None:
-        plan = predict_run(run, planner_hardware_name(device or torch.device("cpu")), dtype, params)
-    return memory_by_category(plan.memory)
+    if plan is not None:
+        return memory_by_category(plan.memory)
+    hardware = planner_hardware_name(device or torch.device("cpu"))
+    return memory_by_category(predict_run_memory(run, hardware, dtype, params))  # no time: no peak to wait on
 
 
 # --------------------------------------------------------------------------- one run

@@ -22,6 +22,7 @@ from tenfold.engine.distributed import DistInfo, init_distributed, launched_by_t
 from tenfold.engine.host_malloc import tune_malloc
 from tenfold.engine.parallelize import check_techniques, check_tensor_parallel, parallelize
 from tenfold.engine.schedule import build_scheduler
+from tenfold.engine.torchrun_env import local_world_size
 from tenfold.engine.wandb_log import check_available
 from tenfold.errors import UserError
 from tenfold.models.adapter import ModelAdapter, adapt
@@ -75,6 +76,7 @@ def build_parts(cfg: TenfoldConfig, user_model: nn.Module | None = None, user_da
     check_available(cfg.log.wandb)
     dist = init_distributed(run.pp, cfg.parallel.timeout_s, run.tp, run.shard_group, offload=run.offload != "none")
     precision = build_precision(run.precision, cfg.precision, dist.device)
+    check_fit(run, dist, precision, user_model)  # before the data and the model take any memory
     if dist.device.type == "cpu":  # before the model and data take their memory
         tune_malloc()
     data = build_data(run, user_dataset, own_model=user_model is not None)
@@ -87,6 +89,23 @@ def build_parts(cfg: TenfoldConfig, user_model: nn.Module | None = None, user_da
     loader = make_loader(data, run.global_batch, run.micro_batch, run.grad_accum,
                          dp_rank=dist.dp_rank, dp_size=dist.dp_size, seed=cfg.train.seed)
     return Parts(run, dist, precision, data, adapter, model, optimizer, scheduler, loader)
+
+
+def check_fit(run: ResolvedRun, dist: DistInfo, precision: Precision, user_model: nn.Module | None) -> None:
+    """The planner's per-rank memory against what this rank has (tenfold.plan.room: host memory
+    shared by the local ranks, or the GPU's), for the precision the device really runs and a
+    user's own module's parameter count; a run that cannot fit is refused (UserError)."""
+    if not run.config.train.fit_check:
+        return
+    from tenfold.engine.memory import planner_hardware_name
+    from tenfold.plan.for_run import predict_run_memory
+    from tenfold.plan.room import Room, refuse_unless_fits
+
+    params = float(sum(p.numel() for p in user_model.parameters())) if user_model is not None else None
+    local = local_world_size()
+    room = Room(local) if dist.device.type != "cuda" else Room(
+        local, float(torch.cuda.get_device_properties(dist.device).total_memory), torch.cuda.get_device_name(dist.device))
+    refuse_unless_fits(predict_run_memory(run, planner_hardware_name(dist.device), precision.name, params), room)
 
 
 def build_data(run: ResolvedRun, user_dataset: Any, own_model: bool):

@@ -4,6 +4,7 @@ summary.json itself, the 16-bit and Hugging Face exports, the tokenizer, the clo
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -29,7 +30,7 @@ def console(main: bool) -> Console | None:
 
 def facts(t: Trainer) -> run_summary.RunFacts:
     r = t.run
-    peak, mfu_note = t.mfu_peak()
+    peak, mfu_note = t.mfu_peak(measure=False)  # the start: a cached CPU peak or none, never a wait
     return run_summary.RunFacts(
         config=t.cfg.to_dict(), model_label=model_label(t),
         blocks=f"{len(t.adapter.blocks)} x {t.adapter.block_class}", params=t.param_count,
@@ -37,6 +38,17 @@ def facts(t: Trainer) -> run_summary.RunFacts:
         dtype=t.dtype_name, peak_flops_per_device=peak, mfu_note=mfu_note, peak_source=peak_source(t.dist.device.type),
         batch=r.batch_summary(), layout=r.layout(), layout_line=r.layout_line(),
     )
+
+
+def measured_peak(fit: Fit) -> run_summary.RunFacts:
+    """The run's facts with this CPU's peak measured where none was cached (or the cached one is
+    to be measured again): after the run's timings are taken, so that no throughput figure
+    includes it, and by the main rank alone (the figure is the same for every rank)."""
+    t = fit.trainer
+    if t.dist.device.type != "cpu" or not fit.dist.is_main:
+        return fit.facts
+    peak, note = t.mfu_peak(measure=True)
+    return replace(fit.facts, peak_flops_per_device=peak, mfu_note=note)
 
 
 def model_label(t: Trainer) -> str:  # preset name, HF config path or the user's class
@@ -61,6 +73,7 @@ def start_wandb(fit: Fit):
 def finish(fit: Fit, last: dict, wall: float) -> dict:
     """summary.json (rank 0), the requested exports, the summary table."""
     t, s = fit.trainer, fit.state
+    fit.facts = measured_peak(fit)
     summary = run_summary.build_summary(fit.facts, s.history, totals(fit), last, wall, fit.step_times)
     if fit.dist.pp_size > 1:  # split, measured bubble per stage vs (P-1)/m
         summary["pipeline"] = t.model.report(fit.dist)

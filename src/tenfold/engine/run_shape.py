@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import os
 
+from tenfold.engine.torchrun_env import launched_by_torchrun
+
 # torch-free, shared with the trainer's start line and `tenfold plan`
 from tenfold.plan.for_run import memory_by_category, memory_line
 
@@ -27,7 +29,7 @@ def world_size(cfg) -> int:
     that many processes."""
     par = cfg.parallel
     planned = par.nnodes * par.nproc
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+    if launched_by_torchrun():
         world = int(os.environ["WORLD_SIZE"])
         if par.nnodes > 1 and world != planned:
             from tenfold.errors import UserError
@@ -47,7 +49,52 @@ def precision_text(precision: str, configured: str) -> str:
     return precision + (f" ({why}fp32 where the device has no bf16)" if precision == "bf16" else "")
 
 
-def describe(run, predicted: dict[str, int]) -> list[str]:
+def room_here(local_ranks: int, with_torch: bool = False):
+    """The memory each of `local_ranks` ranks has on this machine (tenfold.plan.room.Room): on
+    a machine without a GPU, its host memory shared by them, torch-free; on a GPU machine one
+    device's memory, read through torch (`with_torch`; None without it)."""
+    from tenfold.plan.room import Room
+    from tenfold.terms import local_device_is_cpu
+
+    if local_device_is_cpu():
+        return Room(local_ranks)
+    if not with_torch:
+        return None
+    import torch
+
+    if not torch.cuda.is_available():
+        return Room(local_ranks)
+    return Room(local_ranks, float(torch.cuda.get_device_properties(0).total_memory), torch.cuda.get_device_name(0))
+
+
+def fit_memory(run, room=None):
+    """The planner's per-rank memory for the run as the fit check compares it, on this machine's
+    device (no time: no peak FLOP/s to measure)."""
+    from tenfold.plan.for_run import predict_run_memory
+
+    hardware = "cpu"
+    if room is not None and room.device_bytes is not None:  # torch is loaded: room_here read the GPU
+        import torch
+
+        from tenfold.engine.memory import planner_hardware_name
+
+        hardware = planner_hardware_name(torch.device("cuda", 0))
+    return predict_run_memory(run, hardware)
+
+
+def check_fit(cfg, world: int) -> None:
+    """`tenfold train` before torch is imported: a run the planner says cannot fit this machine's
+    host memory is refused in well under a second (a GPU's memory is checked once the device
+    is up, engine/parts.py)."""
+    from tenfold.plan.room import refuse_unless_fits
+    from tenfold.run import resolve_run
+
+    room = room_here(cfg.parallel.nproc) if cfg.train.fit_check else None
+    if room is not None:
+        refuse_unless_fits(fit_memory(resolve_run(cfg, world)), room)
+
+
+def describe(run, predicted: dict[str, int], fit: str | None = None) -> list[str]:
     """The dry run's report, one line per aspect."""
     from tenfold.models.presets import param_count
 
@@ -63,6 +110,7 @@ def describe(run, predicted: dict[str, int]) -> list[str]:
         f"  processes  {run.layout_line()}" + (f" ({c.parallel.nnodes} nodes x {c.parallel.nproc})"
                                                       if c.parallel.nnodes > 1 else ""),
         "  memory     " + memory_line(predicted).removeprefix("memory "),
+        *([f"  fit        {fit}"] if fit else []),
         f"  output     {c.log.out}",
     ]
 
@@ -70,12 +118,14 @@ def describe(run, predicted: dict[str, int]) -> list[str]:
 def dry_run(cfg) -> int:
     """`tenfold train --dry-run`: check, resolve and print the run; exit status 0."""
     from tenfold.engine.launch import preflight
-    from tenfold.plan.for_run import predict_run
+    from tenfold.plan.room import fit_line
     from tenfold.run import resolve_run
 
     world = world_size(cfg)
     preflight(cfg, world)  # pp divides the processes, the batch triplet, the pipeline's limits
     run = resolve_run(cfg, world)
-    for line in describe(run, memory_by_category(predict_run(run, "cpu").memory)):
+    room = room_here(cfg.parallel.nproc, with_torch=True)
+    memory = fit_memory(run, room)
+    for line in describe(run, memory_by_category(memory), fit_line(memory, room) if room else None):
         print(line)
     return 0

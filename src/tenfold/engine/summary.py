@@ -52,7 +52,7 @@ def mfu(flops_per_token: float, tokens_per_s: float | None, peak: float | None,
     if value > 1.0:
         return None, (f"the run's {flops_per_token * tokens_per_s / devices / 1e9:,.1f} GFLOP/s per device exceed "
                       f"the peak used for MFU ({peak / 1e9:,.1f}): the peak was measured while the machine was "
-                      "busy; on a CPU it is measured again at the next start")
+                      "busy; on a CPU it is measured again at the end of the next run")
     return value, None
 
 
@@ -74,7 +74,7 @@ def build_summary(facts: RunFacts, history: list, totals: dict, last: dict, wall
     if note and facts.device.startswith("cpu"):  # a run beat the cached CPU peak: it is too low
         from tenfold.engine.peak import note_exceeded
 
-        note_exceeded(facts.dtype, facts.flops_per_token * tps)
+        note_exceeded(facts.dtype, facts.flops_per_token * tps / facts.world_size, ranks=facts.world_size)
     return {
         "config": facts.config,
         "model": {"name": facts.model_label, "blocks": facts.blocks, "params": facts.params,

@@ -112,11 +112,12 @@ class Trainer:
             raise AttributeError("the trainer is not set up: call setup() or fit() first")
         return self.parts
 
-    def mfu_peak(self) -> tuple[float | None, str | None]:
+    def mfu_peak(self, measure: bool = True) -> tuple[float | None, str | None]:
         """(dense peak FLOP/s of one device for this dtype, MFU's denominator; or None and
-        why no MFU is reported)."""
-        if self.dist.device.type == "cpu":
-            return mfu_peak(self.dtype_name, ranks=self.dist.world_size)  # the ranks share this machine's peak
+        why no MFU is reported). On a CPU the measured peak: `measure=False` takes the cached
+        figure only (a run's start never waits on a measurement, engine/peak.py)."""
+        if self.dist.device.type == "cpu":  # the ranks share this machine's cores
+            return mfu_peak(self.dtype_name, ranks=self.dist.world_size, measure=measure)
         return gpu_peak_flops_for_device(torch.cuda.get_device_name(self.dist.device), self.dtype_name), None
 
     def peak_flops_per_device(self) -> float | None:

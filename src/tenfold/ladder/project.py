@@ -42,10 +42,13 @@ def load_measured(out_dir: Path) -> dict[str, dict] | None:
     path = out_dir / "ladder.json"
     if not path.is_file():
         return None
+    from tenfold.errors import UserError
+    from tenfold.textfiles import read_text  # bounded: a regular file, not a FIFO read forever
+
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(read_text(path, "ladder.json", 64 * 2**20))
         return {r["name"]: r for r in data.get("rungs", [])} | {"_header": data}
-    except (ValueError, KeyError, TypeError):
+    except (UserError, ValueError, KeyError, TypeError):
         return None
 
 

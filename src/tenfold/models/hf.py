@@ -18,7 +18,6 @@ when a Hugging Face model is asked for, and its absence is a UserError naming th
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from tenfold.errors import UserError
@@ -36,22 +35,22 @@ def _transformers():
 
 
 def config_json_path(path: str | Path, flag: str = "model.hf_config (--hf-config)") -> Path:
-    """`path` itself if it is a file, else `path/config.json`; UserError when missing."""
+    """`path` itself if it is not a folder, else `path/config.json`; UserError when missing
+    (what it is, a regular file of a few MB, is checked where it is read)."""
     p = Path(path)
     if p.is_dir():
         p = p / "config.json"
-    if not p.is_file():
+    if not p.exists():
         raise UserError(f"{flag} {path}: no such file (expected a Hugging Face config.json)")
     return p
 
 
 def read_config_dict(path: str | Path, flag: str = "model.hf_config (--hf-config)") -> dict:
+    from tenfold.models.hf_config import read_config_json  # bounded: a regular file of a few MB
+
     p = config_json_path(path, flag)
-    try:
-        d = json.loads(p.read_text())
-    except ValueError as exc:
-        raise UserError(f"{flag} {p}: not valid JSON ({exc})") from None
-    if not isinstance(d, dict) or "model_type" not in d:
+    d = read_config_json(str(p), flag)
+    if "model_type" not in d:
         raise UserError(f"{flag} {p}: a Hugging Face config.json needs a 'model_type' key (e.g. \"llama\", \"gpt2\")")
     return d
 

@@ -5,7 +5,6 @@ run's shape with it before transformers builds the model."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 from tenfold.errors import UserError
 from tenfold.models.presets import ModelConfig
@@ -18,12 +17,15 @@ def _get(d: dict, *keys, default=None):
     return default
 
 
-def _read(path: str, flag: str = "--hf-config") -> dict:
-    """`flag`: the option the user gave the file or folder with (named in every message)."""
+def read_config_json(path: str, flag: str = "--hf-config") -> dict:
+    """`flag`: the option the user gave the file or folder with (named in every message). Read
+    only from a regular file of at most a few MB (tenfold.textfiles): a device or a FIFO given
+    by mistake is one line, not a read that never ends."""
+    from tenfold.textfiles import read_text
+
+    text = read_text(path, flag)
     try:
-        d = json.loads(Path(path).read_text())
-    except OSError as exc:
-        raise UserError(f"{flag} {path}: cannot read ({exc.strerror})") from None
+        d = json.loads(text)
     except ValueError as exc:
         raise UserError(f"{flag} {path}: not valid JSON ({exc})") from None
     if not isinstance(d, dict):
@@ -33,12 +35,12 @@ def _read(path: str, flag: str = "--hf-config") -> dict:
 
 def hf_model_type(path: str) -> str:
     """The config.json's `model_type` ("llama", "gpt2", ...), lower case; "" when absent."""
-    return str(_read(path).get("model_type", "")).lower()
+    return str(read_config_json(path).get("model_type", "")).lower()
 
 
 def model_from_hf_config(path: str, flag: str = "--hf-config") -> ModelConfig:
     """A Hugging Face `config.json` (LLaMA/Mistral/Qwen-style or GPT-2/NeoX-style keys)."""
-    d = _read(path, flag)
+    d = read_config_json(path, flag)
     layers = _get(d, "num_hidden_layers", "n_layer", "num_layers")
     hidden = _get(d, "hidden_size", "n_embd", "d_model")
     heads = _get(d, "num_attention_heads", "n_head")

@@ -103,6 +103,8 @@ def write_emit(path: str, text: str) -> None:
 
 
 def _written_by_plan(p: Path) -> bool:
+    if not p.is_file():  # a folder, a device, a FIFO (whose open would wait for a writer)
+        return False
     try:
         with p.open("rb") as f:
             return f.read(len(EMIT_MARK)) == EMIT_MARK.encode()

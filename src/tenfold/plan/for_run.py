@@ -7,19 +7,29 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from tenfold.plan.api import MemoryBreakdown, Plan, predict
+from tenfold.plan.api import MemoryBreakdown, Plan, predict, predict_memory
 from tenfold.run import ResolvedRun
+
+
+def _as_run(run: ResolvedRun, precision: str | None, params: float | None) -> ResolvedRun:
+    if precision is not None and precision != run.precision:
+        run = run.with_(precision=precision, check=False)
+    if params is not None:
+        run = replace(run, model=None, params=float(params))
+    return run
 
 
 def predict_run(run: ResolvedRun, hardware, precision: str | None = None, params: float | None = None) -> Plan:
     """`precision`: the one the engine really runs (bf16 falls back to fp32 on a device without
     it); default the configured one. `params`: the parameter count of a user's own module, whose
     shape the config does not describe (then only model states are predicted)."""
-    if precision is not None and precision != run.precision:
-        run = run.with_(precision=precision, check=False)
-    if params is not None:
-        run = replace(run, model=None, params=float(params))
-    return predict(run, hardware)
+    return predict(_as_run(run, precision, params), hardware)
+
+
+def predict_run_memory(run: ResolvedRun, hardware, precision: str | None = None,
+                       params: float | None = None) -> MemoryBreakdown:
+    """Only the memory of `predict_run`: no time, so no peak FLOP/s (on a CPU: no measurement)."""
+    return predict_memory(_as_run(run, precision, params), hardware)
 
 
 # --------------------------------------------------------------------------- as a run reports it

@@ -27,17 +27,15 @@ Conventions (stated once, used everywhere):
 
 from __future__ import annotations
 
-import json
 import os
-import platform
-import subprocess
-import sys
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import Callable
 
 from tenfold.errors import UserError
+from tenfold.plan.cpu_peak import MEASURED_DTYPES, cached_peak, cpu_model_name, machine_threads, measured_peak, read_cache
+from tenfold.plan.cpu_peak import cache_path as cpu_peak_path
 from tenfold.plan.hardware_file import DTYPES, PLAIN_KEYS, SCALED_KEYS, read_hardware_file
-from tenfold.terms import cache_dir, cpuinfo_field
 
 GiB = 2**30
 PEAK_DTYPES = ("fp32", "bf16", "fp16", "fp8")  # the keys of Hardware.peak_flops (fp8: float8 matmuls, --fp8)
@@ -79,6 +77,9 @@ class Hardware:
     step_overhead_s: float = 0.0  # per optimizer step, outside the modelled work (Python, data, logging)
     microbatch_overhead_s: float = 0.0  # per micro-batch (operator dispatch, autograd bookkeeping)
     sources: dict[str, str] = field(default_factory=dict)
+    # `cpu`: measures a dtype's peak the first time a prediction needs it (tenfold.plan.cpu_peak),
+    # so that what needs no peak (memory, --dry-run) never waits on a measurement
+    measure_peak: Callable[[str], float] | None = field(default=None, repr=False)
 
     def gemm_peak(self, dtype: str) -> float:
         """The FLOP/s GEMMs are priced against (time.gemm_efficiency then applies the ceiling):
@@ -91,6 +92,8 @@ class Hardware:
         """Dense peak FLOP/s of matmuls in `dtype`: fp32, bf16, fp16, or fp8 (the float8 matmuls
         of `tenfold train --fp8`; the rest of such a step runs at the bf16 rate)."""
         value = self.peak_flops.get(dtype)
+        if not value and self.measure_peak is not None and dtype in MEASURED_DTYPES:
+            value = self.peak_flops[dtype] = self.measure_peak(dtype)
         if not value and dtype == "fp8":
             with_fp8 = [name for name, hw in CATALOG.items() if hw.peak_flops.get("fp8")]
             why = self.sources.get("fp8", "none given")
@@ -103,7 +106,7 @@ class Hardware:
         return float(value)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return {k: v for k, v in asdict(self).items() if k != "measure_peak"}
 
 
 _NV = "NVIDIA datasheet"
@@ -239,42 +242,11 @@ CPU_LOOPBACK_LATENCY_S = 50e-6
 CPU_MEMORY_BW = 10 * GB
 
 
-def cpu_model_name() -> str:
-    return cpuinfo_field("model name") or platform.processor() or platform.machine()
-
-
-def _cpu_peak_cache_path() -> Path:
-    # The file tenfold.engine.peak.cache_path writes (that package's siblings import torch).
-    return cache_dir() / "cpu_peak.json"
-
-
-def _cached_cpu_peak() -> dict[str, float] | None:
-    """The engine's cached GEMM peak for this CPU, if measured (any thread count: torch's
-    default thread count is not knowable without torch, so prefer os.cpu_count())."""
-    try:
-        cache = json.loads(_cpu_peak_cache_path().read_text())
-    except (OSError, ValueError):
-        return None
-    model = cpu_model_name()
-    entries = {k: v for k, v in cache.items() if k.split("|")[0] == model and all(d in v for d in ("fp32", "bf16", "fp16"))}
-    if not entries:
-        return None
-    preferred = f"{model}|threads={os.cpu_count()}"
-    entry = entries.get(preferred) or next(iter(entries.values()))
-    return {d: float(entry[d]) for d in ("fp32", "bf16", "fp16")}  # without the entry's "method" tag
-
-
-def _measured_cpu_peak() -> dict[str, float]:
-    cached = _cached_cpu_peak()
-    if cached:
-        return cached
-    try:  # measure in a subprocess so that the planner never imports torch itself
-        out = subprocess.run(
-            [sys.executable, "-m", "tenfold.engine.peak"], capture_output=True, text=True, timeout=120, check=True
-        )
-        return {k: float(v) for k, v in json.loads(out.stdout.strip().splitlines()[-1]).items()}
-    except (OSError, subprocess.SubprocessError, ValueError, IndexError) as exc:
-        raise UserError(f"--gpu cpu: could not measure this CPU's peak with `python -m tenfold.engine.peak` ({exc})") from None
+def _cpu_peaks() -> dict[str, float]:
+    """The dtypes whose peak this machine has cached (tenfold.plan.cpu_peak); the others are
+    measured when a prediction first needs one (Hardware.measure_peak)."""
+    cache = read_cache()
+    return {d: v for d in MEASURED_DTYPES if (v := cached_peak(d, machine_threads(), cache)) is not None}
 
 
 def _ram_bytes() -> float:
@@ -288,17 +260,18 @@ def _ram_bytes() -> float:
 
 
 def cpu_hardware() -> Hardware:
-    """This machine: measured GEMM peak per dtype, its RAM, rough loopback constants."""
-    peak = _measured_cpu_peak()
+    """This machine: measured GEMM peak per dtype (cached, or measured when first needed), its
+    RAM, rough loopback constants."""
     return Hardware(
-        name="cpu", peak_flops=dict(peak), memory_bytes=_ram_bytes(), hbm_bw=CPU_MEMORY_BW,
+        name="cpu", peak_flops=_cpu_peaks(), measure_peak=measured_peak, memory_bytes=_ram_bytes(), hbm_bw=CPU_MEMORY_BW,
         intra_node_bw=CPU_LOOPBACK_BW, nic_bw=CPU_LOOPBACK_BW, gpus_per_node=os.cpu_count() or 1,
         intra_latency_s=CPU_LOOPBACK_LATENCY_S, inter_latency_s=CPU_LOOPBACK_LATENCY_S, collective_latency_s=0.0,
         host_link_bw=CPU_MEMORY_BW, bus_efficiency=1.0,
         gemm_efficiency=1.0, matmul_fraction=1.0,  # the peak is itself a measured large GEMM
         runtime_overhead_bytes=0.0, shared_compute=True, host_memory_bytes=_ram_bytes(),
         sources={
-            "peak": f"measured by `python -m tenfold.engine.peak` on {cpu_model_name()} (cached in {_cpu_peak_cache_path()})",
+            "peak": f"measured by `python -m tenfold.engine.peak` on {cpu_model_name()}, {machine_threads()} threads "
+                    f"(cached in {cpu_peak_path()})",
             "memory": "MemTotal from /proc/meminfo",
             "intra": "rough constant: gloo over loopback ~2 GB/s, 50 us per message",
             "nic": "rough constant: gloo over loopback ~2 GB/s",

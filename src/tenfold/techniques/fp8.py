@@ -40,6 +40,7 @@ import torch
 import torch.nn as nn
 
 from tenfold.errors import UserError
+from tenfold.quiet import NOISY_LOGGERS
 
 FLAG = "precision.fp8 (--fp8)"
 MIN_CAPABILITY = (8, 9)  # the first CUDA architecture with float8 tensor cores (Ada)
@@ -73,15 +74,11 @@ def _device_words(device: torch.device) -> str:
     return f"{torch.cuda.get_device_name(device)} (compute capability {major}.{minor})"
 
 
-# torchao's import logs one warning per prebuilt CUDA kernel library it cannot load (none of
-# them is float8 training's: on a CPU-only or older-GPU machine that is every one), and torch
-# a deprecation notice for how torchao registers an enum with torch.compile.
-_NOISY_AT_IMPORT = ("torchao", "torch.utils._pytree")
-
-
 def _torchao_float8():
-    """torchao.float8, imported without its import-time log lines."""
-    loggers = [logging.getLogger(name) for name in _NOISY_AT_IMPORT]
+    """torchao.float8, imported without its import-time log lines (tenfold.quiet: none of the
+    kernel libraries torchao fails to load is float8 training's), also where tenfold is used as
+    a library and the command line's hush is not in force."""
+    loggers = [logging.getLogger(name) for name in NOISY_LOGGERS]
     levels = [logger.level for logger in loggers]
     for logger in loggers:
         logger.setLevel(logging.ERROR)

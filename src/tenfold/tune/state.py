@@ -15,7 +15,10 @@ from pathlib import Path
 from typing import Any
 
 from tenfold.errors import UserError
+from tenfold.textfiles import read_text
 from tenfold.tune.trial import Run
+
+MAX_STATE_BYTES = 64 * 2**20  # one entry per trial: kilobytes each
 
 VERSION = 1
 # Config keys a tune varies or sets per trial: not part of the setup a tune folder belongs to.
@@ -113,7 +116,7 @@ def load(path: Path, expected: dict[str, Any]) -> list[Trial]:
     if not path.exists():
         return []
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(read_text(path, "tune.json", MAX_STATE_BYTES))
         saved, trials = data["setup"], [Trial.from_dict(t) for t in data["trials"]]
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise UserError(f"{path}: not a tune.json this version can resume ({type(e).__name__}: {e}); "
