@@ -185,6 +185,58 @@ def test_search_prefers_hybrid_sharding_on_a_1024_gpu_fleet():
     assert "shard groups of" in best.layout_line
 
 
+def _llama3_405b_search(top_k: int):
+    from tenfold.plan.validation import LLAMA3_405B
+
+    base = planned(LLAMA3_405B, 1, precision="bf16", global_batch=2048, seq_len=8192)
+    return search(base, "h100-sxm", gpus=16384, top_k=top_k)
+
+
+def test_search_ranks_pipelines_that_do_not_divide_the_layers():
+    """Llama 3 405B has 126 layers; on 16,384 GPUs only pp 1 and 2 divide them. The search
+    ranks pp 4 to 32 too, each split by the rule train resolves it with (tenfold.terms.
+    layer_counts, embedding and head weighted as a layer), and Llama 3's own layout (tp 8,
+    pp 16 interleaved, full recompute) beats every layout of pp 1 or 2.
+    Mutation: only pp dividing the layers (the search's old filter) -> no uneven row."""
+    from tenfold.terms import layer_counts
+
+    best = _llama3_405b_search(60).best
+    uneven = [p for p in best if 126 % p.strategy["pp"]]
+    assert uneven and not best[0].unsupported
+    assert {p.strategy["pp"] for p in uneven} >= {4, 8, 16, 32}
+    for p in best:
+        split = p.strategy["stage_layers"]
+        assert split == layer_counts(126, len(split)) and sum(split) == 126
+    llama3 = [p for p in uneven if (p.strategy["tp"], p.strategy["pp"], p.strategy["pp_schedule"],
+                                    p.strategy["recompute"]) == (8, 16, "interleaved", "full")]
+    even = [p for p in best if p.strategy["pp"] <= 2]
+    assert llama3 and even and llama3[0].tokens_per_s > max(p.tokens_per_s for p in even)
+
+
+def test_the_search_table_shows_every_choice_that_differs_between_rows():
+    """Two rows of `--search` never read alike unless their strategies are alike: the shard
+    group, the split, sequence parallelism, the reduction dtype and any other key that differs
+    are written. Mutation: the shard group left out of the row -> rows 1 and 2 of the 405B
+    search (the same but for hybrid sharding) read alike."""
+    from tenfold.plan.report import _layout, varying_keys
+
+    best = _llama3_405b_search(12).best
+    assert len({p.strategy["shard_group"] for p in best}) > 1
+    varying = varying_keys(best)
+    for i, a in enumerate(best):
+        for b in best[i + 1:]:
+            if a.strategy != b.strategy:
+                assert _layout(a, varying) != _layout(b, varying), (a.strategy, b.strategy)
+    assert any("shard-group=" in _layout(p, varying) and "split=" in _layout(p, varying) for p in best)
+    # choices the row's compact form writes only when they are not the default, and one it never writes
+    p = best[0]
+    for key, other in (("reduce_dtype", "bf16"), ("sequence_parallel", False), ("precision", "fp32"),
+                       ("stage_layers", [0] * len(p.strategy["stage_layers"]))):
+        q = replace(p, strategy={**p.strategy, key: other})
+        v = varying_keys([p, q])
+        assert v == {key} and _layout(p, v) != _layout(q, v), key
+
+
 # --------------------------------------------------------------------------- offload, TP, memory, peaks
 def test_offload_zero1_keeps_the_16_bit_gradients_on_the_gpu():
     # 128 accumulated micro-batches at ZeRO-1: each rank holds its stage's full 16-bit gradients.

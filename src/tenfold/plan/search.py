@@ -10,8 +10,11 @@ priced by its host-link traffic; when a layout fits without offload its offloade
 skipped as dominated (counted, not evaluated).
 Valid means: tp divides the query and key/value heads and stays inside a node (TP over the network is never
 worth it: 4 all-reduces per layer per micro-batch); tp x pp divides the GPUs; the micro-batch
-and data-parallel size divide the global batch; interleaving needs layers divisible by p x v
-and micro-batches divisible by p. Memory is checked first (cheap); time only for what fits.
+and data-parallel size divide the global batch; interleaving needs at least one layer per
+stage (p x v <= layers) and micro-batches divisible by p. The stages need not divide the layers:
+each candidate's blocks per stage come from the rule train uses when no --pp-split is given
+(tenfold.terms.layer_counts, the embedding and the head weighted as a layer each), so an
+emitted config leaves the split to train. Memory is checked first (cheap); time only for what fits.
 """
 
 from __future__ import annotations
@@ -114,7 +117,9 @@ def _layouts(base: ResolvedRun, hw: Hardware, sequence_parallel: bool | None, gp
     own rules."""
     cfg, glob = base.model, base.global_batch
     tps = [t for t in _powers_of_two_upto(min(hw.gpus_per_node, gpus)) if t in tp_choices(cfg.n_heads, cfg.kv_heads)]
-    pps = [p for p in range(1, cfg.n_layers + 1) if gpus % p == 0 and cfg.n_layers % p == 0]
+    # Any number of stages up to the layers: the blocks are split by the rule train uses
+    # (tenfold.terms.stage_layer_counts), evenly or not.
+    pps = [p for p in range(1, cfg.n_layers + 1) if gpus % p == 0]
     for tp, pp, mb in itertools.product(tps, pps, _powers_of_two_upto(min(glob, 16))):
         dp = gpus // (tp * pp)
         if gpus % (tp * pp) or glob % (mb * dp):
@@ -152,7 +157,5 @@ def _schedules(pp: int, m: int, layers: int) -> list[tuple[str, int]]:
         return [("1f1b", 1)]
     out = [("1f1b", 1)]
     if m % pp == 0:
-        for v in (2, 3, 4):
-            if layers % (pp * v) == 0:
-                out.append(("interleaved", v))
+        out += [("interleaved", v) for v in (2, 3, 4) if pp * v <= layers]
     return out
