@@ -261,6 +261,9 @@ def test_each_row_that_counts_differently_says_how():
     # the planner prices the buffers of the engine that runs (FSDP2's unit at ZeRO-2, DDP's buckets below)
     assert "below the sum" in zero2["peak_bytes"] and "50.00 MiB of communication buffers" in zero2["peak_bytes"]
     assert "upper bound of the peak" in zero2["total_bytes"]
+    assert "gathered params" in zero2["params_bytes"] and "optimizer_bytes" not in zero2
+    offloaded = row_notes(PREDICTED, MEASURED, zero_stage=2, dp=2, user_module=False, offload="optimizer", on_cpu=True)
+    assert "host memory too" in offloaded["optimizer_bytes"]
     plain = row_notes(PREDICTED, MEASURED, zero_stage=0, dp=2, user_module=False)
     assert "params_bytes" not in plain and "activations_bytes" not in plain
     assert "lacks" not in plain["peak_bytes"] and "lacks" not in zero2["peak_bytes"]

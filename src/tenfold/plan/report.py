@@ -115,12 +115,12 @@ def _memory_table(p: Plan) -> Table:
          "null (only --params)" if m.activations_bytes is None else
          f"{_gib(m.activations_per_layer_bytes)} GiB/layer, {m.inflight_microbatches:g} micro-batch(es) in flight"),
         ("communication buffers", m.comm_buffers_bytes, "buckets / gathered units"),
-        ("autocast weight copies", m.autocast_weight_copies_bytes, "16-bit casts kept for backward"),
+        ("gathered parameters", m.gathered_params_bytes, _gathered_how(m)),
         ("allocator reserve", m.allocator_reserve_bytes, "10% of dynamic memory"),
         ("CUDA context + workspaces", m.runtime_overhead_bytes, "estimate"),
     ]
     for name, v, how in rows:
-        if v == 0 and name in ("autocast weight copies",):
+        if v == 0 and name == "gathered parameters":
             continue
         t.add_row(name, _gib(v), how)
     verdict = "[green]fits[/]" if p.fits else "[red]does not fit[/]"
@@ -128,6 +128,12 @@ def _memory_table(p: Plan) -> Table:
     if m.cpu_bytes:
         t.add_row("host memory (offload)", _gib(m.cpu_bytes), "per rank")
     return t
+
+
+def _gathered_how(m) -> str:
+    if m.autocast_weight_copies_bytes:
+        return "torch.amp's 16-bit weight casts, kept for backward"
+    return "unsharded copies FSDP2 computes with (compute dtype)"
 
 
 def _time_table(p: Plan) -> Table:
