@@ -66,17 +66,21 @@ def test_hsdp_on_four_ranks_matches_one_process(hsdp_runs, reference, stage):
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_hsdp_with_offload_matches_one_process(hsdp_runs, reference):
-    """HSDP + ZeRO-Offload (CPUOffloadPolicy on the 2-D mesh): same curve, policy applied, and
-    each rank's host memory is 16 B per parameter over its group of 2, not over all 4."""
+@pytest.mark.parametrize("offload", ["optimizer+params", "optimizer"])
+def test_hsdp_with_offload_matches_one_process(hsdp_runs, reference, offload):
+    """HSDP + ZeRO-Offload on the 2-D mesh (`optimizer+params`: CPUOffloadPolicy; `optimizer`:
+    HostAdamW over (Replicate, Shard) DTensors): same curve, and each rank's host memory is 16 B
+    per parameter over its group of 2, not over all 4."""
+    n = sum(g.numel() for g in reference["grads"].values())
     for rank in map(str, range(4)):
-        run = hsdp_runs["four"][rank]["3-fp32-offload"]
+        run = hsdp_runs["four"][rank][f"3-fp32-offload-{offload}"]
         assert rel_err(run["losses"], reference["fp32"]["losses"]) < RTOL
-        layout = hsdp_runs["four"][rank]["offload-layout"]
-        assert layout["offloaded"] and layout["placements"] == ["R", "S(0)"]
+        layout = hsdp_runs["four"][rank][f"offload-layout-{offload}"]
+        assert layout["offloaded"] == (offload == "optimizer+params") and layout["placements"] == ["R", "S(0)"]
         b = run["state_bytes"]
         host = b["params_bytes"] + b["grads_bytes"] + b["optimizer_bytes"]
-        n = sum(g.numel() for g in reference["grads"].values())
+        if offload == "optimizer":
+            host = layout["host_bytes"]
         assert host == pytest.approx(16 * n / 2, rel=0.01)
 
 

@@ -408,7 +408,7 @@ def test_train_refuses_what_the_table_refuses(tmp_path, capsys):
                                    "recompute": {"policy": "selective:attention"}}), 2, check=False)
     hf = replace(hf, model_kind="hf")
     assert len(capabilities.problems(hf)) == 2
-    for argv, needle in ((["--offload", "optimizer"], "parallel.offload 'optimizer' (--offload) runs through FSDP2"),
+    for argv, needle in ((["--offload", "optimizer"], "parallel.offload 'optimizer' (--offload) offloads FSDP2"),
                          (["--set", "parallel.offload=nvme"], "invalid value 'nvme' for parallel.offload"),
                          (["--nproc", "4", "--zero", "3", "--shard-group", "3"], "must divide the 4 data-parallel ranks"),
                          (["--nproc", "4", "--zero", "1", "--shard-group", "2"], "needs --zero 2 or 3, got 1"),

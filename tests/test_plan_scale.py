@@ -281,9 +281,28 @@ def test_search_prices_offload_where_the_engine_has_it():
         assert not _fits(predict_memory(p.run.with_(offload="none", check=False), hw), hw, 8)
     res = search(base, hw, top_k=200, include_unsupported=True)
     offloaded = [p for p in res.best if p.strategy["offload"] == "optimizer"]
-    # train offloads through FSDP2's CPUOffloadPolicy: at ZeRO-2/3, not at ZeRO-1
+    # train offloads on FSDP2: at ZeRO-2/3, not at ZeRO-1
     assert any(p.strategy["zero_stage"] == 1 for p in offloaded)
     assert all(("offload 'optimizer'" in " ".join(p.unsupported)) == (p.strategy["zero_stage"] < 2) for p in offloaded)
+
+
+def test_the_two_offload_values_are_priced_as_the_engine_runs_them():
+    """tenfold's engine (fp32 parameters, FSDP2), Llama-7B ZeRO-3 on 8 GPUs: `optimizer`
+    (HostAdamW) keeps the parameter and gradient shards on the device and holds the moments and
+    the update's two buffers on the host, moving 12 bytes per parameter of the shard at the step
+    and nothing per micro-batch; `optimizer+params` (CPUOffloadPolicy) keeps no model state on
+    the device and moves the shard up for every all-gather and its gradient down after every
+    reduce-scatter. Mutation: both priced as one -> the device states and the traffic agree."""
+    slow = replace(A100, host_link_bw=1e9)  # 1 GB/s: the host traffic shows
+    run = planned("llama-7b", 8, precision="bf16", zero_stage=3, micro_batch=1, grad_accum=4, seq_len=2048)
+    none, opt, both = (predict(run.with_(offload=o, check=False), slow) for o in ("none", "optimizer", "optimizer+params"))
+    shard = none.params / 8
+    assert (opt.memory.params_bytes, opt.memory.grads_bytes) == (none.memory.params_bytes, none.memory.grads_bytes)
+    assert opt.memory.optimizer_bytes == 0 < none.memory.optimizer_bytes
+    assert both.memory.params_bytes == both.memory.grads_bytes == both.memory.optimizer_bytes == 0
+    assert opt.memory.cpu_bytes == pytest.approx(16 * shard, rel=1e-3) and both.memory.cpu_bytes == opt.memory.cpu_bytes
+    assert opt.time.host_transfer_s == 0 < both.time.host_transfer_s
+    assert opt.time.optimizer_s - none.time.optimizer_s > 12 * shard / 1e9  # the step's copies, plus the host's Adam
 
 
 def test_tp_must_split_query_and_kv_heads():

@@ -93,12 +93,19 @@ def model_states(n_params: float, run: ResolvedRun) -> ModelStates:
         grad_copy_bytes=b.grad_copy * n_params / opt_div,
         cpu_bytes=0.0,
     )
-    if run.offload != "none" and not run.stack.master_weights:
-        # tenfold's engine: FSDP2's CPUOffloadPolicy (techniques/offload.py) keeps this rank's
-        # fp32 parameter shard, its fp32 gradient shard and the Adam moments on the host, for
-        # either offload value (16 B/param / N; measured: 16 x params / dp bytes per rank, tests/
-        # test_offload.py); the device holds only gathered units (buffers, and ZeRO-2's gathered
-        # 16-bit copies under activations).
+    if run.offload == "optimizer" and not run.stack.master_weights:
+        # tenfold's engine, `optimizer` (techniques/offload.HostAdamW, DeepSpeed's offload_optimizer):
+        # the fp32 parameter shards and their gradients stay on the device as without offload;
+        # the host holds the Adam moments and a buffer each of the parameter and gradient shards
+        # the update runs on: 16 B/param / N (measured, tests/test_offload.py).
+        st.cpu_bytes = (b.optimizer + b.params + b.grads) * n_params / opt_div
+        st.master_weights_bytes = st.optimizer_moments_bytes = st.grad_copy_bytes = 0.0
+        return st
+    if run.offload == "optimizer+params" and not run.stack.master_weights:
+        # tenfold's engine, `optimizer+params`: FSDP2's CPUOffloadPolicy keeps this rank's fp32
+        # parameter shard, its fp32 gradient shard and the Adam moments on the host (16 B/param
+        # / N; measured: 16 x params / dp bytes per rank, tests/test_offload.py); the device
+        # holds only gathered units (memory.gathered_param_bytes and the buffers).
         st.cpu_bytes = 16.0 * n_params / dp
         st.params_bytes = st.grads_bytes = 0.0
         st.master_weights_bytes = st.optimizer_moments_bytes = st.grad_copy_bytes = 0.0
