@@ -17,6 +17,8 @@ default data, the final checkpoint and exports off:
            `--tp`; with ZeRO-3 in the data-parallel dimension it is the same launch shape)
   hsdp     hybrid sharding: ZeRO-3 in shard groups of half the GPUs (4 or more GPUs)
   offload  ZeRO-Offload on one GPU: FSDP2's CPUOffloadPolicy, parameters and optimizer on the host
+  offload_optimizer  `--offload optimizer` on one GPU (ZeRO-2): AdamW's states and step on the
+           host (HostAdamW), the parameter shards on the GPU
   fp8      float8 matmuls in the blocks (torchao), on a GPU with FP8 tensor cores (capability 8.9+)
   hf_pp    a Hugging Face Llama (a ~1B config.json written here, random weights) in 2 pipeline
            stages with ZeRO-1 (2 or more GPUs)
@@ -82,7 +84,8 @@ def plan_checks(args: argparse.Namespace, n_gpus: int, has_tp: bool, fp8: bool =
     FP8 tensor cores."""
     short = max(1, args.multi_steps // 2)
     checks = [{"name": "single", "nproc": 1, "flags": [], "steps": args.steps},
-              {"name": "offload", "nproc": 1, "flags": ["--zero", "3", "--offload", "optimizer+params"], "steps": short}]
+              {"name": "offload", "nproc": 1, "flags": ["--zero", "3", "--offload", "optimizer+params"], "steps": short},
+              {"name": "offload_optimizer", "nproc": 1, "flags": ["--zero", "2", "--offload", "optimizer"], "steps": short}]
     if fp8:
         checks.append({"name": "fp8", "nproc": 1, "flags": ["--fp8"], "steps": args.multi_steps})
     if n_gpus >= 2:

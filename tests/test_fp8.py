@@ -172,22 +172,34 @@ def test_tensor_parallel_fp8_is_outside_the_capability_table():
 
 @pytest.mark.slow
 def test_tiny_trains_within_2_percent_of_bf16_after_50_steps(tmp_path):
-    """`tiny` (4 blocks, d_model 256, every block Linear converted), 50 steps on short
-    sequences: the loss over the last 5 steps is within 2% of the bf16 run's."""
+    """`tiny` (4 blocks, d_model 256), 50 steps on short sequences with --fp8 --fp8-emulate and
+    without: the fp8 run trained with every block Linear a torchao Float8Linear (and the
+    embedding and head not), its losses are not the bf16 run's (float8 matmuls really ran) and
+    the loss over its last 5 steps is within 2% of the bf16 run's.
+    Mutation: apply_fp8 converting nothing (FP8 silently off) -> no Float8Linear, and losses
+    equal to bf16's bit for bit."""
+    from torchao.float8.float8_linear import Float8Linear
+
     from tenfold.engine.trainer import Trainer
 
-    def last_losses(fp8_on: bool) -> list[float]:
+    def trained(fp8_on: bool) -> tuple[Trainer, list[float]]:
         cfg = small_config(tmp_path / str(fp8_on), model={"name": "tiny"}, data={"seq_len": 32},
                            train={"steps": 50, "micro_batch": 4, "warmup_steps": 5},
                            precision={"dtype": "bf16", "fp8": fp8_on, "fp8_emulate": fp8_on},
                            checkpoint={"final": False})
         cfg["model"] = {"name": "tiny"}
-        Trainer(cfg).fit()
-        return [row["loss"] for row in read_metrics(Path(cfg["log"]["out"]))][-5:]
+        trainer = Trainer(cfg)
+        trainer.fit()
+        return trainer, [row["loss"] for row in read_metrics(Path(cfg["log"]["out"]))]
 
-    bf16, float8 = last_losses(False), last_losses(True)
-    assert sum(float8) < 0.9 * 5 * 5.55  # it learned (ln 256 = 5.55 at the start)
-    assert abs(sum(float8) - sum(bf16)) / sum(bf16) < 0.02, (float8, bf16)
+    (plain, bf16), (converted, float8) = trained(False), trained(True)
+    block_linears = [n for b in plain.model.layers.values() for n, m in b.named_modules() if fp8.convertible(m)]
+    fp8_layers = [n for n, m in converted.model.named_modules() if isinstance(m, Float8Linear)]
+    assert len(block_linears) == 4 * 7 and len(fp8_layers) == len(block_linears)  # wq wk wv wo w1 w3 w2 per block
+    assert not any(isinstance(m, Float8Linear) for m in (converted.model.tok_emb, converted.model.output))
+    assert len(float8) == len(bf16) == 50 and float8 != bf16
+    assert sum(float8[-5:]) < 0.9 * 5 * 5.55  # it learned (ln 256 = 5.55 at the start)
+    assert abs(sum(float8[-5:]) - sum(bf16[-5:])) / sum(bf16[-5:]) < 0.02, (float8[-5:], bf16[-5:])
 
 
 # --------------------------------------------------------------------------- ZeRO-3 on two ranks

@@ -25,14 +25,15 @@ def test_arguments_and_bad_values():
 
 def test_checks_follow_the_gpus():
     args = gpu_check.parse_args(["--steps", "50"])
-    assert [c["name"] for c in gpu_check.plan_checks(args, 1, True)] == ["single", "offload"]
-    assert [c["name"] for c in gpu_check.plan_checks(args, 1, True, fp8=True)] == ["single", "offload", "fp8"]
-    assert [c["name"] for c in gpu_check.plan_checks(args, 2, False)] == [
-        "single", "offload", "zero3", "zero3_bf16_reduce", "hf_pp"]
+    one = ["single", "offload", "offload_optimizer"]
+    assert [c["name"] for c in gpu_check.plan_checks(args, 1, True)] == one
+    assert [c["name"] for c in gpu_check.plan_checks(args, 1, True, fp8=True)] == [*one, "fp8"]
+    assert [c["name"] for c in gpu_check.plan_checks(args, 2, False)] == [*one, "zero3", "zero3_bf16_reduce", "hf_pp"]
     checks = gpu_check.plan_checks(args, 8, True, fp8=True)
-    assert [(c["name"], c["nproc"]) for c in checks] == [("single", 1), ("offload", 1), ("fp8", 1), ("zero3", 8),
+    assert [(c["name"], c["nproc"]) for c in checks] == [("single", 1), ("offload", 1), ("offload_optimizer", 1),
+                                                         ("fp8", 1), ("zero3", 8),
                                                          ("zero3_bf16_reduce", 8), ("tp", 8), ("hf_pp", 2), ("hsdp", 8)]
-    cmd = gpu_check.train_command(args, checks[3], "/tmp/x")
+    cmd = gpu_check.train_command(args, checks[4], "/tmp/x")
     assert cmd[1:4] == ["-m", "tenfold", "train"] and "--nproc" in cmd and cmd[-2:] == ["--zero", "3"]
     assert cmd[cmd.index("--precision") + 1] == "bf16" and cmd[cmd.index("--steps") + 1] == "100"
 
@@ -57,9 +58,13 @@ def test_train_command_is_accepted_by_tenfold():
     from tenfold.cli import build_parser
 
     args = gpu_check.parse_args([])
-    cmd = gpu_check.train_command(args, gpu_check.plan_checks(args, 2, False)[2], "/tmp/x")
+    checks = {c["name"]: c for c in gpu_check.plan_checks(args, 2, False)}
+    cmd = gpu_check.train_command(args, checks["zero3"], "/tmp/x")
     parsed = build_parser(cmd[3:]).parse_args(cmd[3:])
     assert parsed.zero == 3 and parsed.nproc == 2
+    cmd = gpu_check.train_command(args, checks["offload_optimizer"], "/tmp/x")
+    parsed = build_parser(cmd[3:]).parse_args(cmd[3:])
+    assert (parsed.zero, parsed.offload) == (2, "optimizer")
 
 
 def test_a_check_record_from_a_summary():

@@ -66,17 +66,21 @@ def test_hsdp_on_four_ranks_matches_one_process(hsdp_runs, reference, stage):
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_hsdp_with_offload_matches_one_process(hsdp_runs, reference):
-    """HSDP + ZeRO-Offload (CPUOffloadPolicy on the 2-D mesh): same curve, policy applied, and
-    each rank's host memory is 16 B per parameter over its group of 2, not over all 4."""
+@pytest.mark.parametrize("offload", ["optimizer+params", "optimizer"])
+def test_hsdp_with_offload_matches_one_process(hsdp_runs, reference, offload):
+    """HSDP + ZeRO-Offload on the 2-D mesh (`optimizer+params`: CPUOffloadPolicy; `optimizer`:
+    HostAdamW over (Replicate, Shard) DTensors): same curve, and each rank's host memory is 16 B
+    per parameter over its group of 2, not over all 4."""
+    n = sum(g.numel() for g in reference["grads"].values())
     for rank in map(str, range(4)):
-        run = hsdp_runs["four"][rank]["3-fp32-offload"]
+        run = hsdp_runs["four"][rank][f"3-fp32-offload-{offload}"]
         assert rel_err(run["losses"], reference["fp32"]["losses"]) < RTOL
-        layout = hsdp_runs["four"][rank]["offload-layout"]
-        assert layout["offloaded"] and layout["placements"] == ["R", "S(0)"]
+        layout = hsdp_runs["four"][rank][f"offload-layout-{offload}"]
+        assert layout["offloaded"] == (offload == "optimizer+params") and layout["placements"] == ["R", "S(0)"]
         b = run["state_bytes"]
         host = b["params_bytes"] + b["grads_bytes"] + b["optimizer_bytes"]
-        n = sum(g.numel() for g in reference["grads"].values())
+        if offload == "optimizer":
+            host = layout["host_bytes"]
         assert host == pytest.approx(16 * n / 2, rel=0.01)
 
 
@@ -191,11 +195,30 @@ def test_shard_group_sizes_that_run():
 
 
 def test_the_mesh_splits_dp_into_replicate_x_shard():
-    """DistInfo's view of the mesh: hybrid only when the group is smaller than dp."""
-    from tenfold.engine.distributed import DistInfo
+    """The engine's own meshes (distributed.build_mesh, hybrid_mesh) for pp 2 x dp 8 x tp 2 in
+    shard groups of 2, on rank 5 of torch's fake process group of 32: the dp ranks of rank 5
+    are 1, 3, ..., 15 (tp 2 inside them); the shard group is 2 neighbouring dp ranks (one node
+    holds shard x tp ranks), replicated across the 4 groups. Mutations: the two dimensions
+    swapped, or the group sizes swapped (4 x 2 for 2 x 4) -> other ranks."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    assert not DistInfo(dp_size=4, shard_size=4).hybrid and not DistInfo().hybrid
-    assert DistInfo(dp_size=4, shard_size=2, hybrid_mesh=object()).hybrid
+    from tenfold.engine.distributed import DistInfo, build_mesh, hybrid_mesh
+
+    assert not dist.is_initialized()
+    dist.init_process_group("fake", store=FakeStore(), rank=5, world_size=32)
+    try:
+        mesh = build_mesh("cpu", 2, 8, 2)
+        assert mesh["dp"].mesh.tolist() == [1, 3, 5, 7, 9, 11, 13, 15]
+        hybrid = hybrid_mesh(mesh, 8, 2)
+        assert hybrid.mesh_dim_names == ("dp_replicate", "dp_shard") and tuple(hybrid.mesh.shape) == (4, 2)
+        assert hybrid["dp_shard"].mesh.tolist() == [5, 7]  # rank 5 shards with its dp neighbour
+        assert hybrid["dp_replicate"].mesh.tolist() == [1, 5, 9, 13]  # and replicates across groups
+        assert dist.get_process_group_ranks(hybrid["dp_shard"].get_group()) == [5, 7]
+        assert DistInfo(dp_size=8, shard_size=2, hybrid_mesh=hybrid).hybrid
+        assert not DistInfo(dp_size=8, shard_size=8).hybrid and not DistInfo().hybrid
+    finally:
+        dist.destroy_process_group()
 
 
 def test_dry_run_names_the_shard_groups_and_the_offload(capsys):

@@ -37,9 +37,32 @@ def test_model_state_categories_are_exact():
     assert m["optimizer_bytes"] == 2 * F32 * n + F32 * len(list(GPT(get_preset("tiny").with_overrides(**shape)).parameters()))  # Adam m, v + a step counter per tensor
     cfg = get_preset("tiny").with_overrides(**shape)
     assert m["buffers_bytes"] == 2 * F32 * cfg.max_seq_len * cfg.head_dim  # RoPE cos/sin tables (one entry per element of a head)
+    assert m["gathered_params_bytes"] == 0  # fp32: nothing is cast
     assert m["total_bytes"] == m["params_bytes"] + m["grads_bytes"] + m["optimizer_bytes"] + m["activations_bytes"]
     assert m["activations_bytes"] > 0
     assert m["peak_bytes"] >= m["params_bytes"] + m["optimizer_bytes"] + m["buffers_bytes"]
+
+
+def test_autocast_weight_casts_are_gathered_params_not_activations():
+    """bf16 autocast over fp32 parameters on one process: the 16-bit cast of each Linear's
+    weight, kept for backward, is measured as `gathered_params_bytes` (2 bytes per element of
+    every matmul weight: the blocks' and the output head's), not as activations, whose measure
+    is then the fp32 run's save for the 16-bit saved tensors. The planner names the same term.
+    Mutation: the tracker filing casts of parameters as activations (as MemTracker does) ->
+    gathered 0 and the casts back in the activations."""
+    shape = dict(n_layers=2, d_model=64, n_heads=4, d_ff=128, max_seq_len=32)
+    half = measure("tiny", "none", 2, 32, dtype="bf16", **shape)
+    full = measure("tiny", "none", 2, 32, dtype="fp32", **shape)
+    model = GPT(get_preset("tiny").with_overrides(**shape))
+    matmul = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    assert half["gathered_params_bytes"] == 2 * matmul and full["gathered_params_bytes"] == 0
+    assert half["total_bytes"] == sum(half[k] for k in ("params_bytes", "grads_bytes", "optimizer_bytes",
+                                                        "gathered_params_bytes", "activations_bytes"))
+    assert half["activations_bytes"] < full["activations_bytes"]  # 16-bit saves, no weight copies among them
+    cfg = build_config({"model": {"name": "tiny", **shape}, "train": {"micro_batch": 2}, "data": {"seq_len": 32},
+                        "precision": {"dtype": "bf16"}})
+    planned = predicted_memory(resolve_run(cfg, 1), dtype="bf16")
+    assert planned["gathered_params_bytes"] == pytest.approx(half["gathered_params_bytes"], rel=0.25)
 
 
 @pytest.fixture(scope="module")
@@ -73,6 +96,12 @@ def test_full_recompute_keeps_under_half_of_none_on_tiny(tiny_by_policy):
 @pytest.mark.parametrize("policy", ["none", "full", "op"])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_prediction_within_15_percent_of_measurement(preset, b, s, policy, dtype):
+    """Model states exactly; the gathered parameter copies (bf16: autocast's weight casts)
+    within 5% (measured: -2%: the planner casts every parameter, autocast the matmul weights);
+    what the forward keeps (activations + gathered copies) and the total within 15%. The
+    activations alone within 20%: with full recompute in bf16 the measured high holds the
+    recomputed layer's backward temporaries beside its rebuilt activations, which the planner's
+    working layer does not (small, full, bf16: +19%; every other case within 11%)."""
     cfg = build_config({"model": {"name": preset}, "train": {"micro_batch": b}, "data": {"seq_len": s},
                         "precision": {"dtype": dtype}, "recompute": {"policy": policy}})
     measured = measure(preset, policy, b, s, dtype=dtype)
@@ -80,8 +109,11 @@ def test_prediction_within_15_percent_of_measurement(preset, b, s, policy, dtype
     diff = percent_diff(measured, predicted)
     for key in ("params_bytes", "grads_bytes", "optimizer_bytes"):
         assert diff[key] == 0.0, (key, diff)
-    for key in ("activations_bytes", "total_bytes"):
-        assert abs(diff[key]) <= 15.0, (key, predicted[key], measured[key], diff)
+    gathered = predicted["gathered_params_bytes"]
+    assert measured["gathered_params_bytes"] == pytest.approx(gathered, rel=0.05, abs=0 if gathered else 1)
+    forward = [m["activations_bytes"] + m["gathered_params_bytes"] for m in (measured, predicted)]
+    assert forward[0] == pytest.approx(forward[1], rel=0.15), (forward, diff)
+    assert abs(diff["total_bytes"]) <= 15.0 and abs(diff["activations_bytes"]) <= 20.0, diff
 
 
 def test_gradient_accumulation_is_tracked_across_micro_batches():

@@ -326,6 +326,38 @@ def test_a_fleet_plan_emits_a_config_train_accepts_on_that_fleet(tmp_path, capsy
     assert not (tmp_path / "never").exists()
 
 
+LLAMA3_405B = ["--layers", "126", "--hidden", "16384", "--heads", "128", "--kv-heads", "8", "--ffn", "53248",
+               "--vocab", "128256", "--seq-len", "8192"]
+
+
+@pytest.mark.parametrize("how", [
+    ["--search", "--global-batch", "2048"],  # the search's pick
+    ["--tp", "8", "--pp", "16", "--pp-schedule", "interleaved", "--virtual-stages", "4", "--ac", "full", "--zero", "2",
+     "--micro-batch", "1", "--global-batch", "2048"],  # Llama 3's own layout, as the search ranks it
+])
+def test_an_uneven_pipeline_emits_a_config_train_accepts(tmp_path, capsys, monkeypatch, how):
+    """126 layers on pp stages that do not divide them: the emitted file leaves the split to
+    train (no parallel.pp_split), whose resolver makes the plan's split by the same rule
+    (tenfold.terms.layer_counts); `train --config FILE --dry-run` on a rank of the 16,384-GPU job
+    prints the plan's blocks per stage and memory line."""
+    from tenfold.terms import layer_counts
+
+    toml = tmp_path / "405b.toml"
+    d = plan_json(capsys, *LLAMA3_405B, "--gpu", "h100-sxm", "--gpus", "16384", *how, "--emit", str(toml))
+    plan = d["best"][0] if "--search" in how else d
+    split = plan["strategy"]["stage_layers"]
+    assert split == layer_counts(126, len(split)) and not plan["unsupported"]
+    assert 126 % plan["strategy"]["pp"] or "--search" in how  # the pick is pp 8 today, uneven too
+    assert "pp_split" not in toml.read_text()
+    for key, value in {"RANK": "5", "LOCAL_RANK": "5", "WORLD_SIZE": "16384", "LOCAL_WORLD_SIZE": "8",
+                       "MASTER_ADDR": "head", "MASTER_PORT": "29500"}.items():
+        monkeypatch.setenv(key, value)
+    assert main(["train", "--config", str(toml), "--dry-run"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"blocks per stage {'/'.join(map(str, split))};" in out
+    assert memory_line(memory_by_category_of(plan)).removeprefix("memory ") in out
+
+
 def memory_by_category_of(plan: dict) -> dict:
     """`tenfold.plan.for_run.memory_by_category` of a plan as `--json` prints it."""
     from tenfold.plan.api import MemoryBreakdown
@@ -375,7 +407,7 @@ def test_train_refuses_what_the_table_refuses(tmp_path, capsys):
                                    "recompute": {"policy": "selective:attention"}}), 2, check=False)
     hf = replace(hf, model_kind="hf")
     assert len(capabilities.problems(hf)) == 2
-    for argv, needle in ((["--offload", "optimizer"], "parallel.offload 'optimizer' (--offload) runs through FSDP2"),
+    for argv, needle in ((["--offload", "optimizer"], "parallel.offload 'optimizer' (--offload) offloads FSDP2"),
                          (["--set", "parallel.offload=nvme"], "invalid value 'nvme' for parallel.offload"),
                          (["--nproc", "4", "--zero", "3", "--shard-group", "3"], "must divide the 4 data-parallel ranks"),
                          (["--nproc", "4", "--zero", "1", "--shard-group", "2"], "needs --zero 2 or 3, got 1")):

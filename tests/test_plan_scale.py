@@ -185,6 +185,58 @@ def test_search_prefers_hybrid_sharding_on_a_1024_gpu_fleet():
     assert "shard groups of" in best.layout_line
 
 
+def _llama3_405b_search(top_k: int):
+    from tenfold.plan.validation import LLAMA3_405B
+
+    base = planned(LLAMA3_405B, 1, precision="bf16", global_batch=2048, seq_len=8192)
+    return search(base, "h100-sxm", gpus=16384, top_k=top_k)
+
+
+def test_search_ranks_pipelines_that_do_not_divide_the_layers():
+    """Llama 3 405B has 126 layers; on 16,384 GPUs only pp 1 and 2 divide them. The search
+    ranks pp 4 to 64 too, each split by the rule train resolves it with (tenfold.terms.
+    layer_counts, embedding and head weighted as a layer), and Llama 3's own layout (tp 8,
+    pp 16 interleaved, full recompute) beats every layout of pp 1 or 2.
+    Mutation: only pp dividing the layers (the search's old filter) -> no uneven row."""
+    from tenfold.terms import layer_counts
+
+    best = _llama3_405b_search(60).best
+    uneven = [p for p in best if 126 % p.strategy["pp"]]
+    assert uneven and not best[0].unsupported
+    assert len({p.strategy["pp"] for p in uneven}) >= 3  # pp 8, 16, 32, 64 today
+    for p in best:
+        split = p.strategy["stage_layers"]
+        assert split == layer_counts(126, len(split)) and sum(split) == 126
+    llama3 = [p for p in uneven if (p.strategy["tp"], p.strategy["pp"], p.strategy["pp_schedule"],
+                                    p.strategy["recompute"]) == (8, 16, "interleaved", "full")]
+    even = [p for p in best if p.strategy["pp"] <= 2]
+    assert llama3 and even and llama3[0].tokens_per_s > max(p.tokens_per_s for p in even)
+
+
+def test_the_search_table_shows_every_choice_that_differs_between_rows():
+    """Two rows of `--search` never read alike unless their strategies are alike: the shard
+    group, the split, sequence parallelism, the reduction dtype and any other key that differs
+    are written. Mutation: the shard group left out of the row -> rows 1 and 2 of the 405B
+    search (the same but for hybrid sharding) read alike."""
+    from tenfold.plan.report import _layout, varying_keys
+
+    best = _llama3_405b_search(12).best
+    assert len({p.strategy["shard_group"] for p in best}) > 1
+    varying = varying_keys(best)
+    for i, a in enumerate(best):
+        for b in best[i + 1:]:
+            if a.strategy != b.strategy:
+                assert _layout(a, varying) != _layout(b, varying), (a.strategy, b.strategy)
+    assert any("shard-group=" in _layout(p, varying) and "split=" in _layout(p, varying) for p in best)
+    # choices the row's compact form writes only when they are not the default, and one it never writes
+    p = best[0]
+    for key, other in (("reduce_dtype", "bf16"), ("sequence_parallel", False), ("precision", "fp32"),
+                       ("stage_layers", [0] * len(p.strategy["stage_layers"]))):
+        q = replace(p, strategy={**p.strategy, key: other})
+        v = varying_keys([p, q])
+        assert v == {key} and _layout(p, v) != _layout(q, v), key
+
+
 # --------------------------------------------------------------------------- offload, TP, memory, peaks
 def test_offload_zero1_keeps_the_16_bit_gradients_on_the_gpu():
     # 128 accumulated micro-batches at ZeRO-1: each rank holds its stage's full 16-bit gradients.
@@ -211,18 +263,46 @@ def test_offload_zero2_ships_gradients_every_micro_batch():
 
 
 def test_search_prices_offload_where_the_engine_has_it():
-    from tenfold import capabilities
+    """GPT-3 13B on 8 A100-40GB: the default search ranks offloaded layouts train runs (ZeRO-2/3
+    through FSDP2), each with its host memory priced and only where the same layout does not fit
+    without offload (the fitting ones' offloaded twins are skipped as dominated); offload at
+    ZeRO-1 is ranked only with include_unsupported, marked.
+    Mutations: "optimizer" out of OFFLOAD_CHOICES or of capabilities.ENGINE.offload -> no
+    offloaded row; the dominance rule dropped -> an offloaded twin of a fitting layout ranked."""
+    from tenfold.plan.api import _fits
 
+    hw = CATALOG["a100-40gb"]
     base = planned("gpt3-13b", 8, precision="bf16", global_batch=64, seq_len=2048)
-    assert "optimizer" in OFFLOAD_CHOICES
-    runs = "optimizer" in capabilities.ENGINE.offload
-    best = search(base, "a100-40gb", top_k=20).best
-    assert runs or all(p.strategy["offload"] == "none" for p in best)
-    res = search(base, "a100-40gb", top_k=200, include_unsupported=True)
+    result = search(base, hw, top_k=20)
+    offloaded = [p for p in result.best if p.strategy["offload"] != "none"]
+    assert offloaded and result.dominated > 0
+    for p in offloaded:
+        assert p.strategy["zero_stage"] in (2, 3) and not p.unsupported and p.memory.cpu_bytes > 0
+        assert not _fits(predict_memory(p.run.with_(offload="none", check=False), hw), hw, 8)
+    res = search(base, hw, top_k=200, include_unsupported=True)
     offloaded = [p for p in res.best if p.strategy["offload"] == "optimizer"]
-    # train offloads through FSDP2's CPUOffloadPolicy: at ZeRO-2/3, not at ZeRO-1
-    assert offloaded and all(("offload 'optimizer'" in " ".join(p.unsupported)) == (p.strategy["zero_stage"] < 2)
-                             for p in offloaded)
+    # train offloads on FSDP2: at ZeRO-2/3, not at ZeRO-1
+    assert any(p.strategy["zero_stage"] == 1 for p in offloaded)
+    assert all(("offload 'optimizer'" in " ".join(p.unsupported)) == (p.strategy["zero_stage"] < 2) for p in offloaded)
+
+
+def test_the_two_offload_values_are_priced_as_the_engine_runs_them():
+    """tenfold's engine (fp32 parameters, FSDP2), Llama-7B ZeRO-3 on 8 GPUs: `optimizer`
+    (HostAdamW) keeps the parameter and gradient shards on the device and holds the moments and
+    the update's two buffers on the host, moving 12 bytes per parameter of the shard at the step
+    and nothing per micro-batch; `optimizer+params` (CPUOffloadPolicy) keeps no model state on
+    the device and moves the shard up for every all-gather and its gradient down after every
+    reduce-scatter. Mutation: both priced as one -> the device states and the traffic agree."""
+    slow = replace(A100, host_link_bw=1e9)  # 1 GB/s: the host traffic shows
+    run = planned("llama-7b", 8, precision="bf16", zero_stage=3, micro_batch=1, grad_accum=4, seq_len=2048)
+    none, opt, both = (predict(run.with_(offload=o, check=False), slow) for o in ("none", "optimizer", "optimizer+params"))
+    shard = none.params / 8
+    assert (opt.memory.params_bytes, opt.memory.grads_bytes) == (none.memory.params_bytes, none.memory.grads_bytes)
+    assert opt.memory.optimizer_bytes == 0 < none.memory.optimizer_bytes
+    assert both.memory.params_bytes == both.memory.grads_bytes == both.memory.optimizer_bytes == 0
+    assert opt.memory.cpu_bytes == pytest.approx(16 * shard, rel=1e-3) and both.memory.cpu_bytes == opt.memory.cpu_bytes
+    assert opt.time.host_transfer_s == 0 < both.time.host_transfer_s
+    assert opt.time.optimizer_s - none.time.optimizer_s > 12 * shard / 1e9  # the step's copies, plus the host's Adam
 
 
 def test_tp_must_split_query_and_kv_heads():

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
@@ -43,8 +44,14 @@ def token_batch(seed: int = 1) -> torch.Tensor:
 # --------------------------------------------------------------------------- what a block keeps
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (what this rank holds), else the tensor itself."""
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
 class StorageLog(TorchDispatchMode):
-    """Weak references to the storage of every tensor an op makes during a block's forward."""
+    """Weak references to the storage of every tensor an op makes during a block's forward (of
+    a DTensor, the storage of this rank's local tensor)."""
 
     def __init__(self):
         super().__init__()
@@ -56,13 +63,15 @@ class StorageLog(TorchDispatchMode):
         if self.block is not None:
             for t in tree_flatten(out)[0]:
                 if isinstance(t, torch.Tensor):
+                    t = _local(t)
                     st = t.untyped_storage()
                     self.made.append((self.block, StorageWeakRef(st), st.nbytes(), t.element_size()))
         return out
 
 
 def _storages(tree) -> set[int]:
-    return {StorageWeakRef(t.untyped_storage()).cdata for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)}
+    return {StorageWeakRef(_local(t).untyped_storage()).cdata for t in tree_flatten(tree)[0]
+            if isinstance(t, torch.Tensor)}
 
 
 def kept_per_block(model, blocks, forward) -> list[list[tuple[int, int]]]:
@@ -99,17 +108,21 @@ def kept_per_block(model, blocks, forward) -> list[list[tuple[int, int]]]:
     return [sorted(k) for k in kept]
 
 
-def documented(model_cfg, tokens: int, half: bool) -> list[tuple[int, int]]:
-    return sorted((int(t.per_token * tokens), 4 if t.fp32 or not half else 2) for t in op_saved_tensors(model_cfg))
+def documented(model_cfg, tokens: int, half: bool, tp: int = 1, sequence_parallel: bool = False) -> list[tuple[int, int]]:
+    return sorted((int(t.per_token * tokens), 4 if t.fp32 or not half else 2)
+                  for t in op_saved_tensors(model_cfg, tp, sequence_parallel))
 
 
-def gpt_forward(model: GPT, half: bool):
+def gpt_forward(model: GPT, half: bool, tp: int = 1):
+    from tenfold.techniques.tensor_parallel import loss_context
+
     x = token_batch()
 
     def forward():
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=half):  # autocast's weight cache ends here
             logits = model(x[:, :-1])
-        return F.cross_entropy(logits.float().flatten(0, 1), x[:, 1:].flatten())
+        with loss_context(tp):  # vocabulary-split logits under tensor parallelism
+            return F.cross_entropy(logits.float().flatten(0, 1), x[:, 1:].flatten())
 
     return forward
 
@@ -150,15 +163,41 @@ def test_the_kept_tensor_check_sees_a_wrong_policy(monkeypatch):
     assert nothing[0] == [] and len(everything[0]) > len(want) and len(every_matmul[0]) == len(want) + 3
 
 
-def test_the_planner_list_matches_under_tensor_parallelism():
-    """Per rank under tp: column-split outputs divided by t, the row-split w2's partial sum full
-    width, and with sequence parallelism the two reduce-scatter outputs (measured on 2 gloo
-    ranks: wq/wv/w1 outputs, attention output and logsumexp halved, w2 output whole)."""
-    cfg = make_model().cfg
-    one, two = op_saved_tensors(cfg), op_saved_tensors(cfg, tp=2)
-    assert [t.per_token for t in two] == [t.per_token / (1 if t.name == "w2 output" else 2) for t in one]
-    sp = op_saved_tensors(cfg, tp=2, sequence_parallel=True)
-    assert sp[:len(two)] == two and [t.per_token for t in sp[len(two):]] == [cfg.d_model / 2] * 2
+@pytest.fixture
+def fake_tp_rank():
+    """Rank 0 of a tensor-parallel group of 2 on torch's fake process group (collectives move
+    nothing, every tensor has the shape the real rank's has): the tp mesh."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    assert not dist.is_initialized()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        yield init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("half", [False, True], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
+def test_the_planner_list_matches_under_tensor_parallelism(fake_tp_rank, sequence_parallel, half):
+    """Measured on one rank of tp 2 (tenfold's tensor-parallel plan, then op recompute, as the
+    engine applies them): each block keeps this rank's shard of the column-split outputs (wq,
+    wv, w1, attention output and logsumexp halved), the row-split w2's full-width partial sum,
+    and with sequence parallelism the two reduce-scatter outputs: the planner's list for tp 2.
+    Mutations: w2's output divided by tp, or the reduce-scatter outputs left out of
+    tenfold.terms.op_saved_tensors -> the lists differ."""
+    from tenfold.techniques.tensor_parallel import apply_tensor_parallel, gpt_plan
+
+    model = make_model()
+    apply_tensor_parallel(model, fake_tp_rank, gpt_plan(model, sequence_parallel))
+    apply_recompute(model, "op")
+    blocks = list(model.layers.values())
+    kept = kept_per_block(model, blocks, gpt_forward(model, half, tp=2))
+    want = documented(model.cfg, B * S, half, tp=2, sequence_parallel=sequence_parallel)
+    assert kept == [want] * len(blocks)
+    assert want != documented(model.cfg, B * S, half)  # tp 2 keeps another list than one process
 
 
 def test_hugging_face_llama_block_keeps_the_same_list():

@@ -33,7 +33,7 @@ class Capabilities:
     tensor_parallel: bool
     tensor_parallel_hf_types: tuple[str, ...]  # Hugging Face model_types with a built-in tensor-parallel plan
     offload: tuple[str, ...]  # ZeRO-Offload of optimizer states / parameters to host memory
-    offload_zero_stages: tuple[int, ...]  # the stages an offload runs with (FSDP2's CPUOffloadPolicy)
+    offload_zero_stages: tuple[int, ...]  # the stages an offload runs with (FSDP2's sharded states)
     hybrid_shard: bool  # HSDP: ZeRO-2/3 shard inside groups of dp ranks, replicate across them
     pipeline_models: tuple[str, ...]  # model kinds the pipeline split can cut
     pipeline_hf_types: tuple[str, ...]  # Hugging Face model_types the pipeline split can cut
@@ -53,8 +53,9 @@ ENGINE = Capabilities(
     # by their module names (q/k/v/o_proj, gate/up/down_proj, embed_tokens, lm_head)
     tensor_parallel=True,
     tensor_parallel_hf_types=("llama", "mistral", "qwen2"),
-    # FSDP2's CPUOffloadPolicy (techniques/zero.py): sharded parameters, gradients and the
-    # optimizer step on the host; "optimizer+params" is DeepSpeed's offload_param (ZeRO-3 only).
+    # techniques/offload.py: "optimizer" (DeepSpeed's offload_optimizer) keeps FSDP2's parameter
+    # shards on the device and AdamW's states and step on the host (HostAdamW);
+    # "optimizer+params" (offload_param, ZeRO-3 only) is FSDP2's CPUOffloadPolicy.
     offload=("none", "optimizer", "optimizer+params"),
     offload_zero_stages=(2, 3),
     # FSDP2 on a 2-D (replicate, shard) device mesh (techniques/zero.py, parallel.shard_group_size)
@@ -169,7 +170,7 @@ def _sharding_problems(run, caps: Capabilities) -> list[str]:
     if off not in caps.offload:
         out.append(f"parallel.offload {off!r} (--offload): tenfold train runs {', '.join(caps.offload)}")
     elif off != "none" and run.zero_stage not in caps.offload_zero_stages:
-        out.append(f"parallel.offload {off!r} (--offload) runs through FSDP2's CPUOffloadPolicy: needs --zero "
+        out.append(f"parallel.offload {off!r} (--offload) offloads FSDP2's sharded states: needs --zero "
                    f"{' or '.join(map(str, caps.offload_zero_stages))}, got {run.zero_stage}")
     elif off == "optimizer+params" and run.zero_stage != 3:
         out.append("parallel.offload 'optimizer+params' (--offload) needs --zero 3 (only stage 3 partitions parameters); "

@@ -210,8 +210,8 @@ class ParallelSection(_Section):
     # Hybrid sharding (HSDP; DeepSpeed MiCS): ZeRO-2/3 shard inside groups of this many
     # data-parallel ranks and replicate across the groups. None: one group of every dp rank.
     shard_group_size: int | None = Field(None, gt=0)
-    # ZeRO-Offload (tenfold.terms.OFFLOADS) through FSDP2's CPUOffloadPolicy (techniques/zero.py, docs/zero.md):
-    # optimizer states, and with ZeRO-3 parameters, in host memory
+    # ZeRO-Offload (tenfold.terms.OFFLOADS, techniques/offload.py, docs/zero.md): "optimizer" puts AdamW's
+    # states and step in host memory; "optimizer+params" (ZeRO-3) the sharded parameters and gradients too
     offload: Literal["none", "optimizer", "optimizer+params"] = "none"
     param_persistence_threshold: int = Field(100_000, ge=0)  # stage3_param_persistence_threshold
     reduce_bucket_size: int | None = None

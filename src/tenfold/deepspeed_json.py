@@ -117,21 +117,21 @@ def integer(minimum: int | None = None, maximum: int | None = None) -> Convert:
 
 
 # Keys of DeepSpeed's offload_optimizer / offload_param objects that configure only its NVMe
-# swapper or its own CPU Adam, and so mean nothing for a CPU offload through FSDP2.
+# swapper or its own CPU Adam, and so mean nothing for tenfold's CPU offload.
 _OFFLOAD_QUIET = ("nvme_path", "buffer_count", "buffer_size", "max_in_cpu", "fast_init", "pipeline", "pipeline_read",
                   "pipeline_write")
 
 
 def _offload_device(r: _Reader, key: str, v: Any) -> bool:
-    """ZeRO-Offload (`device`: none | cpu | nvme) -> True when it offloads to host memory. FSDP2
+    """ZeRO-Offload (`device`: none | cpu | nvme) -> True when it offloads to host memory. tenfold
     offloads to host memory only: NVMe (ZeRO-Infinity) is refused. `pin_memory: false` and a
-    partial `ratio` are reported: FSDP2 pins on CUDA and offloads every shard."""
+    partial `ratio` are reported: tenfold pins on CUDA and offloads every shard."""
     section = r.section(key, v)
     device = section.get("device", "none")
     if device in (None, "none"):
         return False
     if device != "cpu":
-        raise r.bad(f"{key}.device", device, "tenfold offloads to host memory through FSDP2's CPUOffloadPolicy; "
+        raise r.bad(f"{key}.device", device, "tenfold offloads to host memory; "
                     "allowed: none, cpu (NVMe offload is not available)")
     for k, value in section.items():
         quiet = k in ("device", *_OFFLOAD_QUIET) or (k == "pin_memory" and value is True) or (k == "ratio" and value == 1)
@@ -329,8 +329,10 @@ def _finish_activation_checkpointing(r: _Reader, seen: dict, layer: dict) -> Non
 
 
 def _finish_zero(r: _Reader, seen: dict, layer: dict) -> None:
-    """Offload: offload_param (ZeRO-3) -> "optimizer+params", else offload_optimizer -> "optimizer"
-    (FSDP2 offloads parameters and optimizer together: techniques/offload.py). hpZ -> the shard group."""
+    """Offload: offload_optimizer -> "optimizer" (Adam's states and update on the host, the
+    parameters on the device, as DeepSpeed runs it); offload_param (ZeRO-3) -> "optimizer+params",
+    with or without offload_optimizer (FSDP2's CPUOffloadPolicy moves the parameter shards and so
+    the optimizer states built on them: techniques/offload.py). hpZ -> the shard group."""
     z = "zero_optimization."
     if seen.get(z + "offload_param") or seen.get(z + "cpu_offload_param"):
         _put(layer, "parallel.offload", "optimizer+params")

@@ -94,8 +94,8 @@ def _technique_group(p: argparse.ArgumentParser, only_train) -> None:
     x.add_argument("--shard-group", type=int, metavar="N", help="hybrid sharding (HSDP) with --zero 2/3: shard inside "
                    "groups of N data-parallel ranks (e.g. one node), replicate across groups (default: all dp ranks)")
     x.add_argument("--offload", choices=("none", "optimizer", "optimizer+params"), help="ZeRO-Offload with --zero 2/3: "
-                   "none (default) | optimizer | optimizer+params "
-                   "(sharded weights, gradients and the optimizer step in host memory: docs/zero.md)")
+                   "none (default) | optimizer (AdamW's states and step in host memory, the parameters on the "
+                   "device) | optimizer+params (--zero 3: sharded weights and gradients in host memory too; docs/zero.md)")
     x.add_argument("--pp", type=int, help="pipeline stages")
     x.add_argument("--tp", type=int, help="tensor-parallel ranks: each layer's matrices split over N ranks (must divide the heads)")
     x.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None,

@@ -64,7 +64,8 @@ def layout_of(cfg: dict) -> dict:
         "mesh": mesh.mesh.tolist() if mesh else None, "mesh_dims": list(mesh.mesh_dim_names) if mesh else [],
         "placements": [str(x) for x in getattr(p, "placements", ())], "local_share": local(p).numel() / p.numel(),
         "offloaded": offloaded(t.model), "param_devices": sorted({str(local(q).device) for q in t.model.parameters()}),
-        "optimizer_devices": opt_devices,
+        "optimizer_devices": opt_devices, "optimizer_class": type(t.optimizer).__name__,
+        "host_bytes": t.optimizer.host_bytes() if hasattr(t.optimizer, "host_bytes") else None,
     }
 
 
@@ -82,9 +83,10 @@ def mode_hsdp(out_dir: str) -> dict:
     res["3-bf16"] = run_steps(fixed_batch(config(3, "bf16", 1, 2, out_dir), shard_group_size=2), measure_at=None)[1]
     res["3-fp32-full-shard"] = run_steps(fixed_batch(config(3, "fp32", 1, 2, out_dir)), measure_at=None)[1]
     res["layout"] = layout_of(fixed_batch(config(3, "fp32", 1, 2, out_dir), shard_group_size=2))
-    offloaded_hsdp = fixed_batch(config(3, "fp32", 1, 2, out_dir), shard_group_size=2, offload="optimizer")
-    res["3-fp32-offload"] = run_steps(offloaded_hsdp, measure_at=None)[1]
-    res["offload-layout"] = layout_of(offloaded_hsdp)
+    for offload in ("optimizer+params", "optimizer"):
+        offloaded_hsdp = fixed_batch(config(3, "fp32", 1, 2, out_dir), shard_group_size=2, offload=offload)
+        res[f"3-fp32-offload-{offload}"] = run_steps(offloaded_hsdp, measure_at=None)[1]
+        res[f"offload-layout-{offload}"] = layout_of(offloaded_hsdp)
     save_grads(out_dir, "hsdp", first_step_grads(fixed_batch(config(3, "fp32", 1, 2, out_dir), shard_group_size=2)))
     res.update(checkpoints(Path(out_dir)))
     return res
@@ -133,7 +135,23 @@ def mode_offload(out_dir: str) -> dict:
     res["3-bf16-optimizer"] = run_steps(fixed_batch(config(3, "bf16", 1, 2, out_dir), offload="optimizer"), measure_at=None)[1]
     res["3-bf16-none"] = run_steps(fixed_batch(config(3, "bf16", 1, 2, out_dir)), measure_at=None)[1]
     save_grads(out_dir, "offload", first_step_grads(fixed_batch(config(3, "fp32", 1, 2, out_dir), offload="optimizer+params")))
+    res.update(offload_checkpoints(Path(out_dir)))
     return res
+
+
+def offload_checkpoints(root: Path) -> dict:
+    """ZeRO-2 with `--offload optimizer` (the states in host memory): 4 steps uninterrupted,
+    saving at step 2; that checkpoint resumed to step 4 with the same offload, and without."""
+    def cfg(name: str, offload: str, **checkpoint) -> dict:
+        c = fixed_batch(config(2, "fp32", 1, 2, str(root / name)), steps=4, offload=offload)
+        c["checkpoint"] = {"every": 2, **checkpoint}
+        return c
+
+    out = {"offload-full": _fit(cfg("offload_full", "optimizer"))}
+    step2 = str(root / "offload_full" / "checkpoints" / "step_2")
+    out["offload-resumed"] = _fit(cfg("offload_resumed", "optimizer", resume=step2))
+    out["offload-resumed-plain"] = _fit(cfg("offload_resumed_plain", "none", resume=step2))
+    return out
 
 
 def mode_offload1(out_dir: str) -> dict:

@@ -12,12 +12,16 @@ Measured (`measure_step_memory`):
 Keys (ints, bytes; `MEMORY_KEYS`), the names the planner (`tenfold.plan`) uses:
   params_bytes, grads_bytes, optimizer_bytes  model states as held at the optimizer step
                                               (after backward, before gradients are freed)
+  gathered_params_bytes                       unsharded working copies of parameters (FSDP2's
+                                              all-gathered units, torch.amp's 16-bit weight
+                                              casts) at their highest in the step
   activations_bytes                           tensors saved for backward plus temporaries
                                               (MemTracker's Activation + Temp) at their highest
-                                              in the step (forward/backward)
+                                              in the step (forward/backward), gathered copies not
   buffers_bytes, other_bytes                  non-parameter module buffers (RoPE tables), other
   peak_bytes                                  the step's peak total (every category at that moment)
-  total_bytes                                 params + grads + optimizer + activations, the
+  total_bytes                                 params + grads + optimizer + gathered params +
+                                              activations, the
                                               planner's sum (an upper bound of the peak: not all
                                               gradients are live when activations peak)
 
@@ -41,6 +45,8 @@ from tenfold.engine.memory_notes import row_notes
 from tenfold.engine.metrics import peak_memory_bytes
 from tenfold.engine.tensor_tracker import (
     category_bytes,
+    gathered_bytes_now,
+    gathered_tensors,
     measure_cpu,
     model_states_plus_activations,
     optimizers_of,
@@ -50,7 +56,7 @@ from tenfold.engine.tracker_probe import tracker_available
 from tenfold.errors import RunError
 
 # torch-free: `tenfold plan` reports the same prediction in the same words
-from tenfold.plan.for_run import fmt_bytes, memory_by_category, memory_line, predict_run_memory
+from tenfold.plan.for_run import MEMORY_LINE_NAMES, fmt_bytes, memory_by_category, memory_line, predict_run_memory
 from tenfold.plan.hardware import CATALOG
 from tenfold.terms import MULTI_STAGE_SCHEDULES
 
@@ -58,11 +64,12 @@ from tenfold.terms import MULTI_STAGE_SCHEDULES
 # only once a tracker has run, so a torch without it still trains (tenfold.engine.tracker_probe).
 
 MEMORY_KEYS = (
-    "params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes",
+    "params_bytes", "grads_bytes", "optimizer_bytes", "gathered_params_bytes", "activations_bytes",
     "buffers_bytes", "other_bytes", "peak_bytes", "total_bytes",
 )
 log = logging.getLogger("tenfold")
-COMPARED_KEYS = ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes", "peak_bytes")
+COMPARED_KEYS = ("params_bytes", "grads_bytes", "optimizer_bytes", "gathered_params_bytes", "activations_bytes",
+                 "peak_bytes")
 
 
 # --------------------------------------------------------------------------- CUDA allocator
@@ -75,8 +82,10 @@ def _optimizer_state_tensors(optimizers) -> list[torch.Tensor]:
 def _measure_cuda(model, optimizer, run_step, device) -> dict:
     """Peak from the allocator; model states from tensor sizes. The allocator cannot tell
     activations from gradients, so activations_bytes = peak - (memory held when the step
-    started: params, buffers, optimizer states) - gradients live at the peak, the last
-    bounded by the gradients held at the optimizer step (a lower bound of activations)."""
+    started: params, buffers, optimizer states) - gradients live at the peak (bounded by the
+    gradients held at the optimizer step) - FSDP2's gathered parameters (their highest, read
+    as each module's forward starts and ends): a lower bound of activations.
+    torch.amp's weight casts (DDP, one process) stay in it: the allocator does not see them."""
     optimizers = optimizers_of(optimizer)
     params = [p for p in model.parameters()]
     grads_at_step: dict[str, int] = {}
@@ -85,6 +94,13 @@ def _measure_cuda(model, optimizer, run_step, device) -> dict:
             lambda *_: grads_at_step.setdefault("g", unique_nbytes(p.grad for p in params)))
         for opt in optimizers
     ]
+    gathered, most = gathered_tensors(model), [0]
+    if gathered:
+        def sample(*_):
+            most[0] = max(most[0], gathered_bytes_now(gathered))
+
+        for m in model.modules():  # after FSDP2's own hooks: a unit just gathered, or the stage at its end
+            handles += [m.register_forward_pre_hook(sample), m.register_forward_hook(sample)]
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     start = torch.cuda.memory_allocated(device)
@@ -100,7 +116,8 @@ def _measure_cuda(model, optimizer, run_step, device) -> dict:
         "params_bytes": unique_nbytes(params),
         "grads_bytes": grads,
         "optimizer_bytes": unique_nbytes(_optimizer_state_tensors(optimizers)),
-        "activations_bytes": max(0, peak - start - grads),
+        "gathered_params_bytes": most[0],
+        "activations_bytes": max(0, peak - start - grads - most[0]),
         "buffers_bytes": unique_nbytes(model.buffers()),
         "other_bytes": 0,
         "peak_bytes": peak,
@@ -229,9 +246,9 @@ def comparison_table(measured: dict, predicted: dict | None = None, title: str =
     if predicted is not None:
         t.add_column("diff", justify="right")
     diff = percent_diff(measured, predicted)
-    for key in ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes", "buffers_bytes",
-                "peak_bytes", "total_bytes"):
-        row = [key.removesuffix("_bytes")]
+    for key in ("params_bytes", "grads_bytes", "optimizer_bytes", "gathered_params_bytes", "activations_bytes",
+                "buffers_bytes", "peak_bytes", "total_bytes"):
+        row = [MEMORY_LINE_NAMES.get(key, key.removesuffix("_bytes"))]
         if predicted is not None:
             row.append(fmt_bytes(predicted.get(key)))
         row.append(fmt_bytes(measured.get(key)))
@@ -355,7 +372,7 @@ class RunMemory:
             out["note"] = self.note
         t = self.trainer
         out["notes"] = row_notes(self.predicted, self.measured, t.run.zero_stage, t.dist.dp_size,
-                                 t.user_model is not None)
+                                 t.user_model is not None, t.run.offload, t.dist.device.type == "cpu")
         dist = self.trainer.dist
         if dist.world_size > 1:  # every rank's measured step (memory.measured's keys), on rank 0
             mine = self.measured or {"peak_bytes": peak_memory_bytes(dist.device)}
@@ -372,10 +389,13 @@ def add_summary_rows(table, memory: dict) -> None:
             table.add_row("memory", memory["note"])
         return
     diff, notes = memory.get("diff_percent") or {}, memory.get("notes") or {}
-    for key in ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes", "total_bytes", "peak_bytes"):
-        p = f"{fmt_bytes(pred[key])} predicted, " if pred else ""
+    for key in ("params_bytes", "grads_bytes", "optimizer_bytes", "gathered_params_bytes", "activations_bytes",
+                "total_bytes", "peak_bytes"):
+        if key not in meas:  # a summary written before the key existed
+            continue
+        p = f"{fmt_bytes(pred.get(key))} predicted, " if pred else ""
         d = f" ({diff[key]:+.1f}%)" if diff.get(key) is not None else ""
-        names = {"total_bytes": "sum p+g+o+a", "peak_bytes": "peak, tracked tensors"}
+        names = {"total_bytes": "sum p+g+o+gp+a", "peak_bytes": "peak, tracked tensors", **MEMORY_LINE_NAMES}
         label = names.get(key, key.removesuffix("_bytes"))
         note = f"\n[dim]{notes[key]}[/]" if notes.get(key) else ""
         table.add_row(f"memory: {label}", f"{p}{fmt_bytes(meas[key])} measured{d}{note}")

@@ -12,7 +12,7 @@ from tenfold.plan.for_run import fmt_bytes
 
 
 def row_notes(predicted: dict | None, measured: dict | None, zero_stage: int, dp: int,
-              user_module: bool) -> dict[str, str]:
+              user_module: bool, offload: str = "none", on_cpu: bool = False) -> dict[str, str]:
     """{memory key: note} for the rows whose predicted and measured figures differ in kind."""
     if not measured:
         return {}
@@ -21,12 +21,15 @@ def row_notes(predicted: dict | None, measured: dict | None, zero_stage: int, dp
     sharded = dp > 1 and zero_stage >= 2
     if sharded and zero_stage == 2 and p.get("params_bytes") and measured["params_bytes"] < 0.9 * p["params_bytes"]:
         notes["params_bytes"] = ("measured: this rank's fp32 shard (FSDP2); predicted: whole parameters, as "
-                                 "DeepSpeed's ZeRO-2 keeps them; the gathered 16-bit copy is under activations")
+                                 "DeepSpeed's ZeRO-2 keeps them; the copies FSDP2 gathers are `gathered params`")
     elif sharded:
-        notes["params_bytes"] = "this rank's fp32 shard; the gathered 16-bit blocks are under activations"
+        notes["params_bytes"] = "this rank's fp32 shard; the copies FSDP2 gathers to compute with are `gathered params`"
+    if offload != "none" and on_cpu:
+        notes["optimizer_bytes"] = ("measured: what the optimizer holds in host memory too (on a CPU the device is "
+                                    "the host); predicted: device memory only (the host's share is planned apart)")
     if user_module:
         notes["activations_bytes"] = "not predicted for your own module: the planner knows only its parameter count"
-    notes["total_bytes"] = "states at the optimizer step + activations at their high: an upper bound of the peak"
+    notes["total_bytes"] = "each term at its own high (states at the optimizer step): an upper bound of the peak"
     notes["peak_bytes"] = _peak_note(p, measured)
     return notes
 

@@ -23,11 +23,52 @@ import torch.nn as nn
 TRACKER_NOISE = "The module hierarchy tracking maybe be messed up"
 
 
-def _make_tracker_class():
-    from torch.distributed._tools.mem_tracker import MemTracker
+GATHERED = "Gathered parameter"  # the tracker's category for unsharded working copies of parameters
 
-    class StepMemTracker(MemTracker):
-        """MemTracker that accepts several forwards of the root module in one step.
+
+class _GatheredCopies:
+    """MemTracker's categories plus one (a mixin of StepMemTracker): unsharded working copies of
+    parameters, which MemTracker would file as activations: the storages FSDP2 all-gathers into
+    (`gathered`) and casts of the model's own parameter storages (`params`; autocast's 16-bit
+    weight copies). `_gathered_type` is the tracker's category for them."""
+
+    _gathered_type: Any = None
+    gathered: set[int]
+    params: set[int]
+    _casting_param = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self._casting_param = func is torch.ops.aten._to_copy.default and bool(args) and bool(
+            _storage_ids(args[0]) & self.params)
+        try:
+            return super().__torch_dispatch__(func, types, args, kwargs)
+        finally:
+            self._casting_param = False
+
+    def _category(self, t: torch.Tensor, reftype):
+        # A cast's storage is filed as it is made (its category stays with it until it is
+        # freed); its id is not kept: a later storage may reuse the address. FSDP2's gathered
+        # storages live as long as the model, so their ids stay theirs.
+        if self._casting_param or _storage_ids(t) & self.gathered:
+            return self._gathered_type
+        return reftype
+
+    def _track(self, reftype, t: torch.Tensor) -> None:
+        super()._track(self._category(t, reftype), t)
+
+    def _update_and_maybe_create_winfos(self, t: torch.Tensor, reftype, update_existing: bool = False):
+        return super()._update_and_maybe_create_winfos(t, self._category(t, reftype), update_existing)
+
+
+def _make_tracker_class():
+    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _RefType
+
+    # A str enum: each member equals MemTracker's own member of the same name and value.
+    step_ref_type = _RefType("StepRefType", {**{m.name: m.value for m in _MemRefType}, "GATHERED": GATHERED})
+
+    class StepMemTracker(_GatheredCopies, MemTracker):
+        """MemTracker that accepts several forwards of the root module in one step, and files
+        gathered parameter copies on their own (`_GatheredCopies`).
 
         Gradient accumulation (and pipeline micro-batches) call the model once per
         micro-batch; MemTracker raises NotImplementedError on a second root forward. We
@@ -35,10 +76,16 @@ def _make_tracker_class():
         last micro-batch, every one has the same shapes); the global peak is kept.
         """
 
-        def __init__(self, per_module: bool = True) -> None:
+        _gathered_type = step_ref_type.GATHERED
+
+        def __init__(self, per_module: bool = True, gathered: set[int] = frozenset(),
+                     params: set[int] = frozenset()) -> None:
             super().__init__()
+            self._ref_class = step_ref_type
             self.per_module = per_module  # False: only the step's totals (much less overhead)
             self.act_peak: dict = {}  # per device: (highest Activation + Temp, the snapshot then)
+            self.gathered_peak: dict = {}  # per device: highest bytes of gathered parameter copies
+            self.gathered, self.params = set(gathered), set(params)
 
         def _update_peak_stats(self, peak_state) -> None:
             # Called after every operator: also follow the activation high-water mark, which
@@ -54,6 +101,8 @@ def _make_tracker_class():
                 act = sum(v for k, v in snap.items() if getattr(k, "value", k) in ("Activation", "Temp"))
                 if act > self.act_peak.get(dev, (-1, None))[0]:
                     self.act_peak = {**self.act_peak, dev: (act, dict(snap))}
+                copies = sum(v for k, v in snap.items() if getattr(k, "value", k) == GATHERED)
+                self.gathered_peak[dev] = max(self.gathered_peak.get(dev, 0), copies)
 
         def _pre_fw_hook(self, module: nn.Module, inputs: Any) -> None:
             if module in self.memory_tracking and not self._mod_tracker.is_bw:
@@ -65,12 +114,56 @@ def _make_tracker_class():
     return StepMemTracker
 
 
+def _storage_ids(t: Any) -> set[int]:
+    """Ids of the storages behind a tensor (a DTensor's local tensor; nothing for a non-tensor)."""
+    if not isinstance(t, torch.Tensor):
+        return set()
+    t = t._local_tensor if hasattr(t, "_local_tensor") else t
+    try:
+        return {t.untyped_storage()._cdata}
+    except (RuntimeError, NotImplementedError):  # a tensor subclass without one storage
+        return set()
+
+
+def gathered_tensors(model: nn.Module) -> list[torch.Tensor]:
+    """The tensors FSDP2 all-gathers this model's parameters into (each unit's unsharded
+    parameters, whose storages it frees and re-allocates in place between gathers, so the same
+    storages for the whole run): FSDP2's own per-parameter state, read after its first gather."""
+    out: list[torch.Tensor] = []
+    for m in model.modules():
+        get_state = getattr(m, "_get_fsdp_state", None)
+        group = getattr(get_state(), "_fsdp_param_group", None) if callable(get_state) else None
+        for fsdp_param in getattr(group, "fsdp_params", ()):
+            out += [*getattr(fsdp_param, "all_gather_outputs", ()), *getattr(fsdp_param, "_unsharded_inner_tensors", ())]
+    return out
+
+
+def gathered_storages(model: nn.Module) -> set[int]:
+    return set().union(*(_storage_ids(t) for t in gathered_tensors(model)))
+
+
+def gathered_bytes_now(tensors: list[torch.Tensor]) -> int:
+    """Bytes of `gathered_tensors` allocated at this moment (a freed unit's storage has size 0)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        st = t.untyped_storage()
+        seen[st._cdata] = st.nbytes()
+    return sum(seen.values())
+
+
+def param_storages(model: nn.Module) -> set[int]:
+    ids: set[int] = set()
+    for p in model.parameters():
+        ids |= _storage_ids(p)
+    return ids
+
+
 def category_bytes(snapshot: dict, device: torch.device | None = None) -> dict[str, int]:
     """MemTracker snapshot {device: {reftype: bytes}} -> our keys, summed over devices."""
-    out = dict.fromkeys(("param", "buffer", "grad", "act", "temp", "opt", "other", "total"), 0)
+    out = dict.fromkeys(("param", "buffer", "grad", "act", "temp", "opt", "other", "gathered", "total"), 0)
     names = {
         "Parameter": "param", "Buffer": "buffer", "Gradient": "grad", "Activation": "act",
-        "Temp": "temp", "Optstate": "opt", "Other": "other", "Total": "total",
+        "Temp": "temp", "Optstate": "opt", "Other": "other", GATHERED: "gathered", "Total": "total",
     }
     for dev, snap in snapshot.items():
         if device is not None and torch.device(dev).type != device.type:
@@ -96,7 +189,7 @@ def _tracked_step(model: nn.Module, optimizer: Any, run_step: Callable[[], None]
                   per_module: bool = False):
     """Run `run_step` once under the tracker. Returns (tracker, snapshots at the optimizer
     step: {'pre': ..., 'post': ...}, peak snapshot)."""
-    tracker = _make_tracker_class()(per_module)
+    tracker = _make_tracker_class()(per_module, gathered=gathered_storages(model), params=param_storages(model))
     optimizers = optimizers_of(optimizer)
     tracker.track_external(model, *optimizers)
     at_step: dict[str, dict] = {}
@@ -143,6 +236,10 @@ def measure_cpu(model, optimizer, run_step, device, per_module: bool = False) ->
         # limitation; the sum is exact). Not taken at the total peak: with recompute, or
         # small activations, that peak can fall in the optimizer step (foreach temporaries).
         "activations_bytes": act_peak["act"] + act_peak["temp"],
+        # Unsharded working copies of parameters (FSDP2's gathered units, autocast's weight
+        # casts) at their own high-water mark in the step.
+        "gathered_params_bytes": sum(n for dev, n in tracker.gathered_peak.items()
+                                     if torch.device(dev).type == device.type),
         "buffers_bytes": peak["buffer"],
         "other_bytes": peak["other"],
         "peak_bytes": peak["total"],
@@ -152,7 +249,9 @@ def measure_cpu(model, optimizer, run_step, device, per_module: bool = False) ->
 
 
 def model_states_plus_activations(m: dict) -> int:
-    return int(m["params_bytes"] + m["grads_bytes"] + m["optimizer_bytes"] + m["activations_bytes"])
+    """params + grads + optimizer + gathered params + activations: the planner's sum."""
+    return int(m["params_bytes"] + m["grads_bytes"] + m["optimizer_bytes"] + m.get("gathered_params_bytes", 0)
+               + m["activations_bytes"])
 
 
 

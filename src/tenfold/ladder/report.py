@@ -14,8 +14,9 @@ from tenfold.ladder.rungs import SEED_CLAIMS
 MiB = 2**20
 MEMORY_PARTS = (  # measured categories, stacked in the chart (engine/memory.py's keys)
     ("params_bytes", "params"), ("grads_bytes", "grads"), ("optimizer_bytes", "optimizer"),
-    ("activations_bytes", "activations"),
+    ("gathered_params_bytes", "gathered params"), ("activations_bytes", "activations"),
 )
+LATER_PARTS = ("gathered_params_bytes",)  # absent from a summary.json written before it existed: 0
 
 
 def add_multipliers(results: list[RungResult]) -> None:
@@ -277,10 +278,10 @@ def _status_text(ax, x: float, status: str) -> None:
 
 def _memory_panel(ax, results: list[RungResult], xs: list[int]) -> None:
     bottoms = [0.0] * len(results)
-    colors = ("tab:gray", "tab:olive", "tab:purple", "tab:orange")
-    by_category = [all(k in r.memory for k, _ in MEMORY_PARTS) for r in results]
+    colors = ("tab:gray", "tab:olive", "tab:purple", "tab:cyan", "tab:orange")
+    by_category = [all(k in r.memory for k, _ in MEMORY_PARTS if k not in LATER_PARTS) for r in results]
     for (key, label), color in zip(MEMORY_PARTS, colors):
-        vals = [r.memory[key] / MiB if ok else 0.0 for r, ok in zip(results, by_category)]
+        vals = [r.memory.get(key, 0) / MiB if ok else 0.0 for r, ok in zip(results, by_category)]
         if any(vals):
             ax.bar(xs, vals, width=0.6, bottom=bottoms, color=color, label=f"measured {label}")
             bottoms = [b + v for b, v in zip(bottoms, vals)]

@@ -43,7 +43,10 @@ class MemoryBreakdown:
     activations_per_layer_bytes: float | None
     inflight_microbatches: float | None
     comm_buffers_bytes: float
-    autocast_weight_copies_bytes: float
+    # Unsharded working copies of parameters beside the rank's own (FSDP2's all-gathered units,
+    # torch.amp's 16-bit weight casts): memory.gathered_param_bytes + autocast_weight_copies_bytes
+    gathered_params_bytes: float
+    autocast_weight_copies_bytes: float  # of gathered_params_bytes: torch.amp's casts (DDP, one process)
     allocated_bytes: float  # what torch.cuda.max_memory_allocated would show
     allocator_reserve_bytes: float
     runtime_overhead_bytes: float
@@ -245,11 +248,16 @@ def _memory(shape: ModelShape, hw: Hardware, run: ResolvedRun, tr: _Trace, notes
         tr("activations_bytes", best.activations_bytes,
            f"layers x per-layer({run.recompute.text}) x in-flight + working layer + embedding/logits extras",
            "Korthikanti Table 2 and §4.3; torch.utils.checkpoint semantics")
-    tr("comm_buffers_bytes", best.comm_buffers_bytes, "DDP: 2 x 25 MiB buckets; FSDP2: 1 unsharded grad unit, "
-       "ZeRO-3 + 2 gathered units; none at dp 1", "PyTorch FSDP notes / PR #128884; DDP bucket_cap_mb")
+    tr("gathered_params_bytes", best.gathered_params_bytes,
+       "FSDP2: ZeRO-3 2 units, ZeRO-2 / replicate / pipelined the whole stage, in the compute dtype; "
+       "DDP or one process: torch.amp's 16-bit weight casts", "PyTorch FSDP2 MixedPrecisionPolicy, PR #128884; torch.amp")
+    tr("comm_buffers_bytes", best.comm_buffers_bytes, "DDP: 2 x 25 MiB buckets; FSDP2: 1 unsharded grad unit; "
+       "none at dp 1", "PyTorch FSDP notes; DDP bucket_cap_mb")
     tr("allocator_reserve_bytes", best.allocator_reserve_bytes,
-       f"{memory.ALLOCATOR_RESERVE_FRACTION:.0%} x (activations + buffers)", "assumption (ZeRO §3.2: fragmentation)")
-    tr("total_bytes", best.total_bytes, "model states + activations + buffers + reserve + runtime overhead", "sum")
+       f"{memory.ALLOCATOR_RESERVE_FRACTION:.0%} x (gathered params + activations + buffers)",
+       "assumption (ZeRO §3.2: fragmentation)")
+    tr("total_bytes", best.total_bytes, "model states + gathered params + activations + buffers + reserve + runtime "
+       "overhead", "sum")
     if not _host_fits(best, hw, run.world_size):
         notes.append(f"does not fit: offloaded host memory {best.cpu_bytes * min(run.world_size, hw.gpus_per_node) / 2**30:,.0f} GiB "
                      f"per node > {hw.host_memory_bytes / 2**30:,.0f} GiB of host RAM")
@@ -282,20 +290,23 @@ def _stage_memory(shape: ModelShape, hw: Hardware, run: ResolvedRun, rank: int) 
         act, act_work, per_layer, inflight = sa.total, sa.working_bytes, sa.layer_full_bytes, sa.inflight
         cpu += sa.cpu_bytes
         tp_seq_bytes = run.micro_batch * run.seq_len * cfg.d_model * element_bytes(run.precision)
-    buffers, _ = memory.comm_buffer_bytes(run, largest_unit_params(shape, run.tp), tp_seq_bytes)
+    unit = largest_unit_params(shape, run.tp)
+    buffers, _ = memory.comm_buffer_bytes(run, unit, tp_seq_bytes)
     autocast = memory.autocast_weight_copy_bytes(n_params, run)
+    gathered = memory.gathered_param_bytes(n_params, run, unit) + autocast  # each term at its own high
+    at_peak = gathered
     if autocast and act_work and run.recompute.kind in ("full", "every", "segments", "op"):
         # [recompute] torch.amp + recompute: autocast's cache holds every 16-bit weight copy
-        # until the forward ends, but a checkpointed layer's copies are not saved, so in
-        # backward only the recomputed layer's own copies coexist with its working set. The
-        # high-water mark is stored + extra + max(all copies, working + one layer's copies),
-        # i.e. copies counted beyond the working layer: max(copies - working, copies / L).
-        # Measured on tiny/small bf16 `full`: -16%/-25% before, within 7% after; `op` checkpoints
-        # every block the same way (its policy keeps no weight cast): -21% before on tiny
-        # (docs/recompute.md, tests/test_memory.py).
-        autocast = max(autocast - act_work, autocast / max(cfg.n_layers, 1))
-    allocated = st.total + (act or 0.0) + buffers + autocast
-    reserve = memory.ALLOCATOR_RESERVE_FRACTION * ((act or 0.0) + buffers + autocast)
+        # until the forward ends (the copies' high), but a checkpointed layer's copies are not
+        # saved, so in backward only the recomputed layer's own copies coexist with its working
+        # set. The step's high-water mark is stored + extra + max(all copies, working + one
+        # layer's copies), i.e. copies counted beyond the working layer: max(copies - working,
+        # copies / L). Measured on tiny/small bf16 `full`: -16%/-25% before, within 7% after;
+        # `op` checkpoints every block the same way (its policy keeps no weight cast): -21%
+        # before on tiny (docs/recompute.md, tests/test_memory.py).
+        at_peak = gathered - autocast + max(autocast - act_work, autocast / max(cfg.n_layers, 1))
+    allocated = st.total + at_peak + (act or 0.0) + buffers
+    reserve = memory.ALLOCATOR_RESERVE_FRACTION * ((act or 0.0) + buffers + at_peak)
     total = allocated + reserve + hw.runtime_overhead_bytes
     name = "only" if run.pp == 1 else ("first" if first else "last" if last else f"pp rank {rank}")
     return MemoryBreakdown(
@@ -303,7 +314,8 @@ def _stage_memory(shape: ModelShape, hw: Hardware, run: ResolvedRun, rank: int) 
         master_weights_bytes=st.master_weights_bytes, optimizer_moments_bytes=st.optimizer_moments_bytes,
         model_states_bytes=st.total, activations_bytes=act, activation_working_bytes=act_work,
         activations_per_layer_bytes=per_layer, inflight_microbatches=inflight, comm_buffers_bytes=buffers,
-        autocast_weight_copies_bytes=autocast, allocated_bytes=allocated, allocator_reserve_bytes=reserve,
+        gathered_params_bytes=gathered, autocast_weight_copies_bytes=autocast, allocated_bytes=allocated,
+        allocator_reserve_bytes=reserve,
         runtime_overhead_bytes=hw.runtime_overhead_bytes, total_bytes=total, capacity_bytes=hw.memory_bytes,
         cpu_bytes=cpu, stage=name,
     )

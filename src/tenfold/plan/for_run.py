@@ -34,24 +34,27 @@ def predict_run_memory(run: ResolvedRun, hardware, precision: str | None = None,
 
 # --------------------------------------------------------------------------- as a run reports it
 
-MEMORY_LINE_KEYS = ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes", "total_bytes")
+MEMORY_LINE_KEYS = ("params_bytes", "grads_bytes", "optimizer_bytes", "gathered_params_bytes", "activations_bytes",
+                    "total_bytes")
+MEMORY_LINE_NAMES = {"gathered_params_bytes": "gathered params"}
 
 
 def memory_by_category(m: MemoryBreakdown) -> dict[str, int]:
     """The planner's per-rank memory under the engine's measured keys (summary.json's
     `memory.predicted`; tenfold.engine.memory.MEMORY_KEYS).
 
-    activations_bytes includes the autocast 16-bit weight copies (a tensor tracker sees them as
-    activations: created in forward, saved for backward); peak_bytes is the planner's allocated
-    total (model states + activations + communication buffers, no allocator reserve or CUDA
-    context, which no tensor tracker sees); total_bytes = params + grads + optimizer + activations."""
-    act = (m.activations_bytes or 0.0) + (m.autocast_weight_copies_bytes or 0.0)
+    gathered_params_bytes: the unsharded working copies of parameters beside the rank's own
+    (FSDP2's all-gathered units, torch.amp's 16-bit weight casts: `memory.gathered_params_bytes`
+    of `tenfold plan --json`, the same term); activations_bytes: saved tensors and temporaries
+    only. peak_bytes is the planner's allocated total (model states + gathered params +
+    activations + communication buffers, no allocator reserve or CUDA context, which no tensor
+    tracker sees); total_bytes = params + grads + optimizer + gathered params + activations."""
     out = {
         "params_bytes": m.params_bytes, "grads_bytes": m.grads_bytes, "optimizer_bytes": m.optimizer_bytes,
-        "activations_bytes": act, "buffers_bytes": 0, "other_bytes": m.comm_buffers_bytes,
-        "peak_bytes": m.peak_bytes,
+        "gathered_params_bytes": m.gathered_params_bytes, "activations_bytes": m.activations_bytes or 0.0,
+        "buffers_bytes": 0, "other_bytes": m.comm_buffers_bytes, "peak_bytes": m.peak_bytes,
     }
-    out["total_bytes"] = out["params_bytes"] + out["grads_bytes"] + out["optimizer_bytes"] + act
+    out["total_bytes"] = sum(out[k] for k in MEMORY_LINE_KEYS[:-1])
     return {k: int(round(v)) for k, v in out.items()}
 
 
@@ -67,7 +70,8 @@ def fmt_bytes(n: float | None) -> str:
 def memory_line(predicted: dict[str, int]) -> str:
     """The line `tenfold train` prints at its start, and `tenfold plan` for the same run."""
     return ("memory per rank, predicted (planner): "
-            + " | ".join(f"{k.removesuffix('_bytes')} {fmt_bytes(predicted[k])}" for k in MEMORY_LINE_KEYS)
+            + " | ".join(f"{MEMORY_LINE_NAMES.get(k, k.removesuffix('_bytes'))} {fmt_bytes(predicted.get(k, 0))}"
+                         for k in MEMORY_LINE_KEYS)
             + f" | peak {fmt_bytes(predicted['peak_bytes'])}")
 
 

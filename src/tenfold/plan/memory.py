@@ -80,7 +80,11 @@ def model_states(n_params: float, run: ResolvedRun) -> ModelStates:
     # resharding after backward off until the last micro-batch: every rank holds its stage's
     # unreduced gradients and, after a backward, its unsharded parameters (stage 2's memory).
     grad_div = dp if z >= 2 and run.pp == 1 else 1
-    param_div = dp if z >= 3 and run.pp == 1 else 1
+    # FSDP2 (tenfold's ZeRO-2/3) keeps each rank's fp32 shard at every stage and under
+    # pipelining; the unsharded copies it computes with are gathered_param_bytes. DeepSpeed's
+    # ZeRO-2 (a 16-bit stack) keeps whole 16-bit parameters.
+    fsdp2_shards = z >= 2 and not run.stack.master_weights
+    param_div = dp if (z >= 3 and run.pp == 1) or fsdp2_shards else 1
     st = ModelStates(
         params_bytes=b.params * n_params / param_div,
         grads_bytes=b.grads * n_params / grad_div,
@@ -89,12 +93,19 @@ def model_states(n_params: float, run: ResolvedRun) -> ModelStates:
         grad_copy_bytes=b.grad_copy * n_params / opt_div,
         cpu_bytes=0.0,
     )
-    if run.offload != "none" and not run.stack.master_weights:
-        # tenfold's engine: FSDP2's CPUOffloadPolicy (techniques/offload.py) keeps this rank's
-        # fp32 parameter shard, its fp32 gradient shard and the Adam moments on the host, for
-        # either offload value (16 B/param / N; measured: 16 x params / dp bytes per rank, tests/
-        # test_offload.py); the device holds only gathered units (buffers, and ZeRO-2's gathered
-        # 16-bit copies under activations).
+    if run.offload == "optimizer" and not run.stack.master_weights:
+        # tenfold's engine, `optimizer` (techniques/offload.HostAdamW, DeepSpeed's offload_optimizer):
+        # the fp32 parameter shards and their gradients stay on the device as without offload;
+        # the host holds the Adam moments and a buffer each of the parameter and gradient shards
+        # the update runs on: 16 B/param / N (measured, tests/test_offload.py).
+        st.cpu_bytes = (b.optimizer + b.params + b.grads) * n_params / opt_div
+        st.master_weights_bytes = st.optimizer_moments_bytes = st.grad_copy_bytes = 0.0
+        return st
+    if run.offload == "optimizer+params" and not run.stack.master_weights:
+        # tenfold's engine, `optimizer+params`: FSDP2's CPUOffloadPolicy keeps this rank's fp32
+        # parameter shard, its fp32 gradient shard and the Adam moments on the host (16 B/param
+        # / N; measured: 16 x params / dp bytes per rank, tests/test_offload.py); the device
+        # holds only gathered units (memory.gathered_param_bytes and the buffers).
         st.cpu_bytes = 16.0 * n_params / dp
         st.params_bytes = st.grads_bytes = 0.0
         st.master_weights_bytes = st.optimizer_moments_bytes = st.grad_copy_bytes = 0.0
@@ -428,17 +439,14 @@ def comm_buffer_bytes(run: ResolvedRun, largest_unit: float, tp_seq_bytes: float
     """Communication buffers of the engine that runs (tenfold.terms.zero_runs_as).
     ZeRO-0/1 on DDP (no tensor parallelism): two gradient buckets in flight (bucket_cap_mb=25).
     FSDP2 (ZeRO-2/3, and every stage under tensor parallelism): a unit's unsharded gradients
-    before its reduce-scatter; ZeRO-3 also two all-gathered units alive at once in forward
-    (PyTorch PR #128884, the prefetch). Nothing without data parallelism. PP: send/recv buffers."""
+    before its reduce-scatter (the gathered parameters are gathered_param_bytes). Nothing
+    without data parallelism. PP: send/recv buffers."""
     b = bytes_per_param(run)
     unit_param_bytes = block_param_bytes(run)  # float8 with --fp8 under FSDP2
     z = run.zero_runs_as
     if run.dp <= 1 and run.offload == "none":
         n, why = 0.0, "no gradient buffers (no data parallelism)"
-    elif z == 3:
-        n = largest_unit * (2 * unit_param_bytes + max(b.grads, unit_param_bytes))
-        why = "FSDP2: 2 gathered units + 1 unsharded grad unit"
-    elif z == 2 or run.tp > 1:
+    elif z >= 2 or run.tp > 1:
         n = largest_unit * max(b.grads, unit_param_bytes)
         why = "FSDP2: 1 unsharded grad unit"
     else:
@@ -450,13 +458,33 @@ def comm_buffer_bytes(run: ResolvedRun, largest_unit: float, tp_seq_bytes: float
     return n, why
 
 
+def gathered_param_bytes(stage_params: float, run: ResolvedRun, largest_unit: float) -> float:
+    """Unsharded working copies of parameters on the device, beyond the rank's own parameters
+    (`params_bytes`), at their high (the start of backward): FSDP2's all-gathered units in the
+    compute dtype (MixedPrecisionPolicy param_dtype; float8 blocks with --fp8). ZeRO-3 without
+    pipelining: two units at once, the one computing and the prefetched next (PyTorch PR
+    #128884; DeepSpeed's ZeRO-3 likewise). ZeRO-2, `replicate` under tensor parallelism and any
+    FSDP2 stage under pipelining (torch.distributed.pipelining keeps the stage unsharded until
+    its last micro-batch): every unit of the stage, from its forward to its backward. DDP and
+    one process keep fp32 parameters under torch.amp: `autocast_weight_copy_bytes`, which the
+    caller adds. A 16-bit stack (master weights) computes on its own 16-bit parameters."""
+    unit_bytes = block_param_bytes(run)
+    if run.zero_runs_as == 3 and run.pp == 1:
+        return 2 * largest_unit * unit_bytes
+    fsdp2 = runs_on_fsdp2(run.zero_stage, run.tp, run.dp, run.offload)
+    if fsdp2 and not run.stack.master_weights:
+        return unit_bytes * stage_params
+    return 0.0
+
+
 def autocast_weight_copy_bytes(stage_params: float, run: ResolvedRun) -> float:
-    """torch.amp with fp32 params (master_weights=False): each Linear saves the 16-bit cast of
-    its weight for backward, so a full 16-bit copy of the rank's (gathered) matmul weights is
-    alive from forward to backward (2 bytes/param; under ZeRO-3 FSDP2 casts per unit instead)."""
-    if run.precision == "fp32" or run.stack.master_weights or run.zero_runs_as == 3:
+    """torch.amp with fp32 params outside FSDP2 (DDP, one process): each Linear saves the
+    16-bit cast of its weight for backward, so a full 16-bit copy of the rank's matmul weights
+    is alive from forward to backward (2 bytes/param). Under FSDP2 the layers compute on its
+    gathered 16-bit copies instead (gathered_param_bytes); a 16-bit stack on its own params."""
+    if run.precision == "fp32" or run.stack.master_weights or runs_on_fsdp2(run.zero_stage, run.tp, run.dp, run.offload):
         return 0.0
-    return block_param_bytes(run) * stage_params
+    return element_bytes(run.precision) * stage_params
 
 
 ALLOCATOR_RESERVE_FRACTION = 0.10  # caching-allocator fragmentation on churning tensors (assumption)

@@ -34,8 +34,8 @@ def _memory_parts(plan) -> list[tuple[str, float]]:
     m = plan.memory
     return [
         ("params", m.params_bytes), ("grads", m.grads_bytes), ("fp32 master", m.master_weights_bytes),
-        ("Adam moments", m.optimizer_moments_bytes), ("activations", m.activations_bytes or 0.0),
-        ("buffers", m.comm_buffers_bytes + m.autocast_weight_copies_bytes),
+        ("Adam moments", m.optimizer_moments_bytes), ("gathered params", m.gathered_params_bytes),
+        ("activations", m.activations_bytes or 0.0), ("buffers", m.comm_buffers_bytes),
         ("reserve + context", m.allocator_reserve_bytes + m.runtime_overhead_bytes),
     ]
 

@@ -33,17 +33,53 @@ def _duration(x: float) -> str:
     return f"{x / 60:,.1f} min" if x >= 120 else _secs(x)
 
 
-def _layout(p: Plan) -> str:
-    """The compact layout of a search row (`zero=1->2`: ZeRO-1 runs as ZeRO-2 there)."""
+# The strategy keys `_layout` writes (or leaves out only at a value it shows by omission:
+# no offload, no shard group, fp32 reduction); any other key that differs between the rows of
+# one table is added as `key=value`, so two rows never read alike unless they are alike.
+_LAYOUT_KEYS = frozenset({"world_size", "pp", "dp", "tp", "pp_schedule", "virtual_stages", "stage_layers",
+                          "zero_stage", "zero_runs_as", "recompute", "micro_batch", "grad_accum", "global_batch",
+                          "offload", "shard_group", "reduce_dtype", "sequence_parallel"})
+
+
+def _layout(p: Plan, varying: frozenset[str] = frozenset()) -> str:
+    """The compact layout of a search row (`zero=1->2`: ZeRO-1 runs as ZeRO-2 there), with every
+    key in `varying` (the keys that differ between the table's rows) written."""
     s = p.strategy
     parts = [f"dp={p.dp}", f"tp={s['tp']}", f"pp={s['pp']}"]
     if s["pp"] > 1:
         parts.append(s["pp_schedule"] + (f"(v={s['virtual_stages']})" if s["virtual_stages"] > 1 else ""))
+        parts.append(f"split={_split(s['stage_layers'])}")
+    if s["tp"] > 1:
+        parts.append("sp" if s["sequence_parallel"] else "no-sp")
     zero = f"{s['zero_stage']}" + (f"->{s['zero_runs_as']}" if s["zero_runs_as"] != s["zero_stage"] and p.dp > 1 else "")
-    parts += [f"zero={zero}", f"ac={s['recompute']}", f"mb={p.micro_batch}", f"accum={p.grad_accum}", f"gb={p.global_batch}"]
+    parts.append(f"zero={zero}")
+    if s["shard_group"]:
+        parts.append(f"shard-group={s['shard_group']}")
+    parts += [f"ac={s['recompute']}", f"mb={p.micro_batch}", f"accum={p.grad_accum}", f"gb={p.global_batch}"]
     if s["offload"] != "none":
         parts.append(f"offload={s['offload']}")
+    if s["reduce_dtype"] != "fp32":
+        parts.append(f"reduce={s['reduce_dtype']}")
+    unwritten = {"pp_schedule", "virtual_stages"} if s["pp"] == 1 else set()  # one stage: no schedule above
+    parts += [f"{k}={s[k]}" for k in sorted(varying) if k not in _LAYOUT_KEYS or k in unwritten]
     return " ".join(parts)
+
+
+def _split(counts: list[int]) -> str:
+    """Blocks per stage, runs of equal counts shortened: `1,2x62,1` (126 layers, 64 stages)."""
+    runs: list[list[int]] = []
+    for n in counts:
+        if runs and runs[-1][0] == n:
+            runs[-1][1] += 1
+        else:
+            runs.append([n, 1])
+    return ",".join(str(n) if k == 1 else f"{n}x{k}" for n, k in runs)
+
+
+def varying_keys(plans: list[Plan]) -> frozenset[str]:
+    """The strategy keys whose values differ between `plans`."""
+    keys = set().union(*(p.strategy for p in plans)) if plans else set()
+    return frozenset(k for k in keys if len({repr(p.strategy.get(k)) for p in plans}) > 1)
 
 
 def print_plan(p: Plan, hw: Hardware, explain: bool = False, console: Console | None = None) -> None:
@@ -79,12 +115,12 @@ def _memory_table(p: Plan) -> Table:
          "null (only --params)" if m.activations_bytes is None else
          f"{_gib(m.activations_per_layer_bytes)} GiB/layer, {m.inflight_microbatches:g} micro-batch(es) in flight"),
         ("communication buffers", m.comm_buffers_bytes, "buckets / gathered units"),
-        ("autocast weight copies", m.autocast_weight_copies_bytes, "16-bit casts kept for backward"),
+        ("gathered parameters", m.gathered_params_bytes, _gathered_how(m)),
         ("allocator reserve", m.allocator_reserve_bytes, "10% of dynamic memory"),
         ("CUDA context + workspaces", m.runtime_overhead_bytes, "estimate"),
     ]
     for name, v, how in rows:
-        if v == 0 and name in ("autocast weight copies",):
+        if v == 0 and name == "gathered parameters":
             continue
         t.add_row(name, _gib(v), how)
     verdict = "[green]fits[/]" if p.fits else "[red]does not fit[/]"
@@ -92,6 +128,12 @@ def _memory_table(p: Plan) -> Table:
     if m.cpu_bytes:
         t.add_row("host memory (offload)", _gib(m.cpu_bytes), "per rank")
     return t
+
+
+def _gathered_how(m) -> str:
+    if m.autocast_weight_copies_bytes:
+        return "torch.amp's 16-bit weight casts, kept for backward"
+    return "unsharded copies FSDP2 computes with (compute dtype)"
 
 
 def _time_table(p: Plan) -> Table:
@@ -195,9 +237,12 @@ def print_search(result, hw: Hardware, gpus: int, advice=None, console: Console 
         return
     t = Table(title="Fastest strategies that fit", box=box.SIMPLE_HEAVY)
     for col in ("#", "layout", "GiB/GPU", "step", "tokens/s", "MFU", "days", "train"):
-        t.add_column(col, justify="right" if col not in ("layout", "train") else "left")
+        # the layout folds onto more lines rather than cutting a word (a long split) short
+        t.add_column(col, justify="right" if col not in ("layout", "train") else "left",
+                     overflow="fold" if col == "layout" else "ellipsis")
+    varying = varying_keys(result.best)
     for i, p in enumerate(result.best, 1):
-        t.add_row(str(i), _layout(p), _gib(p.memory.total_bytes), _secs(p.step_time_s), f"{p.tokens_per_s:,.0f}",
+        t.add_row(str(i), _layout(p, varying), _gib(p.memory.total_bytes), _secs(p.step_time_s), f"{p.tokens_per_s:,.0f}",
                   f"{p.mfu:.1%}", "-" if p.train_days is None else f"{p.train_days:,.1f}",
                   "runs" if not p.unsupported else "[red]cannot[/]")
     c.print(t)

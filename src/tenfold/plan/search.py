@@ -4,14 +4,17 @@ a model, fleet and global batch; the top k that fit, by predicted throughput.
 GPipe is never better than 1F1B (same bubble, more activations in flight) and is left out.
 Every candidate is a `tenfold.run.ResolvedRun` derived from the user's run by `with_`, so the
 search uses the engine's own rules. Only runs `tenfold train` can do are ranked
-(tenfold.capabilities: no offload at ZeRO-0/1, no pipeline with fewer micro-batches than stages,
-...); `include_unsupported=True` ranks the others too, marked. Optimizer offload is
-priced by its host-link traffic; when a layout fits without offload its offloaded twin is
-skipped as dominated (counted, not evaluated).
+(tenfold.capabilities: no pipeline with fewer micro-batches than stages, ...);
+`include_unsupported=True` ranks the others too, marked. Offload (`optimizer`, then
+`optimizer+params` at ZeRO-3) is priced by its host-link traffic; when a layout fits with less
+offload its more offloaded twins are skipped as dominated (counted, not evaluated).
 Valid means: tp divides the query and key/value heads and stays inside a node (TP over the network is never
 worth it: 4 all-reduces per layer per micro-batch); tp x pp divides the GPUs; the micro-batch
-and data-parallel size divide the global batch; interleaving needs layers divisible by p x v
-and micro-batches divisible by p. Memory is checked first (cheap); time only for what fits.
+and data-parallel size divide the global batch; interleaving needs at least one layer per
+stage (p x v <= layers) and micro-batches divisible by p. The stages need not divide the layers:
+each candidate's blocks per stage come from the rule train uses when no --pp-split is given
+(tenfold.terms.layer_counts, the embedding and the head weighted as a layer each), so an
+emitted config leaves the split to train. Memory is checked first (cheap); time only for what fits.
 """
 
 from __future__ import annotations
@@ -28,9 +31,10 @@ from tenfold.run import ResolvedRun
 from tenfold.terms import tp_choices
 
 AC_CHOICES = ("none", "selective", "op", "full")
-# Optimizer offload is priced by its host-link traffic per micro-batch (step_time.py); it is in
-# the default search only where tenfold train runs it (tenfold.capabilities).
-OFFLOAD_CHOICES = ("none", "optimizer")
+# Offload is priced by its host-link traffic (step_time.py), least offloaded first: a layout is
+# tried with more offload only when it does not fit with less (more offload only adds host time).
+# In the default search only where tenfold train runs it (tenfold.capabilities).
+OFFLOAD_CHOICES = ("none", "optimizer", "optimizer+params")
 
 
 @dataclass
@@ -75,9 +79,11 @@ def search(base: ResolvedRun, hardware: "str | Hardware", top_k: int = 5, gpus_p
     for layout in _layouts(base, hw, sequence_parallel, gpus or base.world_size):
         fits_on_gpu = False
         for off in offloads:
+            if off == "optimizer+params" and layout.zero_stage != 3:
+                continue  # only ZeRO-3 partitions parameters
             if off != "none" and (layout.zero_stage == 0 or fits_on_gpu):
                 # Offload only adds host time to an identical layout: when the layout fits
-                # without it, the offloaded twin is dominated.
+                # with less of it, the more offloaded twin is dominated.
                 result.dominated += layout.zero_stage > 0
                 continue
             run = layout if off == "none" else layout.with_(offload=off, check=False)
@@ -87,7 +93,7 @@ def search(base: ResolvedRun, hardware: "str | Hardware", top_k: int = 5, gpus_p
                 continue
             p = _evaluate(run, hw, result, name)
             if p is not None:
-                fits_on_gpu = off == "none"
+                fits_on_gpu = True
                 p.unsupported = problems
                 plans.append((run, p))
     plans.sort(key=lambda rp: -rp[1].tokens_per_s)
@@ -114,7 +120,9 @@ def _layouts(base: ResolvedRun, hw: Hardware, sequence_parallel: bool | None, gp
     own rules."""
     cfg, glob = base.model, base.global_batch
     tps = [t for t in _powers_of_two_upto(min(hw.gpus_per_node, gpus)) if t in tp_choices(cfg.n_heads, cfg.kv_heads)]
-    pps = [p for p in range(1, cfg.n_layers + 1) if gpus % p == 0 and cfg.n_layers % p == 0]
+    # Any number of stages up to the layers: the blocks are split by the rule train uses
+    # (tenfold.terms.stage_layer_counts), evenly or not.
+    pps = [p for p in range(1, cfg.n_layers + 1) if gpus % p == 0]
     for tp, pp, mb in itertools.product(tps, pps, _powers_of_two_upto(min(glob, 16))):
         dp = gpus // (tp * pp)
         if gpus % (tp * pp) or glob % (mb * dp):
@@ -152,7 +160,5 @@ def _schedules(pp: int, m: int, layers: int) -> list[tuple[str, int]]:
         return [("1f1b", 1)]
     out = [("1f1b", 1)]
     if m % pp == 0:
-        for v in (2, 3, 4):
-            if layers % (pp * v) == 0:
-                out.append(("interleaved", v))
+        out += [("interleaved", v) for v in (2, 3, 4) if pp * v <= layers]
     return out

@@ -107,8 +107,14 @@ def step_time(shape: ModelShape, hw: Hardware, r: ResolvedRun, tr,
     n_params = max(run_rank_params(shape, r, rank) for rank in r.busiest_ranks())
     on_rank = n_params / (r.shard_size if z >= 1 else 1)
     # What crosses the host link at the step: DeepSpeed's ZeRO-Offload sends 16-bit grads down
-    # (ZeRO-1) and the updated params up; FSDP2's CPU offload steps on the host shard in place.
-    pcie = ((4.0 if z == 1 else 2.0) if r.stack.master_weights else 0.0) if r.offload != "none" else 0.0
+    # (ZeRO-1) and the updated params up; FSDP2's CPU offload (`optimizer+params`) steps on the
+    # host shard in place; tenfold's `optimizer` (HostAdamW) sends the fp32 shard and its
+    # gradient down and the updated shard up: 12 bytes per parameter of the shard.
+    pcie = 0.0
+    if r.offload != "none" and r.stack.master_weights:
+        pcie = 4.0 if z == 1 else 2.0
+    elif r.offload == "optimizer":
+        pcie = 12.0
     opt = tm.optimizer_step_time(on_rank, hw, r.offload != "none", min(r.world_size, hw.gpus_per_node), pcie)
     overhead = m * hw.microbatch_overhead_s + hw.step_overhead_s
     sync = tied_embedding_sync_time(shape, hw, r)
@@ -252,8 +258,9 @@ def host_transfer_exposed(shape: ModelShape, hw: Hardware, r: ResolvedRun, fwd: 
     in backward. tenfold's `--offload` (FSDP2's CPUOffloadPolicy): the rank's fp32 parameter
     shard comes up from the host for every all-gather (forward and backward at ZeRO-3, once per
     step at ZeRO-2) and its fp32 gradient shard goes down after each micro-batch's
-    reduce-scatter. DeepSpeed's stack: `optimizer+params` (ZeRO-Infinity) brings the 16-bit
-    parameter shard up for forward and backward; ZeRO-Offload at ZeRO-2/3 (Ren et al. 2021 §4)
+    reduce-scatter (`optimizer+params`; `optimizer` keeps both on the device and moves them
+    once per step, `optimizer_step_time`). DeepSpeed's stack: `optimizer+params`
+    (ZeRO-Infinity) brings the 16-bit parameter shard up for forward and backward; ZeRO-Offload at ZeRO-2/3 (Ren et al. 2021 §4)
     sends each micro-batch's reduced gradient partition down during its backward (ZeRO-1 keeps
     its full 16-bit gradients on the GPU until the step, memory.model_states)."""
     cfg = shape.cfg
@@ -261,11 +268,13 @@ def host_transfer_exposed(shape: ModelShape, hw: Hardware, r: ResolvedRun, fwd: 
     shard = run_rank_params(shape, r, 0) / r.shard_size
     if r.recompute.kind == "offload" and cfg is not None:
         moved += 2 * r.rank_layers(0) * memory.activation_bytes_per_layer(cfg, r)
-    if r.offload != "none" and not r.stack.master_weights:
+    if r.offload == "optimizer+params" and not r.stack.master_weights:
         gathers = 2.0 if r.zero_runs_as == 3 else 1.0 / r.grad_accum  # ZeRO-2: once per step
         up, down = gathers * 4.0 * shard, 4.0 * shard
         return max(0.0, up / hw.host_link_bw - fwd) + max(0.0, down / hw.host_link_bw - bwd) + \
             max(0.0, moved / hw.host_link_bw - (fwd + bwd))
+    if not r.stack.master_weights:  # tenfold's `optimizer`: nothing moves per micro-batch
+        return max(0.0, moved / hw.host_link_bw - (fwd + bwd))
     if r.offload == "optimizer+params":
         moved += 2 * 2.0 * shard
     exposed = max(0.0, moved / hw.host_link_bw - (fwd + bwd))

@@ -49,8 +49,8 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 from tenfold.errors import TenfoldNote, UserError
-from tenfold.techniques.offload import offload_policy, offloads, optimizer_device
-from tenfold.techniques.optimizer import allocate_states, build_optimizer, clip_grad_norm as _clip
+from tenfold.techniques.offload import host_optimizer, offload_policy, offloads, offloads_optimizer_only, optimizer_device
+from tenfold.techniques.optimizer import adamw_kwargs, allocate_states, build_optimizer, clip_grad_norm as _clip, param_groups
 from tenfold.techniques.tied_embeddings import uncounted_in_norm
 from tenfold.terms import ZERO_STAGES, runs_on_fsdp2, zero_runs_as
 
@@ -346,9 +346,14 @@ def build_optimizer_for(model: nn.Module, train_cfg: Any, parallel_cfg: Any, dis
     """The AdamW of `tenfold.techniques.optimizer` over the (wrapped) model; at ZeRO-1 with more than
     one dp rank, the same optimizer inside `ZeroRedundancyOptimizer`, which gives each rank
     the states of ~1/N of the parameters (whole tensors, largest first, greedy) and broadcasts
-    the updated parameters after each step."""
+    the updated parameters after each step. `--offload optimizer`: the same AdamW with its states
+    and its update in host memory (techniques/offload.HostAdamW)."""
 
-    optimizer = build_optimizer(unwrap(model), train_cfg, optimizer_device(parallel_cfg, dist.device))
+    if offloads_optimizer_only(parallel_cfg):  # the states and the update on the host (HostAdamW)
+        groups = param_groups(unwrap(model), train_cfg.weight_decay)
+        optimizer = host_optimizer(groups, adamw_kwargs(train_cfg, torch.device("cpu")), dist.device)
+    else:
+        optimizer = build_optimizer(unwrap(model), train_cfg, optimizer_device(parallel_cfg, dist.device))
     if zero_runs_as(int(parallel_cfg.zero_stage), getattr(dist, "tp_size", 1), dist.dp_size, parallel_cfg.offload) == 1:
         optimizer = _zero_redundancy(optimizer, dist)
     allocate_states(local_optimizer(optimizer))  # this rank's states only, no collective
