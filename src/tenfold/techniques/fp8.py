@@ -31,7 +31,6 @@ CUDA GPU torchao's `emulate=True` multiplies the float8 values in fp32.
 
 from __future__ import annotations
 
-import logging
 import sys
 from dataclasses import replace
 from typing import Any
@@ -40,6 +39,7 @@ import torch
 import torch.nn as nn
 
 from tenfold.errors import UserError
+from tenfold.techniques.quiet_import import import_quietly
 
 FLAG = "precision.fp8 (--fp8)"
 MIN_CAPABILITY = (8, 9)  # the first CUDA architecture with float8 tensor cores (Ada)
@@ -73,26 +73,9 @@ def _device_words(device: torch.device) -> str:
     return f"{torch.cuda.get_device_name(device)} (compute capability {major}.{minor})"
 
 
-# torchao's import logs one warning per prebuilt CUDA kernel library it cannot load (none of
-# them is float8 training's: on a CPU-only or older-GPU machine that is every one), and torch
-# a deprecation notice for how torchao registers an enum with torch.compile.
-_NOISY_AT_IMPORT = ("torchao", "torch.utils._pytree")
-
-
 def _torchao_float8():
     """torchao.float8, imported without its import-time log lines."""
-    loggers = [logging.getLogger(name) for name in _NOISY_AT_IMPORT]
-    levels = [logger.level for logger in loggers]
-    for logger in loggers:
-        logger.setLevel(logging.ERROR)
-    try:
-        import torchao.float8 as float8
-    except ImportError:
-        raise UserError(f"{FLAG} needs torchao: pip install 'tenfold[fp8]'") from None
-    finally:
-        for logger, level in zip(loggers, levels):
-            logger.setLevel(level)
-    return float8
+    return import_quietly("torchao.float8", f"{FLAG} needs torchao: pip install 'tenfold[fp8]'")
 
 
 def float8_config(device: torch.device, emulate: bool, fsdp_all_gather: bool) -> Any:
