@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tenfold.errors import UserError
+from tenfold.lora_terms import nf4_shards, nf4_unshardable
 from tenfold.terms import MULTI_STAGE_SCHEDULES, PIPELINE_SCHEDULES, PRECISIONS, ZERO_STAGES
 
 # Model kinds: tenfold's own GPT (a preset or a shape), a Hugging Face causal LM through the
@@ -223,6 +224,12 @@ def _lora_problems(run, caps: Capabilities) -> list[str]:
     if run.fp8 and not caps.lora_with_fp8:
         out.append(f"lora.rank ({flag}) with precision.fp8 (--fp8): PEFT's adapters wrap nn.Linear, not torchao's "
                    "Float8Linear; train adapters without --fp8")
+    known_shape = run.model is not None and run.model_kind != "user"
+    cut = nf4_unshardable(run.model, lora, nf4_shards(run)) if known_shape else []
+    if cut:
+        out.append(f"lora.base nf4 (--qlora) under ZeRO-2/3 over {nf4_shards(run)} ranks: FSDP2 would cut the "
+                   f"{', '.join(cut)} weights inside NF4's 64 x 256-value groups; use fewer ranks per shard group "
+                   "(--shard-group) or --zero 0/1")
     if run.recompute.kind not in caps.lora_recompute:
         out.append(f"lora.rank ({flag}) with recompute.policy {run.recompute.text!r} (--ac): the per-op save list "
                    f"counts the base's matmuls, adapters add their own; use one of {', '.join(caps.lora_recompute)}")

@@ -114,14 +114,33 @@ def role_shapes(d_model: int, kv_width: int, ffn: int) -> dict[str, tuple[int, i
 # --------------------------------------------------------------------------- NF4
 
 
-def nf4_quantizable(rows: int, cols: int, shards: int = 1) -> bool:
+def nf4_quantizable(rows: int, cols: int) -> bool:
     """Whether a (rows x cols) weight can be held in NF4 as QLoRA lays it out: whole blocks of 64
-    values and whole groups of 256 block constants, in the weight and in each of the `shards`
-    row slices FSDP2 cuts it into under ZeRO-3 (torchao's NF4Tensor splits only on those
-    boundaries). Smaller or odd weights stay in the compute dtype."""
-    if rows % shards:
-        return False
-    return (rows // shards) * cols % NF4_QUANTUM == 0
+    values and whole groups of 256 block constants. Smaller or odd weights stay in the compute
+    dtype. The rule does not depend on the layout, so a run quantizes the same weights on any
+    number of ranks."""
+    return rows * cols % NF4_QUANTUM == 0
+
+
+def nf4_shardable(rows: int, cols: int, shards: int) -> bool:
+    """Whether FSDP2 can cut an NF4 weight into `shards` row slices (torchao's NF4Tensor splits
+    only on whole 64 x 256-value groups)."""
+    return rows % shards == 0 and (rows // shards) * cols % NF4_QUANTUM == 0
+
+
+def nf4_unshardable(cfg, spec: LoraSpec, shards: int) -> list[str]:
+    """`q (128 x 128)`, ... for the block weights NF4 holds (a ModelConfig's shapes) that `shards`
+    ZeRO row slices would cut inside a group; [] where each slice is whole groups."""
+    if spec.base != "nf4" or shards <= 1:
+        return []
+    shapes = role_shapes(cfg.d_model, cfg.kv_heads * cfg.head_dim, cfg.ffn_dim)
+    roles = ("q", "k", "v", "o", "gate", "up", "down") if cfg.mlp == "swiglu" else ("q", "k", "v", "o", "up", "down")
+    out = []
+    for role in roles:
+        cols, rows = shapes[role]
+        if nf4_quantizable(rows, cols) and not nf4_shardable(rows, cols, shards):
+            out.append(f"{role} ({rows} x {cols})")
+    return out
 
 
 def nf4_bytes_per_param(scale_bytes: float = 2.0) -> float:

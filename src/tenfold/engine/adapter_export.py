@@ -78,7 +78,7 @@ def merged_model(weights: dict, cfg: TenfoldConfig, record: dict, ckpt: Path) ->
     compute = None if _compute_dtype(cfg) == torch.float32 else _compute_dtype(cfg)
     lora.apply_lora(model, spec, blocks, compute)
     if spec.base == "nf4":
-        nf4.apply_nf4(model, blocks, int(record.get("nf4_shards", 1)))
+        nf4.apply_nf4(model, blocks)
     result = model.load_state_dict(weights, strict=False)
     missing = [k for k in result.missing_keys if lora.is_adapter(k)]
     if missing or result.unexpected_keys:

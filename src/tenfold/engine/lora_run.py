@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from tenfold.engine.checkpoint.layout import CheckpointError
 from tenfold.engine.distributed import DistInfo, all_gather_small
 from tenfold.errors import UserError
-from tenfold.lora_terms import LoraSpec, nf4_shards
+from tenfold.lora_terms import LoraSpec
 from tenfold.run import ResolvedRun
 from tenfold.techniques import lora
 from tenfold.techniques.lora import LoraSummary
@@ -39,12 +39,11 @@ WEIGHTS_FILE = "adapter_model.safetensors"  # PEFT's names (peft.utils.constants
 class LoraRun:
     spec: LoraSpec
     base_sha256: str  # tenfold.techniques.lora.base_identity of the model as built
-    nf4_shards: int  # the ZeRO row slices QLoRA's quantization rule was applied for
     summary: LoraSummary | None = None  # set once the adapters are on (engine/parallelize.py)
 
     def record(self) -> dict:
         """trainer_state.json's `lora` entry."""
-        return {"base_sha256": self.base_sha256, "nf4_shards": self.nf4_shards, **asdict(self.spec)}
+        return {"base_sha256": self.base_sha256, **asdict(self.spec)}
 
 
 def prepare(model: nn.Module, run: ResolvedRun, dist: DistInfo) -> LoraRun | None:
@@ -57,7 +56,7 @@ def prepare(model: nn.Module, run: ResolvedRun, dist: DistInfo) -> LoraRun | Non
     if len(others) > 1:
         raise UserError(f"{lora.FLAG}: the ranks built different base models ({len(others)} distinct sha256 over "
                         "the weights); every rank must load the same --hf-pretrained folder or build the same seeded model")
-    return LoraRun(run.lora, identity, nf4_shards(run))
+    return LoraRun(run.lora, identity)
 
 
 class LoraCheckpointState:

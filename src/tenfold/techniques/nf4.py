@@ -6,7 +6,9 @@ quantizes every Linear but the output layer) becomes `torchao.quantization.to_nf
 4-bit NF4 values in blocks of 64 with double-quantized block constants (8-bit, in groups of
 256), QLoRA's layout (tenfold.lora_terms.nf4_bytes_per_param). The embedding, norms and output
 layer stay in the compute dtype. A weight whose size is not a whole number of 64 x 256 element
-groups (or whose ZeRO shards are not) stays in the compute dtype too (`lora_terms.nf4_quantizable`).
+groups stays in the compute dtype too (`lora_terms.nf4_quantizable`); the rule ignores the layout,
+so one run quantizes the same weights on any number of ranks, and a layout whose ZeRO shards
+would cut a group is refused (tenfold.capabilities).
 
 In the forward and in the backward each NF4 weight is dequantized to the activations' dtype for
 its matmul (torchao's `linear_nf4`: the gradient flows to the input, never to the weight), so the
@@ -24,7 +26,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from tenfold.lora_terms import nf4_quantizable
+from tenfold.errors import UserError
+from tenfold.lora_terms import nf4_quantizable, nf4_shardable
 from tenfold.techniques.quiet_import import import_quietly
 
 FLAG = "lora.base nf4 (--qlora)"
@@ -49,15 +52,20 @@ def _frozen_linears(blocks: list[nn.Module]) -> list[nn.Linear]:
 @torch.no_grad()
 def apply_nf4(model: nn.Module, blocks: list[nn.Module], shards: int = 1) -> list[str]:
     """Replace the blocks' frozen Linear weights by their NF4 form, in place, where QLoRA's block
-    layout fits the weight and each of its `shards` ZeRO row slices. Returns the names of the
-    quantized Linears (the rest stay in their dtype)."""
+    layout fits the weight; `shards`: the ZeRO row slices FSDP2 will cut each into, which must be
+    whole groups too (UserError). Returns the names of the quantized Linears (the rest stay in
+    their dtype)."""
     to_nf4 = torchao_quantization().to_nf4
     names = {id(m): name for name, m in model.named_modules()}
     done = []
     for linear in _frozen_linears(blocks):
         rows, cols = linear.weight.shape
-        if not nf4_quantizable(rows, cols, shards):
+        if not nf4_quantizable(rows, cols):
             continue
+        if not nf4_shardable(rows, cols, shards):
+            raise UserError(f"{FLAG} under ZeRO-2/3 over {shards} ranks: FSDP2 would cut {names[id(linear)]} "
+                            f"({rows} x {cols}) inside NF4's 64 x 256-value groups; use fewer ranks per shard "
+                            "group (--shard-group) or --zero 0/1")
         linear.weight = nn.Parameter(to_nf4(linear.weight.detach().contiguous()), requires_grad=False)
         done.append(names[id(linear)])
     return done
@@ -77,8 +85,8 @@ def dequantize_in_place(model: nn.Module) -> int:
     how many were dequantized."""
     count = 0
     for module in model.modules():
-        weight = getattr(module, "weight", None)
-        if isinstance(weight, torch.Tensor) and is_nf4(weight):
+        weight = module._parameters.get("weight")  # its own (a PEFT layer's `weight` is its base layer's)
+        if weight is not None and is_nf4(weight):
             module.weight = nn.Parameter(weight.get_original_weight(), requires_grad=False)
             count += 1
     return count

@@ -9,6 +9,8 @@ written on one layout loads on another: DCP reshards.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -56,7 +58,15 @@ class ModelState:
         return get_model_state_dict(self.model, options=self.options)
 
     def load_state_dict(self, state: dict) -> None:
-        set_model_state_dict(self.model, state, options=self.options)
+        if self.options is STATE_DICT_OPTIONS:
+            set_model_state_dict(self.model, state, options=self.options)
+            return
+        # strict=False: the frozen base is not in the checkpoint; every trained parameter must be
+        result = set_model_state_dict(self.model, state, options=replace(self.options, strict=False))
+        trained = {n for n, p in self.model.named_parameters() if p.requires_grad}
+        missing = [k for k in result.missing_keys if k in trained]
+        if missing:
+            raise KeyError(f"the checkpoint has no {missing[0]!r}")
 
     def non_finite_parameter(self) -> str | None:
         """The name of the first trained parameter of this rank holding NaN/inf (local shards);
