@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 
 from tenfold.errors import UserError
+from tenfold.plan import lora as lora_plan
 from tenfold.plan import memory
 from tenfold.plan.hardware import Hardware, get_hardware, with_gpus_per_node
 from tenfold.plan.shape import ModelShape, largest_unit_params, run_rank_params, shape_of
@@ -272,7 +273,7 @@ def _fits(m: MemoryBreakdown, hw: Hardware, gpus: int) -> bool:
 def _stage_memory(shape: ModelShape, hw: Hardware, run: ResolvedRun, rank: int) -> MemoryBreakdown:
     cfg = shape.cfg
     n_params = run_rank_params(shape, run, rank)
-    st = memory.model_states(n_params, run)
+    st = _model_states(shape, run, rank, n_params)
     first, last = rank == 0, rank == run.pp - 1
     act = act_work = per_layer = inflight = None
     cpu = st.cpu_bytes
@@ -280,10 +281,15 @@ def _stage_memory(shape: ModelShape, hw: Hardware, run: ResolvedRun, rank: int) 
     if cfg is not None:
         sa = memory.stage_activations(cfg, run, run.rank_stage_layers(rank), first, last, rank)
         act, act_work, per_layer, inflight = sa.total, sa.working_bytes, sa.layer_full_bytes, sa.inflight
+        if run.lora is not None:
+            # QLoRA: a weight dequantized for its matmul, before the loss's tensors exist in the
+            # forward and after the head's backward freed them (plan/lora.py)
+            act = max(act, act - (sa.extra_bytes if last else 0.0) + lora_plan.dequant_working_bytes(cfg, run))
         cpu += sa.cpu_bytes
         tp_seq_bytes = run.micro_batch * run.seq_len * cfg.d_model * element_bytes(run.precision)
     buffers, _ = memory.comm_buffer_bytes(run, largest_unit_params(shape, run.tp), tp_seq_bytes)
-    autocast = memory.autocast_weight_copy_bytes(n_params, run)
+    autocast = (lora_plan.autocast_copy_bytes(cfg, run, run.rank_layers(rank)) if run.lora and cfg is not None
+                else memory.autocast_weight_copy_bytes(n_params, run))
     if autocast and act_work and run.recompute.kind in ("full", "every", "segments", "op"):
         # [recompute] torch.amp + recompute: autocast's cache holds every 16-bit weight copy
         # until the forward ends, but a checkpointed layer's copies are not saved, so in
@@ -307,6 +313,16 @@ def _stage_memory(shape: ModelShape, hw: Hardware, run: ResolvedRun, rank: int) 
         runtime_overhead_bytes=hw.runtime_overhead_bytes, total_bytes=total, capacity_bytes=hw.memory_bytes,
         cpu_bytes=cpu, stage=name,
     )
+
+
+def _model_states(shape: ModelShape, run: ResolvedRun, rank: int, n_params: float) -> memory.ModelStates:
+    """ZeRO's model states, or a LoRA run's: the frozen base (16-bit or NF4) and the adapters'
+    weights, gradients and AdamW states (plan/lora.py)."""
+    if run.lora is None or shape.cfg is None:
+        return memory.model_states(n_params, run)
+    s = lora_plan.model_states(n_params, run.rank_layers(rank), shape.cfg, run)
+    return memory.ModelStates(params_bytes=s.params, grads_bytes=s.grads, master_weights_bytes=0.0,
+                              optimizer_moments_bytes=s.moments, grad_copy_bytes=0.0, cpu_bytes=s.cpu)
 
 
 def largest_micro_batch(run: ResolvedRun, hardware, memory_budget_bytes: float | None = None, limit: int = 4096,

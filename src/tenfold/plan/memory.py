@@ -10,6 +10,7 @@ import functools
 from dataclasses import dataclass
 
 from tenfold.models.presets import ModelConfig
+from tenfold.plan import lora as lora_plan
 from tenfold.plan.fp8 import block_param_bytes
 from tenfold.run import ResolvedRun, Stack, resolve
 from tenfold.terms import MULTI_STAGE_SCHEDULES, RecomputePolicy, element_bytes, op_saved_tensors, runs_on_fsdp2
@@ -148,8 +149,11 @@ class ActTerm:
 
 
 def layer_activation_terms(cfg: ModelConfig, run: ResolvedRun) -> tuple[ActTerm, ...]:
-    """The per-layer saved activations of one micro-batch (cached; see _layer_terms)."""
+    """The per-layer saved activations of one micro-batch (cached; see _layer_terms; a LoRA
+    run's: plan/lora.py)."""
     st = run.stack
+    if run.lora is not None and st.activation_style == "tenfold":
+        return tuple(ActTerm(n, b, tp, part, source=src) for n, b, tp, part, src in lora_plan.layer_terms(cfg, run))
     return _layer_terms(cfg, run.precision, st.activation_style, st.flash_attention, st.dropout)
 
 
@@ -263,7 +267,8 @@ def params_16bit_in_compute(run: ResolvedRun) -> bool:
     autocast (DDP, one rank) the embedding's output and so the residual stream are fp32."""
     if run.precision == "fp32":
         return False
-    return run.stack.master_weights or runs_on_fsdp2(run.zero_stage, run.tp, run.dp, run.offload)
+    lora_base = run.lora is not None  # the frozen base is kept in the compute dtype
+    return lora_base or run.stack.master_weights or runs_on_fsdp2(run.zero_stage, run.tp, run.dp, run.offload)
 
 
 def layer_input_bytes_per_token(cfg: ModelConfig, run: ResolvedRun) -> float:
@@ -414,6 +419,8 @@ def final_layer_activation_bytes(cfg: ModelConfig, run: ResolvedRun) -> float:
     bs = run.micro_batch * run.seq_len
     h, tp = cfg.d_model, run.tp
     B = element_bytes(run.precision)
+    if run.lora is not None and run.stack.activation_style == "tenfold":
+        return lora_plan.final_layer_bytes(cfg, run)
     if run.stack.activation_style == "tenfold":
         norm = ((4.0 + 4.0) if cfg.norm == "rmsnorm" else 4.0) + B
         return bs * (norm * h + 8.0 * cfg.vocab_size / tp)
