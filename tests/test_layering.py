@@ -27,7 +27,7 @@ FORBIDDEN = {
 }
 # single modules every layer may import: they must stay torch-free and import no layer above
 TORCH_FREE = ("terms.py", "run.py", "run_args.py", "config.py", "errors.py", "capabilities.py", "pipeline_layout.py",
-              "lora_terms.py")
+              "lora_terms.py", "quiet_import.py")
 
 
 def imports_of(path: Path) -> list[str]:

@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from tenfold.engine.checkpoint.layout import CheckpointError
 from tenfold.engine.distributed import DistInfo, all_gather_small
 from tenfold.errors import UserError
-from tenfold.lora_terms import LoraSpec
+from tenfold.lora_terms import LoraSpec, nf4_quantizable
 from tenfold.run import ResolvedRun
 from tenfold.techniques import lora
 from tenfold.techniques.lora import LoraSummary
@@ -131,6 +131,10 @@ def adapted(lora_run: LoraRun, adapter, summary: LoraSummary) -> None:
     of a LoRA step (tenfold.lora_terms.lora_flops_per_token): a frozen matmul costs its forward
     and the backward to its input, 4 x its parameters, not 6 (no weight gradient); an adapter
     the full 6 x its parameters."""
+    if lora_run.spec.base == "nf4":
+        linears = [m.weight.shape for b in adapter.blocks for m in b.modules()
+                   if type(m) is nn.Linear and not m.weight.requires_grad]
+        summary.nf4 = (sum(nf4_quantizable(*shape) for shape in linears), len(linears))
     lora_run.summary = summary
     out_w = getattr(adapter.output, "weight", None)
     out = out_w.numel() if isinstance(out_w, torch.Tensor) else 0

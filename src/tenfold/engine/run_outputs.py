@@ -68,7 +68,8 @@ def finish(fit: Fit, last: dict, wall: float) -> dict:
     summary["memory"].update(fit.run_memory.summary())
     if t.lora is not None:
         summary["lora"] = {**t.lora.record(), "adapted_linears": t.lora.summary.adapted,
-                           "trainable_params": t.lora.summary.trainable, "frozen_params": t.lora.summary.frozen}
+                           "trainable_params": t.lora.summary.trainable, "frozen_params": t.lora.summary.frozen,
+                           "nf4_linears": t.lora.summary.nf4}
     summary.update(exports(fit))
     summary["tokenizer"] = tokenizer_summary(t.data, fit.tokenizer_dir, summary.get("hf_export"))
     fit.writer.log_final(summary["final"])

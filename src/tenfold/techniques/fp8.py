@@ -39,7 +39,7 @@ import torch
 import torch.nn as nn
 
 from tenfold.errors import UserError
-from tenfold.techniques.quiet_import import import_quietly
+from tenfold.quiet_import import import_quietly
 
 FLAG = "precision.fp8 (--fp8)"
 MIN_CAPABILITY = (8, 9)  # the first CUDA architecture with float8 tensor cores (Ada)

@@ -32,7 +32,7 @@ import torch.nn as nn
 
 from tenfold.errors import UserError
 from tenfold.lora_terms import LoraSpec
-from tenfold.techniques.quiet_import import import_quietly
+from tenfold.quiet_import import import_quietly
 
 FLAG = "lora.rank (--lora)"
 ADAPTER = "default"  # PEFT's adapter name inside the model; the saved format leaves it out
@@ -85,11 +85,16 @@ class LoraSummary:
     adapted: int  # Linears with an adapter
     trainable: int  # adapter parameters
     frozen: int  # base parameters
+    nf4: tuple[int, int] | None = None  # QLoRA: (block Linears in NF4, frozen block Linears)
 
     def line(self, spec: LoraSpec) -> str:
         share = 100.0 * self.trainable / max(self.trainable + self.frozen, 1)
-        return (f"{spec.text()}: adapters on {self.adapted} Linears, {self.trainable:,} trainable parameters "
+        text = (f"{spec.text()}: adapters on {self.adapted} Linears, {self.trainable:,} trainable parameters "
                 f"({share:.2f}% of {self.trainable + self.frozen:,})")
+        if self.nf4 is not None:
+            text += (f"; the frozen base in NF4: {self.nf4[0]} of {self.nf4[1]} block Linears (whole 64 x 256-value "
+                     "groups), the rest in the compute dtype")
+        return text
 
 
 def apply_lora(model: nn.Module, spec: LoraSpec, blocks: list[nn.Module], compute_dtype: torch.dtype | None) -> LoraSummary:

@@ -28,7 +28,7 @@ import torch.nn as nn
 
 from tenfold.errors import UserError
 from tenfold.lora_terms import nf4_quantizable, nf4_shardable
-from tenfold.techniques.quiet_import import import_quietly
+from tenfold.quiet_import import import_quietly
 
 FLAG = "lora.base nf4 (--qlora)"
 
