@@ -144,18 +144,21 @@ def test_resume_on_another_base_is_refused(tmp_path):
 # --------------------------------------------------------------------------- export
 
 
-def test_merged_export_equals_the_trained_model_and_the_adapter_folder_round_trips(tmp_path):
-    summary, trainer = _run(tmp_path, "gpt", 2)
-    ids = torch.randint(0, 256, (2, 16))
-    with torch.no_grad():
-        trained = trainer.model(ids)
-    merged = export_checkpoint(tmp_path / "gpt", tmp_path / "merged.safetensors", "fp32", merge=True)
+def assert_merged_logits_equal(trainer: Trainer, run: Path, out: Path) -> None:
+    """`tenfold export RUN --merge` in fp32, loaded into a plain GPT: the trained model's logits to 1e-5."""
     from safetensors.torch import load_file
 
+    ids = torch.randint(0, 256, (2, 16))
+    merged = export_checkpoint(run, out, "fp32", merge=True)
     plain = GPT(trainer.cfg.model.build())
     plain.load_state_dict(load_file(merged["safetensors"]))
     with torch.no_grad():
-        torch.testing.assert_close(plain(ids), trained, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(plain(ids), trainer.model(ids), rtol=1e-5, atol=1e-5)
+
+
+def test_merged_export_equals_the_trained_model_and_the_adapter_folder_round_trips(tmp_path):
+    summary, trainer = _run(tmp_path, "gpt", 2)
+    assert_merged_logits_equal(trainer, tmp_path / "gpt", tmp_path / "merged.safetensors")
     folder = export_checkpoint(tmp_path / "gpt", tmp_path / "adapter", "fp32")
     config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert config["r"] == 4 and config["lora_alpha"] == 8.0 and config["peft_type"] == "LORA"
@@ -244,16 +247,7 @@ def test_qlora_merges_into_the_dequantized_base_it_trained_on(tmp_path):
     trainer = Trainer(cfg)
     trainer.fit()
     assert sum(nf4.is_nf4(p) for p in trainer.model.parameters()) == 14
-    ids = torch.randint(0, 256, (2, 16))
-    with torch.no_grad():
-        trained = trainer.model(ids)
-    merged = export_checkpoint(tmp_path / "run", tmp_path / "merged.safetensors", "fp32", merge=True)
-    from safetensors.torch import load_file
-
-    plain = GPT(trainer.cfg.model.build())
-    plain.load_state_dict(load_file(merged["safetensors"]))
-    with torch.no_grad():
-        torch.testing.assert_close(plain(ids), trained, rtol=1e-5, atol=1e-5)
+    assert_merged_logits_equal(trainer, tmp_path / "run", tmp_path / "merged.safetensors")
 
 
 @pytest.mark.slow

@@ -184,3 +184,14 @@ def dequant_working_bytes(cfg: ModelConfig, run) -> float:
     shapes = _shapes(cfg)
     sizes = [shapes[r][0] * shapes[r][1] for r in _roles(cfg) if nf4_quantizable(shapes[r][1], shapes[r][0])]
     return (8.0 + 3.0 * element_bytes(run.precision)) * max(sizes, default=0)
+
+
+def unit_bytes_per_param(run) -> tuple[float, float]:
+    """(gathered bytes, gradient bytes) per parameter of one block as FSDP2 moves it under a LoRA
+    run: the frozen base (16-bit or NF4) plus the adapters in the compute dtype; gradients only
+    for the adapters, in fp32."""
+    cfg = run.model
+    counts = layer_counts(cfg, run)
+    block = block_param_count(cfg)
+    gathered = frozen_bytes(block, 1, counts, run.precision) + element_bytes(run.precision) * counts.adapters
+    return gathered / block, 4.0 * counts.adapters / block

@@ -30,6 +30,30 @@ LLAMA = {
     "33B": ModelConfig(n_layers=60, d_model=6656, n_heads=52, d_ff=17920, vocab_size=32000, max_seq_len=2048),
     "65B": ModelConfig(n_layers=80, d_model=8192, n_heads=64, d_ff=22016, vocab_size=32000, max_seq_len=2048),
 }
+# Llama 3.1 (Meta's config.json files): layers, width, heads, kv heads, SwiGLU width; vocabulary 128256
+LLAMA31 = {
+    "8B": ModelConfig(n_layers=32, d_model=4096, n_heads=32, n_kv_heads=8, d_ff=14336, vocab_size=128256,
+                      max_seq_len=8192),
+    "70B": ModelConfig(n_layers=80, d_model=8192, n_heads=64, n_kv_heads=8, d_ff=28672, vocab_size=128256,
+                       max_seq_len=8192),
+    "405B": ModelConfig(n_layers=126, d_model=16384, n_heads=128, n_kv_heads=8, d_ff=53248, vocab_size=128256,
+                        max_seq_len=8192),
+}
+TORCHTUNE = "torchtune README, \"Memory and training speed\" (batch 2, packed to 2048 tokens, compiled)"
+_QVO_MLP = ("q_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# (row, model, GPUs, adapters, published GiB); the adapters, recompute and sharding are the recipes' configs
+# (recipes/configs/llama3_1/{8B_lora_single_device, 8B_qlora_single_device, 70B_lora, 405B_qlora}.yaml)
+TORCHTUNE_ROWS = (
+    ("Llama 3.1 8B LoRA, 1x 4090", "8B", 1, LoraSpec(8, 16.0, targets=_QVO_MLP), 16.2),
+    ("Llama 3.1 8B QLoRA, 1x 4090", "8B", 1, LoraSpec(8, 16.0, targets=("k_proj",) + _QVO_MLP, base="nf4"), 7.4),
+    ("Llama 3.1 70B LoRA, 8x A100", "70B", 8, LoraSpec(16, 32.0, targets=_QVO_MLP), 27.6),
+    ("Llama 3.1 405B QLoRA, 8x A100", "405B", 8, LoraSpec(16, 32.0, targets=_QVO_MLP, base="nf4"), 44.8e9 / 2**30),
+)
+TORCHTUNE_WHY = ("torchtune's chunked cross-entropy keeps the bf16 logits (2 b s V) where tenfold's loss keeps fp32 "
+                 "log-probabilities and their gradient (8 b s V: 3.9 GiB at Llama 3's vocabulary, batch 2 x 2048); "
+                 "torch.compile fuses the eager elementwise tensors tenfold's style counts and torchao's NF4 "
+                 "dequantization, whose eager intermediates tenfold prices ((8 + 3 x 2) bytes per value of the "
+                 "largest weight: 11.4 GiB at 405B)")
 PAPER_ADAPTERS = LoraSpec(rank=64, alpha=16.0, dropout=0.05, base="nf4")  # App. B, 33B and 65B
 PAPER_SETTING = {"micro_batch": 1, "grad_accum": 1, "global_batch": None, "seq_len": 512, "recompute": "full"}
 
@@ -79,6 +103,11 @@ def cases() -> list[Case]:
                     "the paper's adapters are bf16 and its AdamW states paged to the host when memory runs out; "
                     "tenfold keeps fp32 adapters and their states on the GPU (+4 bytes per adapter parameter, "
                     "AdamW's 8 bytes resident)"))
+    for name, size, gpus, spec, gib in TORCHTUNE_ROWS:
+        run = resolve(LLAMA31[size], gpus, precision="bf16", micro_batch=2, seq_len=2048, recompute="full",
+                      zero_stage=3 if gpus > 1 else 0, lora=spec, model_kind="hf", hf_model_type="llama", check=False)
+        predicted = predict_memory(run, "a100-80gb").allocated_bytes
+        out.append(Case(name, gib * 2**30, predicted, "bytes", TORCHTUNE, TORCHTUNE_WHY))
     return out
 
 

@@ -438,15 +438,17 @@ def comm_buffer_bytes(run: ResolvedRun, largest_unit: float, tp_seq_bytes: float
     before its reduce-scatter; ZeRO-3 also two all-gathered units alive at once in forward
     (PyTorch PR #128884, the prefetch). Nothing without data parallelism. PP: send/recv buffers."""
     b = bytes_per_param(run)
-    unit_param_bytes = block_param_bytes(run)  # float8 with --fp8 under FSDP2
+    unit_param_bytes, grads = block_param_bytes(run), b.grads  # float8 with --fp8 under FSDP2
+    if run.lora is not None and run.model is not None:  # the frozen base gathered, the adapters' gradients
+        unit_param_bytes, grads = lora_plan.unit_bytes_per_param(run)
     z = run.zero_runs_as
     if run.dp <= 1 and run.offload == "none":
         n, why = 0.0, "no gradient buffers (no data parallelism)"
     elif z == 3:
-        n = largest_unit * (2 * unit_param_bytes + max(b.grads, unit_param_bytes))
+        n = largest_unit * (2 * unit_param_bytes + max(grads, unit_param_bytes))
         why = "FSDP2: 2 gathered units + 1 unsharded grad unit"
     elif z == 2 or run.tp > 1:
-        n = largest_unit * max(b.grads, unit_param_bytes)
+        n = largest_unit * max(grads, unit_param_bytes)
         why = "FSDP2: 1 unsharded grad unit"
     else:
         n = 2 * DDP_BUCKET_BYTES
