@@ -163,3 +163,19 @@ def test_a_small_run_is_planned_as_train_runs_it():
     proc = tenfold_child("train", "--qlora", "4", "--dry-run", *SMALL_FLAGS)
     assert proc.returncode == 0, proc.stderr
     assert "QLoRA r 4, alpha 8, all-linear" in proc.stdout
+
+
+def test_tune_candidates_keep_the_adapters():
+    from tenfold.config import build_config
+    from tenfold.plan.hardware import get_hardware
+    from tenfold.tune.candidates import baseline, search_space
+
+    cfg = build_config({"lora": {"rank": 4, "base": "nf4"}, "train": {"micro_batch": 2}, "data": {"seq_len": 64},
+                        "parallel": {"nproc": 2}})
+    hw = get_hardware("h100-sxm")
+    base = baseline(cfg, 2, hw, "bf16")
+    space = search_space(cfg, base, hw, 2, ["bf16"], limit_bytes=80e9, margin=0.1, fixed=set())
+    assert len(space.candidates) > 3
+    for cand in space.candidates:
+        assert cand.config.lora.rank == 4 and cand.config.lora.base == "nf4" and cand.run.lora == base.run.lora
+        assert cand.run.tp == 1 and str(cand.run.recompute) != "op"
