@@ -312,6 +312,7 @@ def test_qlora_under_zero3_on_two_ranks_equals_one_process(tmp_path):
     ({"fp8": True}, "with precision.fp8"),
     ({"recompute": "op"}, "per-op save list"),
     ({"zero_stage": 3, "lora": LoraSpec(8, 16.0, base="nf4")}, r"FSDP2 would cut the q \(128 x 128\)"),
+    ({"zero_stage": 3, "offload": "optimizer", "lora": LoraSpec(8, 16.0, base="nf4")}, "CPU offload cannot gather"),
 ])
 def test_what_adapters_do_not_compose_with_is_refused_by_the_table(choices, words):
     with pytest.raises(UserError, match=words):

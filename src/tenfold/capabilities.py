@@ -47,6 +47,7 @@ class Capabilities:
     lora_with_tp: bool  # adapters under tensor parallelism
     lora_with_fp8: bool  # adapters on float8 Linears
     lora_recompute: tuple[str, ...]  # recompute policies adapters run with
+    nf4_offload: bool  # QLoRA's NF4 base with ZeRO-Offload
 
 
 ENGINE = Capabilities(
@@ -99,6 +100,9 @@ ENGINE = Capabilities(
     # `op` keeps the outputs of a block's 1st, 3rd, 5th and 7th matmul; adapters add two matmuls
     # per adapted Linear, so the list would keep the wrong tensors.
     lora_recompute=("none", "full", "every", "segments", "selective", "offload"),
+    # FSDP2's CPUOffloadPolicy all-gathers from a host copy whose output torchao's NF4Tensor does
+    # not rebuild (`fsdp_post_all_gather`: "not enough values to unpack", torch 2.13, torchao 0.18).
+    nf4_offload=False,
 )
 
 
@@ -230,6 +234,9 @@ def _lora_problems(run, caps: Capabilities) -> list[str]:
         out.append(f"lora.base nf4 (--qlora) under ZeRO-2/3 over {nf4_shards(run)} ranks: FSDP2 would cut the "
                    f"{', '.join(cut)} weights inside NF4's 64 x 256-value groups; use fewer ranks per shard group "
                    "(--shard-group) or --zero 0/1")
+    if lora.base == "nf4" and run.offload != "none" and not caps.nf4_offload:
+        out.append(f"lora.base nf4 (--qlora) with parallel.offload {run.offload!r} (--offload): FSDP2's CPU offload "
+                   "cannot gather torchao's NF4 weights; offload a 16-bit base (--lora) or keep the NF4 base on the device")
     if run.recompute.kind not in caps.lora_recompute:
         out.append(f"lora.rank ({flag}) with recompute.policy {run.recompute.text!r} (--ac): the per-op save list "
                    f"counts the base's matmuls, adapters add their own; use one of {', '.join(caps.lora_recompute)}")
