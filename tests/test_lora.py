@@ -329,3 +329,38 @@ def test_unknown_target_modules_name_the_allowed_ones(tmp_path):
 def test_lora_keys_without_a_rank_are_refused():
     with pytest.raises(UserError, match="lora.base set but lora.rank is 0"):
         build_config({"lora": {"base": "nf4"}})
+
+
+def test_a_users_own_module_takes_adapters_by_module_name(tmp_path):
+    import numpy as np
+    import torch.nn as nn
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up, self.down = nn.Linear(64, 128), nn.Linear(128, 64)
+
+        def forward(self, x):
+            return x + self.down(torch.relu(self.up(x)))
+
+    class LM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.stack, self.head = nn.Embedding(256, 64), nn.ModuleList(Block() for _ in range(3)), nn.Linear(64, 256)
+
+        def forward(self, ids):
+            h = self.emb(ids)
+            for block in self.stack:
+                h = block(h)
+            return self.head(h)
+
+    torch.manual_seed(0)
+    rows = np.random.default_rng(0).integers(0, 256, (64, 33))
+    cfg = lora_config(tmp_path, lora={"target_modules": ["up"]}, train={"steps": 2})
+    trainer = Trainer(cfg, model=LM(), dataset=rows)
+    summary = trainer.fit()
+    assert summary["lora"]["adapted_linears"] == 3
+    assert {n for n, p in trainer.model.named_parameters() if p.requires_grad} == {
+        f"stack.{i}.up.lora_{x}.default.weight" for i in range(3) for x in "AB"}
+    with pytest.raises(UserError, match="no Linear of that name in the model's blocks; allowed: all-linear, down, up"):
+        Trainer(lora_config(tmp_path, lora={"target_modules": ["q_proj"]}), model=LM(), dataset=rows).setup()
