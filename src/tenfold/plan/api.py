@@ -228,6 +228,9 @@ def _memory(shape: ModelShape, hw: Hardware, run: ResolvedRun, tr: _Trace, notes
     b = memory.bytes_per_param(run)
     z, pp = run.zero_runs_as, run.pp
     pipelined = " (unsharded: pipelining reduces once per step)" if pp > 1 and z >= 2 else ""
+    if run.lora is not None:
+        _trace_lora_states(tr, best, run)
+        return _trace_rest(tr, best, run, hw, notes)
     tr("params_bytes", best.params_bytes, f"{b.params:g} B/param x stage params"
        f"{' / N_d' if z >= 3 and pp == 1 else ''}", "ZeRO §5 (Rajbhandari et al. 2020); Megatron first-stage layout")
     tr("grads_bytes", best.grads_bytes, f"{b.grads:g} B/param x stage params{' / N_d' if z >= 2 and pp == 1 else ''}"
@@ -237,6 +240,20 @@ def _memory(shape: ModelShape, hw: Hardware, run: ResolvedRun, tr: _Trace, notes
     tr("optimizer_moments_bytes", best.optimizer_moments_bytes, f"{b.optimizer:g} B/param (Adam m, v){' / N_d' if z >= 1 else ''}", "ZeRO §3.1")
     tr("model_states_bytes", best.model_states_bytes, "stage 0: 16Ψ; 1: 4Ψ + 12Ψ/N_d; 2: 2Ψ + 14Ψ/N_d; 3: 16Ψ/N_d",
        "ZeRO Table 1 / §5.1-5.3")
+    return _trace_rest(tr, best, run, hw, notes)
+
+
+def _trace_lora_states(tr, best: MemoryBreakdown, run: ResolvedRun) -> None:
+    nf4 = run.lora.base == "nf4"
+    tr("params_bytes", best.params_bytes, "frozen base: B bytes/param" + (" (the blocks' Linears in NF4: 0.5 + 1/64 + "
+       "2/16384 bytes/value)" if nf4 else "") + " + adapters 4 B/param" + (" / N_d" if run.zero_runs_as >= 3 else ""),
+       "Hu et al. 2021" + ("; Dettmers et al. 2023 §3 (double quantization)" if nf4 else ""))
+    tr("grads_bytes", best.grads_bytes, "adapters only, 4 B/param (the frozen base takes no gradient)", "plan/lora.py")
+    tr("optimizer_moments_bytes", best.optimizer_moments_bytes, "adapters only, AdamW m + v, 8 B/param", "plan/lora.py")
+
+
+def _trace_rest(tr, best: MemoryBreakdown, run: ResolvedRun, hw: Hardware, notes: list[str]) -> MemoryBreakdown:
+    pp = run.pp
     if best.activations_bytes is not None:
         tr("activations_per_layer_bytes", best.activations_per_layer_bytes,
            "sbh(34 + 5as/h) no parallelism; TP: sbh(10 + 24/t + 5as/(ht)); per-term table, docs/planner.md",

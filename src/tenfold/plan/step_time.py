@@ -80,8 +80,9 @@ def step_flops(shape: ModelShape, r: ResolvedRun, tr) -> tuple[float, float]:
     else:
         model = 6.0 * shape.params * tokens_step
         rc = (2.0 * shape.params * tokens_step) if r.recompute.kind == "full" else 0.0
-    tr("model_flops_per_step", model, "(6N + 12 L s d) x tokens (N = matmul params incl. output layer)",
-       "Kaplan et al. 2020; PaLM App. B; nanoGPT estimate_mfu")
+    formula = ("(4 N_frozen + 6 N_adapters + 12 L s d) x tokens (no weight gradient for the frozen base)"
+               if r.lora is not None and cfg is not None else "(6N + 12 L s d) x tokens (N = matmul params incl. output layer)")
+    tr("model_flops_per_step", model, formula, "Kaplan et al. 2020; PaLM App. B; nanoGPT estimate_mfu")
     tr("recompute_flops_per_step", rc, "full: +1 forward per layer; selective: +4 s h per layer; every:N / segments:K: their share",
        "Narayanan Eq. (3) (96 vs 72); Korthikanti Eq. (8)")
     return model, model + rc
