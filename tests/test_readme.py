@@ -93,7 +93,7 @@ def _fast(args: list[str]) -> list[str]:
     if sub == "train" and "--memory-report" in args:
         return [*args, *SHRINK_MODEL, *SHRINK_DATA]
     if sub == "train":
-        model = [] if "--hf-config" in args else SHRINK_MODEL
+        model = [] if "--hf-config" in args or "--hf-pretrained" in args else SHRINK_MODEL
         return [*_scaled_steps(args), *model, *SHRINK_DATA, "--set", "train.eval_every=0"]
     if sub == "ladder" and "--project" not in args:
         return [*args, "--tokens", "256", "--global-batch", "2", "--seq-len", "32", "--repeats", "1",

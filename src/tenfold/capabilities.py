@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tenfold.errors import UserError
+from tenfold.lora_terms import nf4_shards, nf4_unshardable
 from tenfold.terms import MULTI_STAGE_SCHEDULES, PIPELINE_SCHEDULES, PRECISIONS, ZERO_STAGES
 
 # Model kinds: tenfold's own GPT (a preset or a shape), a Hugging Face causal LM through the
@@ -42,6 +43,11 @@ class Capabilities:
     compile_with_tp: bool  # ... of tensor-parallel (DTensor) blocks
     fp8_precisions: tuple[str, ...]  # precision.dtype values --fp8 runs on top of (float8 matmuls, torchao)
     fp8_with_tp: bool  # --fp8 with tensor parallelism
+    lora_bases: tuple[str, ...]  # frozen bases under low-rank adapters (--lora, --qlora)
+    lora_with_tp: bool  # adapters under tensor parallelism
+    lora_with_fp8: bool  # adapters on float8 Linears
+    lora_recompute: tuple[str, ...]  # recompute policies adapters run with
+    nf4_offload: bool  # QLoRA's NF4 base with ZeRO-Offload
 
 
 ENGINE = Capabilities(
@@ -82,6 +88,22 @@ ENGINE = Capabilities(
     # Float8Linears under tensor parallelism need torchao's float8 parallel styles
     # (Float8ColwiseParallel, ...), which tenfold's tensor-parallel plans do not use.
     fp8_with_tp=False,
+    # PEFT's LoRA layers over a frozen base (techniques/lora.py), the base in the compute dtype or
+    # in torchao's NF4 (techniques/nf4.py); ZeRO 0-3, pipelines, recompute, compile, HSDP and
+    # offload wrap the converted model as they wrap any other.
+    lora_bases=("compute", "nf4"),
+    # The tensor-parallel plans split q/k/v/o and the MLP's Linears; an adapted Linear is PEFT's
+    # wrapper around one, which needs its own styles (A beside a row-split weight split by rows,
+    # B beside a column-split one by columns) that tenfold's plans do not have.
+    lora_with_tp=False,
+    # torchao's float8 conversion swaps nn.Linear for Float8Linear; PEFT adapts nn.Linear only.
+    lora_with_fp8=False,
+    # `op` keeps the outputs of a block's 1st, 3rd, 5th and 7th matmul; adapters add two matmuls
+    # per adapted Linear, so the list would keep the wrong tensors.
+    lora_recompute=("none", "full", "every", "segments", "selective", "offload"),
+    # FSDP2's CPUOffloadPolicy all-gathers from a host copy whose output torchao's NF4Tensor does
+    # not rebuild (`fsdp_post_all_gather`: "not enough values to unpack", torch 2.13, torchao 0.18).
+    nf4_offload=False,
 )
 
 
@@ -140,7 +162,7 @@ def _technique_problems(run, caps: Capabilities) -> list[str]:
                    "compile tensor-parallel blocks; run --tp 1 with --compile, or --tp without --compile")
     if run.precision not in caps.precisions:
         out.append(f"precision {run.precision!r}: tenfold train runs {', '.join(caps.precisions)}")
-    out += _fp8_problems(run, caps)
+    out += _fp8_problems(run, caps) + _lora_problems(run, caps)
     if run.tp > 1 and not caps.tensor_parallel:
         out.append(f"tensor parallelism (tp {run.tp}): tenfold train has no tensor parallelism")
     elif run.tp > 1 and run.model_kind == "hf" and run.hf_model_type not in caps.tensor_parallel_hf_types:
@@ -190,6 +212,35 @@ def _fp8_problems(run, caps: Capabilities) -> list[str]:
         out.append(f"precision.fp8 (--fp8) with tensor parallelism (tp {run.tp}): float8 layers need torchao's float8 "
                    "tensor-parallel styles, which tenfold's plans do not use; run --fp8 with --tp 1 (ZeRO and --pp "
                    "compose with it)")
+    return out
+
+
+def _lora_problems(run, caps: Capabilities) -> list[str]:
+    lora = run.lora
+    if lora is None:
+        return []
+    out = []
+    flag = "--qlora" if lora.base == "nf4" else "--lora"
+    if lora.base not in caps.lora_bases:
+        out.append(f"lora.base {lora.base!r}: tenfold train runs {', '.join(caps.lora_bases)}")
+    if run.tp > 1 and not caps.lora_with_tp:
+        out.append(f"lora.rank ({flag}) with tensor parallelism (tp {run.tp}): tenfold's tensor-parallel plans do not "
+                   "split adapters; shard the frozen base with --zero 3 instead (FSDP2 shards base and adapters)")
+    if run.fp8 and not caps.lora_with_fp8:
+        out.append(f"lora.rank ({flag}) with precision.fp8 (--fp8): PEFT's adapters wrap nn.Linear, not torchao's "
+                   "Float8Linear; train adapters without --fp8")
+    known_shape = run.model is not None and run.model_kind != "user"
+    cut = nf4_unshardable(run.model, lora, nf4_shards(run)) if known_shape else []
+    if cut:
+        out.append(f"lora.base nf4 (--qlora) under ZeRO-2/3 over {nf4_shards(run)} ranks: FSDP2 would cut the "
+                   f"{', '.join(cut)} weights inside NF4's 64 x 256-value groups; use fewer ranks per shard group "
+                   "(--shard-group) or --zero 0/1")
+    if lora.base == "nf4" and run.offload != "none" and not caps.nf4_offload:
+        out.append(f"lora.base nf4 (--qlora) with parallel.offload {run.offload!r} (--offload): FSDP2's CPU offload "
+                   "cannot gather torchao's NF4 weights; offload a 16-bit base (--lora) or keep the NF4 base on the device")
+    if run.recompute.kind not in caps.lora_recompute:
+        out.append(f"lora.rank ({flag}) with recompute.policy {run.recompute.text!r} (--ac): the per-op save list "
+                   f"counts the base's matmuls, adapters add their own; use one of {', '.join(caps.lora_recompute)}")
     return out
 
 

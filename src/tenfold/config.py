@@ -237,6 +237,25 @@ class CheckpointSection(_Section):
     async_save: bool = False  # dcp.async_save: write in a background thread, finalise at a later step
 
 
+class LoraSection(_Section):
+    """Low-rank adapters (techniques/lora.py, docs/lora.md): rank 0 trains every weight."""
+
+    rank: int = Field(0, ge=0)  # --lora RANK
+    alpha: float | None = Field(None, gt=0)  # None: 2 x rank (torchtune's recipes: alpha 16 at rank 8)
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)  # on the adapters' input (PEFT's lora_dropout)
+    target_modules: list[str] = Field(default_factory=lambda: ["all-linear"], min_length=1)
+    base: Literal["compute", "nf4"] = "compute"  # the frozen base: compute dtype, or NF4 (QLoRA, --qlora)
+
+    @model_validator(mode="after")
+    def _needs_a_rank(self) -> "LoraSection":
+        defaults = LoraSection.model_construct()
+        changed = [k for k in ("alpha", "dropout", "target_modules", "base") if getattr(self, k) != getattr(defaults, k)]
+        if not self.rank and changed:
+            raise UserError(f"{', '.join('lora.' + k for k in changed)} set but lora.rank is 0 (LoRA off): "
+                            "pass --lora RANK (or --qlora RANK)")
+        return self
+
+
 class LogSection(_Section):
     out: str = "runs/tenfold"
     overwrite: bool = False  # replace an earlier run in `out` (engine/run_folder.py)
@@ -256,6 +275,7 @@ class TenfoldConfig(_Section):
     recompute: RecomputeSection = Field(default_factory=RecomputeSection)
     parallel: ParallelSection = Field(default_factory=ParallelSection)
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
+    lora: LoraSection = Field(default_factory=LoraSection)
     log: LogSection = Field(default_factory=LogSection)
 
     @field_validator("model")

@@ -11,13 +11,23 @@ own warnings and notes, and every library error, still print.
 
 `--verbose` on any subcommand, or TENFOLD_VERBOSE=1 in the environment (the ranks of
 `--nproc N` inherit it), shows them all.
+
+Optional libraries that print the same lines when tenfold is used as a library (PEFT and
+transformers import torchao when it is installed) are imported through `import_quietly`, or
+inside `torchao_logs_silenced`, which keep those loggers quiet for the import alone. No torch
+here (the libraries are imported by name).
 """
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import logging
 import os
 import warnings
+from types import ModuleType
+
+from tenfold.errors import UserError
 
 VERBOSE_ENV = "TENFOLD_VERBOSE"
 # Loggers that speak at import time about things a training run does not use.
@@ -36,3 +46,28 @@ def hush_libraries() -> None:
         logging.getLogger(name).setLevel(logging.ERROR)
     for category in HIDDEN_WARNINGS:
         warnings.filterwarnings("ignore", category=category)
+
+
+@contextlib.contextmanager
+def torchao_logs_silenced():
+    """The import-time loggers (NOISY_LOGGERS) answer only errors inside the block, unless
+    library messages are asked for (`verbose`)."""
+    loggers = [] if verbose() else [logging.getLogger(name) for name in NOISY_LOGGERS]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+
+
+def import_quietly(module: str, missing: str) -> ModuleType:
+    """`module` imported inside `torchao_logs_silenced`; `missing`: the UserError's text when it
+    is not installed."""
+    with torchao_logs_silenced():
+        try:
+            return importlib.import_module(module)
+        except ImportError:
+            raise UserError(missing) from None

@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 
 from tenfold import capabilities
 from tenfold.errors import UserError
+from tenfold.lora_terms import LORA_BASES, LoraSpec, check_targets, lora_spec
 from tenfold.models.presets import ModelConfig, param_count
 from tenfold.terms import (
     MULTI_STAGE_SCHEDULES, OFFLOADS, PIPELINE_SCHEDULES, PRECISION_CHOICES, REDUCE_DTYPES, ZERO_STAGES, BatchTriplet,
@@ -81,6 +82,7 @@ class ResolvedRun:
     hf_model_type: str = ""  # a Hugging Face model's config.json model_type
     compile: bool = False
     fp8: bool = False  # float8 matmuls in the blocks (precision.fp8), on top of `precision`
+    lora: LoraSpec | None = None  # low-rank adapters on a frozen base (tenfold.lora_terms); None: every weight trains
     stack: Stack = ENGINE_STACK
     config: object = field(default=None, compare=False)  # the TenfoldConfig it was read from (None: built by the planner)
 
@@ -150,7 +152,7 @@ class ResolvedRun:
             "offload": self.offload, "reduce_dtype": self.reduce_dtype,
             "pp_schedule": self.pp_schedule, "virtual_stages": self.virtual_stages,
             "stage_layers": list(self.stage_layers), "sequence_parallel": self.sequence_parallel,
-            "stack": asdict(self.stack),
+            "lora": asdict(self.lora) if self.lora else None, "stack": asdict(self.stack),
         }
 
     def layout_line(self) -> str:
@@ -167,6 +169,8 @@ class ResolvedRun:
             parts.append(f"schedule {self.pp_schedule}, {self.virtual_stages} stage(s) per rank, blocks per stage {split}")
         if self.sequence_parallel:
             parts.append("sequence parallel")
+        if self.lora:
+            parts.append(self.lora.text())
         return "; ".join(parts)
 
     # ------------------------------------------------------------------ other layouts
@@ -201,7 +205,8 @@ class ResolvedRun:
             "pp": self.pp, "tp": self.tp, "pp_schedule": self.pp_schedule, "virtual_stages": self.virtual_stages,
             "pp_split": self.stage_layers if self.pp_split_given else None,
             "sequence_parallel": self.sequence_parallel, "model_kind": self.model_kind,
-            "hf_model_type": self.hf_model_type, "compile": self.compile, "fp8": self.fp8, "stack": self.stack,
+            "hf_model_type": self.hf_model_type, "compile": self.compile, "fp8": self.fp8, "lora": self.lora,
+            "stack": self.stack,
         }
 
     def with_seq_len(self, seq_len: int) -> "ResolvedRun":
@@ -215,7 +220,7 @@ CHOICES = {
     "recompute": "none", "zero_stage": 0, "offload": "none", "shard_group": None, "reduce_dtype": "fp32",
     "pp": 1, "tp": 1, "pp_schedule": "1f1b",
     "virtual_stages": None, "pp_split": None, "sequence_parallel": None, "model_kind": "tenfold",
-    "hf_model_type": "", "compile": False, "fp8": False, "stack": ENGINE_STACK,
+    "hf_model_type": "", "compile": False, "fp8": False, "lora": None, "stack": ENGINE_STACK,
 }
 
 
@@ -249,6 +254,8 @@ def resolve(model: ModelConfig | None, world_size: int, *, params: float | None 
     c = {**CHOICES, **choices}
     _check_choices(world_size, c)
     pp, tp = c["pp"], c["tp"]
+    if c["lora"] is not None and model is not None and not own_model:
+        check_targets(c["lora"], c["model_kind"], c["hf_model_type"], model.mlp)
     if model is not None and tp > 1 and not own_model:
         check_tp_heads(tp, model.n_heads, model.kv_heads, flag="parallel.tp_degree (--tp)")
     if world_size % (pp * tp):
@@ -272,7 +279,7 @@ def resolve(model: ModelConfig | None, world_size: int, *, params: float | None 
         sequence_parallel=sequence_parallel, offload=c["offload"], shard_group=shard_group,
         reduce_dtype=c["reduce_dtype"],
         pp_split_given=pp > 1 and c["pp_split"] is not None, model_kind=c["model_kind"],
-        hf_model_type=c["hf_model_type"], compile=c["compile"], fp8=c["fp8"], stack=c["stack"],
+        hf_model_type=c["hf_model_type"], compile=c["compile"], fp8=c["fp8"], lora=c["lora"], stack=c["stack"],
         config=config,
     )
     if check:
@@ -300,6 +307,10 @@ def _check_choices(world_size: int, c: dict) -> None:
         raise UserError(f"parallel.reduce_dtype (--reduce-dtype) {c['reduce_dtype']!r}; allowed: {', '.join(REDUCE_DTYPES)}")
     if c["stack"].activation_style not in ACTIVATION_STYLES:
         raise UserError(f"activation_style {c['stack'].activation_style!r}; allowed: {', '.join(ACTIVATION_STYLES)}")
+    if c["lora"] is not None and (not isinstance(c["lora"], LoraSpec) or c["lora"].rank < 1
+                                  or c["lora"].base not in LORA_BASES):
+        raise UserError(f"lora must be a tenfold.lora_terms.LoraSpec with rank >= 1 and base in {LORA_BASES}, "
+                        f"got {c['lora']!r}")
     if c["seq_len"] is not None and (isinstance(c["seq_len"], bool) or not isinstance(c["seq_len"], int)
                                      or c["seq_len"] < 1):
         raise UserError(f"--seq-len must be a positive integer, got {c['seq_len']!r}")
@@ -333,7 +344,7 @@ def choices_from_config(cfg) -> dict:
         "pp_schedule": par.pp_schedule, "virtual_stages": par.virtual_stages,
         "pp_split": tuple(par.pp_split) if par.pp_split else None, "sequence_parallel": par.sequence_parallel,
         "model_kind": model_kind(cfg), "hf_model_type": hf_model_type(cfg), "compile": t.compile,
-        "fp8": cfg.precision.fp8,
+        "fp8": cfg.precision.fp8, "lora": lora_spec(cfg.lora),
     }
 
 
@@ -358,7 +369,16 @@ def config_for_run(base, run: ResolvedRun):
     d["data"]["seq_len"] = run.seq_len
     d["precision"].update(dtype=run.precision, fp8=run.fp8, fp8_emulate=run.fp8 and d["precision"]["fp8_emulate"])
     d["recompute"]["policy"] = str(run.recompute)
+    d["lora"] = lora_section(run.lora, d["lora"])
     return build_config(d)
+
+
+def lora_section(spec: LoraSpec | None, section: dict) -> dict:
+    """The config's `[lora]` table for a run's adapters (rank 0: off)."""
+    if spec is None:
+        return {"rank": 0}
+    return {**section, "rank": spec.rank, "alpha": spec.alpha, "dropout": spec.dropout,
+            "target_modules": list(spec.targets), "base": spec.base}
 
 
 def sequence_parallel_for(tp: int, requested: bool | None) -> bool:

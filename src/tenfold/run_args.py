@@ -27,6 +27,7 @@ def add_run_arguments(p: argparse.ArgumentParser, priced_only: bool = False) -> 
     _model_group(p)
     _optimization_group(p, only_train)
     _technique_group(p, only_train)
+    _lora_group(p)
     _checkpoint_group(p, only_train)
 
 
@@ -105,6 +106,20 @@ def _technique_group(p: argparse.ArgumentParser, only_train) -> None:
     x.add_argument("--pp-split", type=_int_list, metavar="N,N,...", help="transformer blocks per pipeline stage, e.g. 1,3 (default: even, embedding and head weighted as one block each)")
 
 
+def _lora_group(p: argparse.ArgumentParser) -> None:
+    lo = p.add_argument_group("low-rank adapters (LoRA, QLoRA: docs/lora.md)")
+    lo.add_argument("--lora", type=int, metavar="RANK", help="train rank-RANK adapters on the blocks' Linears, the "
+                    "base frozen in the compute dtype (Hu et al. 2021; PEFT's format)")
+    lo.add_argument("--qlora", type=int, nargs="?", const=-1, metavar="RANK", help="LoRA on a frozen base in 4-bit "
+                    "NF4 with double quantization (Dettmers et al. 2023); RANK defaults to --lora's, else 8")
+    lo.add_argument("--lora-alpha", type=float, metavar="A", help="adapter scale alpha / RANK (default 2 x RANK)")
+    lo.add_argument("--lora-dropout", type=float, metavar="P", help="dropout on the adapters' input (default 0)")
+    lo.add_argument("--lora-targets", type=_str_list, metavar="NAME,...", help="the Linears to adapt, by module name "
+                    "(wq,wv; q_proj,v_proj) or all-linear (default: every Linear of the blocks)")
+    lo.add_argument("--lora-base", choices=("compute", "nf4"), help="the frozen base: compute (the run's dtype, "
+                    "default) | nf4 (QLoRA, as --qlora)")
+
+
 def _checkpoint_group(p: argparse.ArgumentParser, only_train) -> None:
     c = p.add_argument_group("checkpoints")
     c.add_argument("--checkpoint-every", type=int, help=only_train("save every N steps (0: never)"))
@@ -128,6 +143,8 @@ _TRAIN_FLAGS = {
     "pp": ("parallel", "pp_degree"), "pp_schedule": ("parallel", "pp_schedule"),
     "tp": ("parallel", "tp_degree"), "sequence_parallel": ("parallel", "sequence_parallel"),
     "virtual_stages": ("parallel", "virtual_stages"), "pp_split": ("parallel", "pp_split"),
+    "lora": ("lora", "rank"), "lora_alpha": ("lora", "alpha"), "lora_dropout": ("lora", "dropout"),
+    "lora_targets": ("lora", "target_modules"), "lora_base": ("lora", "base"),
     "checkpoint_every": ("checkpoint", "every"),
     "keep_last": ("checkpoint", "keep_last"), "resume": ("checkpoint", "resume"), "log_every": ("log", "log_every"),
 }
@@ -141,6 +158,28 @@ _SWITCHES = {
 def _int_list(text: str) -> list[int]:
     """`--pp-split 1,3` -> [1, 3] (argparse turns the ValueError into a one-line exit 2)."""
     return [int(x) for x in text.split(",")]
+
+
+def _str_list(text: str) -> list[str]:
+    """`--lora-targets wq,wv` -> ["wq", "wv"]."""
+    return [x.strip() for x in text.split(",")]
+
+
+QLORA_DEFAULT_RANK = 8  # PEFT's LoraConfig and torchtune's recipes
+
+
+def _qlora_flags(args: argparse.Namespace, flags: dict, below: list[dict]) -> None:
+    """`--qlora [RANK]`: LoRA on an NF4 base, at RANK, else the rank --lora or the config
+    files give, else 8."""
+    rank = getattr(args, "qlora", None)
+    if rank is None:
+        return
+    lora = flags.setdefault("lora", {})
+    lora["base"] = "nf4"
+    if rank != -1:
+        lora["rank"] = rank
+    elif not lora.get("rank") and not any(layer.get("lora", {}).get("rank") for layer in below):
+        lora["rank"] = QLORA_DEFAULT_RANK
 
 
 def config_from_args(args: argparse.Namespace):
@@ -171,6 +210,7 @@ def config_from_args(args: argparse.Namespace):
     for name, (section, key, value) in _SWITCHES.items():
         if getattr(args, name, False):
             flags.setdefault(section, {})[key] = value
+    _qlora_flags(args, flags, layers)
     layers.append(flags)
     layers.extend(parse_set_item(item) for item in args.set)
     return build_config(*layers, sources=tuple(sources))

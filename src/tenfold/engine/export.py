@@ -33,13 +33,14 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from tenfold.config import build_config
 from tenfold.data.hf_tokenizer import copy_tokenizer_files
+from tenfold.engine import adapter_export
 from tenfold.engine import distributed as d
 from tenfold.engine.checkpoint import layout as lay
 from tenfold.engine.checkpoint.reader import SafeLoadPlanner, SafeReader, inner_error, read_safe_metadata
 from tenfold.engine.run_folder import check_checkpoint_path, check_out_path, check_output_file
 from tenfold.engine.safe_files import Folder
 from tenfold.errors import UserError
-from tenfold.models.hf import export_checkpoint_to_hf, ties_word_embeddings
+from tenfold.models.hf import export_checkpoint_to_hf, ties_word_embeddings, write_hf_folder
 from tenfold.techniques.precision import DTYPES  # the one name -> torch dtype table
 
 MODEL_PREFIX = "model."
@@ -155,23 +156,28 @@ def write_safetensors(weights: dict[str, torch.Tensor], out: Path, dtype: str, i
 
 
 def export_checkpoint(source: str | Path, out: str | Path | None = None, dtype: str = "bf16",
-                      overwrite: bool = False, tokenizer: bool = True) -> dict:
+                      overwrite: bool = False, tokenizer: bool = True, merge: bool = False) -> dict:
     """Consolidate `source` (a checkpoint, or a run directory: its newest complete checkpoint)
     into safetensors. One process; returns a summary dict. `overwrite`: replace what exists at
-    the paths `out` names; `tokenizer`: copy the run's tokenizer beside the weights."""
+    the paths `out` names; `tokenizer`: copy the run's tokenizer beside the weights. A LoRA run's
+    checkpoint gives its adapters as a PEFT folder, or with `merge` the merged model
+    (engine/adapter_export.py)."""
     if dtype not in DTYPES:
         raise UserError(f"export --dtype {dtype!r} is not supported; allowed: {', '.join(sorted(DTYPES))}")
 
     check_checkpoint_path(source, "export")
     ckpt = lay.resolve_checkpoint_path(source)
     try:  # --out checked before the work (hashing every file): the model's kind says file or folder
-        _checked_out(ckpt, out, saved_model_section(ckpt), overwrite)
+        _checked_out(ckpt, out, saved_model_section(ckpt), overwrite, merge)
     except lay.CheckpointError:
         pass  # a bad config.json is reported below, after the manifest's own checks
     manifest = lay.verify_checkpoint(ckpt, collective=False)
     listed = set(manifest["files"])
     saved_model = saved_model_section(ckpt)
-    out_path = _checked_out(ckpt, out, saved_model, overwrite)  # its bytes are verified now
+    out_path = _checked_out(ckpt, out, saved_model, overwrite, merge)  # its bytes are verified now
+    saved = lay.read_json(ckpt / lay.CONFIG_FILE)
+    if adapter_export.is_lora_run(saved) or merge:
+        return _export_lora(ckpt, saved, out_path, dtype, merge, listed, manifest["step"], tokenizer)
     if saved_model.get("hf_config") or saved_model.get("hf_pretrained"):  # [any model] -> save_pretrained folder
 
         out_dir = out_path
@@ -193,11 +199,44 @@ def export_checkpoint(source: str | Path, out: str | Path | None = None, dtype: 
             "tokenizer": copied}
 
 
-def _checked_out(ckpt: Path, out: str | Path | None, saved_model: dict, overwrite: bool) -> Path:
-    """Where the export goes (one line if it cannot be written, or if it would replace something
-    without --overwrite): a Hugging Face model's is a folder."""
+def _export_lora(ckpt: Path, saved: dict, out: Path, dtype: str, merge: bool, listed: set, step: int,
+                 tokenizer: bool) -> dict:
+    """A LoRA run's adapters (a PEFT folder), or merged into its base with `merge`."""
+    adapter_export.check_merge_allowed(adapter_export.is_lora_run(saved), merge)
+    cfg = build_config(saved)
+    weights = adapter_export.adapter_weights(consolidated_model_state(ckpt, listed), ckpt)
+    info = {"dtype": dtype, "step": step, "source": str(ckpt)}
+    if not merge:
+        return {**info, **adapter_export.write_adapters(weights, cfg, out, dtype), "bytes": _bytes_under(out), "tokenizer": None}
+    record = lay.load_trainer_state(ckpt).get("lora") or {}
+    model = adapter_export.merged_model(weights, cfg, record, ckpt)
+    if cfg.model.hf_config or cfg.model.hf_pretrained:
+        folder, n_params = write_hf_folder(model.state_dict(), model.config, out, dtype)
+        return {**info, "format": "hf-save_pretrained", "merged": True, "num_params": n_params, "safetensors": str(folder),
+                "config": str(folder / "config.json"), "bytes": _bytes_under(folder),
+                "tokenizer": _copy_run_tokenizer(ckpt, folder) if tokenizer else None}
+    model_cfg = model_config_of(ckpt)
+    weights = one_tied_weight(dict(model.state_dict()), model_cfg["tie_embeddings"], "tenfold", ckpt)
+    info.update(format="tenfold-gpt", model=model_cfg, merged=True, num_params=int(sum(v.numel() for v in weights.values())))
+    st_path, cfg_path = write_safetensors(weights, out, dtype, info)
+    return {**info, "safetensors": str(st_path), "config": str(cfg_path), "bytes": st_path.stat().st_size,
+            "tokenizer": None}
 
-    if saved_model.get("hf_config") or saved_model.get("hf_pretrained"):
+
+def _bytes_under(folder: Path) -> int:
+    return sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
+
+
+def _checked_out(ckpt: Path, out: str | Path | None, saved_model: dict, overwrite: bool, merge: bool = False) -> Path:
+    """Where the export goes (one line if it cannot be written, or if it would replace something
+    without --overwrite): a Hugging Face model's is a folder, a LoRA run's adapters too."""
+
+    lora_run = adapter_export.is_lora_run(lay.read_json(ckpt / lay.CONFIG_FILE))
+    if lora_run and not merge:
+        folder = Path(out) if out is not None else default_out(ckpt).with_name(adapter_export.ADAPTER_FOLDER)
+        checked = check_out_path(folder, flag="export --out")
+        there = [str(folder)] if folder.is_dir() and any(folder.iterdir()) else []
+    elif saved_model.get("hf_config") or saved_model.get("hf_pretrained"):
         folder = Path(out).with_suffix("") if out is not None else default_out(ckpt).with_name("hf")
         checked = check_out_path(folder, flag="export --out")
         there = [str(folder)] if folder.is_dir() and any(folder.iterdir()) else []
@@ -256,11 +295,14 @@ def register(subparsers) -> None:
     p.add_argument("--out", help="output NAME.safetensors (default OUT/model.safetensors); the config goes to NAME.config.json "
                    "and the run's tokenizer to NAME.tokenizer/ beside it (a Hugging Face model: the folder NAME)")
     p.add_argument("--overwrite", action="store_true", help="replace what exists at those paths (refused without it)")
+    p.add_argument("--merge", action="store_true", help="a LoRA run: merge the adapters into the base it was trained "
+                   "on (rebuilt and checked by sha256) and write the merged model (default: the adapters as a PEFT "
+                   "folder, OUT/adapter)")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    summary = export_checkpoint(args.source, args.out, args.dtype, overwrite=args.overwrite)
+    summary = export_checkpoint(args.source, args.out, args.dtype, overwrite=args.overwrite, merge=args.merge)
     print(
         f"tenfold export: step {summary['step']} of {summary['source']} -> {summary['safetensors']} "
         f"({summary['num_params'] / 1e6:.2f}M params, {summary['dtype']}, {summary['bytes'] / 2**20:.1f} MiB); "

@@ -69,6 +69,8 @@ class Fit:
             self.console.print(run_summary.header_line(self.facts, self.cfg.train.steps, self.dist.dp_size,
                                                        self.dist.device.type, self.dist.tp_size))
             self.console.print(f"data: {t.data.describe()}")
+            if t.lora is not None:
+                self.console.print(t.lora.summary.line(t.lora.spec))
         self.checkpoints = CheckpointManager.from_config(self.cfg, t._checkpoint_states(), self.dist, self.say)
         saved = self.checkpoints.resume()
         self.run_memory = RunMemory(t)  # after the resume: it measures this run's second step

@@ -1,9 +1,13 @@
 """The one place where the techniques are applied to a model, in a fixed order.
 
-Order (torchtitan's `parallelize_llama`): pipeline split -> float8 conversion -> tensor
-parallelism -> activation recompute -> torch.compile per block -> ZeRO/FSDP wrapping, on one
-("pp", "dp", "tp") device mesh. The pipeline split comes first because each stage splits and
-shards only what it owns. Float8 conversion swaps modules (Linear -> Float8Linear) and so comes
+Order (torchtitan's `parallelize_llama`): low-rank adapters -> pipeline split -> NF4 base ->
+float8 conversion -> tensor parallelism -> activation recompute -> torch.compile per block ->
+ZeRO/FSDP wrapping, on one ("pp", "dp", "tp") device mesh. Adapters are a model conversion
+(PEFT's LoRA layers around the targeted Linears, the rest frozen in the compute dtype:
+techniques/lora.py) made on the whole model on every rank, so that their random init draws what
+one process draws, whatever the layout. The pipeline split comes next because each stage
+splits and shards only what it owns; QLoRA's NF4 quantization of the frozen Linears
+(techniques/nf4.py) is then done per stage, on what the stage keeps. Float8 conversion swaps modules (Linear -> Float8Linear) and so comes
 before every wrapper, as torchtitan converts the model before `parallelize_llama` runs: FSDP2
 then all-gathers the float8 weights its own way (techniques/fp8.py).
 Tensor parallelism comes before recompute so that a recomputed block re-runs its own tp
@@ -31,7 +35,8 @@ from tenfold.engine.distributed import DistInfo, embedding_group
 from tenfold.errors import UserError
 from tenfold.models.adapter import ModelAdapter
 from tenfold.run import ResolvedRun
-from tenfold.techniques import fp8, recompute, zero
+from tenfold.lora_terms import nf4_shards
+from tenfold.techniques import fp8, lora, nf4, recompute, zero
 from tenfold.techniques import tensor_parallel as tp
 from tenfold.techniques.compile import apply_compile, check_supported as check_compile_supported
 from tenfold.techniques.pipeline import PipelineSplit, split_for_rank
@@ -42,18 +47,25 @@ from tenfold.techniques.tied_embeddings import TiedEmbedding
 def parallelize(
     model: nn.Module, run: ResolvedRun, dist: DistInfo, blocks: list[nn.Module] | None = None,
     param_dtype: torch.dtype | None = None, kind: str = "tenfold", tp_plan: dict | None = None,
+    on_lora=None,
 ) -> nn.Module:
     """`blocks`: the model's repeated blocks (tenfold.models.adapter), recomputed and sharded
     one by one; None: tenfold's GPT `model.layers`. `param_dtype`: the 16-bit compute dtype
     (None for fp32); FSDP2 (ZeRO-2/3) then gathers parameters in it and reduces in fp32, over
     fp32 sharded master weights (MixedPrecisionPolicy). `kind`: the adapter's model kind, which
-    picks the tensor-parallel plan; `tp_plan`: a user's own plan instead."""
+    picks the tensor-parallel plan; `tp_plan`: a user's own plan instead. `on_lora`: called with
+    the adapters' summary (techniques.lora.LoraSummary) once they are on."""
     if run.compile:  # before any work: no C++ compiler (CPU) or Triton (GPU), no run
         check_compile_supported(dist.device.type)
     if run.fp8:  # before any work too: a device without float8 matmuls, no torchao
         fp8.check_supported(dist.device, run.config.precision.fp8_emulate)
     if dist.tp_size > 1:
         _broadcast_from_rank0(model)  # the tp ranks split one model: it must be the same everywhere
+    if run.lora is not None:  # adapters on the whole model, the base frozen in the compute dtype
+        adapted = lora.apply_lora(model, run.lora, blocks if blocks is not None else recompute.find_blocks(model),
+                                  param_dtype)
+        if on_lora is not None:
+            on_lora(adapted)
     if dist.pp_size > 1:  # split first; each stage then gets TP + recompute + ZeRO alone
         split = split_for_rank(model, run, dist, param_dtype)  # stage modules, each with its own blocks
         tied = _tie_stages(split, dist)  # tied embeddings: the last stage's copy = the first stage's
@@ -64,6 +76,8 @@ def parallelize(
 
 def _apply_techniques(model: nn.Module, run: ResolvedRun, dist: DistInfo, blocks, param_dtype, kind: str,
                       tp_plan: dict | None) -> nn.Module:
+    if run.lora is not None and run.lora.base == "nf4":
+        nf4.apply_nf4(model, blocks if blocks is not None else recompute.find_blocks(model), nf4_shards(run))
     if run.fp8:
         fp8.apply_fp8(model, blocks if blocks is not None else recompute.find_blocks(model), dist.device,
                       run.config.precision.fp8_emulate, fsdp_all_gather=run.zero_stage >= 2 and dist.dp_size > 1)

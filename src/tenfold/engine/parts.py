@@ -19,7 +19,9 @@ from tenfold.data import make_loader  # in memory, or streamed (data.streaming)
 from tenfold.data.arrays import bundle_from_array
 from tenfold.engine import run_shape
 from tenfold.engine.distributed import DistInfo, init_distributed, launched_by_torchrun, tighten_timeouts_after_first_step
+from tenfold.engine import lora_run
 from tenfold.engine.host_malloc import tune_malloc
+from tenfold.engine.lora_run import LoraRun
 from tenfold.engine.parallelize import check_techniques, check_tensor_parallel, parallelize
 from tenfold.engine.schedule import build_scheduler
 from tenfold.engine.torchrun_env import local_world_size
@@ -48,6 +50,7 @@ class Parts:
     optimizer: torch.optim.Optimizer
     scheduler: Any
     loader: Any
+    lora: LoraRun | None = None  # a LoRA run's base identity and adapters (engine/lora_run.py)
 
 
 def seed_everything(seed: int) -> None:
@@ -83,12 +86,12 @@ def build_parts(cfg: TenfoldConfig, user_model: nn.Module | None = None, user_da
     if user_dataset is not None:  # a user's packed rows set the sequence length
         run = run.with_seq_len(int(np.asarray(data.train[:1]).shape[1]) - 1)
     seed_everything(cfg.train.seed)
-    model, adapter = build_model(new_model(run, user_model), run, dist, precision, data, loss_fn, tp_plan)
+    model, adapter, lora = build_model(new_model(run, user_model), run, dist, precision, data, loss_fn, tp_plan)
     seed_tensor_parallel_ranks(cfg.train.seed, dist)
     optimizer, scheduler = build_optimizer(model, run, dist)
     loader = make_loader(data, run.global_batch, run.micro_batch, run.grad_accum,
                          dp_rank=dist.dp_rank, dp_size=dist.dp_size, seed=cfg.train.seed)
-    return Parts(run, dist, precision, data, adapter, model, optimizer, scheduler, loader)
+    return Parts(run, dist, precision, data, adapter, model, optimizer, scheduler, loader, lora)
 
 
 def check_fit(run: ResolvedRun, dist: DistInfo, precision: Precision, user_model: nn.Module | None) -> None:
@@ -138,18 +141,20 @@ def new_model(run: ResolvedRun, user_model: nn.Module | None) -> nn.Module:
 
 
 def build_model(model: nn.Module, run: ResolvedRun, dist: DistInfo, precision: Precision, data: Any,
-                loss_fn: Callable | None, tp_plan: dict | None) -> tuple[nn.Module, ModelAdapter]:
+                loss_fn: Callable | None, tp_plan: dict | None) -> tuple[nn.Module, ModelAdapter, LoraRun | None]:
     """The model on this rank's device, its adapter (blocks, FLOPs, loss), then every
-    technique applied in the one composition point."""
+    technique applied in the one composition point. A LoRA run's base is identified first, as
+    built (engine/lora_run.py)."""
     model = model.to(dist.device)
     adapter = adapt(model, run.seq_len, run.config.model.blocks, loss_fn)
     check_techniques(adapter, run)
     check_tensor_parallel(model, adapter, run, tp_plan)
     if hasattr(data, "fit_to_model"):  # packed examples: position_ids where the model masks by them
         data.fit_to_model(model, adapter.kind, dist.device)
+    lora = lora_run.prepare(model, run, dist)
     wrapped = parallelize(model, run, dist, blocks=adapter.blocks, param_dtype=precision.compute_dtype,
-                          kind=adapter.kind, tp_plan=tp_plan)
-    return wrapped, adapter
+                          kind=adapter.kind, tp_plan=tp_plan, on_lora=lambda s: lora_run.adapted(lora, adapter, s))
+    return wrapped, adapter, lora
 
 
 def build_optimizer(model: nn.Module, run: ResolvedRun, dist: DistInfo) -> tuple[torch.optim.Optimizer, Any]:

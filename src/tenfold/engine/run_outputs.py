@@ -13,6 +13,7 @@ from rich.console import Console
 from tenfold.engine import summary as run_summary
 from tenfold.engine import wandb_log
 from tenfold.engine.export import export_after_training
+from tenfold.engine.lora_run import ADAPTER_FOLDER, save_adapter_at_end
 from tenfold.engine.peak import peak_source
 from tenfold.engine.run_folder import replace_folder
 from tenfold.models.hf import save_hf_pretrained
@@ -78,6 +79,10 @@ def finish(fit: Fit, last: dict, wall: float) -> dict:
     if fit.dist.pp_size > 1:  # split, measured bubble per stage vs (P-1)/m
         summary["pipeline"] = t.model.report(fit.dist)
     summary["memory"].update(fit.run_memory.summary())
+    if t.lora is not None:
+        summary["lora"] = {**t.lora.record(), "adapted_linears": t.lora.summary.adapted,
+                           "trainable_params": t.lora.summary.trainable, "frozen_params": t.lora.summary.frozen,
+                           "nf4_linears": t.lora.summary.nf4}
     summary.update(exports(fit))
     summary["tokenizer"] = tokenizer_summary(t.data, fit.tokenizer_dir, summary.get("hf_export"))
     fit.writer.log_final(summary["final"])
@@ -100,6 +105,8 @@ def written_paths(fit: Fit, summary: dict) -> list[tuple[str, str]]:
         out.append((summary["export"], "16-bit weights (checkpoint.export_16bit)"))
     if summary.get("hf_export"):
         out.append((summary["hf_export"], "Hugging Face save_pretrained folder"))
+    if summary.get("adapter_export"):
+        out.append((summary["adapter_export"], "the adapters as a PEFT folder (tenfold export RUN --merge: merged weights)"))
     if fit.tokenizer_dir is not None:
         out.append((str(fit.tokenizer_dir), "the tokenizer that made the token ids"))
     return out
@@ -114,7 +121,12 @@ def exports(fit: Fit) -> dict:
         final = fit.checkpoints.save_final(fit.state.step)  # the trainer exports, not the manager
         exported = export_after_training(out_dir, final, t.dtype_name, log=fit.say)
         out["export"] = exported["safetensors"] if exported else str(out_dir / "model.safetensors")
-    if t.adapter.kind == "hf":
+    if t.lora is not None:  # the adapters as a PEFT folder; the base stays where it came from
+        m = fit.cfg.model
+        path = save_adapter_at_end(t.model, t.lora, out_dir, is_main=fit.dist.is_main, hf=t.adapter.kind == "hf",
+                                   base_path=m.hf_pretrained or m.hf_config)
+        out["adapter_export"] = str(path or out_dir / ADAPTER_FOLDER)
+    elif t.adapter.kind == "hf":
         save_hf_pretrained(t.model, out_dir / "hf", fit.dist.is_main)
         out["hf_export"] = str(out_dir / "hf")
     return out

@@ -23,6 +23,16 @@ import torch.nn as nn
 TRACKER_NOISE = "The module hierarchy tracking maybe be messed up"
 
 
+class _NoHook:
+    """A hook handle for a parameter that has no hook (MemTracker removes every handle it holds)."""
+
+    def remove(self) -> None:
+        pass
+
+
+_NO_HOOK = _NoHook()
+
+
 GATHERED = "Gathered parameter"  # the tracker's category for unsharded working copies of parameters
 
 
@@ -103,6 +113,14 @@ def _make_tracker_class():
                     self.act_peak = {**self.act_peak, dev: (act, dict(snap))}
                 copies = sum(v for k, v in snap.items() if getattr(k, "value", k) == GATHERED)
                 self.gathered_peak[dev] = max(self.gathered_peak.get(dev, 0), copies)
+
+        def _track_module_params_and_buffers(self, module: nn.Module, install_grad_hooks: bool = True):
+            # MemTracker hooks every parameter's gradient, and torch refuses a hook on a tensor
+            # that takes no gradient (a LoRA run's frozen base): those are marked as hooked.
+            for param in module.parameters():
+                if not param.requires_grad and self._param_to_grad_hook_handles.get(param) is None:
+                    self._param_to_grad_hook_handles[param] = (_NO_HOOK, _NO_HOOK)
+            return super()._track_module_params_and_buffers(module, install_grad_hooks)
 
         def _pre_fw_hook(self, module: nn.Module, inputs: Any) -> None:
             if module in self.memory_tracking and not self._mod_tracker.is_bw:

@@ -18,6 +18,7 @@ from tenfold.engine import step
 from tenfold.engine.checkpoint import training_states
 from tenfold.engine.distributed import on_every_rank
 from tenfold.engine.fit import Fit
+from tenfold.engine.lora_run import LoraCheckpointState
 from tenfold.engine.memory import run_memory_report
 from tenfold.engine.parts import Parts, build_parts
 from tenfold.engine.peak import mfu_peak
@@ -95,6 +96,7 @@ class Trainer:
     optimizer = property(lambda self: self._parts.optimizer)
     scheduler = property(lambda self: self._parts.scheduler)
     loader = property(lambda self: self._parts.loader)
+    lora = property(lambda self: self._parts.lora)  # a LoRA run's base identity and adapters, else None
     micro_batch = property(lambda self: self.run.micro_batch)
     grad_accum = property(lambda self: self.run.grad_accum)
     global_batch = property(lambda self: self.run.global_batch)
@@ -153,7 +155,8 @@ class Trainer:
     def _checkpoint_states(self) -> dict:
         """What a checkpoint holds, by name (engine/checkpoint: Stateful objects)."""
         return training_states(self.model, self.optimizer, scheduler=self.scheduler, scaler=self.scaler,
-                               loader=self.loader, counters=self.state)
+                               loader=self.loader, counters=self.state,
+                               lora=LoraCheckpointState(self.lora) if self.lora else None)
 
     def memory_report(self) -> int:
         """`tenfold train --memory-report`: one warm-up step, then one step measured by module

@@ -21,6 +21,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from tenfold.errors import UserError
+from tenfold.quiet import torchao_logs_silenced
 
 EXTRA_HINT = "pip install 'tenfold[hf]' (transformers>=4.40)"
 
@@ -91,7 +92,14 @@ def check_pretrained_folder(hf_pretrained: str | Path) -> Path:
 
 def build_hf_model(hf_config: str | None = None, hf_pretrained: str | None = None):
     """`AutoModelForCausalLM` from a local config (random init, seeded by the caller's torch
-    RNG) or from a local folder with safetensors weights. fp32 parameters in both cases."""
+    RNG) or from a local folder with safetensors weights. fp32 parameters in both cases.
+    (transformers imports torchao, where installed, as it builds a model: its import-time log
+    lines are silenced, tenfold.quiet.)"""
+    with torchao_logs_silenced():
+        return _build_hf_model(hf_config, hf_pretrained)
+
+
+def _build_hf_model(hf_config: str | None, hf_pretrained: str | None):
     import torch
 
     if hf_pretrained:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 
 from tenfold.errors import UserError
+from tenfold.plan import lora as lora_plan
 from tenfold.plan import memory
 from tenfold.plan.hardware import Hardware, get_hardware, with_gpus_per_node
 from tenfold.plan.shape import ModelShape, largest_unit_params, run_rank_params, shape_of
@@ -230,6 +231,9 @@ def _memory(shape: ModelShape, hw: Hardware, run: ResolvedRun, tr: _Trace, notes
     b = memory.bytes_per_param(run)
     z, pp = run.zero_runs_as, run.pp
     pipelined = " (unsharded: pipelining reduces once per step)" if pp > 1 and z >= 2 else ""
+    if run.lora is not None:
+        _trace_lora_states(tr, best, run)
+        return _trace_rest(tr, best, run, hw, notes)
     tr("params_bytes", best.params_bytes, f"{b.params:g} B/param x stage params"
        f"{' / N_d' if z >= 3 and pp == 1 else ''}", "ZeRO §5 (Rajbhandari et al. 2020); Megatron first-stage layout")
     tr("grads_bytes", best.grads_bytes, f"{b.grads:g} B/param x stage params{' / N_d' if z >= 2 and pp == 1 else ''}"
@@ -239,6 +243,20 @@ def _memory(shape: ModelShape, hw: Hardware, run: ResolvedRun, tr: _Trace, notes
     tr("optimizer_moments_bytes", best.optimizer_moments_bytes, f"{b.optimizer:g} B/param (Adam m, v){' / N_d' if z >= 1 else ''}", "ZeRO §3.1")
     tr("model_states_bytes", best.model_states_bytes, "stage 0: 16Ψ; 1: 4Ψ + 12Ψ/N_d; 2: 2Ψ + 14Ψ/N_d; 3: 16Ψ/N_d",
        "ZeRO Table 1 / §5.1-5.3")
+    return _trace_rest(tr, best, run, hw, notes)
+
+
+def _trace_lora_states(tr, best: MemoryBreakdown, run: ResolvedRun) -> None:
+    nf4 = run.lora.base == "nf4"
+    tr("params_bytes", best.params_bytes, "frozen base: B bytes/param" + (" (the blocks' Linears in NF4: 0.5 + 1/64 + "
+       "2/16384 bytes/value)" if nf4 else "") + " + adapters 4 B/param" + (" / N_d" if run.zero_runs_as >= 3 else ""),
+       "Hu et al. 2021" + ("; Dettmers et al. 2023 §3 (double quantization)" if nf4 else ""))
+    tr("grads_bytes", best.grads_bytes, "adapters only, 4 B/param (the frozen base takes no gradient)", "plan/lora.py")
+    tr("optimizer_moments_bytes", best.optimizer_moments_bytes, "adapters only, AdamW m + v, 8 B/param", "plan/lora.py")
+
+
+def _trace_rest(tr, best: MemoryBreakdown, run: ResolvedRun, hw: Hardware, notes: list[str]) -> MemoryBreakdown:
+    pp = run.pp
     if best.activations_bytes is not None:
         tr("activations_per_layer_bytes", best.activations_per_layer_bytes,
            "sbh(34 + 5as/h) no parallelism; TP: sbh(10 + 24/t + 5as/(ht)); per-term table, docs/planner.md",
@@ -280,7 +298,7 @@ def _fits(m: MemoryBreakdown, hw: Hardware, gpus: int) -> bool:
 def _stage_memory(shape: ModelShape, hw: Hardware, run: ResolvedRun, rank: int) -> MemoryBreakdown:
     cfg = shape.cfg
     n_params = run_rank_params(shape, run, rank)
-    st = memory.model_states(n_params, run)
+    st = _model_states(shape, run, rank, n_params)
     first, last = rank == 0, rank == run.pp - 1
     act = act_work = per_layer = inflight = None
     cpu = st.cpu_bytes
@@ -288,11 +306,16 @@ def _stage_memory(shape: ModelShape, hw: Hardware, run: ResolvedRun, rank: int) 
     if cfg is not None:
         sa = memory.stage_activations(cfg, run, run.rank_stage_layers(rank), first, last, rank)
         act, act_work, per_layer, inflight = sa.total, sa.working_bytes, sa.layer_full_bytes, sa.inflight
+        if run.lora is not None:
+            # QLoRA: a weight dequantized for its matmul, before the loss's tensors exist in the
+            # forward and after the head's backward freed them (plan/lora.py)
+            act = max(act, act - (sa.extra_bytes if last else 0.0) + lora_plan.dequant_working_bytes(cfg, run))
         cpu += sa.cpu_bytes
         tp_seq_bytes = run.micro_batch * run.seq_len * cfg.d_model * element_bytes(run.precision)
     unit = largest_unit_params(shape, run.tp)
     buffers, _ = memory.comm_buffer_bytes(run, unit, tp_seq_bytes)
-    autocast = memory.autocast_weight_copy_bytes(n_params, run)
+    autocast = (lora_plan.autocast_copy_bytes(cfg, run, run.rank_layers(rank)) if run.lora and cfg is not None
+                else memory.autocast_weight_copy_bytes(n_params, run))
     gathered = memory.gathered_param_bytes(n_params, run, unit) + autocast  # each term at its own high
     at_peak = gathered
     if autocast and act_work and run.recompute.kind in ("full", "every", "segments", "op"):
@@ -319,6 +342,16 @@ def _stage_memory(shape: ModelShape, hw: Hardware, run: ResolvedRun, rank: int) 
         runtime_overhead_bytes=hw.runtime_overhead_bytes, total_bytes=total, capacity_bytes=hw.memory_bytes,
         cpu_bytes=cpu, stage=name,
     )
+
+
+def _model_states(shape: ModelShape, run: ResolvedRun, rank: int, n_params: float) -> memory.ModelStates:
+    """ZeRO's model states, or a LoRA run's: the frozen base (16-bit or NF4) and the adapters'
+    weights, gradients and AdamW states (plan/lora.py)."""
+    if run.lora is None or shape.cfg is None:
+        return memory.model_states(n_params, run)
+    s = lora_plan.model_states(n_params, run.rank_layers(rank), shape.cfg, run)
+    return memory.ModelStates(params_bytes=s.params, grads_bytes=s.grads, master_weights_bytes=0.0,
+                              optimizer_moments_bytes=s.moments, grad_copy_bytes=0.0, cpu_bytes=s.cpu)
 
 
 def largest_micro_batch(run: ResolvedRun, hardware, memory_budget_bytes: float | None = None, limit: int = 4096,

@@ -235,11 +235,13 @@ def run(args) -> int:
 def _run_plan(args, t: Target, hw) -> int:
     from tenfold import capabilities
     from tenfold.plan.api import largest_micro_batch, predict
+    from tenfold.plan.lora_reference import paper_note
 
     plan = predict(t.run, hw, name=t.name, tokens=args.tokens, achieved_tflops=args.achieved_tflops)
     if not t.from_params:
         plan.unsupported = capabilities.problems(t.run)
         plan.max_micro_batch = largest_micro_batch(t.run, hw)
+        plan.notes += [n for n in [paper_note(t.run, hw)] if n]
     if args.emit and t.from_params:
         raise UserError("--emit writes a config tenfold train runs: give a model (--model, --hf-config or dimensions), not --params")
     advice = _advise(args, t, t.run, plan, hw) if not t.from_params and not plan.unsupported else None

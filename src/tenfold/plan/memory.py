@@ -10,6 +10,7 @@ import functools
 from dataclasses import dataclass
 
 from tenfold.models.presets import ModelConfig
+from tenfold.plan import lora as lora_plan
 from tenfold.plan.fp8 import block_param_bytes
 from tenfold.run import ResolvedRun, Stack, resolve
 from tenfold.terms import MULTI_STAGE_SCHEDULES, RecomputePolicy, element_bytes, op_saved_tensors, runs_on_fsdp2
@@ -159,8 +160,11 @@ class ActTerm:
 
 
 def layer_activation_terms(cfg: ModelConfig, run: ResolvedRun) -> tuple[ActTerm, ...]:
-    """The per-layer saved activations of one micro-batch (cached; see _layer_terms)."""
+    """The per-layer saved activations of one micro-batch (cached; see _layer_terms; a LoRA
+    run's: plan/lora.py)."""
     st = run.stack
+    if run.lora is not None and st.activation_style == "tenfold":
+        return tuple(ActTerm(n, b, tp, part, source=src) for n, b, tp, part, src in lora_plan.layer_terms(cfg, run))
     return _layer_terms(cfg, run.precision, st.activation_style, st.flash_attention, st.dropout)
 
 
@@ -274,7 +278,8 @@ def params_16bit_in_compute(run: ResolvedRun) -> bool:
     autocast (DDP, one rank) the embedding's output and so the residual stream are fp32."""
     if run.precision == "fp32":
         return False
-    return run.stack.master_weights or runs_on_fsdp2(run.zero_stage, run.tp, run.dp, run.offload)
+    lora_base = run.lora is not None  # the frozen base is kept in the compute dtype
+    return lora_base or run.stack.master_weights or runs_on_fsdp2(run.zero_stage, run.tp, run.dp, run.offload)
 
 
 def layer_input_bytes_per_token(cfg: ModelConfig, run: ResolvedRun) -> float:
@@ -425,6 +430,8 @@ def final_layer_activation_bytes(cfg: ModelConfig, run: ResolvedRun) -> float:
     bs = run.micro_batch * run.seq_len
     h, tp = cfg.d_model, run.tp
     B = element_bytes(run.precision)
+    if run.lora is not None and run.stack.activation_style == "tenfold":
+        return lora_plan.final_layer_bytes(cfg, run)
     if run.stack.activation_style == "tenfold":
         norm = ((4.0 + 4.0) if cfg.norm == "rmsnorm" else 4.0) + B
         return bs * (norm * h + 8.0 * cfg.vocab_size / tp)
@@ -442,12 +449,14 @@ def comm_buffer_bytes(run: ResolvedRun, largest_unit: float, tp_seq_bytes: float
     before its reduce-scatter (the gathered parameters are gathered_param_bytes). Nothing
     without data parallelism. PP: send/recv buffers."""
     b = bytes_per_param(run)
-    unit_param_bytes = block_param_bytes(run)  # float8 with --fp8 under FSDP2
+    unit_param_bytes, grads = block_param_bytes(run), b.grads  # float8 with --fp8 under FSDP2
+    if run.lora is not None and run.model is not None:  # the frozen base gathered, the adapters' gradients
+        unit_param_bytes, grads = lora_plan.unit_bytes_per_param(run)
     z = run.zero_runs_as
     if run.dp <= 1 and run.offload == "none":
         n, why = 0.0, "no gradient buffers (no data parallelism)"
     elif z >= 2 or run.tp > 1:
-        n = largest_unit * max(b.grads, unit_param_bytes)
+        n = largest_unit * max(grads, unit_param_bytes)
         why = "FSDP2: 1 unsharded grad unit"
     else:
         n = 2 * DDP_BUCKET_BYTES
@@ -469,6 +478,8 @@ def gathered_param_bytes(stage_params: float, run: ResolvedRun, largest_unit: fl
     one process keep fp32 parameters under torch.amp: `autocast_weight_copy_bytes`, which the
     caller adds. A 16-bit stack (master weights) computes on its own 16-bit parameters."""
     unit_bytes = block_param_bytes(run)
+    if run.lora is not None and run.model is not None:  # the frozen base (16-bit or NF4) and the adapters
+        unit_bytes = lora_plan.unit_bytes_per_param(run)[0]
     if run.zero_runs_as == 3 and run.pp == 1:
         return 2 * largest_unit * unit_bytes
     fsdp2 = runs_on_fsdp2(run.zero_stage, run.tp, run.dp, run.offload)

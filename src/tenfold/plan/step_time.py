@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from tenfold.errors import UserError
 from tenfold.plan import comm, dp_time, fp8, memory
+from tenfold.plan import lora as lora_plan
 from tenfold.plan import time as tm
 from tenfold.plan.flops import model_flops_per_token, recompute_flops_per_token, regathered_layers
 from tenfold.plan.hardware import Hardware
@@ -70,14 +71,18 @@ def step_flops(shape: ModelShape, r: ResolvedRun, tr) -> tuple[float, float]:
     """(model FLOPs, model + recompute FLOPs) of one optimizer step."""
     cfg = shape.cfg
     tokens_step = r.tokens_per_step
-    if cfg is not None:
+    if cfg is not None and r.lora is not None:  # frozen matmuls: no weight gradient (plan/lora.py)
+        model = lora_plan.flops_per_token(cfg, r) * tokens_step
+        rc = recompute_flops_per_token(cfg, r.seq_len, r.recompute, recomputed_blocks(r)) * tokens_step
+    elif cfg is not None:
         model = model_flops_per_token(cfg, r.seq_len) * tokens_step
         rc = recompute_flops_per_token(cfg, r.seq_len, r.recompute, recomputed_blocks(r)) * tokens_step
     else:
         model = 6.0 * shape.params * tokens_step
         rc = (2.0 * shape.params * tokens_step) if r.recompute.kind == "full" else 0.0
-    tr("model_flops_per_step", model, "(6N + 12 L s d) x tokens (N = matmul params incl. output layer)",
-       "Kaplan et al. 2020; PaLM App. B; nanoGPT estimate_mfu")
+    formula = ("(4 N_frozen + 6 N_adapters + 12 L s d) x tokens (no weight gradient for the frozen base)"
+               if r.lora is not None and cfg is not None else "(6N + 12 L s d) x tokens (N = matmul params incl. output layer)")
+    tr("model_flops_per_step", model, formula, "Kaplan et al. 2020; PaLM App. B; nanoGPT estimate_mfu")
     tr("recompute_flops_per_step", rc, "full: +1 forward per layer; selective: +4 s h per layer; every:N / segments:K: their share",
        "Narayanan Eq. (3) (96 vs 72); Korthikanti Eq. (8)")
     return model, model + rc
@@ -104,7 +109,7 @@ def step_time(shape: ModelShape, hw: Hardware, r: ResolvedRun, tr,
     replicas = comm.group_layout(r.replicas, r.tp * r.shard_size, gpn) if r.shard_group else None
     dp = dp_time.dp_step_comm(z, stage_work(shape, r, mb), hw, comm.group_layout(r.shard_size, r.tp, gpn),
                               r.stack.overlap_comm, replicas)
-    n_params = max(run_rank_params(shape, r, rank) for rank in r.busiest_ranks())
+    n_params = max(trained_params(shape, r, rank) for rank in r.busiest_ranks())
     on_rank = n_params / (r.shard_size if z >= 1 else 1)
     # What crosses the host link at the step: DeepSpeed's ZeRO-Offload sends 16-bit grads down
     # (ZeRO-1) and the updated params up; FSDP2's CPU offload (`optimizer+params`) steps on the
@@ -131,6 +136,13 @@ def step_time(shape: ModelShape, hw: Hardware, r: ResolvedRun, tr,
         embedding_sync_s=sync,
     )
     return t, model_flops, hw_flops
+
+
+def trained_params(shape: ModelShape, r: ResolvedRun, rank: int) -> float:
+    """The parameters the optimizer steps on a pipeline rank: all of them, or a LoRA run's adapters."""
+    if r.lora is not None and shape.cfg is not None:
+        return lora_plan.adapter_params(shape.cfg, r, r.rank_layers(rank))
+    return run_rank_params(shape, r, rank)
 
 
 def tied_embedding_sync_time(shape: ModelShape, hw: Hardware, r: ResolvedRun) -> float:
@@ -210,10 +222,15 @@ def stage_work(shape: ModelShape, r: ResolvedRun, mb: MicroBatch) -> dp_time.Sta
         per_layer, layers, regathered = on_stage, 1, 0.0
         fwd_w, bwd_w = mb.fwd, mb.bwd + mb.rc
     root = max(0.0, on_stage - layers * per_layer)
+    layer_bytes, layer_grads, root_grads = elem * per_layer, grad_bytes * per_layer, grad_bytes * root
+    if r.lora is not None and shape.known:  # gathers carry the frozen base (16-bit or NF4), reductions the adapters
+        counts = lora_plan.layer_counts(shape.cfg, r)
+        layer_bytes = lora_plan.frozen_bytes(per_layer, 1, counts, r.precision) + element_bytes(r.precision) * counts.adapters
+        layer_grads, root_grads = grad_bytes * counts.adapters, 0.0
     return dp_time.StageWork(
         layers=layers, layer_fwd_s=fwd_w, layer_bwd_s=bwd_w, bwd_s=mb.bwd + mb.rc,
-        layer_param_bytes=elem * per_layer, layer_grad_bytes=grad_bytes * per_layer,
-        root_param_bytes=element_bytes(r.precision) * root, root_grad_bytes=grad_bytes * root,
+        layer_param_bytes=layer_bytes, layer_grad_bytes=layer_grads,
+        root_param_bytes=element_bytes(r.precision) * root, root_grad_bytes=root_grads,
         regathered_layers=regathered, micro_batches=r.grad_accum, pp=r.pp,
         reduce_once=r.zero_stage == 1 and r.zero_runs_as == 2,
     )

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from tenfold.models.presets import ModelConfig
 from tenfold.plan.flops import Gemm, attention_core_gemms, head_gemm, layer_gemms
 from tenfold.plan import fp8
+from tenfold.plan import lora as lora_plan
 from tenfold.plan.hardware import Hardware
 from tenfold.run import ResolvedRun
 from tenfold.terms import RecomputePolicy, element_bytes
@@ -114,8 +115,21 @@ def layer_times(cfg: ModelConfig, run: ResolvedRun, hw: Hardware, peak: float, t
     mm = sum(g_times.values())
     fwd = mm + attn_f + elem
     bwd = 2 * mm + attn_b + 2 * elem
+    if run.lora is not None:
+        fwd, bwd = _lora_layer_times(cfg, run, hw, peak, mm, attn_f, attn_b, elem)
     mlp_f = g_times["mlp-in"] + g_times["mlp-out"]
     return LayerTimes(fwd, bwd, attn_f, mlp_f, 2 * tp_ar_time, op_rerun_matmuls(cfg, g_times) + elem)
+
+
+def _lora_layer_times(cfg: ModelConfig, run: ResolvedRun, hw: Hardware, peak: float, mm: float, attn_f: float,
+                      attn_b: float, elem: float) -> tuple[float, float]:
+    """A LoRA block: the frozen matmuls' backward is the input gradient only (1 x forward, not
+    2 x); each adapter adds its two thin matmuls (r wide, forward + 2 x backward); QLoRA
+    dequantizes each NF4 weight in the forward and again in the backward, memory-bound (plan/lora.py)."""
+    B = element_bytes(run.precision)
+    adapters = sum(gemm_time(Gemm("lora", m, n, k), hw, peak, B) for m, n, k in lora_plan.adapter_gemm_shapes(cfg, run))
+    dequant = lora_plan.dequant_bytes(cfg, run) / (hw.hbm_bw * MEMORY_EFFICIENCY)
+    return mm + adapters + attn_f + elem + dequant, mm + 2 * adapters + attn_b + 2 * elem + dequant
 
 
 def op_rerun_matmuls(cfg: ModelConfig, g_times: dict) -> float:
@@ -147,7 +161,8 @@ def head_time(cfg: ModelConfig, run: ResolvedRun, hw: Hardware, peak: float) -> 
     g = head_gemm(cfg, micro_batch, seq_len, tp)
     t = gemm_time(g, hw, peak, B)
     ce = micro_batch * seq_len * cfg.vocab_size / tp * (B + 4.0 * 3) / (hw.hbm_bw * MEMORY_EFFICIENCY)
-    return t + ce, 2 * t + ce
+    frozen = run.lora is not None  # a LoRA run's head takes no weight gradient
+    return t + ce, (1 if frozen else 2) * t + ce
 
 
 def optimizer_step_time(params_on_rank: float, hw: Hardware, offload: bool, gpus_on_node: int,

@@ -31,7 +31,6 @@ CUDA GPU torchao's `emulate=True` multiplies the float8 values in fp32.
 
 from __future__ import annotations
 
-import logging
 import sys
 from dataclasses import replace
 from typing import Any
@@ -40,7 +39,7 @@ import torch
 import torch.nn as nn
 
 from tenfold.errors import UserError
-from tenfold.quiet import NOISY_LOGGERS
+from tenfold.quiet import import_quietly
 
 FLAG = "precision.fp8 (--fp8)"
 MIN_CAPABILITY = (8, 9)  # the first CUDA architecture with float8 tensor cores (Ada)
@@ -75,21 +74,8 @@ def _device_words(device: torch.device) -> str:
 
 
 def _torchao_float8():
-    """torchao.float8, imported without its import-time log lines (tenfold.quiet: none of the
-    kernel libraries torchao fails to load is float8 training's), also where tenfold is used as
-    a library and the command line's hush is not in force."""
-    loggers = [logging.getLogger(name) for name in NOISY_LOGGERS]
-    levels = [logger.level for logger in loggers]
-    for logger in loggers:
-        logger.setLevel(logging.ERROR)
-    try:
-        import torchao.float8 as float8
-    except ImportError:
-        raise UserError(f"{FLAG} needs torchao: pip install 'tenfold[fp8]'") from None
-    finally:
-        for logger, level in zip(loggers, levels):
-            logger.setLevel(level)
-    return float8
+    """torchao.float8, imported without its import-time log lines."""
+    return import_quietly("torchao.float8", f"{FLAG} needs torchao: pip install 'tenfold[fp8]'")
 
 
 def float8_config(device: torch.device, emulate: bool, fsdp_all_gather: bool) -> Any:

@@ -320,13 +320,15 @@ class PipelinedModel(nn.Module):
     def eval_loss_sum(self, batches: list[dict]) -> float:
         return self.runner.eval_loss_sum(*_concat(batches))
 
-    def full_state_dict(self) -> dict | None:
+    def full_state_dict(self, trainable_only: bool = False) -> dict | None:
         """The whole model's unsharded state dict (CPU) on global rank 0, None elsewhere. Each
         stage's tensors are gathered over dp and tp (ZeRO-3 shards, tp splits) on its own ranks,
         then the stages' first dp/tp ranks, which form global rank 0's pp group, send them to
-        rank 0. Collective: every rank calls it."""
+        rank 0. `trainable_only`: the parameters that train (a LoRA run's adapters). Collective:
+        every rank calls it."""
 
-        state = get_model_state_dict(self, options=StateDictOptions(full_state_dict=True))
+        options = StateDictOptions(full_state_dict=True, ignore_frozen_params=trainable_only)
+        state = get_model_state_dict(self, options=options)
         state = {k: v.detach().cpu() for k, v in state.items()}
         d = self.dist_info
         if d is None or not dist.is_initialized():

@@ -49,6 +49,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 from tenfold.errors import TenfoldNote, UserError
+from tenfold.techniques.nf4 import is_nf4
 from tenfold.techniques.offload import host_optimizer, offload_policy, offloads, offloads_optimizer_only, optimizer_device
 from tenfold.techniques.optimizer import adamw_kwargs, allocate_states, build_optimizer, clip_grad_norm as _clip, param_groups
 from tenfold.techniques.tied_embeddings import uncounted_in_norm
@@ -130,6 +131,8 @@ def _broadcast_from_dp_rank0(model: nn.Module, dist: Any) -> None:
     for t in list(model.parameters()) + list(model.buffers()):
         # a tensor-parallel DTensor: its local part (the dp peers hold the same part)
         local = t.to_local() if hasattr(t, "to_local") else t.data
+        if is_nf4(local):  # QLoRA's frozen 4-bit base: every rank checked it built the same (engine/lora_run.py)
+            continue
         torch_dist.broadcast(local, src=src, group=group)
 
 
@@ -144,6 +147,9 @@ def _wrap_ddp(model: nn.Module, parallel_cfg: Any, dist: Any) -> nn.Module:
         kwargs["bucket_cap_mb"] = parallel_cfg.reduce_bucket_size * 4 / 2**20
     if dist.device.type == "cuda":
         kwargs["device_ids"] = [dist.device.index]
+    # QLoRA's 4-bit weights cannot be broadcast; every rank checked it built the same base
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+        model, [name for name, p in model.named_parameters() if is_nf4(p)])
     ddp = DistributedDataParallel(model, **kwargs)
     _ddp_reduce_hook(ddp, parallel_cfg, dist)
     return ddp

@@ -9,6 +9,8 @@ written on one layout loads on another: DCP reshards.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -39,22 +41,40 @@ def local_optimizers(optimizer) -> list:
     return [optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer]
 
 
-class ModelState:
-    """The model's parameters and buffers (this rank's shards) under their FQNs."""
+# A LoRA run's checkpoint: the parameters that train (the adapters) and no frozen base, which
+# the run rebuilds from its source (engine/lora_run.py checks it is the same base).
+TRAINABLE_ONLY = StateDictOptions(flatten_optimizer_state_dict=True, ignore_frozen_params=True)
 
-    def __init__(self, model: torch.nn.Module):
+
+class ModelState:
+    """The model's parameters and buffers (this rank's shards) under their FQNs; with
+    `trainable_only`, the parameters that train (and the buffers)."""
+
+    def __init__(self, model: torch.nn.Module, trainable_only: bool = False):
         self.model = model
+        self.options = TRAINABLE_ONLY if trainable_only else STATE_DICT_OPTIONS
 
     def state_dict(self) -> dict:
-        return get_model_state_dict(self.model, options=STATE_DICT_OPTIONS)
+        return get_model_state_dict(self.model, options=self.options)
 
     def load_state_dict(self, state: dict) -> None:
-        set_model_state_dict(self.model, state, options=STATE_DICT_OPTIONS)
+        if self.options is STATE_DICT_OPTIONS:
+            set_model_state_dict(self.model, state, options=self.options)
+            return
+        # strict=False: the frozen base is not in the checkpoint; every trained parameter must be
+        result = set_model_state_dict(self.model, state, options=replace(self.options, strict=False))
+        trained = {n for n, p in self.model.named_parameters() if p.requires_grad}
+        missing = [k for k in result.missing_keys if k in trained]
+        if missing:
+            raise KeyError(f"the checkpoint has no {missing[0]!r}")
 
     def non_finite_parameter(self) -> str | None:
-        """The name of the first parameter of this rank holding NaN/inf (local shards)."""
+        """The name of the first trained parameter of this rank holding NaN/inf (local shards);
+        a frozen one never changes (a LoRA run's base, possibly NF4, which has no isfinite)."""
         with torch.no_grad():
             for name, p in self.model.named_parameters():
+                if not p.requires_grad:
+                    continue
                 local = p.to_local() if hasattr(p, "to_local") else p
                 if local.numel() and not bool(torch.isfinite(local).all()):
                     return name

@@ -181,10 +181,15 @@ class JsonState:
                 setattr(obj, k, v)
 
 
-def training_states(model, optimizer, *, scheduler=None, scaler=None, loader=None, counters=None) -> dict:
+def training_states(model, optimizer, *, scheduler=None, scaler=None, loader=None, counters=None,
+                    lora=None) -> dict:
     """The `states` a training run checkpoints, under the names the on-disk format uses:
-    model + optimizer in DCP, the rest as JSON (see `manager.DCP_STATES` / `RANK_STATES`)."""
-    states: dict[str, Any] = {"model": ModelState(model), "rng": RNGState()}
+    model + optimizer in DCP, the rest as JSON (see `manager.DCP_STATES` / `RANK_STATES`).
+    `lora`: a LoRA run's base identity (engine/lora_run.LoraCheckpointState); the model state is
+    then the adapters only."""
+    states: dict[str, Any] = {"model": ModelState(model, trainable_only=lora is not None), "rng": RNGState()}
+    if lora is not None:
+        states["lora"] = lora
     if optimizer is not None:
         states["optim"] = OptimizerState(model, optimizer)
     for name, obj in (("scheduler", scheduler), ("scaler", scaler), ("loader", loader), ("state", counters)):
