@@ -13,7 +13,7 @@ from tenfold.cli import main
 
 BAD_PIPELINES = [
     (["--nproc", "2", "--pp", "2", "--grad-accum", "1"], "train.grad_accum=1 < parallel.pp_degree=2"),
-    (["--nproc", "3", "--pp", "2", "--grad-accum", "4"], "must divide --nproc (3)"),
+    (["--nproc", "3", "--pp", "2", "--grad-accum", "4"], "must divide the number of processes (3)"),
     (["--pp", "2", "--grad-accum", "4"], "must divide the number of processes (1)"),
     (["--nproc", "2", "--pp", "2", "--grad-accum", "4", "--pp-schedule", "interleaved", "--virtual-stages", "4"],
      "8 pipeline stages"),
