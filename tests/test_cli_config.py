@@ -173,8 +173,18 @@ def test_anything_that_escapes_validation_is_one_line_and_debug_shows_it(tmp_pat
 
 
 def test_debug_is_accepted_after_any_subcommand(capsys):
-    assert main(["plan", "--model", "tiny", "--gpu", "cpu", "--json", "--debug"]) == 0
+    assert main(["plan", "--model", "tiny", "--gpu", "a100-80gb", "--json", "--debug"]) == 0
     assert '"fits"' in capsys.readouterr().out
+
+
+def test_cpu_plan_without_torch_says_what_measures_the_peak(monkeypatch, tmp_path, capsys):
+    from tenfold.plan import cpu_peak
+
+    monkeypatch.setenv("TENFOLD_CACHE_DIR", str(tmp_path))  # no cached peak
+    monkeypatch.setattr(cpu_peak, "torch_version", lambda: "none")
+    assert main(["plan", "--model", "tiny", "--gpu", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "measured with torch, which is not installed" in err and "--gpu a100-80gb" in err, err
 
 
 def test_keys_with_control_characters_stay_on_one_line(tmp_path, capsys):

@@ -94,6 +94,10 @@ def measured_peak(dtype: str) -> float:
     cached = cached_peak(dtype, threads)
     if cached is not None:
         return cached
+    if torch_version() == "none":
+        raise UserError(f"--gpu cpu: this CPU's {dtype} peak is measured with torch, which is not "
+                        "installed here; install torch, or name a GPU from the catalog (--gpu a100-80gb), "
+                        "or give the rate (--achieved-tflops)")
     cmd = [sys.executable, "-m", "tenfold.engine.peak", "--dtype", dtype, "--threads", str(threads)]
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S, check=True)
