@@ -9,6 +9,8 @@
   file is one line, exit 2.
 * Every value is checked in the layer that writes it; empty flag values are refused.
 * A Hugging Face run prints nothing before tenfold's header (library noise kept back).
+* OpenMP's threads sleep after 1,000 spins instead of 300,000 unless the user set a wait policy:
+  a busy core no longer stalls every barrier of a small model's step.
 
 Wall-clock bounds here are generous (a loaded CI machine); what is bounded is asserted by
 structure: how many GEMMs ran, when the measurement was called, whether anything was built.
@@ -398,3 +400,22 @@ def test_library_noise_is_hidden_and_tenfolds_own_warnings_and_library_errors_ar
     assert quiet.verbose()
     monkeypatch.setenv(quiet.VERBOSE_ENV, "0")
     assert not quiet.verbose() and quiet.verbose(True)
+
+
+# --------------------------------------------------------------------------- OpenMP's waits
+
+@pytest.mark.parametrize("user_env", [{}, {"GOMP_SPINCOUNT": "50000"}, {"OMP_WAIT_POLICY": "ACTIVE"}])
+def test_the_command_line_lets_openmp_threads_sleep_sooner_unless_the_user_chose(user_env):
+    """GOMP_SPINCOUNT must be in the environment before torch loads libgomp: the command line
+    sets it before any subcommand imports torch, and leaves a user's OpenMP wait setting alone."""
+    env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    env.update(user_env)
+    probe = ("import os, sys\n"
+             "from tenfold.cli import main\n"
+             "assert 'torch' not in sys.modules, 'torch loaded before the OpenMP setting'\n"
+             "main(['plan', '--model', 'tiny', '--gpu', 'a100-80gb', '--json'])\n"
+             "print('GOMP_SPINCOUNT=' + os.environ.get('GOMP_SPINCOUNT', 'unset'), file=sys.stderr)\n")
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    expected = user_env.get("GOMP_SPINCOUNT", "unset" if user_env else "1000")
+    assert out.stderr.strip().splitlines()[-1] == f"GOMP_SPINCOUNT={expected}"
