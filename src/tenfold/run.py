@@ -77,6 +77,7 @@ class ResolvedRun:
     offload: str = "none"  # ZeRO-Offload: tenfold.terms.OFFLOADS
     reduce_dtype: str = "fp32"  # the data-parallel gradient collectives' dtype (tenfold.terms.REDUCE_DTYPES)
     shard_group: int | None = None  # dp ranks that shard together (HSDP); None: every dp rank
+    ep: int = 1  # expert parallelism: ranks each MoE layer's experts are split over, borrowed from dp
     pp_split_given: bool = False  # stage_layers came from parallel.pp_split, not the default rule
     model_kind: str = "tenfold"  # tenfold.capabilities.MODEL_KINDS
     hf_model_type: str = ""  # a Hugging Face model's config.json model_type
@@ -149,7 +150,7 @@ class ResolvedRun:
             "precision": self.precision, "micro_batch": self.micro_batch, "grad_accum": self.grad_accum,
             "global_batch": self.global_batch, "seq_len": self.seq_len, "recompute": str(self.recompute),
             "zero_stage": self.zero_stage, "zero_runs_as": self.zero_runs_as, "shard_group": self.shard_group,
-            "offload": self.offload, "reduce_dtype": self.reduce_dtype,
+            "offload": self.offload, "reduce_dtype": self.reduce_dtype, "ep": self.ep,
             "pp_schedule": self.pp_schedule, "virtual_stages": self.virtual_stages,
             "stage_layers": list(self.stage_layers), "sequence_parallel": self.sequence_parallel,
             "lora": asdict(self.lora) if self.lora else None, "stack": asdict(self.stack),
@@ -169,6 +170,8 @@ class ResolvedRun:
             parts.append(f"schedule {self.pp_schedule}, {self.virtual_stages} stage(s) per rank, blocks per stage {split}")
         if self.sequence_parallel:
             parts.append("sequence parallel")
+        if self.ep > 1:
+            parts.append(f"experts over ep {self.ep} (of the dp ranks)")
         if self.lora:
             parts.append(self.lora.text())
         return "; ".join(parts)
@@ -201,7 +204,7 @@ class ResolvedRun:
             "precision": self.precision, "micro_batch": self.micro_batch, "grad_accum": self.grad_accum,
             "global_batch": self.global_batch, "seq_len": self.seq_len, "recompute": self.recompute,
             "zero_stage": self.zero_stage, "offload": self.offload, "shard_group": self.shard_group,
-            "reduce_dtype": self.reduce_dtype,
+            "reduce_dtype": self.reduce_dtype, "ep": self.ep,
             "pp": self.pp, "tp": self.tp, "pp_schedule": self.pp_schedule, "virtual_stages": self.virtual_stages,
             "pp_split": self.stage_layers if self.pp_split_given else None,
             "sequence_parallel": self.sequence_parallel, "model_kind": self.model_kind,
@@ -218,7 +221,7 @@ class ResolvedRun:
 CHOICES = {
     "precision": "bf16", "micro_batch": None, "grad_accum": None, "global_batch": None, "seq_len": None,
     "recompute": "none", "zero_stage": 0, "offload": "none", "shard_group": None, "reduce_dtype": "fp32",
-    "pp": 1, "tp": 1, "pp_schedule": "1f1b",
+    "ep": 1, "pp": 1, "tp": 1, "pp_schedule": "1f1b",
     "virtual_stages": None, "pp_split": None, "sequence_parallel": None, "model_kind": "tenfold",
     "hf_model_type": "", "compile": False, "fp8": False, "lora": None, "stack": ENGINE_STACK,
 }
@@ -266,6 +269,7 @@ def resolve(model: ModelConfig | None, world_size: int, *, params: float | None 
     dp = world_size // (pp * tp)
     sequence_parallel = sequence_parallel_for(tp, c["sequence_parallel"])
     shard_group = None if c["shard_group"] in (None, dp) else c["shard_group"]  # one group of every dp rank: plain ZeRO
+    ep = check_expert_parallel(c["ep"], dp, model)
     seq_len = check_sequence_split(_seq_len(model, c["seq_len"]), tp, sequence_parallel)
     v = virtual_stages_for(c["pp_schedule"], c["virtual_stages"]) if pp > 1 else 1
     n_layers = model.n_layers if model is not None else pp * v
@@ -277,7 +281,7 @@ def resolve(model: ModelConfig | None, world_size: int, *, params: float | None 
         zero_stage=c["zero_stage"], pp_schedule=c["pp_schedule"], virtual_stages=v,
         stage_layers=stage_layer_counts(n_layers, stages, c["pp_split"] if pp > 1 else None),
         sequence_parallel=sequence_parallel, offload=c["offload"], shard_group=shard_group,
-        reduce_dtype=c["reduce_dtype"],
+        reduce_dtype=c["reduce_dtype"], ep=ep,
         pp_split_given=pp > 1 and c["pp_split"] is not None, model_kind=c["model_kind"],
         hf_model_type=c["hf_model_type"], compile=c["compile"], fp8=c["fp8"], lora=c["lora"], stack=c["stack"],
         config=config,
@@ -285,6 +289,23 @@ def resolve(model: ModelConfig | None, world_size: int, *, params: float | None 
     if check:
         capabilities.check(run)
     return run
+
+
+def check_expert_parallel(ep: int, dp: int, model: ModelConfig | None) -> int:
+    """The ep degree's rule (torchtitan's): ep ranks are data-parallel ranks, so ep divides dp; every
+    MoE layer's experts split evenly over them."""
+    if ep < 1:
+        raise UserError(f"parallel.ep_degree (--ep) must be >= 1, got {ep}")
+    if ep == 1:
+        return 1
+    if model is not None and not model.is_moe:
+        raise UserError(f"parallel.ep_degree (--ep) {ep} needs a mixture-of-experts model (model.n_experts > 0)")
+    if dp % ep:
+        raise UserError(f"parallel.ep_degree (--ep) {ep} must divide the {dp} data-parallel ranks "
+                        "(expert parallelism borrows its ranks from data parallelism)")
+    if model is not None and model.n_experts % ep:
+        raise UserError(f"parallel.ep_degree (--ep) {ep} must divide model.n_experts ({model.n_experts})")
+    return ep
 
 
 def _check_choices(world_size: int, c: dict) -> None:
@@ -340,7 +361,7 @@ def choices_from_config(cfg) -> dict:
         "precision": cfg.precision.dtype, "micro_batch": t.micro_batch, "grad_accum": t.grad_accum,
         "global_batch": t.global_batch, "seq_len": cfg.seq_len(), "recompute": cfg.recompute.policy,
         "zero_stage": par.zero_stage, "offload": par.offload, "shard_group": par.shard_group_size,
-        "reduce_dtype": par.reduce_dtype, "pp": par.pp_degree, "tp": par.tp_degree,
+        "reduce_dtype": par.reduce_dtype, "ep": par.ep_degree, "pp": par.pp_degree, "tp": par.tp_degree,
         "pp_schedule": par.pp_schedule, "virtual_stages": par.virtual_stages,
         "pp_split": tuple(par.pp_split) if par.pp_split else None, "sequence_parallel": par.sequence_parallel,
         "model_kind": model_kind(cfg), "hf_model_type": hf_model_type(cfg), "compile": t.compile,
@@ -363,7 +384,7 @@ def config_for_run(base, run: ResolvedRun):
         virtual_stages=run.virtual_stages if run.pp_schedule in MULTI_STAGE_SCHEDULES and run.pp > 1 else None,
         sequence_parallel=None if run.sequence_parallel == (run.tp > 1) else run.sequence_parallel,
         pp_split=list(run.stage_layers) if run.pp_split_given else None, offload=run.offload,
-        shard_group_size=run.shard_group, reduce_dtype=run.reduce_dtype,
+        shard_group_size=run.shard_group, reduce_dtype=run.reduce_dtype, ep_degree=run.ep,
     )
     d["train"].update(micro_batch=run.micro_batch, global_batch=run.global_batch, grad_accum=None)
     d["data"]["seq_len"] = run.seq_len

@@ -55,6 +55,8 @@ class DistInfo:
     mesh: object | None = None  # torch DeviceMesh ("pp", "dp", "tp") when world_size > 1
     shard_size: int = 0  # dp ranks that shard together: dp_size, or the HSDP group (0: one process)
     hybrid_mesh: object | None = None  # ("dp_replicate", "dp_shard") under hybrid sharding (`hybrid_mesh`)
+    ep_size: int = 1  # expert parallelism: ranks one MoE layer's experts are split over (borrowed from dp)
+    ep_mesh: object | None = None  # ("dp_mod_ep", "ep") view of the dp axis (`expert_mesh`)
     embedding_group: object | None = None  # tied embeddings across pipeline stages (`embedding_group`)
 
     @property
@@ -107,7 +109,7 @@ def world_size_from_env() -> int:
 
 
 def init_distributed(pp_size: int = 1, timeout_s: float = 600.0, tp_size: int = 1, shard_size: int | None = None,
-                     offload: bool = False) -> DistInfo:
+                     offload: bool = False, ep_size: int = 1) -> DistInfo:
     """Join the job's process group and build the (pp, dp, tp) device mesh. The sizes come
     from the resolved run (tenfold.run.resolve_run has checked that pp x tp divides the world
     and that `shard_size`, the HSDP group, divides dp). `offload`: ZeRO-Offload, which runs on
@@ -138,6 +140,7 @@ def init_distributed(pp_size: int = 1, timeout_s: float = 600.0, tp_size: int = 
         pp_size=pp_size, pp_rank=mesh["pp"].get_local_rank(),
         tp_size=tp_size, tp_rank=mesh["tp"].get_local_rank(), mesh=mesh, shard_size=shard,
         hybrid_mesh=hybrid_mesh(mesh, dp_size, shard) if shard < dp_size else None,
+        ep_size=ep_size, ep_mesh=expert_mesh(mesh, dp_size, ep_size) if ep_size > 1 else None,
     )
 
 
@@ -178,6 +181,14 @@ def hybrid_mesh(mesh, dp_size: int, shard_size: int):
     return mesh["dp"]._unflatten(0, (dp_size // shard_size, shard_size), ("dp_replicate", "dp_shard"))
 
 
+def expert_mesh(mesh, dp_size: int, ep_size: int):
+    """Expert parallelism borrows its ranks from data parallelism (torchtitan): the dp axis viewed as
+    ("dp_mod_ep", "ep"), consecutive dp ranks forming one ep group. `["ep"]` splits the experts and
+    carries the all-to-all; `["dp_mod_ep"]` joins the ranks holding the same experts
+    (tenfold.run.check_expert_parallel has checked that ep divides dp)."""
+    return mesh["dp"]._unflatten(0, (dp_size // ep_size, ep_size), ("dp_mod_ep", "ep"))
+
+
 def embedding_group(info: DistInfo) -> tuple[Any, int | None]:
     """Megatron-LM's embedding group for tied embeddings across pipeline stages: the first and
     the last pipeline rank at this rank's (dp, tp) coordinate, as (group, global rank of its
@@ -208,6 +219,8 @@ def _all_groups(info: DistInfo) -> list:
             groups.append(info.mesh[name].get_group())
     if info.hybrid_mesh is not None:
         groups += [info.hybrid_mesh[name].get_group() for name in ("dp_replicate", "dp_shard")]
+    if info.ep_mesh is not None:
+        groups += [info.ep_mesh[name].get_group() for name in ("dp_mod_ep", "ep")]
     if info.embedding_group is not None:
         groups.append(info.embedding_group)
     return groups

@@ -77,7 +77,8 @@ def build_parts(cfg: TenfoldConfig, user_model: nn.Module | None = None, user_da
     world = run_shape.world_size(cfg) if launched_by_torchrun() else 1  # checks a multi-node plan's size
     run = resolve_run(cfg, world, own_model=user_model is not None)
     check_available(cfg.log.wandb)
-    dist = init_distributed(run.pp, cfg.parallel.timeout_s, run.tp, run.shard_group, offload=run.offload != "none")
+    dist = init_distributed(run.pp, cfg.parallel.timeout_s, run.tp, run.shard_group, offload=run.offload != "none",
+                            ep_size=run.ep)
     precision = build_precision(run.precision, cfg.precision, dist.device)
     check_fit(run, dist, precision, user_model)  # before the data and the model take any memory
     if dist.device.type == "cpu":  # before the model and data take their memory
