@@ -61,7 +61,7 @@ ENGINE_STACK = Stack()
 class ResolvedRun:
     model: ModelConfig | None  # the configured shape; None: only a parameter count (tenfold plan --params)
     params: float  # parameters of the model
-    world_size: int  # processes (GPUs): pp x dp x tp
+    world_size: int  # processes (GPUs): pp x dp x cp x tp
     pp: int  # pipeline ranks
     dp: int  # data-parallel ranks
     tp: int  # tensor-parallel ranks: each layer's matrices split over them
@@ -84,6 +84,7 @@ class ResolvedRun:
     fp8: bool = False  # float8 matmuls in the blocks (precision.fp8), on top of `precision`
     lora: LoraSpec | None = None  # low-rank adapters on a frozen base (tenfold.lora_terms); None: every weight trains
     stack: Stack = ENGINE_STACK
+    cp: int = 1  # context-parallel ranks: each sequence split over them (techniques/context_parallel.py)
     config: object = field(default=None, compare=False)  # the TenfoldConfig it was read from (None: built by the planner)
 
     # ------------------------------------------------------------------ derived values
@@ -104,19 +105,26 @@ class ResolvedRun:
         return self.global_batch * self.seq_len
 
     @property
+    def grad_ranks(self) -> int:
+        """Ranks that hold the same parameters and reduce their gradients together: dp x cp (the
+        cp ranks train on other tokens of the same rows; torchtitan shards over dp_shard x cp)."""
+        return self.dp * self.cp
+
+    @property
     def shard_size(self) -> int:
-        """Ranks a ZeRO-2/3 state is split over: the shard group under hybrid sharding, else dp."""
-        return self.shard_group or self.dp
+        """Ranks a ZeRO-2/3 state is split over: the shard group (x cp) under hybrid sharding,
+        else dp x cp."""
+        return self.shard_group * self.cp if self.shard_group else self.grad_ranks
 
     @property
     def replicas(self) -> int:
         """Copies of each shard: dp / shard group under hybrid sharding, else 1."""
-        return self.dp // self.shard_size if self.dp % self.shard_size == 0 else 1
+        return self.grad_ranks // self.shard_size if self.grad_ranks % self.shard_size == 0 else 1
 
     @property
     def zero_runs_as(self) -> int:
         """The stage whose memory and traffic the engine really has (tenfold.terms.zero_runs_as)."""
-        return zero_runs_as(self.zero_stage, self.tp, self.dp, self.offload)
+        return zero_runs_as(self.zero_stage, self.tp, self.grad_ranks, self.offload)
 
     @property
     def n_stages(self) -> int:
@@ -145,7 +153,7 @@ class ResolvedRun:
     def layout(self) -> dict:
         """The run's layout with the names every output uses (`tenfold plan --json`'s `strategy`)."""
         return {
-            "world_size": self.world_size, "pp": self.pp, "dp": self.dp, "tp": self.tp,
+            "world_size": self.world_size, "pp": self.pp, "dp": self.dp, "cp": self.cp, "tp": self.tp,
             "precision": self.precision, "micro_batch": self.micro_batch, "grad_accum": self.grad_accum,
             "global_batch": self.global_batch, "seq_len": self.seq_len, "recompute": str(self.recompute),
             "zero_stage": self.zero_stage, "zero_runs_as": self.zero_runs_as, "shard_group": self.shard_group,
@@ -158,7 +166,8 @@ class ResolvedRun:
     def layout_line(self) -> str:
         """`pp 2 x dp 4 x tp 1; ZeRO-3; recompute full; ...`: the layout in one line, saying where
         the engine runs one strategy as another."""
-        parts = [f"{self.world_size} = pp {self.pp} x dp {self.dp} x tp {self.tp}", zero_text(self)]
+        cp = f" x cp {self.cp}" if self.cp > 1 else ""
+        parts = [f"{self.world_size} = pp {self.pp} x dp {self.dp}{cp} x tp {self.tp}", zero_text(self)]
         parts.append(f"recompute {self.recompute}")
         if self.offload != "none":
             parts.append(f"offload {self.offload}")
@@ -182,7 +191,7 @@ class ResolvedRun:
         if unknown:
             raise TypeError(f"unknown run choice(s): {', '.join(unknown)}")
         now = self.choices()
-        if "micro_batch" in changes or {"pp", "tp", "world_size"} & set(changes):
+        if "micro_batch" in changes or {"pp", "tp", "cp", "world_size"} & set(changes):
             now["grad_accum"] = None
         if changes.get("pp_schedule", self.pp_schedule) not in MULTI_STAGE_SCHEDULES:
             now["virtual_stages"] = None
@@ -202,7 +211,7 @@ class ResolvedRun:
             "global_batch": self.global_batch, "seq_len": self.seq_len, "recompute": self.recompute,
             "zero_stage": self.zero_stage, "offload": self.offload, "shard_group": self.shard_group,
             "reduce_dtype": self.reduce_dtype,
-            "pp": self.pp, "tp": self.tp, "pp_schedule": self.pp_schedule, "virtual_stages": self.virtual_stages,
+            "pp": self.pp, "tp": self.tp, "cp": self.cp, "pp_schedule": self.pp_schedule, "virtual_stages": self.virtual_stages,
             "pp_split": self.stage_layers if self.pp_split_given else None,
             "sequence_parallel": self.sequence_parallel, "model_kind": self.model_kind,
             "hf_model_type": self.hf_model_type, "compile": self.compile, "fp8": self.fp8, "lora": self.lora,
@@ -211,14 +220,15 @@ class ResolvedRun:
 
     def with_seq_len(self, seq_len: int) -> "ResolvedRun":
         """The same run on sequences of another length (a user's own packed dataset)."""
-        return replace(self, seq_len=check_sequence_split(seq_len, self.tp, self.sequence_parallel))
+        return replace(self, seq_len=check_context_split(check_sequence_split(seq_len, self.tp, self.sequence_parallel),
+                                                         self.cp))
 
 
 # The user's choices `resolve` takes (keyword names), with their defaults.
 CHOICES = {
     "precision": "bf16", "micro_batch": None, "grad_accum": None, "global_batch": None, "seq_len": None,
     "recompute": "none", "zero_stage": 0, "offload": "none", "shard_group": None, "reduce_dtype": "fp32",
-    "pp": 1, "tp": 1, "pp_schedule": "1f1b",
+    "pp": 1, "tp": 1, "cp": 1, "pp_schedule": "1f1b",
     "virtual_stages": None, "pp_split": None, "sequence_parallel": None, "model_kind": "tenfold",
     "hf_model_type": "", "compile": False, "fp8": False, "lora": None, "stack": ENGINE_STACK,
 }
@@ -253,20 +263,20 @@ def resolve(model: ModelConfig | None, world_size: int, *, params: float | None 
         raise TypeError(f"unknown run choice(s): {', '.join(unknown)}")
     c = {**CHOICES, **choices}
     _check_choices(world_size, c)
-    pp, tp = c["pp"], c["tp"]
+    pp, tp, cp = c["pp"], c["tp"], c["cp"]
     if c["lora"] is not None and model is not None and not own_model:
         check_targets(c["lora"], c["model_kind"], c["hf_model_type"], model.mlp)
     if model is not None and tp > 1 and not own_model:
         check_tp_heads(tp, model.n_heads, model.kv_heads, flag="parallel.tp_degree (--tp)")
-    if world_size % (pp * tp):
+    if world_size % (pp * tp * cp):
         raise UserError(
-            f"parallel.pp_degree (--pp) {pp} x parallel.tp_degree (--tp) {tp} = {pp * tp} must divide "
-            f"the number of processes ({world_size}); world = pp x dp x tp"
+            f"parallel.pp_degree (--pp) {pp} x parallel.tp_degree (--tp) {tp} x parallel.cp_degree (--cp) {cp} = "
+            f"{pp * tp * cp} must divide the number of processes ({world_size}); world = pp x dp x cp x tp"
         )
-    dp = world_size // (pp * tp)
+    dp = world_size // (pp * tp * cp)
     sequence_parallel = sequence_parallel_for(tp, c["sequence_parallel"])
     shard_group = None if c["shard_group"] in (None, dp) else c["shard_group"]  # one group of every dp rank: plain ZeRO
-    seq_len = check_sequence_split(_seq_len(model, c["seq_len"]), tp, sequence_parallel)
+    seq_len = check_context_split(check_sequence_split(_seq_len(model, c["seq_len"]), tp, sequence_parallel), cp)
     v = virtual_stages_for(c["pp_schedule"], c["virtual_stages"]) if pp > 1 else 1
     n_layers = model.n_layers if model is not None else pp * v
     stages = num_stages(pp, c["pp_schedule"], v) if pp > 1 else 1
@@ -280,7 +290,7 @@ def resolve(model: ModelConfig | None, world_size: int, *, params: float | None 
         reduce_dtype=c["reduce_dtype"],
         pp_split_given=pp > 1 and c["pp_split"] is not None, model_kind=c["model_kind"],
         hf_model_type=c["hf_model_type"], compile=c["compile"], fp8=c["fp8"], lora=c["lora"], stack=c["stack"],
-        config=config,
+        cp=cp, config=config,
     )
     if check:
         capabilities.check(run)
@@ -291,7 +301,7 @@ def _check_choices(world_size: int, c: dict) -> None:
     """The values each choice may take, whoever gives them (config, flags, the planner's search)."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise UserError(f"the number of processes must be a positive integer, got {world_size!r}")
-    for name in ("pp", "tp"):
+    for name in ("pp", "tp", "cp"):
         v = c[name]
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise UserError(f"parallel.{name}_degree (--{name}) must be a positive integer, got {v!r}")
@@ -340,7 +350,7 @@ def choices_from_config(cfg) -> dict:
         "precision": cfg.precision.dtype, "micro_batch": t.micro_batch, "grad_accum": t.grad_accum,
         "global_batch": t.global_batch, "seq_len": cfg.seq_len(), "recompute": cfg.recompute.policy,
         "zero_stage": par.zero_stage, "offload": par.offload, "shard_group": par.shard_group_size,
-        "reduce_dtype": par.reduce_dtype, "pp": par.pp_degree, "tp": par.tp_degree,
+        "reduce_dtype": par.reduce_dtype, "pp": par.pp_degree, "tp": par.tp_degree, "cp": par.cp_degree,
         "pp_schedule": par.pp_schedule, "virtual_stages": par.virtual_stages,
         "pp_split": tuple(par.pp_split) if par.pp_split else None, "sequence_parallel": par.sequence_parallel,
         "model_kind": model_kind(cfg), "hf_model_type": hf_model_type(cfg), "compile": t.compile,
@@ -359,7 +369,7 @@ def config_for_run(base, run: ResolvedRun):
                         "tenfold train runs only its own")
     d = base.model_dump(mode="json")
     d["parallel"].update(
-        zero_stage=run.zero_stage, pp_degree=run.pp, tp_degree=run.tp, pp_schedule=run.pp_schedule,
+        zero_stage=run.zero_stage, pp_degree=run.pp, tp_degree=run.tp, cp_degree=run.cp, pp_schedule=run.pp_schedule,
         virtual_stages=run.virtual_stages if run.pp_schedule in MULTI_STAGE_SCHEDULES and run.pp > 1 else None,
         sequence_parallel=None if run.sequence_parallel == (run.tp > 1) else run.sequence_parallel,
         pp_split=list(run.stage_layers) if run.pp_split_given else None, offload=run.offload,
@@ -396,6 +406,17 @@ def check_sequence_split(seq_len: int, tp: int, sequence_parallel: bool) -> int:
         raise UserError(
             f"sequence parallelism splits each sequence over the {tp} tp ranks: the sequence length "
             f"({seq_len}, --seq-len) must be a multiple of parallel.tp_degree (--tp) {tp}; or pass --no-sequence-parallel"
+        )
+    return seq_len
+
+
+def check_context_split(seq_len: int, cp: int) -> int:
+    """Context parallelism cuts every sequence into 2 x cp equal chunks (two per cp rank, for
+    the causal mask's load balance: techniques/context_parallel.py)."""
+    if cp > 1 and seq_len % (2 * cp):
+        raise UserError(
+            f"context parallelism cuts each sequence into 2 x parallel.cp_degree (--cp {cp}) = {2 * cp} equal chunks: "
+            f"the sequence length ({seq_len}, --seq-len) must be a multiple of {2 * cp}"
         )
     return seq_len
 

@@ -101,6 +101,8 @@ def _technique_group(p: argparse.ArgumentParser, only_train) -> None:
     x.add_argument("--tp", type=int, help="tensor-parallel ranks: each layer's matrices split over N ranks (must divide the heads)")
     x.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None,
                    help="split norms and the residual stream by sequence over the tp ranks (default: on when --tp > 1)")
+    x.add_argument("--cp", type=int, help="context-parallel ranks: each sequence split over N ranks (load-balanced "
+                   "for the causal mask), attention across them; for long sequences (docs/parallelism.md)")
     x.add_argument("--pp-schedule", help="gpipe | 1f1b | interleaved | zero-bubble")
     x.add_argument("--virtual-stages", type=int, help="stages per rank for interleaved schedules")
     x.add_argument("--pp-split", type=_int_list, metavar="N,N,...", help="transformer blocks per pipeline stage, e.g. 1,3 (default: even, embedding and head weighted as one block each)")
@@ -141,7 +143,7 @@ _TRAIN_FLAGS = {
     "reduce_dtype": ("parallel", "reduce_dtype"),
     "shard_group": ("parallel", "shard_group_size"), "nproc": ("parallel", "nproc"),
     "pp": ("parallel", "pp_degree"), "pp_schedule": ("parallel", "pp_schedule"),
-    "tp": ("parallel", "tp_degree"), "sequence_parallel": ("parallel", "sequence_parallel"),
+    "tp": ("parallel", "tp_degree"), "cp": ("parallel", "cp_degree"), "sequence_parallel": ("parallel", "sequence_parallel"),
     "virtual_stages": ("parallel", "virtual_stages"), "pp_split": ("parallel", "pp_split"),
     "lora": ("lora", "rank"), "lora_alpha": ("lora", "alpha"), "lora_dropout": ("lora", "dropout"),
     "lora_targets": ("lora", "target_modules"), "lora_base": ("lora", "base"),

@@ -6,7 +6,8 @@
   x tensor-parallel ranks). tp is the innermost, contiguous dimension: its collectives run in
   every layer, so its ranks must share a node (NVLink), then dp, then pp (Megatron-LM's and
   torchtitan's order). Hybrid sharding splits dp into ("dp_replicate", "dp_shard")
-  (`hybrid_mesh`); ZeRO-Offload on one process joins a process group of one.
+  (`hybrid_mesh`); context parallelism splits it into ("dp_data", "cp") (`context_parallel_mesh`);
+  ZeRO-Offload on one process joins a process group of one.
 * Failures: every rank's stderr lines are prefixed with `[rank k]`, an uncaught exception is
   recorded in torchelastic's error file (torchrun's failure summary then shows the rank and
   its error), and `tighten_timeouts` shortens the collective timeout after the first step, so
@@ -56,6 +57,21 @@ class DistInfo:
     shard_size: int = 0  # dp ranks that shard together: dp_size, or the HSDP group (0: one process)
     hybrid_mesh: object | None = None  # ("dp_replicate", "dp_shard") under hybrid sharding (`hybrid_mesh`)
     embedding_group: object | None = None  # tied embeddings across pipeline stages (`embedding_group`)
+    # Context parallelism: the mesh's "dp" dimension holds dp x cp ranks (they all reduce the
+    # gradients of the same parameters), split by `context_parallel_mesh`
+    cp_size: int = 1
+    cp_rank: int = 0
+    cp_group: object | None = None
+
+    @property
+    def data_rank(self) -> int:
+        """This rank's row of the data: the cp ranks of one dp replica load the same rows."""
+        return self.dp_rank // self.cp_size
+
+    @property
+    def data_size(self) -> int:
+        """Ranks that load different rows: dp (the mesh's "dp" dimension holds dp x cp)."""
+        return self.dp_size // self.cp_size
 
     @property
     def hybrid(self) -> bool:
@@ -107,7 +123,7 @@ def world_size_from_env() -> int:
 
 
 def init_distributed(pp_size: int = 1, timeout_s: float = 600.0, tp_size: int = 1, shard_size: int | None = None,
-                     offload: bool = False) -> DistInfo:
+                     offload: bool = False, cp_size: int = 1) -> DistInfo:
     """Join the job's process group and build the (pp, dp, tp) device mesh. The sizes come
     from the resolved run (tenfold.run.resolve_run has checked that pp x tp divides the world
     and that `shard_size`, the HSDP group, divides dp). `offload`: ZeRO-Offload, which runs on
@@ -116,9 +132,10 @@ def init_distributed(pp_size: int = 1, timeout_s: float = 600.0, tp_size: int = 
         return _one_process_group(timeout_s) if offload else DistInfo(device=pick_device(0))
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    if pp_size < 1 or tp_size < 1 or world % (pp_size * tp_size):
+    if pp_size < 1 or tp_size < 1 or cp_size < 1 or world % (pp_size * tp_size * cp_size):
         raise UserError(
-            f"parallel.pp_degree ({pp_size}) x parallel.tp_degree ({tp_size}) must divide the number of processes ({world})"
+            f"parallel.pp_degree ({pp_size}) x parallel.tp_degree ({tp_size}) x parallel.cp_degree ({cp_size}) must "
+            f"divide the number of processes ({world})"
         )
     install_failure_reporting(rank)
     _register_exit_shutdown()
@@ -129,16 +146,20 @@ def init_distributed(pp_size: int = 1, timeout_s: float = 600.0, tp_size: int = 
         if device.type == "cuda":
             kwargs["device_id"] = device  # eager NCCL init, one communicator per device
         dist.init_process_group(**kwargs)
-    dp_size = world // (pp_size * tp_size)
-    shard = shard_size if shard_size and shard_size < dp_size else dp_size
+    dp_size = world // (pp_size * tp_size)  # dp x cp: every rank that reduces the same gradients
+    shard = shard_size * cp_size if shard_size and shard_size * cp_size < dp_size else dp_size
     mesh = build_mesh(device.type, pp_size, dp_size, tp_size)
-    return DistInfo(
+    info = DistInfo(
         rank=rank, world_size=world, local_rank=local_rank, device=device,
         dp_size=dp_size, dp_rank=mesh["dp"].get_local_rank(),
         pp_size=pp_size, pp_rank=mesh["pp"].get_local_rank(),
         tp_size=tp_size, tp_rank=mesh["tp"].get_local_rank(), mesh=mesh, shard_size=shard,
         hybrid_mesh=hybrid_mesh(mesh, dp_size, shard) if shard < dp_size else None,
     )
+    if cp_size > 1:
+        cp_mesh = context_parallel_mesh(mesh, dp_size, cp_size)
+        info.cp_size, info.cp_rank, info.cp_group = cp_size, cp_mesh.get_local_rank(), cp_mesh.get_group()
+    return info
 
 
 def _one_process_group(timeout_s: float) -> DistInfo:
@@ -178,6 +199,16 @@ def hybrid_mesh(mesh, dp_size: int, shard_size: int):
     return mesh["dp"]._unflatten(0, (dp_size // shard_size, shard_size), ("dp_replicate", "dp_shard"))
 
 
+def context_parallel_mesh(mesh, dp_size: int, cp_size: int):
+    """Context parallelism: the "dp" dimension (dp x cp ranks) split into ("dp_data", "cp"), the
+    cp ranks of one replica neighbours (the inner dimension), so that the attention's K/V
+    all-gather stays among close ranks (torchtitan's order: dp_replicate, dp_shard, cp, tp).
+    The gradient reduction, the loss and the token count keep reading "dp" (every rank that
+    trains the same parameters); the data order reads dp_rank // cp (`DistInfo.data_rank`).
+    Returns the 1-D "cp" mesh."""
+    return mesh["dp"]._unflatten(0, (dp_size // cp_size, cp_size), ("dp_data", "cp"))["cp"]
+
+
 def embedding_group(info: DistInfo) -> tuple[Any, int | None]:
     """Megatron-LM's embedding group for tied embeddings across pipeline stages: the first and
     the last pipeline rank at this rank's (dp, tp) coordinate, as (group, global rank of its
@@ -210,6 +241,8 @@ def _all_groups(info: DistInfo) -> list:
         groups += [info.hybrid_mesh[name].get_group() for name in ("dp_replicate", "dp_shard")]
     if info.embedding_group is not None:
         groups.append(info.embedding_group)
+    if info.cp_group is not None:
+        groups.append(info.cp_group)
     return groups
 
 

@@ -77,7 +77,8 @@ def build_parts(cfg: TenfoldConfig, user_model: nn.Module | None = None, user_da
     world = run_shape.world_size(cfg) if launched_by_torchrun() else 1  # checks a multi-node plan's size
     run = resolve_run(cfg, world, own_model=user_model is not None)
     check_available(cfg.log.wandb)
-    dist = init_distributed(run.pp, cfg.parallel.timeout_s, run.tp, run.shard_group, offload=run.offload != "none")
+    dist = init_distributed(run.pp, cfg.parallel.timeout_s, run.tp, run.shard_group, offload=run.offload != "none",
+                            cp_size=run.cp)
     precision = build_precision(run.precision, cfg.precision, dist.device)
     check_fit(run, dist, precision, user_model)  # before the data and the model take any memory
     if dist.device.type == "cpu":  # before the model and data take their memory
@@ -90,7 +91,7 @@ def build_parts(cfg: TenfoldConfig, user_model: nn.Module | None = None, user_da
     seed_tensor_parallel_ranks(cfg.train.seed, dist)
     optimizer, scheduler = build_optimizer(model, run, dist)
     loader = make_loader(data, run.global_batch, run.micro_batch, run.grad_accum,
-                         dp_rank=dist.dp_rank, dp_size=dist.dp_size, seed=cfg.train.seed)
+                         dp_rank=dist.data_rank, dp_size=dist.data_size, seed=cfg.train.seed)
     return Parts(run, dist, precision, data, adapter, model, optimizer, scheduler, loader, lora)
 
 
