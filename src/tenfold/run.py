@@ -105,6 +105,11 @@ class ResolvedRun:
         return self.global_batch * self.seq_len
 
     @property
+    def local_seq_len(self) -> int:
+        """Tokens of each sequence one rank holds: seq_len / cp (context parallelism)."""
+        return self.seq_len // self.cp
+
+    @property
     def grad_ranks(self) -> int:
         """Ranks that hold the same parameters and reduce their gradients together: dp x cp (the
         cp ranks train on other tokens of the same rows; torchtitan shards over dp_shard x cp)."""
