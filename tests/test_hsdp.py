@@ -195,7 +195,7 @@ def test_shard_group_sizes_that_run():
 
 
 def test_the_mesh_splits_dp_into_replicate_x_shard():
-    """The engine's own meshes (distributed.build_mesh, hybrid_mesh) for pp 2 x dp 8 x tp 2 in
+    """The engine's own meshes (tenfold.layout.build_mesh, build_hybrid_mesh) for pp 2 x dp 8 x tp 2 in
     shard groups of 2, on rank 5 of torch's fake process group of 32: the dp ranks of rank 5
     are 1, 3, ..., 15 (tp 2 inside them); the shard group is 2 neighbouring dp ranks (one node
     holds shard x tp ranks), replicated across the 4 groups. Mutations: the two dimensions
@@ -203,14 +203,16 @@ def test_the_mesh_splits_dp_into_replicate_x_shard():
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from tenfold.engine.distributed import DistInfo, build_mesh, hybrid_mesh
+    from tenfold.engine.distributed import DistInfo
+    from tenfold.layout import build_hybrid_mesh, build_layout, build_mesh
 
     assert not dist.is_initialized()
     dist.init_process_group("fake", store=FakeStore(), rank=5, world_size=32)
     try:
-        mesh = build_mesh("cpu", 2, 8, 2)
+        layout = build_layout(32, pp=2, tp=2, shard_group=2)
+        mesh = build_mesh(layout, "cpu")
         assert mesh["dp"].mesh.tolist() == [1, 3, 5, 7, 9, 11, 13, 15]
-        hybrid = hybrid_mesh(mesh, 8, 2)
+        hybrid = build_hybrid_mesh(layout, mesh)
         assert hybrid.mesh_dim_names == ("dp_replicate", "dp_shard") and tuple(hybrid.mesh.shape) == (4, 2)
         assert hybrid["dp_shard"].mesh.tolist() == [5, 7]  # rank 5 shards with its dp neighbour
         assert hybrid["dp_replicate"].mesh.tolist() == [1, 5, 9, 13]  # and replicates across groups

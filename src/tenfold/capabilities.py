@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tenfold.errors import UserError
+from tenfold.layout import shard_group_problem
 from tenfold.lora_terms import nf4_shards, nf4_unshardable
 from tenfold.terms import MULTI_STAGE_SCHEDULES, PIPELINE_SCHEDULES, PRECISIONS, ZERO_STAGES
 
@@ -184,10 +185,9 @@ def _sharding_problems(run, caps: Capabilities) -> list[str]:
         if run.zero_stage not in (2, 3):
             out.append(f"parallel.shard_group_size {n} (--shard-group): hybrid sharding (FSDP2 on a (replicate, "
                        f"shard) mesh) needs --zero 2 or 3, got {run.zero_stage}")
-        if n < 2 or run.dp % n:
-            allowed = ", ".join(str(d) for d in range(2, run.dp + 1) if run.dp % d == 0) or "none"
-            out.append(f"parallel.shard_group_size {n} (--shard-group) must divide the {run.dp} data-parallel ranks "
-                       f"(world / (pp x tp)) and be at least 2; allowed: {allowed}")
+        problem = shard_group_problem(run.dp, n)
+        if problem:
+            out.append(problem)
     off = run.offload
     if off not in caps.offload:
         out.append(f"parallel.offload {off!r} (--offload): tenfold train runs {', '.join(caps.offload)}")

@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 
 from tenfold import capabilities
 from tenfold.errors import UserError
+from tenfold.layout import Layout, build_layout, check_degree_values
 from tenfold.lora_terms import LORA_BASES, LoraSpec, check_targets, lora_spec
 from tenfold.models.presets import ModelConfig, param_count
 from tenfold.terms import (
@@ -61,10 +62,7 @@ ENGINE_STACK = Stack()
 class ResolvedRun:
     model: ModelConfig | None  # the configured shape; None: only a parameter count (tenfold plan --params)
     params: float  # parameters of the model
-    world_size: int  # processes (GPUs): pp x dp x tp
-    pp: int  # pipeline ranks
-    dp: int  # data-parallel ranks
-    tp: int  # tensor-parallel ranks: each layer's matrices split over them
+    dims: Layout  # ranks of each mesh dimension (tenfold.layout): pp x dp x tp processes
     batch: BatchTriplet
     seq_len: int
     precision: str  # `auto` resolved; the engine may fall back to fp32 where bf16 autocast is missing
@@ -87,6 +85,26 @@ class ResolvedRun:
     config: object = field(default=None, compare=False)  # the TenfoldConfig it was read from (None: built by the planner)
 
     # ------------------------------------------------------------------ derived values
+    @property
+    def world_size(self) -> int:
+        """Processes (GPUs): pp x dp x tp."""
+        return self.dims.world_size
+
+    @property
+    def pp(self) -> int:
+        """Pipeline ranks."""
+        return self.dims.pp
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel ranks."""
+        return self.dims.dp
+
+    @property
+    def tp(self) -> int:
+        """Tensor-parallel ranks: each layer's matrices split over them."""
+        return self.dims.tp
+
     @property
     def micro_batch(self) -> int:
         return self.batch.micro_batch
@@ -258,12 +276,8 @@ def resolve(model: ModelConfig | None, world_size: int, *, params: float | None 
         check_targets(c["lora"], c["model_kind"], c["hf_model_type"], model.mlp)
     if model is not None and tp > 1 and not own_model:
         check_tp_heads(tp, model.n_heads, model.kv_heads, flag="parallel.tp_degree (--tp)")
-    if world_size % (pp * tp):
-        raise UserError(
-            f"parallel.pp_degree (--pp) {pp} x parallel.tp_degree (--tp) {tp} = {pp * tp} must divide "
-            f"the number of processes ({world_size}); world = pp x dp x tp"
-        )
-    dp = world_size // (pp * tp)
+    dims = build_layout(world_size, pp, tp, c["shard_group"])
+    dp = dims.dp
     sequence_parallel = sequence_parallel_for(tp, c["sequence_parallel"])
     shard_group = None if c["shard_group"] in (None, dp) else c["shard_group"]  # one group of every dp rank: plain ZeRO
     seq_len = check_sequence_split(_seq_len(model, c["seq_len"]), tp, sequence_parallel)
@@ -271,8 +285,8 @@ def resolve(model: ModelConfig | None, world_size: int, *, params: float | None 
     n_layers = model.n_layers if model is not None else pp * v
     stages = num_stages(pp, c["pp_schedule"], v) if pp > 1 else 1
     run = ResolvedRun(
-        model=model, params=float(params if params is not None else param_count(model)), world_size=world_size,
-        pp=pp, dp=dp, tp=tp, batch=resolve_batch(c["micro_batch"], c["grad_accum"], c["global_batch"], dp),
+        model=model, params=float(params if params is not None else param_count(model)), dims=dims,
+        batch=resolve_batch(c["micro_batch"], c["grad_accum"], c["global_batch"], dp),
         seq_len=seq_len, precision=resolve_precision(c["precision"], on_cpu, c["fp8"]), recompute=parse_recompute(c["recompute"]),
         zero_stage=c["zero_stage"], pp_schedule=c["pp_schedule"], virtual_stages=v,
         stage_layers=stage_layer_counts(n_layers, stages, c["pp_split"] if pp > 1 else None),
@@ -289,12 +303,7 @@ def resolve(model: ModelConfig | None, world_size: int, *, params: float | None 
 
 def _check_choices(world_size: int, c: dict) -> None:
     """The values each choice may take, whoever gives them (config, flags, the planner's search)."""
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise UserError(f"the number of processes must be a positive integer, got {world_size!r}")
-    for name in ("pp", "tp"):
-        v = c[name]
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise UserError(f"parallel.{name}_degree (--{name}) must be a positive integer, got {v!r}")
+    check_degree_values(world_size, pp=c["pp"], tp=c["tp"])
     if c["precision"] not in PRECISION_CHOICES:
         raise UserError(f"precision {c['precision']!r}; allowed: {', '.join(PRECISION_CHOICES)}")
     if c["zero_stage"] not in ZERO_STAGES or isinstance(c["zero_stage"], bool):

@@ -1,12 +1,10 @@
 """Process-group setup: one process or many under torchrun; gloo on CPU, NCCL on GPU.
 
-* `init_distributed(pp_size, timeout_s, tp_size, shard_size, offload)`: reads torchrun's
-  env:// variables, picks the backend from the device (NCCL with one GPU per rank, else
-  gloo), builds the ("pp", "dp", "tp") device mesh (pipeline stages x data-parallel replicas
-  x tensor-parallel ranks). tp is the innermost, contiguous dimension: its collectives run in
-  every layer, so its ranks must share a node (NVLink), then dp, then pp (Megatron-LM's and
-  torchtitan's order). Hybrid sharding splits dp into ("dp_replicate", "dp_shard")
-  (`hybrid_mesh`); ZeRO-Offload on one process joins a process group of one.
+* `join_layout(layout, timeout_s, offload)` (`init_distributed` from the degrees): reads
+  torchrun's env:// variables, picks the backend from the device (NCCL with one GPU per rank,
+  else gloo), builds the layout's ("pp", "dp", "tp") device mesh and, under hybrid sharding,
+  its ("dp_replicate", "dp_shard") split (tenfold.layout: the degrees, their rules, the mesh
+  order); ZeRO-Offload on one process joins a process group of one.
 * Failures: every rank's stderr lines are prefixed with `[rank k]`, an uncaught exception is
   recorded in torchelastic's error file (torchrun's failure summary then shows the rank and
   its error), and `tighten_timeouts` shortens the collective timeout after the first step, so
@@ -32,12 +30,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.distributed_c10d import _set_pg_timeout
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
 from tenfold.engine.torchrun_env import launched_by_torchrun
 from tenfold.errors import UserError
+from tenfold.layout import DP_DIMS, Layout, build_hybrid_mesh, build_layout, build_mesh
 
 
 @dataclass
@@ -54,7 +52,7 @@ class DistInfo:
     tp_rank: int = 0
     mesh: object | None = None  # torch DeviceMesh ("pp", "dp", "tp") when world_size > 1
     shard_size: int = 0  # dp ranks that shard together: dp_size, or the HSDP group (0: one process)
-    hybrid_mesh: object | None = None  # ("dp_replicate", "dp_shard") under hybrid sharding (`hybrid_mesh`)
+    hybrid_mesh: object | None = None  # ("dp_replicate", "dp_shard") under hybrid sharding (tenfold.layout.build_hybrid_mesh)
     embedding_group: object | None = None  # tied embeddings across pipeline stages (`embedding_group`)
 
     @property
@@ -108,18 +106,25 @@ def world_size_from_env() -> int:
 
 def init_distributed(pp_size: int = 1, timeout_s: float = 600.0, tp_size: int = 1, shard_size: int | None = None,
                      offload: bool = False) -> DistInfo:
-    """Join the job's process group and build the (pp, dp, tp) device mesh. The sizes come
-    from the resolved run (tenfold.run.resolve_run has checked that pp x tp divides the world
-    and that `shard_size`, the HSDP group, divides dp). `offload`: ZeRO-Offload, which runs on
-    FSDP2 even on one process (`_one_process_group`) and reduces host tensors (`backend_for`)."""
-    if not launched_by_torchrun() or int(os.environ["WORLD_SIZE"]) == 1:
+    """Join the job's process group with pp x dp x tp ranks over the job's processes (the
+    layout's rules: tenfold.layout.build_layout). `shard_size`: the HSDP group, dp ranks that
+    shard together. `offload`: ZeRO-Offload, which runs on FSDP2 even on one process
+    (`_one_process_group`) and reduces host tensors (`backend_for`)."""
+    return join_layout(build_layout(world_size_from_env(), pp_size, tp_size, shard_size), timeout_s, offload)
+
+
+def join_layout(layout: Layout, timeout_s: float = 600.0, offload: bool = False) -> DistInfo:
+    """Join the job's process group and build `layout`'s device mesh (tenfold.layout.build_mesh)
+    and, under hybrid sharding, its ("dp_replicate", "dp_shard") split (`DistInfo.hybrid_mesh`).
+    The layout must span the job's processes (torchrun's WORLD_SIZE)."""
+    world = world_size_from_env()
+    if layout.world_size != world:
+        raise UserError(f"the layout {' x '.join(f'{k} {v}' for k, v in layout.degrees().items())} spans "
+                        f"{layout.world_size} processes, the job has {world}")
+    if world == 1:
         return _one_process_group(timeout_s) if offload else DistInfo(device=pick_device(0))
 
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    if pp_size < 1 or tp_size < 1 or world % (pp_size * tp_size):
-        raise UserError(
-            f"parallel.pp_degree ({pp_size}) x parallel.tp_degree ({tp_size}) must divide the number of processes ({world})"
-        )
+    rank = int(os.environ["RANK"])
     install_failure_reporting(rank)
     _register_exit_shutdown()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -129,15 +134,13 @@ def init_distributed(pp_size: int = 1, timeout_s: float = 600.0, tp_size: int = 
         if device.type == "cuda":
             kwargs["device_id"] = device  # eager NCCL init, one communicator per device
         dist.init_process_group(**kwargs)
-    dp_size = world // (pp_size * tp_size)
-    shard = shard_size if shard_size and shard_size < dp_size else dp_size
-    mesh = build_mesh(device.type, pp_size, dp_size, tp_size)
+    mesh = build_mesh(layout, device.type)
     return DistInfo(
         rank=rank, world_size=world, local_rank=local_rank, device=device,
-        dp_size=dp_size, dp_rank=mesh["dp"].get_local_rank(),
-        pp_size=pp_size, pp_rank=mesh["pp"].get_local_rank(),
-        tp_size=tp_size, tp_rank=mesh["tp"].get_local_rank(), mesh=mesh, shard_size=shard,
-        hybrid_mesh=hybrid_mesh(mesh, dp_size, shard) if shard < dp_size else None,
+        dp_size=layout.dp, dp_rank=mesh["dp"].get_local_rank(),
+        pp_size=layout.pp, pp_rank=mesh["pp"].get_local_rank(),
+        tp_size=layout.tp, tp_rank=mesh["tp"].get_local_rank(), mesh=mesh, shard_size=layout.dp_shard,
+        hybrid_mesh=build_hybrid_mesh(layout, mesh),
     )
 
 
@@ -153,29 +156,7 @@ def _one_process_group(timeout_s: float) -> DistInfo:
             kwargs["device_id"] = device
         dist.init_process_group(**kwargs)
         _register_exit_shutdown()
-    return DistInfo(device=device, mesh=build_mesh(device.type, 1, 1, 1), shard_size=1)
-
-
-def build_mesh(device_type: str, pp_size: int, dp_size: int, tp_size: int):
-    """The ("pp", "dp", "tp") device mesh."""
-
-    mesh = init_device_mesh(device_type, (pp_size, dp_size, tp_size), mesh_dim_names=("pp", "dp", "tp"))
-    if dp_size > 1 and tp_size > 1:
-        # FSDP2 on the dp axis of tp-split parameters gives 2-D (dp, tp) DTensors; a reduction
-        # over both (the gradient norm) is then one all-reduce on this flattened group instead
-        # of two in a row (torchtitan flattens its data-parallel dims the same way).
-        mesh["dp", "tp"]._flatten("dp_tp")
-    return mesh
-
-
-def hybrid_mesh(mesh, dp_size: int, shard_size: int):
-    """Hybrid sharding: the "dp" dimension split into ("dp_replicate", "dp_shard"), a group of
-    `shard_size` neighbouring dp ranks that shard, the groups replicating. "dp_shard" is the
-    inner dimension, so when a node holds shard_size x tp ranks the sharding collectives stay
-    on the node and only the replicas' gradient all-reduce crosses nodes (PyTorch HSDP;
-    torchtitan's dp_replicate x dp_shard). The (pp, dp, tp) mesh stays as it is: whatever
-    reduces over every data-parallel rank (loss, token count, data order) reads "dp"."""
-    return mesh["dp"]._unflatten(0, (dp_size // shard_size, shard_size), ("dp_replicate", "dp_shard"))
+    return DistInfo(device=device, mesh=build_mesh(Layout(), device.type), shard_size=1)
 
 
 def embedding_group(info: DistInfo) -> tuple[Any, int | None]:
@@ -207,7 +188,7 @@ def _all_groups(info: DistInfo) -> list:
         for name in ("pp", "dp", "tp"):
             groups.append(info.mesh[name].get_group())
     if info.hybrid_mesh is not None:
-        groups += [info.hybrid_mesh[name].get_group() for name in ("dp_replicate", "dp_shard")]
+        groups += [info.hybrid_mesh[name].get_group() for name in DP_DIMS]
     if info.embedding_group is not None:
         groups.append(info.embedding_group)
     return groups

@@ -18,7 +18,7 @@ from tenfold.data import build_data as build_bundle
 from tenfold.data import make_loader  # in memory, or streamed (data.streaming)
 from tenfold.data.arrays import bundle_from_array
 from tenfold.engine import run_shape
-from tenfold.engine.distributed import DistInfo, init_distributed, launched_by_torchrun, tighten_timeouts_after_first_step
+from tenfold.engine.distributed import DistInfo, join_layout, launched_by_torchrun, tighten_timeouts_after_first_step
 from tenfold.engine import lora_run
 from tenfold.engine.host_malloc import tune_malloc
 from tenfold.engine.lora_run import LoraRun
@@ -77,7 +77,7 @@ def build_parts(cfg: TenfoldConfig, user_model: nn.Module | None = None, user_da
     world = run_shape.world_size(cfg) if launched_by_torchrun() else 1  # checks a multi-node plan's size
     run = resolve_run(cfg, world, own_model=user_model is not None)
     check_available(cfg.log.wandb)
-    dist = init_distributed(run.pp, cfg.parallel.timeout_s, run.tp, run.shard_group, offload=run.offload != "none")
+    dist = join_layout(run.dims, cfg.parallel.timeout_s, offload=run.offload != "none")
     precision = build_precision(run.precision, cfg.precision, dist.device)
     check_fit(run, dist, precision, user_model)  # before the data and the model take any memory
     if dist.device.type == "cpu":  # before the model and data take their memory

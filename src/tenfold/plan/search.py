@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 
 from tenfold import capabilities
 from tenfold.errors import UserError
+from tenfold.layout import build_layout
 from tenfold.plan.api import Plan, _fits as fits, _predict, predict, predict_memory
 from tenfold.plan.hardware import Hardware, get_hardware, with_gpus_per_node
 from tenfold.run import ResolvedRun
@@ -124,8 +125,11 @@ def _layouts(base: ResolvedRun, hw: Hardware, sequence_parallel: bool | None, gp
     # (tenfold.terms.stage_layer_counts), evenly or not.
     pps = [p for p in range(1, cfg.n_layers + 1) if gpus % p == 0]
     for tp, pp, mb in itertools.product(tps, pps, _powers_of_two_upto(min(glob, 16))):
-        dp = gpus // (tp * pp)
-        if gpus % (tp * pp) or glob % (mb * dp):
+        try:
+            dp = build_layout(gpus, pp, tp).dp
+        except UserError:  # pp x tp does not divide the processes
+            continue
+        if glob % (mb * dp):
             continue
         m = glob // (mb * dp)
         for (sched, v), zero, ac in itertools.product(_schedules(pp, m, cfg.n_layers), (0, 1, 2, 3), AC_CHOICES):

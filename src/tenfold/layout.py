@@ -1,0 +1,142 @@
+"""The parallel layout of a run: how many ranks each mesh dimension has, the rules those
+degrees obey, and the torch device mesh made from them (torchtitan's `ParallelDims` plays the
+same part). The resolver (tenfold.run), the engine (tenfold.engine.distributed) and the
+planner's search (tenfold.plan.search) all take their degrees from here.
+
+Dimensions, outermost first (`MESH_ORDER`): pipeline stages, data-parallel replicas of a shard
+group, data-parallel ranks of a shard group, tensor-parallel ranks. tp is innermost and
+contiguous (its collectives run in every layer: its ranks must share a node), then dp, then pp
+(Megatron-LM's and torchtitan's order). The two data-parallel degrees multiply into dp; the
+torch mesh keeps them as one "dp" dimension (`mesh_dim_names`), split into ("dp_replicate",
+"dp_shard") only under hybrid sharding (`build_hybrid_mesh`).
+
+A new mesh dimension touches: a field of `Layout` and its place in `MESH_ORDER` (its degree
+then enters `world_size`, the mesh shape and names, and the divisibility rule), its flag in
+`DEGREE_FLAGS` plus any rule of its own in `build_layout`, one row of the run's choice table
+(tenfold.choices), and the technique that uses the dimension.
+
+No torch at import: `tenfold plan` builds layouts without it (`build_mesh` imports it).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from tenfold.errors import UserError
+
+MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "tp")  # outermost first
+DP_DIMS = ("dp_replicate", "dp_shard")  # one "dp" dimension of the torch mesh
+# The degrees a user sets (the data-parallel ones follow from the world), with their names in
+# the config and on the command line, as every message says them.
+DEGREE_FLAGS = {"pp": "parallel.pp_degree (--pp)", "tp": "parallel.tp_degree (--tp)"}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Degrees of every mesh dimension; world_size is their product."""
+
+    pp: int = 1  # pipeline stages
+    dp_replicate: int = 1  # copies of each shard group (hybrid sharding); 1 otherwise
+    dp_shard: int = 1  # data-parallel ranks in a shard group: every dp rank unless hybrid
+    tp: int = 1  # tensor-parallel ranks
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel ranks: replicas x shard group."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def world_size(self) -> int:
+        return math.prod(getattr(self, name) for name in MESH_ORDER)
+
+    @property
+    def hybrid(self) -> bool:
+        """Hybrid sharding: groups of dp_shard ranks shard, the groups replicate."""
+        return self.dp_replicate > 1
+
+    @property
+    def mesh_dim_names(self) -> tuple[str, ...]:
+        """The torch mesh's dimensions: MESH_ORDER with the data-parallel pair as one "dp"."""
+        names: list[str] = []
+        for name in MESH_ORDER:
+            name = "dp" if name in DP_DIMS else name
+            if name not in names:
+                names.append(name)
+        return tuple(names)
+
+    @property
+    def mesh_shape(self) -> tuple[int, ...]:
+        return tuple(self.dp if name == "dp" else getattr(self, name) for name in self.mesh_dim_names)
+
+    def degrees(self) -> dict[str, int]:
+        """{dimension: ranks} in MESH_ORDER."""
+        return {name: getattr(self, name) for name in MESH_ORDER}
+
+    def enabled(self) -> tuple[str, ...]:
+        """The dimensions with more than one rank, in MESH_ORDER."""
+        return tuple(name for name in MESH_ORDER if getattr(self, name) > 1)
+
+
+def check_degree_values(world_size: object, **degrees: object) -> None:
+    """Each degree (and the number of processes) is a positive integer."""
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise UserError(f"the number of processes must be a positive integer, got {world_size!r}")
+    for name, v in degrees.items():
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise UserError(f"{DEGREE_FLAGS[name]} must be a positive integer, got {v!r}")
+
+
+def shard_group_problem(dp: int, shard_group: int | None) -> str | None:
+    """Why `shard_group` dp ranks cannot form the shard groups of `dp` ranks (None: they can)."""
+    if shard_group is None or (shard_group >= 2 and dp % shard_group == 0):
+        return None
+    allowed = ", ".join(str(d) for d in range(2, dp + 1) if dp % d == 0) or "none"
+    return (f"parallel.shard_group_size {shard_group} (--shard-group) must divide the {dp} data-parallel ranks "
+            f"(world / (pp x tp)) and be at least 2; allowed: {allowed}")
+
+
+def build_layout(world_size: int, pp: int = 1, tp: int = 1, shard_group: int | None = None) -> Layout:
+    """The layout of `world_size` processes: pp and tp as given, data parallelism over the rest
+    (world = pp x dp x tp); hybrid sharding splits dp into replicas x groups of `shard_group`.
+    Refuses (UserError) degrees that are not positive integers or do not divide the world. A
+    shard group that cannot split dp (`shard_group_problem`, which tenfold.capabilities reports
+    among the run's problems) leaves dp unsplit."""
+    given = {"pp": pp, "tp": tp}
+    check_degree_values(world_size, **given)
+    model_parallel = math.prod(given.values())
+    if world_size % model_parallel:
+        product = " x ".join(f"{DEGREE_FLAGS[name]} {v}" for name, v in given.items())
+        raise UserError(f"{product} = {model_parallel} must divide the number of processes ({world_size}); "
+                        "world = pp x dp x tp")
+    dp = world_size // model_parallel
+    shard = dp if shard_group is None or shard_group_problem(dp, shard_group) else shard_group
+    return Layout(pp=pp, dp_replicate=dp // shard, dp_shard=shard, tp=tp)
+
+
+def build_mesh(layout: Layout, device_type: str):
+    """The torch DeviceMesh of `layout` over the default process group, dimensions
+    `layout.mesh_dim_names` (("pp", "dp", "tp")). Under tensor and data parallelism together
+    ("dp", "tp") is also flattened to "dp_tp": FSDP2 on the dp axis of tp-split parameters gives
+    2-D (dp, tp) DTensors, and a reduction over both (the gradient norm) is then one all-reduce
+    on that group instead of two in a row (torchtitan flattens its data-parallel dims the same
+    way)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device_type, layout.mesh_shape, mesh_dim_names=layout.mesh_dim_names)
+    if layout.dp > 1 and layout.tp > 1:
+        mesh["dp", "tp"]._flatten("dp_tp")
+    return mesh
+
+
+def build_hybrid_mesh(layout: Layout, mesh):
+    """Hybrid sharding: the "dp" dimension of `mesh` split into ("dp_replicate", "dp_shard"), a
+    group of `layout.dp_shard` neighbouring dp ranks that shard, the groups replicating; None
+    without hybrid sharding. "dp_shard" is the inner dimension, so when a node holds dp_shard x
+    tp ranks the sharding collectives stay on the node and only the replicas' gradient
+    all-reduce crosses nodes (PyTorch HSDP; torchtitan's dp_replicate x dp_shard). `mesh` stays
+    as it is: whatever reduces over every data-parallel rank (loss, token count, data order)
+    reads "dp"."""
+    if not layout.hybrid:
+        return None
+    return mesh["dp"]._unflatten(0, (layout.dp_replicate, layout.dp_shard), DP_DIMS)

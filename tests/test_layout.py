@@ -1,0 +1,102 @@
+"""tenfold.layout: the degrees of a run, their rules and messages, and the torch mesh made from
+them (on a gloo world of one process and on torch's fake process group of 64 ranks)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tenfold.errors import UserError
+from tenfold.layout import MESH_ORDER, Layout, build_layout
+
+
+@pytest.mark.parametrize("world, pp, tp, group, degrees", [
+    (1, 1, 1, None, (1, 1, 1, 1)),
+    (8, 2, 2, None, (2, 1, 2, 2)),
+    (64, 2, 4, None, (2, 1, 8, 4)),
+    (64, 2, 4, 2, (2, 4, 2, 4)),  # 8 dp ranks in shard groups of 2: 4 replicas
+    (64, 2, 4, 8, (2, 1, 8, 4)),  # one group of every dp rank: no split
+    (64, 2, 4, 3, (2, 1, 8, 4)),  # a group that cannot split dp leaves it whole (capabilities refuses it)
+])
+def test_degrees_multiply_to_the_world(world, pp, tp, group, degrees):
+    layout = build_layout(world, pp, tp, group)
+    assert tuple(layout.degrees().values()) == degrees and tuple(layout.degrees()) == MESH_ORDER
+    assert layout.world_size == world and layout.dp == degrees[1] * degrees[2]
+    assert layout.hybrid == (degrees[1] > 1)
+    assert layout.mesh_dim_names == ("pp", "dp", "tp") and layout.mesh_shape == (pp, layout.dp, tp)
+
+
+def test_enabled_names_the_dimensions_with_more_than_one_rank():
+    assert Layout().enabled() == ()
+    assert build_layout(64, 2, 4, 2).enabled() == ("pp", "dp_replicate", "dp_shard", "tp")
+    assert build_layout(8, 1, 2).enabled() == ("dp_shard", "tp")
+
+
+@pytest.mark.parametrize("world, pp, tp, message", [
+    (12, 1, 8, "parallel.pp_degree (--pp) 1 x parallel.tp_degree (--tp) 8 = 8 must divide the number of processes "
+               "(12); world = pp x dp x tp"),
+    (3, 2, 1, "= 2 must divide the number of processes (3)"),
+    (4, 0, 1, "parallel.pp_degree (--pp) must be a positive integer, got 0"),
+    (4, 1, True, "parallel.tp_degree (--tp) must be a positive integer, got True"),
+    (4, 1, 2.0, "parallel.tp_degree (--tp) must be a positive integer, got 2.0"),
+    (0, 1, 1, "the number of processes must be a positive integer, got 0"),
+])
+def test_bad_degrees_are_refused_by_name(world, pp, tp, message):
+    with pytest.raises(UserError) as e:
+        build_layout(world, pp, tp)
+    assert message in str(e.value)
+
+
+def test_the_resolver_takes_its_degrees_from_the_layout():
+    """The run's pp/dp/tp/world are the layout's; the resolver's messages are the layout's."""
+    from tenfold.models.presets import get_preset
+    from tenfold.run import resolve
+
+    run = resolve(get_preset("tiny"), 8, pp=2, zero_stage=3, shard_group=2, micro_batch=1, global_batch=8)
+    assert run.dims == Layout(pp=2, dp_replicate=2, dp_shard=2, tp=1)
+    assert (run.world_size, run.pp, run.dp, run.tp, run.shard_size, run.replicas) == (8, 2, 4, 1, 2, 2)
+    with pytest.raises(UserError, match=r"= 2 must divide the number of processes \(3\)"):
+        resolve(get_preset("tiny"), 3, pp=2)
+
+
+def test_a_gloo_world_of_one_has_a_mesh_of_ones():
+    import torch.distributed as dist
+
+    from tenfold.layout import build_hybrid_mesh, build_mesh
+
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        layout = build_layout(1)
+        mesh = build_mesh(layout, "cpu")
+        assert mesh.mesh_dim_names == ("pp", "dp", "tp") and tuple(mesh.mesh.shape) == (1, 1, 1)
+        assert build_hybrid_mesh(layout, mesh) is None
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_fake_world_of_64_splits_dp_into_replicas_of_shard_groups():
+    """pp 2 x (dp_replicate 2 x dp_shard 4) x tp 4 on rank 37 of torch's fake process group:
+    tp is innermost (ranks 36..39), the dp ranks of rank 37 are 33, 37, ..., 61, and the shard
+    group is 4 neighbouring dp ranks, replicated across 2 groups. Mutations: MESH_ORDER with dp
+    and tp swapped, or replicate and shard swapped -> other ranks."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from tenfold.layout import build_hybrid_mesh, build_mesh
+
+    assert not dist.is_initialized()
+    dist.init_process_group("fake", store=FakeStore(), rank=37, world_size=64)
+    try:
+        layout = build_layout(64, pp=2, tp=4, shard_group=4)
+        mesh = build_mesh(layout, "cpu")
+        assert mesh.mesh_dim_names == ("pp", "dp", "tp") and tuple(mesh.mesh.shape) == (2, 8, 4)
+        assert mesh["tp"].mesh.tolist() == [36, 37, 38, 39]
+        assert mesh["dp"].mesh.tolist() == [33, 37, 41, 45, 49, 53, 57, 61]
+        assert mesh["pp"].mesh.tolist() == [5, 37]
+        assert mesh["dp_tp"].mesh.tolist() == list(range(32, 64))  # flattened for the gradient norm
+        hybrid = build_hybrid_mesh(layout, mesh)
+        assert hybrid.mesh_dim_names == ("dp_replicate", "dp_shard") and tuple(hybrid.mesh.shape) == (2, 4)
+        assert hybrid["dp_shard"].mesh.tolist() == [33, 37, 41, 45]
+        assert hybrid["dp_replicate"].mesh.tolist() == [37, 53]
+    finally:
+        dist.destroy_process_group()
