@@ -15,7 +15,7 @@ No torch here: `tenfold plan` resolves runs without it.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, fields, replace
 
 from tenfold import capabilities
 from tenfold.errors import UserError
@@ -82,7 +82,12 @@ class ResolvedRun:
     fp8: bool = False  # float8 matmuls in the blocks (precision.fp8), on top of `precision`
     lora: LoraSpec | None = None  # low-rank adapters on a frozen base (tenfold.lora_terms); None: every weight trains
     stack: Stack = ENGINE_STACK
-    config: object = field(default=None, compare=False)  # the TenfoldConfig it was read from (None: built by the planner)
+    fp8_emulate: bool = False  # float8 matmuls emulated in higher precision (precision.fp8_emulate; testing on any device)
+    # DeepSpeed's zero_optimization knobs, mapped onto DDP and FSDP2 (techniques/zero.py, docs/zero.md)
+    reduce_bucket_size: int | None = None  # elements per gradient bucket; None: the engine's own
+    param_persistence_threshold: int = 100_000  # stage3_param_persistence_threshold
+    contiguous_gradients: bool = True
+    overlap_comm: bool | None = None
 
     # ------------------------------------------------------------------ derived values
     @property
@@ -211,7 +216,7 @@ class ResolvedRun:
             if num_stages(pp, sched, v) != len(merged["pp_split"]):
                 merged["pp_split"] = None
         world = merged.pop("world_size", self.world_size)
-        return resolve(self.model, world, params=self.params, check=check, config=self.config, **merged)
+        return resolve(self.model, world, params=self.params, check=check, **merged)
 
     def choices(self) -> dict:
         """The choices `resolve` would rebuild this run from."""
@@ -224,7 +229,9 @@ class ResolvedRun:
             "pp_split": self.stage_layers if self.pp_split_given else None,
             "sequence_parallel": self.sequence_parallel, "model_kind": self.model_kind,
             "hf_model_type": self.hf_model_type, "compile": self.compile, "fp8": self.fp8, "lora": self.lora,
-            "stack": self.stack,
+            "stack": self.stack, "fp8_emulate": self.fp8_emulate, "reduce_bucket_size": self.reduce_bucket_size,
+            "param_persistence_threshold": self.param_persistence_threshold,
+            "contiguous_gradients": self.contiguous_gradients, "overlap_comm": self.overlap_comm,
         }
 
     def with_seq_len(self, seq_len: int) -> "ResolvedRun":
@@ -239,6 +246,8 @@ CHOICES = {
     "pp": 1, "tp": 1, "pp_schedule": "1f1b",
     "virtual_stages": None, "pp_split": None, "sequence_parallel": None, "model_kind": "tenfold",
     "hf_model_type": "", "compile": False, "fp8": False, "lora": None, "stack": ENGINE_STACK,
+    "fp8_emulate": False, "reduce_bucket_size": None, "param_persistence_threshold": 100_000,
+    "contiguous_gradients": True, "overlap_comm": None,
 }
 
 
@@ -259,7 +268,7 @@ def zero_text(run: ResolvedRun) -> str:
 
 
 def resolve(model: ModelConfig | None, world_size: int, *, params: float | None = None, check: bool = True,
-            config: object = None, own_model: bool = False, on_cpu: bool = False, **choices) -> ResolvedRun:
+            own_model: bool = False, on_cpu: bool = False, **choices) -> ResolvedRun:
     """Check the choices against each other, the model and the processes, derive every shared
     value, and refuse (UserError) a run the engine cannot do. `check=False`: do not refuse for
     the engine (tenfold plan prices such a run and says why train would refuse it); a run that
@@ -294,7 +303,9 @@ def resolve(model: ModelConfig | None, world_size: int, *, params: float | None 
         reduce_dtype=c["reduce_dtype"],
         pp_split_given=pp > 1 and c["pp_split"] is not None, model_kind=c["model_kind"],
         hf_model_type=c["hf_model_type"], compile=c["compile"], fp8=c["fp8"], lora=c["lora"], stack=c["stack"],
-        config=config,
+        fp8_emulate=c["fp8_emulate"], reduce_bucket_size=c["reduce_bucket_size"],
+        param_persistence_threshold=c["param_persistence_threshold"],
+        contiguous_gradients=c["contiguous_gradients"], overlap_comm=c["overlap_comm"],
     )
     if check:
         capabilities.check(run)
@@ -338,7 +349,7 @@ def resolve_run(cfg, world_size: int, check: bool = True, own_model: bool = Fals
                 on_cpu: bool | None = None) -> ResolvedRun:
     """`cfg` (a TenfoldConfig) on `world_size` processes: the run `tenfold train` does, on a CPU
     or not as `on_cpu` says (None: as train would run on this machine)."""
-    return resolve(cfg.model.build(), world_size, check=check, config=cfg, own_model=own_model,
+    return resolve(cfg.model.build(), world_size, check=check, own_model=own_model,
                    on_cpu=local_device_is_cpu() if on_cpu is None else on_cpu, **choices_from_config(cfg))
 
 
@@ -353,7 +364,9 @@ def choices_from_config(cfg) -> dict:
         "pp_schedule": par.pp_schedule, "virtual_stages": par.virtual_stages,
         "pp_split": tuple(par.pp_split) if par.pp_split else None, "sequence_parallel": par.sequence_parallel,
         "model_kind": model_kind(cfg), "hf_model_type": hf_model_type(cfg), "compile": t.compile,
-        "fp8": cfg.precision.fp8, "lora": lora_spec(cfg.lora),
+        "fp8": cfg.precision.fp8, "lora": lora_spec(cfg.lora), "fp8_emulate": cfg.precision.fp8_emulate,
+        "reduce_bucket_size": par.reduce_bucket_size, "param_persistence_threshold": par.param_persistence_threshold,
+        "contiguous_gradients": par.contiguous_gradients, "overlap_comm": par.overlap_comm,
     }
 
 
@@ -372,11 +385,13 @@ def config_for_run(base, run: ResolvedRun):
         virtual_stages=run.virtual_stages if run.pp_schedule in MULTI_STAGE_SCHEDULES and run.pp > 1 else None,
         sequence_parallel=None if run.sequence_parallel == (run.tp > 1) else run.sequence_parallel,
         pp_split=list(run.stage_layers) if run.pp_split_given else None, offload=run.offload,
-        shard_group_size=run.shard_group, reduce_dtype=run.reduce_dtype,
+        shard_group_size=run.shard_group, reduce_dtype=run.reduce_dtype, reduce_bucket_size=run.reduce_bucket_size,
+        param_persistence_threshold=run.param_persistence_threshold, contiguous_gradients=run.contiguous_gradients,
+        overlap_comm=run.overlap_comm,
     )
     d["train"].update(micro_batch=run.micro_batch, global_batch=run.global_batch, grad_accum=None)
     d["data"]["seq_len"] = run.seq_len
-    d["precision"].update(dtype=run.precision, fp8=run.fp8, fp8_emulate=run.fp8 and d["precision"]["fp8_emulate"])
+    d["precision"].update(dtype=run.precision, fp8=run.fp8, fp8_emulate=run.fp8 and run.fp8_emulate)
     d["recompute"]["policy"] = str(run.recompute)
     d["lora"] = lora_section(run.lora, d["lora"])
     return build_config(d)

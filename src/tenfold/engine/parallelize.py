@@ -58,7 +58,7 @@ def parallelize(
     if run.compile:  # before any work: no C++ compiler (CPU) or Triton (GPU), no run
         check_compile_supported(dist.device.type)
     if run.fp8:  # before any work too: a device without float8 matmuls, no torchao
-        fp8.check_supported(dist.device, run.config.precision.fp8_emulate)
+        fp8.check_supported(dist.device, run.fp8_emulate)
     if dist.tp_size > 1:
         _broadcast_from_rank0(model)  # the tp ranks split one model: it must be the same everywhere
     if run.lora is not None:  # adapters on the whole model, the base frozen in the compute dtype
@@ -80,14 +80,14 @@ def _apply_techniques(model: nn.Module, run: ResolvedRun, dist: DistInfo, blocks
         nf4.apply_nf4(model, blocks if blocks is not None else recompute.find_blocks(model), nf4_shards(run))
     if run.fp8:
         fp8.apply_fp8(model, blocks if blocks is not None else recompute.find_blocks(model), dist.device,
-                      run.config.precision.fp8_emulate, fsdp_all_gather=run.zero_stage >= 2 and dist.dp_size > 1)
+                      run.fp8_emulate, fsdp_all_gather=run.zero_stage >= 2 and dist.dp_size > 1)
     if dist.tp_size > 1:
         tp.apply_tensor_parallel(model, dist.mesh["tp"], tp.plan_for(model, kind, run.sequence_parallel, tp_plan))
     if run.recompute.kind != "none":
         recompute.apply_recompute(model, run.recompute, blocks=blocks)
     if run.compile:
         apply_compile(model, blocks=blocks)
-    return zero.apply_zero(model, run.config.parallel, dist, param_dtype=param_dtype, blocks=blocks)
+    return zero.apply_zero(model, run, dist, param_dtype=param_dtype, blocks=blocks)
 
 
 def _tie_stages(split: PipelineSplit, dist: DistInfo) -> TiedEmbedding | None:

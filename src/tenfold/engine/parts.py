@@ -13,7 +13,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from tenfold.config import TenfoldConfig
+from tenfold.config import TenfoldConfig, TrainSection
 from tenfold.data import build_data as build_bundle
 from tenfold.data import make_loader  # in memory, or streamed (data.streaming)
 from tenfold.data.arrays import bundle_from_array
@@ -50,6 +50,7 @@ class Parts:
     optimizer: torch.optim.Optimizer
     scheduler: Any
     loader: Any
+    train: TrainSection  # steps, clipping, the non-finite rule, evaluation: the loop's settings, not the layout's
     lora: LoraRun | None = None  # a LoRA run's base identity and adapters (engine/lora_run.py)
 
 
@@ -79,26 +80,29 @@ def build_parts(cfg: TenfoldConfig, user_model: nn.Module | None = None, user_da
     check_available(cfg.log.wandb)
     dist = join_layout(run.dims, cfg.parallel.timeout_s, offload=run.offload != "none")
     precision = build_precision(run.precision, cfg.precision, dist.device)
-    check_fit(run, dist, precision, user_model)  # before the data and the model take any memory
+    check_fit(run, dist, precision, user_model, cfg.train.fit_check)  # before the data and the model take any memory
     if dist.device.type == "cpu":  # before the model and data take their memory
         tune_malloc()
-    data = build_data(run, user_dataset, own_model=user_model is not None)
+    data = build_data(run, cfg, user_dataset, own_model=user_model is not None)
     if user_dataset is not None:  # a user's packed rows set the sequence length
         run = run.with_seq_len(int(np.asarray(data.train[:1]).shape[1]) - 1)
     seed_everything(cfg.train.seed)
-    model, adapter, lora = build_model(new_model(run, user_model), run, dist, precision, data, loss_fn, tp_plan)
+    model, adapter, lora = build_model(new_model(run, cfg, user_model), run, cfg.model.blocks, dist, precision, data, loss_fn,
+                                       tp_plan)
     seed_tensor_parallel_ranks(cfg.train.seed, dist)
-    optimizer, scheduler = build_optimizer(model, run, dist)
+    optimizer, scheduler = build_optimizer(model, run, cfg.train, cfg.parallel.timeout_s, dist)
     loader = make_loader(data, run.global_batch, run.micro_batch, run.grad_accum,
                          dp_rank=dist.dp_rank, dp_size=dist.dp_size, seed=cfg.train.seed)
-    return Parts(run, dist, precision, data, adapter, model, optimizer, scheduler, loader, lora)
+    return Parts(run, dist, precision, data, adapter, model, optimizer, scheduler, loader, cfg.train, lora)
 
 
-def check_fit(run: ResolvedRun, dist: DistInfo, precision: Precision, user_model: nn.Module | None) -> None:
+def check_fit(run: ResolvedRun, dist: DistInfo, precision: Precision, user_model: nn.Module | None,
+              fit_check: bool = True) -> None:
     """The planner's per-rank memory against what this rank has (tenfold.plan.room: host memory
     shared by the local ranks, or the GPU's), for the precision the device really runs and a
-    user's own module's parameter count; a run that cannot fit is refused (UserError)."""
-    if not run.config.train.fit_check:
+    user's own module's parameter count; a run that cannot fit is refused (UserError).
+    `fit_check`: train.fit_check (False: no check)."""
+    if not fit_check:
         return
     from tenfold.engine.memory import planner_hardware_name
     from tenfold.plan.for_run import predict_run_memory
@@ -111,9 +115,8 @@ def check_fit(run: ResolvedRun, dist: DistInfo, precision: Precision, user_model
     refuse_unless_fits(predict_run_memory(run, planner_hardware_name(dist.device), precision.name, params), room)
 
 
-def build_data(run: ResolvedRun, user_dataset: Any, own_model: bool):
+def build_data(run: ResolvedRun, cfg: TenfoldConfig, user_dataset: Any, own_model: bool):
     """tenfold's data pipeline (config `data`), or a user's bundle or packed rows."""
-    cfg = run.config
     if user_dataset is None:
         bundle = build_bundle(cfg.data, run.seq_len, cfg.train.seed, model_vocab_size=run.model.vocab_size,
                               hf_pretrained=cfg.model.hf_pretrained)
@@ -130,23 +133,23 @@ def build_data(run: ResolvedRun, user_dataset: Any, own_model: bool):
     return bundle
 
 
-def new_model(run: ResolvedRun, user_model: nn.Module | None) -> nn.Module:
+def new_model(run: ResolvedRun, cfg: TenfoldConfig, user_model: nn.Module | None) -> nn.Module:
     """The user's module, a Hugging Face causal LM through transformers, or tenfold's GPT."""
     if user_model is not None:
         return user_model
-    m = run.config.model
+    m = cfg.model
     if m.hf_config or m.hf_pretrained:
         return build_hf_model(m.hf_config, m.hf_pretrained)
     return GPT(run.model)
 
 
-def build_model(model: nn.Module, run: ResolvedRun, dist: DistInfo, precision: Precision, data: Any,
+def build_model(model: nn.Module, run: ResolvedRun, blocks_path: str | None, dist: DistInfo, precision: Precision, data: Any,
                 loss_fn: Callable | None, tp_plan: dict | None) -> tuple[nn.Module, ModelAdapter, LoraRun | None]:
     """The model on this rank's device, its adapter (blocks, FLOPs, loss), then every
     technique applied in the one composition point. A LoRA run's base is identified first, as
-    built (engine/lora_run.py)."""
+    built (engine/lora_run.py). `blocks_path`: model.blocks, where the repeated blocks are (None: found)."""
     model = model.to(dist.device)
-    adapter = adapt(model, run.seq_len, run.config.model.blocks, loss_fn)
+    adapter = adapt(model, run.seq_len, blocks_path, loss_fn)
     check_techniques(adapter, run)
     check_tensor_parallel(model, adapter, run, tp_plan)
     if hasattr(data, "fit_to_model"):  # packed examples: position_ids where the model masks by them
@@ -157,10 +160,10 @@ def build_model(model: nn.Module, run: ResolvedRun, dist: DistInfo, precision: P
     return wrapped, adapter, lora
 
 
-def build_optimizer(model: nn.Module, run: ResolvedRun, dist: DistInfo) -> tuple[torch.optim.Optimizer, Any]:
+def build_optimizer(model: nn.Module, run: ResolvedRun, train: TrainSection, timeout_s: float,
+                    dist: DistInfo) -> tuple[torch.optim.Optimizer, Any]:
     """AdamW (ZeroRedundancyOptimizer at ZeRO-1) and the LR schedule over the run's steps."""
-    cfg = run.config
-    optimizer = zero.build_optimizer_for(model, cfg.train, cfg.parallel, dist)
+    optimizer = zero.build_optimizer_for(model, train, run, dist)
     fp8.precompute_scales_after_steps(optimizer, model)  # --fp8 under FSDP2: scales in one all-reduce
-    tighten_timeouts_after_first_step(optimizer, cfg.parallel.timeout_s, dist)
-    return optimizer, build_scheduler(optimizer, cfg.train, cfg.train.steps)
+    tighten_timeouts_after_first_step(optimizer, timeout_s, dist)
+    return optimizer, build_scheduler(optimizer, train, train.steps)

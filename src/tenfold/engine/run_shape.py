@@ -94,11 +94,11 @@ def check_fit(cfg, world: int) -> None:
         refuse_unless_fits(fit_memory(resolve_run(cfg, world)), room)
 
 
-def describe(run, predicted: dict[str, int], fit: str | None = None) -> list[str]:
-    """The dry run's report, one line per aspect."""
+def describe(run, c, predicted: dict[str, int], fit: str | None = None) -> list[str]:
+    """The dry run's report of `run`, resolved from the config `c`, one line per aspect."""
     from tenfold.models.presets import param_count
 
-    m, c = run.model, run.config
+    m = run.model
     name = c.model.hf_pretrained or c.model.hf_config or c.model.name
     return [
         "tenfold train --dry-run: the config is valid; nothing was built, read or written",
@@ -126,6 +126,6 @@ def dry_run(cfg) -> int:
     run = resolve_run(cfg, world)
     room = room_here(cfg.parallel.nproc, with_torch=True)
     memory = fit_memory(run, room)
-    for line in describe(run, memory_by_category(memory), fit_line(memory, room) if room else None):
+    for line in describe(run, cfg, memory_by_category(memory), fit_line(memory, room) if room else None):
         print(line)
     return 0

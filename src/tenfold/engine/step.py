@@ -60,7 +60,7 @@ def apply_gradients(p: Parts, loss: float, global_tokens: int, step: int) -> Ste
     params = [q for q in p.model.parameters() if q.requires_grad]
     if p.dist.tp_size > 1:
         settle_gradients(params)
-    train = p.run.config.train  # clipping and the non-finite rule are not part of the run's layout
+    train = p.train  # clipping and the non-finite rule are not part of the run's layout
     result = finish_step(p.optimizer, p.scheduler, p.precision, params, loss, global_tokens,
                          lambda max_norm: clip(p, max_norm), train.grad_clip, on_nan=train.on_nan, step=step)
     if result.message and p.dist.is_main:
@@ -81,7 +81,7 @@ def evaluate(p: Parts) -> float | None:
     val = p.data.val
     if val is None or len(val) == 0:
         return None
-    batches = list(iter_eval(val, p.run.micro_batch, p.run.config.train.eval_batches))
+    batches = list(iter_eval(val, p.run.micro_batch, p.train.eval_batches))
     count = sum(acc.count_targets([b]) for b in batches)
     p.model.eval()
     try:

@@ -192,7 +192,7 @@ def _search_base(cfg, gpus: int, on_cpu: bool):
     choices = {**choices_from_config(cfg), "pp": 1, "tp": 1, "pp_schedule": "1f1b", "virtual_stages": None,
                "pp_split": None, "zero_stage": 0, "offload": "none", "sequence_parallel": None,
                "micro_batch": None, "grad_accum": None, "global_batch": glob}
-    return resolve(cfg.model.build(), 1, config=cfg, check=False, on_cpu=on_cpu, **choices)
+    return resolve(cfg.model.build(), 1, check=False, on_cpu=on_cpu, **choices)
 
 
 def _label(args, cfg) -> str:

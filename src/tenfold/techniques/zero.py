@@ -38,7 +38,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as torch_dist
@@ -54,6 +54,48 @@ from tenfold.techniques.offload import host_optimizer, offload_policy, offloads,
 from tenfold.techniques.optimizer import adamw_kwargs, allocate_states, build_optimizer, clip_grad_norm as _clip, param_groups
 from tenfold.techniques.tied_embeddings import uncounted_in_norm
 from tenfold.terms import ZERO_STAGES, runs_on_fsdp2, zero_runs_as
+
+if TYPE_CHECKING:
+    from tenfold.config import TrainSection
+
+
+class ZeroChoices(Protocol):
+    """The run's data-parallel choices this module reads (tenfold.run.ResolvedRun has them)."""
+
+    @property
+    def zero_stage(self) -> int: ...
+    @property
+    def offload(self) -> str: ...
+    @property
+    def reduce_dtype(self) -> str: ...
+    @property
+    def reduce_bucket_size(self) -> int | None: ...
+    @property
+    def param_persistence_threshold(self) -> int: ...
+    @property
+    def contiguous_gradients(self) -> bool: ...
+    @property
+    def overlap_comm(self) -> bool | None: ...
+
+
+class DataParallelRanks(Protocol):
+    """This rank's place in the layout (tenfold.engine.distributed.DistInfo has it)."""
+
+    @property
+    def device(self) -> torch.device: ...
+    @property
+    def dp_size(self) -> int: ...
+    @property
+    def tp_size(self) -> int: ...
+    @property
+    def pp_size(self) -> int: ...
+    @property
+    def is_main(self) -> bool: ...
+    @property
+    def mesh(self) -> Any: ...  # torch DeviceMesh ("pp", "dp", "tp"), None on one process
+    @property
+    def hybrid_mesh(self) -> Any: ...  # ("dp_replicate", "dp_shard") under hybrid sharding, else None
+
 
 ENGINES = {
     0: "DDP",
@@ -77,10 +119,10 @@ _HYBRID_ATTR = "_tenfold_hybrid_shard"
 
 
 def apply_zero(
-    model: nn.Module, parallel_cfg: Any, dist: Any, param_dtype: torch.dtype | None = None,
+    model: nn.Module, choices: ZeroChoices, dist: DataParallelRanks, param_dtype: torch.dtype | None = None,
     blocks: list[nn.Module] | None = None,
 ) -> nn.Module:
-    """Wrap `model` for ZeRO stage `parallel_cfg.zero_stage` over the data-parallel group.
+    """Wrap `model` for ZeRO stage `choices.zero_stage` (the run's) over `dist`'s data-parallel group.
 
     `blocks`: the FSDP2 units of stages 2/3, one per repeated block (the model adapter finds
     them for any model, tenfold.models.adapter); default `model.layers` (tenfold's GPT).
@@ -90,29 +132,29 @@ def apply_zero(
     unless it offloads (ZeRO-Offload's single-GPU case: FSDP2 on a mesh of one rank).
     """
 
-    stage = int(parallel_cfg.zero_stage)
+    stage = int(choices.zero_stage)
     if stage not in ZERO_STAGES:
         raise UserError(f"parallel.zero_stage must be one of {', '.join(map(str, ZERO_STAGES))}, got {stage}")
-    if dist.dp_size <= 1 and not (offloads(parallel_cfg) and getattr(dist, "mesh", None) is not None):
+    if dist.dp_size <= 1 and not (offloads(choices) and dist.mesh is not None):
         return model
-    _warn_unmapped_knobs(parallel_cfg, stage, dist)
-    tp, off = getattr(dist, "tp_size", 1), parallel_cfg.offload
+    _warn_unmapped_knobs(choices, stage, dist)
+    tp, off = dist.tp_size, choices.offload
     runs_as = zero_runs_as(stage, tp, dist.dp_size, off)  # the rule the planner prices too
     if not runs_on_fsdp2(stage, tp, dist.dp_size, off):
-        wrapped = _wrap_ddp(model, parallel_cfg, dist)  # DDP broadcasts rank 0's weights itself
+        wrapped = _wrap_ddp(model, choices, dist)  # DDP broadcasts rank 0's weights itself
     else:
         _broadcast_from_dp_rank0(model, dist)
         if runs_as == 0:
-            wrapped = _wrap_replicate(model, parallel_cfg, dist, param_dtype, blocks)
+            wrapped = _wrap_replicate(model, choices, dist, param_dtype, blocks)
         else:  # ZeRO-1 under TP runs as stage 2 on FSDP2, reducing once per step (grad_sync)
-            wrapped = _wrap_fsdp2(model, parallel_cfg, dist, runs_as, param_dtype, blocks)
+            wrapped = _wrap_fsdp2(model, choices, dist, runs_as, param_dtype, blocks)
     setattr(wrapped, _STAGE_ATTR, stage)
     return wrapped
 
 
-def dp_group(dist: Any):
+def dp_group(dist: DataParallelRanks):
     """The data-parallel process group (None: the default group)."""
-    return dist.mesh["dp"].get_group() if getattr(dist, "mesh", None) is not None else None
+    return dist.mesh["dp"].get_group() if dist.mesh is not None else None
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -122,7 +164,7 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 
 @torch.no_grad()
-def _broadcast_from_dp_rank0(model: nn.Module, dist: Any) -> None:
+def _broadcast_from_dp_rank0(model: nn.Module, dist: DataParallelRanks) -> None:
     """Every dp rank starts from dp-rank 0's weights. DDP does this itself; FSDP2 keeps each
     rank's own slice of its local tensor, so differently initialised ranks would silently
     assemble a model that no rank ever had."""
@@ -136,37 +178,37 @@ def _broadcast_from_dp_rank0(model: nn.Module, dist: Any) -> None:
         torch_dist.broadcast(local, src=src, group=group)
 
 
-def _wrap_ddp(model: nn.Module, parallel_cfg: Any, dist: Any) -> nn.Module:
+def _wrap_ddp(model: nn.Module, choices: ZeroChoices, dist: DataParallelRanks) -> nn.Module:
     kwargs: dict[str, Any] = {
         "process_group": dp_group(dist),
         # DeepSpeed's contiguous_gradients: gradients live in DDP's contiguous buckets.
-        "gradient_as_bucket_view": bool(parallel_cfg.contiguous_gradients),
+        "gradient_as_bucket_view": bool(choices.contiguous_gradients),
     }
-    if parallel_cfg.reduce_bucket_size:
+    if choices.reduce_bucket_size:
         # DeepSpeed counts elements, DDP megabytes of the gradient dtype (fp32 here).
-        kwargs["bucket_cap_mb"] = parallel_cfg.reduce_bucket_size * 4 / 2**20
+        kwargs["bucket_cap_mb"] = choices.reduce_bucket_size * 4 / 2**20
     if dist.device.type == "cuda":
         kwargs["device_ids"] = [dist.device.index]
     # QLoRA's 4-bit weights cannot be broadcast; every rank checked it built the same base
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
         model, [name for name, p in model.named_parameters() if is_nf4(p)])
     ddp = DistributedDataParallel(model, **kwargs)
-    _ddp_reduce_hook(ddp, parallel_cfg, dist)
+    _ddp_reduce_hook(ddp, choices, dist)
     return ddp
 
 
 REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def reduce_dtype_of(parallel_cfg: Any) -> torch.dtype:
+def reduce_dtype_of(choices: ZeroChoices) -> torch.dtype:
     """The dtype data-parallel gradients are reduced in (`parallel.reduce_dtype`)."""
-    return REDUCE_DTYPES[getattr(parallel_cfg, "reduce_dtype", "fp32")]
+    return REDUCE_DTYPES[choices.reduce_dtype]
 
 
-def _ddp_reduce_hook(ddp: nn.Module, parallel_cfg: Any, dist: Any) -> None:
+def _ddp_reduce_hook(ddp: nn.Module, choices: ZeroChoices, dist: DataParallelRanks) -> None:
     """bf16 reduction on DDP (ZeRO-0/1) through DDP's communication-hook API; fp32 keeps DDP's
     own all-reduce (no hook)."""
-    if reduce_dtype_of(parallel_cfg) == torch.float32:
+    if reduce_dtype_of(choices) == torch.float32:
         return
     ddp.register_comm_hook(dp_group(dist), bf16_reduce_hook)
 
@@ -187,14 +229,14 @@ def bf16_reduce_hook(process_group, bucket):
     return torch_dist.all_reduce(compressed, group=group, async_op=True).get_future().then(decompress)
 
 
-def _wrap_fsdp2(model: nn.Module, parallel_cfg: Any, dist: Any, stage: int, param_dtype, blocks=None) -> nn.Module:
+def _wrap_fsdp2(model: nn.Module, choices: ZeroChoices, dist: DataParallelRanks, stage: int, param_dtype, blocks=None) -> nn.Module:
     mesh = shard_mesh(dist)
-    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype_of(parallel_cfg))
-    offload = offload_policy(parallel_cfg, dist.device)
-    threshold = int(parallel_cfg.param_persistence_threshold)
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype_of(choices))
+    offload = offload_policy(choices, dist.device)
+    threshold = int(choices.param_persistence_threshold)
     if blocks is None:
         blocks = list(model.layers.values()) if hasattr(model, "layers") else []
-    units = fsdp_units(blocks, stage, unit_bucket(parallel_cfg, dist.device.type))
+    units = fsdp_units(blocks, stage, unit_bucket(choices, dist.device.type))
     backward_next = _backward_follows_forward(len(units), dist)
     for unit, next_ in zip(units, backward_next):
         reshard = _reshard_after_forward(stage, sum(map(_numel, unit)), threshold) and not next_
@@ -210,7 +252,7 @@ def _wrap_fsdp2(model: nn.Module, parallel_cfg: Any, dist: Any, stage: int, para
     return model
 
 
-def shard_mesh(dist: Any):
+def shard_mesh(dist: DataParallelRanks):
     """The mesh FSDP2 shards over. Plain ZeRO-2/3: the 1-D "dp" mesh, every dp rank holds
     1/dp. Hybrid sharding (`parallel.shard_group_size` N < dp): the 2-D ("dp_replicate",
     "dp_shard") mesh, which `fully_shard` reads as HSDP: parameters are DTensors placed
@@ -219,7 +261,7 @@ def shard_mesh(dist: Any):
     groups (PyTorch FSDP2's HSDP; DeepSpeed's MiCS, Zhang et al. 2022, shards the same way).
     The average over all dp ranks is kept: FSDP2 divides by N in the reduce-scatter and by
     dp/N in the all-reduce."""
-    hybrid = getattr(dist, "hybrid_mesh", None)
+    hybrid = dist.hybrid_mesh
     return hybrid if hybrid is not None else dist.mesh["dp"]
 
 
@@ -244,14 +286,14 @@ def _gather_ahead_on_cpu(model: nn.Module) -> None:
         unit._set_unshard_async_op(True)
 
 
-def _backward_follows_forward(n_units: int, dist: Any) -> list[bool]:
+def _backward_follows_forward(n_units: int, dist: DataParallelRanks) -> list[bool]:
     """Per block unit, then the root (last entry): whether its backward starts right after its
     forward ends, so that freeing its parameters after forward would only re-gather them at
     once. Without pipelining that is the last block and the root (embedding + head, whose
     head runs last in forward and first in backward): FSDP2 keeps its root gathered for that
     reason when left to choose (`fully_shard`'s root heuristic), torchtitan its last block
     (`apply_fsdp`). Under pipelining other micro-batches' forwards run in between."""
-    if getattr(dist, "pp_size", 1) > 1:
+    if dist.pp_size > 1:
         return [False] * (n_units + 1)
     return [i == n_units - 1 for i in range(n_units)] + [True]
 
@@ -259,7 +301,7 @@ def _backward_follows_forward(n_units: int, dist: Any) -> list[bool]:
 CPU_UNIT_BUCKET = 25 * 2**20 // 4  # torch DDP's default bucket (bucket_cap_mb=25) in fp32 gradient elements
 
 
-def unit_bucket(parallel_cfg: Any, device_type: str) -> int | None:
+def unit_bucket(choices: ZeroChoices, device_type: str) -> int | None:
     """ZeRO-2's FSDP2 unit size in parameters (None: one unit per block).
 
     DeepSpeed ZeRO-2 reduces gradients in buckets of `reduce_bucket_size` elements; FSDP2
@@ -274,8 +316,8 @@ def unit_bucket(parallel_cfg: Any, device_type: str) -> int | None:
     docs/benchmarks.md). Grouping costs ZeRO-2 no parameter memory (it keeps every gathered
     unit from forward to backward anyway); a group's unsharded gradients wait for its one
     reduce-scatter, as DeepSpeed's wait in its bucket."""
-    if parallel_cfg.reduce_bucket_size:
-        return int(parallel_cfg.reduce_bucket_size)
+    if choices.reduce_bucket_size:
+        return int(choices.reduce_bucket_size)
     return None if device_type == "cuda" else CPU_UNIT_BUCKET
 
 
@@ -298,14 +340,14 @@ def fsdp_units(blocks: list[nn.Module], stage: int, bucket: int | None) -> list[
     return units
 
 
-def _wrap_replicate(model: nn.Module, parallel_cfg: Any, dist: Any, param_dtype, blocks=None) -> nn.Module:
+def _wrap_replicate(model: nn.Module, choices: ZeroChoices, dist: DataParallelRanks, param_dtype, blocks=None) -> nn.Module:
     """Replicated data parallelism for tensor-parallel (DTensor) parameters, which DDP does
     not take: PyTorch's `replicate` built on FSDP2's machinery (every dp rank keeps whole
     parameters and gradients; gradients are all-reduced), one unit per block + the root as
     for FSDP2, so each block's all-reduce overlaps the backward of the blocks below it."""
 
     mesh = dist.mesh["dp"]
-    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype_of(parallel_cfg))
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype_of(choices))
     if blocks is None:
         blocks = list(model.layers.values()) if hasattr(model, "layers") else []
     for block in blocks:
@@ -326,16 +368,16 @@ def _reshard_after_forward(stage: int, unit_numel: int, persistence_threshold: i
     return stage == 3 and unit_numel > persistence_threshold
 
 
-def _warn_unmapped_knobs(parallel_cfg: Any, stage: int, dist: Any) -> None:
+def _warn_unmapped_knobs(choices: ZeroChoices, stage: int, dist: DataParallelRanks) -> None:
     """Name, in one warning, the DeepSpeed knobs that have no PyTorch counterpart here."""
     unmapped = []
-    tensor_parallel = getattr(dist, "tp_size", 1) > 1
+    tensor_parallel = dist.tp_size > 1
     fsdp = stage >= 2 or tensor_parallel  # FSDP2's machinery, also under `replicate`
-    if parallel_cfg.reduce_bucket_size and (stage == 3 or (tensor_parallel and stage == 0)):
+    if choices.reduce_bucket_size and (stage == 3 or (tensor_parallel and stage == 0)):
         unmapped.append("reduce_bucket_size (FSDP2 at ZeRO-3 and `replicate` reduce one unit = one block per collective)")
-    if fsdp and not parallel_cfg.contiguous_gradients:
+    if fsdp and not choices.contiguous_gradients:
         unmapped.append("contiguous_gradients=false (FSDP2 always reduce-scatters into one flat buffer)")
-    if parallel_cfg.overlap_comm is False:
+    if choices.overlap_comm is False:
         unmapped.append("overlap_comm=false (DDP and FSDP2 always overlap communication with backward)")
     if unmapped and dist.is_main:
         engine = (ENGINES_TP if tensor_parallel else ENGINES)[stage]
@@ -348,25 +390,25 @@ def _warn_unmapped_knobs(parallel_cfg: Any, stage: int, dist: Any) -> None:
 # --------------------------------------------------------------------------- optimizer
 
 
-def build_optimizer_for(model: nn.Module, train_cfg: Any, parallel_cfg: Any, dist: Any) -> torch.optim.Optimizer:
+def build_optimizer_for(model: nn.Module, train_cfg: TrainSection, choices: ZeroChoices, dist: DataParallelRanks) -> torch.optim.Optimizer:
     """The AdamW of `tenfold.techniques.optimizer` over the (wrapped) model; at ZeRO-1 with more than
     one dp rank, the same optimizer inside `ZeroRedundancyOptimizer`, which gives each rank
     the states of ~1/N of the parameters (whole tensors, largest first, greedy) and broadcasts
     the updated parameters after each step. `--offload optimizer`: the same AdamW with its states
     and its update in host memory (techniques/offload.HostAdamW)."""
 
-    if offloads_optimizer_only(parallel_cfg):  # the states and the update on the host (HostAdamW)
+    if offloads_optimizer_only(choices):  # the states and the update on the host (HostAdamW)
         groups = param_groups(unwrap(model), train_cfg.weight_decay)
         optimizer = host_optimizer(groups, adamw_kwargs(train_cfg, torch.device("cpu")), dist.device)
     else:
-        optimizer = build_optimizer(unwrap(model), train_cfg, optimizer_device(parallel_cfg, dist.device))
-    if zero_runs_as(int(parallel_cfg.zero_stage), getattr(dist, "tp_size", 1), dist.dp_size, parallel_cfg.offload) == 1:
+        optimizer = build_optimizer(unwrap(model), train_cfg, optimizer_device(choices, dist.device))
+    if zero_runs_as(int(choices.zero_stage), dist.tp_size, dist.dp_size, choices.offload) == 1:
         optimizer = _zero_redundancy(optimizer, dist)
     allocate_states(local_optimizer(optimizer))  # this rank's states only, no collective
     return optimizer
 
 
-def _zero_redundancy(optimizer: torch.optim.Optimizer, dist: Any) -> torch.optim.Optimizer:
+def _zero_redundancy(optimizer: torch.optim.Optimizer, dist: DataParallelRanks) -> torch.optim.Optimizer:
     # Only the constructor's own keywords: AdamW's `defaults` also carry internal entries
     # (e.g. `decoupled_weight_decay`) its __init__ does not accept.
     accepted = set(inspect.signature(type(optimizer).__init__).parameters) - {"self", "params"}
