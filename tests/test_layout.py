@@ -100,3 +100,16 @@ def test_a_fake_world_of_64_splits_dp_into_replicas_of_shard_groups():
         assert hybrid["dp_replicate"].mesh.tolist() == [37, 53]
     finally:
         dist.destroy_process_group()
+
+
+def test_the_engine_maps_every_reduce_dtype_and_offload_the_resolver_allows():
+    """The value lists live in tenfold.terms; the engine's tables cover exactly them."""
+    from tenfold.capabilities import ENGINE
+    from tenfold.config import ParallelSection
+    from tenfold.techniques.zero import TORCH_REDUCE_DTYPES
+    from tenfold.terms import OFFLOADS, REDUCE_DTYPES
+
+    assert tuple(TORCH_REDUCE_DTYPES) == REDUCE_DTYPES
+    assert ENGINE.offload == OFFLOADS
+    for value in OFFLOADS:
+        assert ParallelSection(offload=value).offload == value

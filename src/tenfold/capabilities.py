@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from tenfold.errors import UserError
 from tenfold.layout import shard_group_problem
 from tenfold.lora_terms import nf4_shards, nf4_unshardable
-from tenfold.terms import MULTI_STAGE_SCHEDULES, PIPELINE_SCHEDULES, PRECISIONS, ZERO_STAGES
+from tenfold.terms import MULTI_STAGE_SCHEDULES, OFFLOADS, PIPELINE_SCHEDULES, PRECISIONS, ZERO_STAGES
 
 # Model kinds: tenfold's own GPT (a preset or a shape), a Hugging Face causal LM through the
 # adapter (tenfold.models.hf), or a user's own module (Python API only).
@@ -63,7 +63,7 @@ ENGINE = Capabilities(
     # techniques/offload.py: "optimizer" (DeepSpeed's offload_optimizer) keeps FSDP2's parameter
     # shards on the device and AdamW's states and step on the host (HostAdamW);
     # "optimizer+params" (offload_param, ZeRO-3 only) is FSDP2's CPUOffloadPolicy.
-    offload=("none", "optimizer", "optimizer+params"),
+    offload=OFFLOADS,
     offload_zero_stages=(2, 3),
     # FSDP2 on a 2-D (replicate, shard) device mesh (techniques/zero.py, parallel.shard_group_size)
     hybrid_shard=True,

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 from tenfold.errors import UserError
 from tenfold.lr_schedule import validate_schedule_params
 from tenfold.models.presets import ModelConfig, get_preset
-from tenfold.terms import parse_recompute
+from tenfold.terms import DEFAULT_PRECISION, OFFLOADS, PRECISION_CHOICES, REDUCE_DTYPES, parse_recompute
 
 try:
     import tomllib
@@ -157,7 +157,7 @@ class TrainSection(_Section):
 
 class PrecisionSection(_Section):
     # auto: bf16 on GPUs and on CPUs with bf16 matrix instructions, else fp32 (terms.resolve_precision)
-    dtype: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    dtype: Literal[PRECISION_CHOICES] = DEFAULT_PRECISION  # type: ignore[valid-type]
     # Float8 matmuls in the transformer blocks' Linears (torchao), the rest in `dtype` (bf16):
     # a switch on top of bf16, not a dtype (techniques/fp8.py, docs/precision.md).
     fp8: bool = False
@@ -212,7 +212,7 @@ class ParallelSection(_Section):
     shard_group_size: int | None = Field(None, gt=0)
     # ZeRO-Offload (tenfold.terms.OFFLOADS, techniques/offload.py, docs/zero.md): "optimizer" puts AdamW's
     # states and step in host memory; "optimizer+params" (ZeRO-3) the sharded parameters and gradients too
-    offload: Literal["none", "optimizer", "optimizer+params"] = "none"
+    offload: Literal[OFFLOADS] = "none"  # type: ignore[valid-type]
     param_persistence_threshold: int = Field(100_000, ge=0)  # stage3_param_persistence_threshold
     reduce_bucket_size: int | None = None
     overlap_comm: bool | None = None
@@ -220,7 +220,7 @@ class ParallelSection(_Section):
     # The dtype data-parallel gradients are reduced in (DeepSpeed's communication_data_type).
     # fp32 (torchtitan's and Megatron's default): every partial sum exact to fp32. bf16: half
     # the bytes, each partial sum rounded to 8 mantissa bits (docs/precision.md).
-    reduce_dtype: Literal["fp32", "bf16"] = "fp32"
+    reduce_dtype: Literal[REDUCE_DTYPES] = "fp32"  # type: ignore[valid-type]
     timeout_s: float = Field(600.0, gt=0)
     # A rank whose step runs past max(watchdog x median step, watchdog_min_s) stops the job
     # (engine/watchdog.py); 0 turns the watchdog off. Multi-process runs only.

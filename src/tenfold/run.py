@@ -23,7 +23,7 @@ from tenfold.layout import Layout, build_layout, check_degree_values
 from tenfold.lora_terms import LORA_BASES, LoraSpec, check_targets, lora_spec
 from tenfold.models.presets import ModelConfig, param_count
 from tenfold.terms import (
-    MULTI_STAGE_SCHEDULES, OFFLOADS, PIPELINE_SCHEDULES, PRECISION_CHOICES, REDUCE_DTYPES, ZERO_STAGES, BatchTriplet,
+    DEFAULT_PRECISION, MULTI_STAGE_SCHEDULES, OFFLOADS, PIPELINE_SCHEDULES, PRECISION_CHOICES, REDUCE_DTYPES, ZERO_STAGES, BatchTriplet,
     RecomputePolicy, check_tp_heads, local_device_is_cpu, num_stages, parse_recompute, resolve_batch, resolve_precision,
     stage_layer_counts, virtual_stages_for, zero_runs_as,
 )
@@ -241,7 +241,7 @@ class ResolvedRun:
 
 # The user's choices `resolve` takes (keyword names), with their defaults.
 CHOICES = {
-    "precision": "bf16", "micro_batch": None, "grad_accum": None, "global_batch": None, "seq_len": None,
+    "precision": DEFAULT_PRECISION, "micro_batch": None, "grad_accum": None, "global_batch": None, "seq_len": None,
     "recompute": "none", "zero_stage": 0, "offload": "none", "shard_group": None, "reduce_dtype": "fp32",
     "pp": 1, "tp": 1, "pp_schedule": "1f1b",
     "virtual_stages": None, "pp_split": None, "sequence_parallel": None, "model_kind": "tenfold",

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 
 from tenfold.errors import say
+from tenfold.terms import OFFLOADS
 
 
 def add_run_arguments(p: argparse.ArgumentParser, priced_only: bool = False) -> None:
@@ -94,7 +95,7 @@ def _technique_group(p: argparse.ArgumentParser, only_train) -> None:
                    "(default 10; 0: off)"))
     x.add_argument("--shard-group", type=int, metavar="N", help="hybrid sharding (HSDP) with --zero 2/3: shard inside "
                    "groups of N data-parallel ranks (e.g. one node), replicate across groups (default: all dp ranks)")
-    x.add_argument("--offload", choices=("none", "optimizer", "optimizer+params"), help="ZeRO-Offload with --zero 2/3: "
+    x.add_argument("--offload", choices=OFFLOADS, help="ZeRO-Offload with --zero 2/3: "
                    "none (default) | optimizer (AdamW's states and step in host memory, the parameters on the "
                    "device) | optimizer+params (--zero 3: sharded weights and gradients in host memory too; docs/zero.md)")
     x.add_argument("--pp", type=int, help="pipeline stages")

@@ -44,6 +44,7 @@ def check_precision(name: str) -> str:
 
 # `precision.dtype = "auto"` (the default) picks one of PRECISIONS by where the run computes.
 PRECISION_CHOICES = ("auto", *PRECISIONS)
+DEFAULT_PRECISION = "auto"  # precision.dtype unset: `resolve_precision` picks for the device
 # x86 flags (/proc/cpuinfo) of bf16 matrix instructions, which torch's CPU bf16 GEMMs (oneDNN)
 # use. Without them bf16 matmuls run through conversions: a `tiny` training step measured 11x
 # slower in bf16 than in fp32 on a 2-core AVX2 EPYC (docs/precision.md).
@@ -399,6 +400,9 @@ ZERO_STAGES = (0, 1, 2, 3)  # Rajbhandari et al. 2020: P_os (1), P_os+g (2), P_o
 # master weights (and the optimizer step runs on the host); "optimizer+params": parameters too.
 OFFLOADS = ("none", "optimizer", "optimizer+params")
 REDUCE_DTYPES = ("fp32", "bf16")  # parallel.reduce_dtype: the dtype data-parallel gradients are reduced in
+# torch DDP's default gradient bucket (DistributedDataParallel bucket_cap_mb=25): what DDP holds in
+# flight, and the unit size ZeRO-2 groups blocks to on CPU (techniques/zero.py unit_bucket)
+DDP_BUCKET_BYTES = 25 * 2**20
 
 
 def zero_runs_as(zero_stage: int, tp: int, dp: int, offload: str = "none") -> int:

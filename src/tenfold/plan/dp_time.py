@@ -40,9 +40,9 @@ from dataclasses import dataclass
 
 from tenfold.plan import comm
 from tenfold.plan.hardware import Hardware
+from tenfold.terms import DDP_BUCKET_BYTES
 
 OVERLAP_CONTENTION = 0.15  # assumption: overlapped comm slows the concurrent GEMMs by 15% of its time
-DDP_BUCKET_BYTES = 25 * 2**20  # torch DDP bucket_cap_mb default
 
 
 @dataclass(frozen=True)

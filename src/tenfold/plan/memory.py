@@ -13,7 +13,7 @@ from tenfold.models.presets import ModelConfig
 from tenfold.plan import lora as lora_plan
 from tenfold.plan.fp8 import block_param_bytes
 from tenfold.run import ResolvedRun, Stack, resolve
-from tenfold.terms import MULTI_STAGE_SCHEDULES, RecomputePolicy, element_bytes, op_saved_tensors, runs_on_fsdp2
+from tenfold.terms import DDP_BUCKET_BYTES, MULTI_STAGE_SCHEDULES, RecomputePolicy, element_bytes, op_saved_tensors, runs_on_fsdp2
 
 MiB = 2**20
 
@@ -111,7 +111,7 @@ def model_states(n_params: float, run: ResolvedRun) -> ModelStates:
         st.params_bytes = st.grads_bytes = 0.0
         st.master_weights_bytes = st.optimizer_moments_bytes = st.grad_copy_bytes = 0.0
         return st
-    if run.offload in ("optimizer", "optimizer+params"):
+    if run.offload != "none":
         # ZeRO-Offload (Ren et al. 2021 §4; DeepSpeed estimate_zero2/3 with cpu_offload): the
         # fp32 master, moments and an fp32 gradient accumulator live on the host, partitioned
         # over dp (16 B/param / N_d, the estimators' CPU figure). ZeRO-2/3 send each
@@ -439,7 +439,6 @@ def final_layer_activation_bytes(cfg: ModelConfig, run: ResolvedRun) -> float:
 
 
 # --------------------------------------------------------------------------- buffers
-DDP_BUCKET_BYTES = 25 * MiB  # torch DDP bucket_cap_mb default
 
 
 def comm_buffer_bytes(run: ResolvedRun, largest_unit: float, tp_seq_bytes: float) -> tuple[float, str]:
@@ -460,7 +459,7 @@ def comm_buffer_bytes(run: ResolvedRun, largest_unit: float, tp_seq_bytes: float
         why = "FSDP2: 1 unsharded grad unit"
     else:
         n = 2 * DDP_BUCKET_BYTES
-        why = "2 x 25 MiB DDP gradient buckets"
+        why = f"2 x {DDP_BUCKET_BYTES // MiB} MiB DDP gradient buckets"
     if run.pp > 1:
         n += 2 * tp_seq_bytes
         why += " + 2 p2p activation buffers"

@@ -29,13 +29,13 @@ from tenfold.layout import build_layout
 from tenfold.plan.api import Plan, _fits as fits, _predict, predict, predict_memory
 from tenfold.plan.hardware import Hardware, get_hardware, with_gpus_per_node
 from tenfold.run import ResolvedRun
-from tenfold.terms import tp_choices
+from tenfold.terms import OFFLOADS, tp_choices
 
 AC_CHOICES = ("none", "selective", "op", "full")
 # Offload is priced by its host-link traffic (step_time.py), least offloaded first: a layout is
 # tried with more offload only when it does not fit with less (more offload only adds host time).
 # In the default search only where tenfold train runs it (tenfold.capabilities).
-OFFLOAD_CHOICES = ("none", "optimizer", "optimizer+params")
+OFFLOAD_CHOICES = OFFLOADS
 
 
 @dataclass

@@ -28,8 +28,8 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy
 from torch.distributed.tensor import DTensor
 
 from tenfold.errors import UserError
+from tenfold.terms import OFFLOADS
 
-OFFLOADS = ("none", "optimizer", "optimizer+params")
 
 
 def offload_policy(parallel_cfg: Any, device: torch.device):

@@ -53,7 +53,7 @@ from tenfold.techniques.nf4 import is_nf4
 from tenfold.techniques.offload import host_optimizer, offload_policy, offloads, offloads_optimizer_only, optimizer_device
 from tenfold.techniques.optimizer import adamw_kwargs, allocate_states, build_optimizer, clip_grad_norm as _clip, param_groups
 from tenfold.techniques.tied_embeddings import uncounted_in_norm
-from tenfold.terms import ZERO_STAGES, runs_on_fsdp2, zero_runs_as
+from tenfold.terms import DDP_BUCKET_BYTES, ZERO_STAGES, runs_on_fsdp2, zero_runs_as
 
 if TYPE_CHECKING:
     from tenfold.config import TrainSection
@@ -197,12 +197,12 @@ def _wrap_ddp(model: nn.Module, choices: ZeroChoices, dist: DataParallelRanks) -
     return ddp
 
 
-REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+TORCH_REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # the torch dtype of each tenfold.terms.REDUCE_DTYPES
 
 
 def reduce_dtype_of(choices: ZeroChoices) -> torch.dtype:
     """The dtype data-parallel gradients are reduced in (`parallel.reduce_dtype`)."""
-    return REDUCE_DTYPES[choices.reduce_dtype]
+    return TORCH_REDUCE_DTYPES[choices.reduce_dtype]
 
 
 def _ddp_reduce_hook(ddp: nn.Module, choices: ZeroChoices, dist: DataParallelRanks) -> None:
@@ -298,7 +298,7 @@ def _backward_follows_forward(n_units: int, dist: DataParallelRanks) -> list[boo
     return [i == n_units - 1 for i in range(n_units)] + [True]
 
 
-CPU_UNIT_BUCKET = 25 * 2**20 // 4  # torch DDP's default bucket (bucket_cap_mb=25) in fp32 gradient elements
+CPU_UNIT_BUCKET = DDP_BUCKET_BYTES // 4  # torch DDP's default bucket in fp32 gradient elements
 
 
 def unit_bucket(choices: ZeroChoices, device_type: str) -> int | None:
