@@ -26,7 +26,7 @@ FORBIDDEN = {
     "tune": (CLI,),  # a tune measures its trials with the ladder's runner
 }
 # single modules every layer may import: they must stay torch-free and import no layer above
-TORCH_FREE = ("terms.py", "run.py", "run_args.py", "config.py", "errors.py", "capabilities.py", "pipeline_layout.py",
+TORCH_FREE = ("terms.py", "choices.py", "run.py", "run_args.py", "config.py", "errors.py", "capabilities.py", "pipeline_layout.py",
               "lora_terms.py", "quiet.py")
 
 

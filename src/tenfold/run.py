@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields, replace
 
 from tenfold import capabilities
+from tenfold.choices import RUN_CHOICES
 from tenfold.errors import UserError
 from tenfold.layout import Layout, build_layout, check_degree_values
 from tenfold.lora_terms import LORA_BASES, LoraSpec, check_targets, lora_spec
@@ -220,35 +221,17 @@ class ResolvedRun:
 
     def choices(self) -> dict:
         """The choices `resolve` would rebuild this run from."""
-        return {
-            "precision": self.precision, "micro_batch": self.micro_batch, "grad_accum": self.grad_accum,
-            "global_batch": self.global_batch, "seq_len": self.seq_len, "recompute": self.recompute,
-            "zero_stage": self.zero_stage, "offload": self.offload, "shard_group": self.shard_group,
-            "reduce_dtype": self.reduce_dtype,
-            "pp": self.pp, "tp": self.tp, "pp_schedule": self.pp_schedule, "virtual_stages": self.virtual_stages,
-            "pp_split": self.stage_layers if self.pp_split_given else None,
-            "sequence_parallel": self.sequence_parallel, "model_kind": self.model_kind,
-            "hf_model_type": self.hf_model_type, "compile": self.compile, "fp8": self.fp8, "lora": self.lora,
-            "stack": self.stack, "fp8_emulate": self.fp8_emulate, "reduce_bucket_size": self.reduce_bucket_size,
-            "param_persistence_threshold": self.param_persistence_threshold,
-            "contiguous_gradients": self.contiguous_gradients, "overlap_comm": self.overlap_comm,
-        }
+        return {**{name: getattr(self, name) for name in CHOICES if name != "pp_split"},
+                "pp_split": self.stage_layers if self.pp_split_given else None}
 
     def with_seq_len(self, seq_len: int) -> "ResolvedRun":
         """The same run on sequences of another length (a user's own packed dataset)."""
         return replace(self, seq_len=check_sequence_split(seq_len, self.tp, self.sequence_parallel))
 
 
-# The user's choices `resolve` takes (keyword names), with their defaults.
-CHOICES = {
-    "precision": DEFAULT_PRECISION, "micro_batch": None, "grad_accum": None, "global_batch": None, "seq_len": None,
-    "recompute": "none", "zero_stage": 0, "offload": "none", "shard_group": None, "reduce_dtype": "fp32",
-    "pp": 1, "tp": 1, "pp_schedule": "1f1b",
-    "virtual_stages": None, "pp_split": None, "sequence_parallel": None, "model_kind": "tenfold",
-    "hf_model_type": "", "compile": False, "fp8": False, "lora": None, "stack": ENGINE_STACK,
-    "fp8_emulate": False, "reduce_bucket_size": None, "param_persistence_threshold": 100_000,
-    "contiguous_gradients": True, "overlap_comm": None,
-}
+# The user's choices `resolve` takes (keyword names), with their defaults: the table's, and the
+# planner's training stack.
+CHOICES = {**{c.name: c.default for c in RUN_CHOICES}, "stack": ENGINE_STACK}
 
 
 def zero_text(run: ResolvedRun) -> str:
@@ -354,20 +337,17 @@ def resolve_run(cfg, world_size: int, check: bool = True, own_model: bool = Fals
 
 
 def choices_from_config(cfg) -> dict:
-    """A config's choices under the resolver's names."""
-    t, par = cfg.train, cfg.parallel
-    return {
-        "precision": cfg.precision.dtype, "micro_batch": t.micro_batch, "grad_accum": t.grad_accum,
-        "global_batch": t.global_batch, "seq_len": cfg.seq_len(), "recompute": cfg.recompute.policy,
-        "zero_stage": par.zero_stage, "offload": par.offload, "shard_group": par.shard_group_size,
-        "reduce_dtype": par.reduce_dtype, "pp": par.pp_degree, "tp": par.tp_degree,
-        "pp_schedule": par.pp_schedule, "virtual_stages": par.virtual_stages,
-        "pp_split": tuple(par.pp_split) if par.pp_split else None, "sequence_parallel": par.sequence_parallel,
-        "model_kind": model_kind(cfg), "hf_model_type": hf_model_type(cfg), "compile": t.compile,
-        "fp8": cfg.precision.fp8, "lora": lora_spec(cfg.lora), "fp8_emulate": cfg.precision.fp8_emulate,
-        "reduce_bucket_size": par.reduce_bucket_size, "param_persistence_threshold": par.param_persistence_threshold,
-        "contiguous_gradients": par.contiguous_gradients, "overlap_comm": par.overlap_comm,
+    """A config's choices under the resolver's names (tenfold.choices: each row's config key)."""
+    derived = {
+        "seq_len": cfg.seq_len(), "pp_split": tuple(cfg.parallel.pp_split) if cfg.parallel.pp_split else None,
+        "model_kind": model_kind(cfg), "hf_model_type": hf_model_type(cfg), "lora": lora_spec(cfg.lora),
     }
+    return {c.name: derived[c.name] if c.name in derived else _config_value(cfg, c.key) for c in RUN_CHOICES}
+
+
+def _config_value(cfg, key: str):
+    section, name = key.split(".")
+    return getattr(getattr(cfg, section), name)
 
 
 def config_for_run(base, run: ResolvedRun):
@@ -380,20 +360,19 @@ def config_for_run(base, run: ResolvedRun):
         raise UserError(f"this run is priced as another training stack ({', '.join(run.stack.departures())}); "
                         "tenfold train runs only its own")
     d = base.model_dump(mode="json")
-    d["parallel"].update(
-        zero_stage=run.zero_stage, pp_degree=run.pp, tp_degree=run.tp, pp_schedule=run.pp_schedule,
-        virtual_stages=run.virtual_stages if run.pp_schedule in MULTI_STAGE_SCHEDULES and run.pp > 1 else None,
-        sequence_parallel=None if run.sequence_parallel == (run.tp > 1) else run.sequence_parallel,
-        pp_split=list(run.stage_layers) if run.pp_split_given else None, offload=run.offload,
-        shard_group_size=run.shard_group, reduce_dtype=run.reduce_dtype, reduce_bucket_size=run.reduce_bucket_size,
-        param_persistence_threshold=run.param_persistence_threshold, contiguous_gradients=run.contiguous_gradients,
-        overlap_comm=run.overlap_comm,
-    )
-    d["train"].update(micro_batch=run.micro_batch, global_batch=run.global_batch, grad_accum=None)
-    d["data"]["seq_len"] = run.seq_len
-    d["precision"].update(dtype=run.precision, fp8=run.fp8, fp8_emulate=run.fp8 and run.fp8_emulate)
-    d["recompute"]["policy"] = str(run.recompute)
-    d["lora"] = lora_section(run.lora, d["lora"])
+    multi_stage = run.pp_schedule in MULTI_STAGE_SCHEDULES and run.pp > 1
+    written = {
+        "grad_accum": None, "recompute": str(run.recompute), "fp8_emulate": run.fp8 and run.fp8_emulate,
+        "virtual_stages": run.virtual_stages if multi_stage else None,
+        "sequence_parallel": None if run.sequence_parallel == (run.tp > 1) else run.sequence_parallel,
+        "pp_split": list(run.stage_layers) if run.pp_split_given else None,
+    }
+    for c in RUN_CHOICES:
+        if c.key == "lora":
+            d["lora"] = lora_section(run.lora, d["lora"])
+        elif c.key:
+            section, name = c.key.split(".")
+            d[section][name] = written[c.name] if c.name in written else getattr(run, c.name)
     return build_config(d)
 
 

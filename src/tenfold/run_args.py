@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 
 from tenfold.errors import say
+from tenfold.choices import flag_keys
 from tenfold.terms import OFFLOADS
 
 
@@ -129,25 +130,19 @@ def _checkpoint_group(p: argparse.ArgumentParser, only_train) -> None:
     c.add_argument("--no-final-checkpoint", action="store_true", help=only_train("do not save a checkpoint at the last step (saved by default)"))
 
 
-# flag -> (section, key)
+# flag -> (section, key): the run choices' (tenfold.choices), and the other settings'
 _TRAIN_FLAGS = {
-    "out": ("log", "out"), "overwrite": ("log", "overwrite"), "watchdog": ("parallel", "watchdog"), "model": ("model", "name"), "seq_len": ("data", "seq_len"), "data": ("data", "path"),
-    "data_format": ("data", "format"), "tokenizer": ("data", "tokenizer"), "streaming": ("data", "streaming"),
-    "hf_config": ("model", "hf_config"), "hf_pretrained": ("model", "hf_pretrained"), "blocks": ("model", "blocks"),
-    "steps": ("train", "steps"), "micro_batch": ("train", "micro_batch"), "grad_accum": ("train", "grad_accum"),
-    "global_batch": ("train", "global_batch"), "lr": ("train", "lr"), "seed": ("train", "seed"),
-    "eval_every": ("train", "eval_every"), "on_nan": ("train", "on_nan"), "compile": ("train", "compile"), "precision": ("precision", "dtype"),
-    "fp8": ("precision", "fp8"), "fp8_emulate": ("precision", "fp8_emulate"),
-    "ac": ("recompute", "policy"), "zero": ("parallel", "zero_stage"), "offload": ("parallel", "offload"),
-    "reduce_dtype": ("parallel", "reduce_dtype"),
-    "shard_group": ("parallel", "shard_group_size"), "nproc": ("parallel", "nproc"),
-    "pp": ("parallel", "pp_degree"), "pp_schedule": ("parallel", "pp_schedule"),
-    "tp": ("parallel", "tp_degree"), "sequence_parallel": ("parallel", "sequence_parallel"),
-    "virtual_stages": ("parallel", "virtual_stages"), "pp_split": ("parallel", "pp_split"),
-    "lora": ("lora", "rank"), "lora_alpha": ("lora", "alpha"), "lora_dropout": ("lora", "dropout"),
+    **flag_keys(),
+    "out": ("log", "out"), "overwrite": ("log", "overwrite"), "watchdog": ("parallel", "watchdog"),
+    "model": ("model", "name"), "data": ("data", "path"), "data_format": ("data", "format"),
+    "tokenizer": ("data", "tokenizer"), "streaming": ("data", "streaming"), "hf_config": ("model", "hf_config"),
+    "hf_pretrained": ("model", "hf_pretrained"), "blocks": ("model", "blocks"), "steps": ("train", "steps"),
+    "lr": ("train", "lr"), "seed": ("train", "seed"), "eval_every": ("train", "eval_every"),
+    "on_nan": ("train", "on_nan"), "nproc": ("parallel", "nproc"), "lora": ("lora", "rank"),
+    "lora_alpha": ("lora", "alpha"), "lora_dropout": ("lora", "dropout"),
     "lora_targets": ("lora", "target_modules"), "lora_base": ("lora", "base"),
-    "checkpoint_every": ("checkpoint", "every"),
-    "keep_last": ("checkpoint", "keep_last"), "resume": ("checkpoint", "resume"), "log_every": ("log", "log_every"),
+    "checkpoint_every": ("checkpoint", "every"), "keep_last": ("checkpoint", "keep_last"),
+    "resume": ("checkpoint", "resume"), "log_every": ("log", "log_every"),
 }
 # store_true flags -> (section, key, value when given)
 _SWITCHES = {
