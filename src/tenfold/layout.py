@@ -11,9 +11,9 @@ torch mesh keeps them as one "dp" dimension (`mesh_dim_names`), split into ("dp_
 "dp_shard") only under hybrid sharding (`build_hybrid_mesh`).
 
 A new mesh dimension touches: a field of `Layout` and its place in `MESH_ORDER` (its degree
-then enters `world_size`, the mesh shape and names, and the divisibility rule), its flag in
-`DEGREE_FLAGS` plus any rule of its own in `build_layout`, one row of the run's choice table
-(tenfold.choices), and the technique that uses the dimension.
+then enters `world_size`, the mesh shape and names, the divisibility rule and its message),
+its keyword in `build_layout` plus any rule of its own there, one row of the run's choice table
+(tenfold.choices: config key, flag, default), and the technique that uses the dimension.
 
 No torch at import: `tenfold plan` builds layouts without it (`build_mesh` imports it).
 """
@@ -23,13 +23,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from tenfold.choices import BY_NAME
 from tenfold.errors import UserError
 
 MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "tp")  # outermost first
 DP_DIMS = ("dp_replicate", "dp_shard")  # one "dp" dimension of the torch mesh
-# The degrees a user sets (the data-parallel ones follow from the world), with their names in
-# the config and on the command line, as every message says them.
-DEGREE_FLAGS = {"pp": "parallel.pp_degree (--pp)", "tp": "parallel.tp_degree (--tp)"}
+# The degrees a user sets (the data-parallel ones follow from the world), named as every
+# message says them: config key (flag), from the run-choice table.
+DEGREE_FLAGS = {name: f"{BY_NAME[name].key} ({BY_NAME[name].flag})" for name in MESH_ORDER if name not in DP_DIMS}
 
 
 @dataclass(frozen=True)

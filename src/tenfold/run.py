@@ -18,13 +18,13 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields, replace
 
 from tenfold import capabilities
-from tenfold.choices import RUN_CHOICES
+from tenfold.choices import BY_NAME, RUN_CHOICES
 from tenfold.errors import UserError
 from tenfold.layout import Layout, build_layout, check_degree_values
 from tenfold.lora_terms import LORA_BASES, LoraSpec, check_targets, lora_spec
 from tenfold.models.presets import ModelConfig, param_count
 from tenfold.terms import (
-    DEFAULT_PRECISION, MULTI_STAGE_SCHEDULES, OFFLOADS, PIPELINE_SCHEDULES, PRECISION_CHOICES, REDUCE_DTYPES, ZERO_STAGES, BatchTriplet,
+    MULTI_STAGE_SCHEDULES, PRECISION_CHOICES, BatchTriplet,
     RecomputePolicy, check_tp_heads, local_device_is_cpu, num_stages, parse_recompute, resolve_batch, resolve_precision,
     stage_layer_counts, virtual_stages_for, zero_runs_as,
 )
@@ -300,14 +300,10 @@ def _check_choices(world_size: int, c: dict) -> None:
     check_degree_values(world_size, pp=c["pp"], tp=c["tp"])
     if c["precision"] not in PRECISION_CHOICES:
         raise UserError(f"precision {c['precision']!r}; allowed: {', '.join(PRECISION_CHOICES)}")
-    if c["zero_stage"] not in ZERO_STAGES or isinstance(c["zero_stage"], bool):
-        raise UserError(f"parallel.zero_stage (--zero) {c['zero_stage']!r}; allowed: {', '.join(map(str, ZERO_STAGES))}")
-    if c["pp_schedule"] not in PIPELINE_SCHEDULES:
-        raise UserError(f"parallel.pp_schedule (--pp-schedule) {c['pp_schedule']!r}; allowed: {', '.join(PIPELINE_SCHEDULES)}")
-    if c["offload"] not in OFFLOADS:
-        raise UserError(f"parallel.offload (--offload) {c['offload']!r}; allowed: {', '.join(OFFLOADS)}")
-    if c["reduce_dtype"] not in REDUCE_DTYPES:
-        raise UserError(f"parallel.reduce_dtype (--reduce-dtype) {c['reduce_dtype']!r}; allowed: {', '.join(REDUCE_DTYPES)}")
+    for name in ("zero_stage", "pp_schedule", "offload", "reduce_dtype"):  # the table's allowed values
+        row, v = BY_NAME[name], c[name]
+        if v not in row.allowed or isinstance(v, bool):
+            raise UserError(f"{row.key} ({row.flag}) {v!r}; allowed: {', '.join(map(str, row.allowed))}")
     if c["stack"].activation_style not in ACTIVATION_STYLES:
         raise UserError(f"activation_style {c['stack'].activation_style!r}; allowed: {', '.join(ACTIVATION_STYLES)}")
     if c["lora"] is not None and (not isinstance(c["lora"], LoraSpec) or c["lora"].rank < 1
