@@ -185,7 +185,7 @@ def embedding_group(info: DistInfo) -> tuple[Any, int | None]:
 def _all_groups(info: DistInfo) -> list:
     groups = [None]  # the default group
     if info.mesh is not None:
-        for name in ("pp", "dp", "tp"):
+        for name in info.mesh.mesh_dim_names:
             groups.append(info.mesh[name].get_group())
     if info.hybrid_mesh is not None:
         groups += [info.hybrid_mesh[name].get_group() for name in DP_DIMS]

@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 
 from tenfold import capabilities
 from tenfold.errors import UserError
-from tenfold.layout import build_layout
+from tenfold.layout import build_layout, shard_group_problem
 from tenfold.plan.api import Plan, _fits as fits, _predict, predict, predict_memory
 from tenfold.plan.hardware import Hardware, get_hardware, with_gpus_per_node
 from tenfold.run import ResolvedRun
@@ -153,7 +153,7 @@ def _shard_groups(zero: int, dp: int, tp: int, gpus_per_node: int) -> list[int |
     groups: list[int | None] = [None]
     if zero >= 2:
         node = max(1, gpus_per_node // tp)
-        groups += [g for g in (node, 2 * node) if 1 < g < dp and dp % g == 0]
+        groups += [g for g in (node, 2 * node) if g < dp and shard_group_problem(dp, g) is None]
     return groups
 
 
