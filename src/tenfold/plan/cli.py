@@ -80,6 +80,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     o.add_argument("--top", type=_count, default=5, help="--search: how many to show")
     o.add_argument("--include-unsupported", action="store_true",
                    help="--search: also rank strategies tenfold train cannot run (offload at ZeRO-0/1, another training stack, ...), marked")
+    o.add_argument("--trace", action="store_true",
+                   help="also run the engine's own set-up and one optimizer step on fake tensors over a fake process "
+                        "group of the full world (one rank per pipeline stage, on this CPU) and print the traced "
+                        "per-rank memory terms and collectives beside the plan's, with the difference")
     o.add_argument("--emit", metavar="FILE.toml", help="write the plan (with --search: the fastest runnable one) as a "
                    "config that `tenfold train --config FILE` runs unchanged")
     o.add_argument("--ladder", action="store_true", help="the optimization ladder on a fleet, rung by rung: fp32, mixed "
@@ -251,14 +255,38 @@ def _run_plan(args, t: Target, hw) -> int:
         from tenfold.plan.plot import plot_memory
 
         plot_memory(plan, args.plot)
+    traced = _trace(args, t, plan, advice) if getattr(args, "trace", False) else None
     if args.json:
-        print(json.dumps({**plan.to_dict(), "run": _run_section(t, plan, advice)}, indent=1, default=_json_default))
+        extra = {"trace": traced} if traced is not None else {}
+        print(json.dumps({**plan.to_dict(), "run": _run_section(t, plan, advice), **extra}, indent=1,
+                         default=_json_default))
         return 0
     from tenfold.plan import report
 
     report.print_plan(plan, hw, explain=args.explain)
     report.print_run(_run_section(t, plan, advice))
+    if traced is not None:
+        from tenfold.engine.trace_report import print_comparison
+
+        print_comparison(traced)
     return 0
+
+
+def _trace(args, t: Target, plan, advice) -> dict:
+    """`--trace`: the run train would do, traced (tenfold.engine.trace), beside this plan."""
+    from tenfold.engine.trace import trace_run
+    from tenfold.engine.trace_report import compare, planned_stage
+    from tenfold.plan.for_run import memory_by_category
+    from tenfold.run_args import train_argv
+
+    if t.from_params or advice is None:
+        why = "--params describes no model to build" if t.from_params else "; ".join(plan.unsupported)
+        raise UserError(f"--trace runs what tenfold train runs, and it cannot run this plan: {why}")
+    run = advice.run
+    flags = train_argv(advice.cfg)
+    traces = trace_run(flags, run.world_size, run.pp, run.dp, run.tp)
+    return compare(memory_by_category(plan.memory), traces, planned_stage(plan.memory.stage, run.pp),
+                   plan.tp_bytes_per_step + plan.dp_bytes_per_step if hasattr(plan, "dp_bytes_per_step") else None)
 
 
 @dataclass

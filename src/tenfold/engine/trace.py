@@ -1,0 +1,327 @@
+"""`tenfold plan --trace`: the run's own set-up and one optimizer step, on fake tensors, for one
+rank of a world of the run's full size.
+
+What runs is what `tenfold train` runs (engine/parts.py's model build, every technique applied in
+engine/parallelize.py, the optimizer; engine/step.py's micro-batches, pipeline schedule, clip and
+optimizer step), with two substitutions that move no data:
+  * tensors are `torch._subclasses.fake_tensor.FakeTensor`s (shape, dtype and storage size,
+    no memory behind them), so a 175B-parameter model costs nothing to build;
+  * the process group is torch's `fake` backend over a `FakeStore`
+    (torch.testing._internal.distributed.fake_pg), which accepts every collective of a world of
+    any size and does nothing, as torchtitan's memory estimation runs a large world on one
+    process (torchtitan/scripts/estimate/estimation.py).
+
+Two steps run: the first creates the optimizer states, the second is measured with the tensor
+tracker a real run uses (engine/tensor_tracker.py: params, grads, optimizer, gathered params,
+activations, buffers, the peak) and a dispatch mode that records every collective (kind, group
+size, payload; `CollectiveLog`). Host syncs (`.item()`) of data-dependent fake values return 0:
+the loss, token count and overflow flag have no meaning here (a zero flag = finite gradients,
+so the optimizer step is taken); a value fake tensors still know (a constant, Adam's step
+counter) is returned as it is.
+
+Run as `python -m tenfold.engine.trace --world W --rank R -- <train flags>`: one JSON line on
+stdout. `trace_run` (the parent) starts one such process per distinct pipeline stage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+from typing import Any
+
+# The child's imports (torch, the engine) are inside the functions: `tenfold plan` imports this
+# module for `trace_run` without torch.
+
+RESULT_PREFIX = "TENFOLD_TRACE "
+C10D_KINDS = {  # c10d ops (what FSDP2, DDP and pipelining call) -> kind
+    "allreduce_": "all_reduce", "allreduce_coalesced_": "all_reduce", "allgather_": "all_gather",
+    "_allgather_base_": "all_gather", "allgather_into_tensor_coalesced_": "all_gather",
+    "reduce_scatter_": "reduce_scatter", "_reduce_scatter_base_": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced_": "reduce_scatter", "broadcast_": "broadcast",
+    "send": "send", "recv_": "recv", "alltoall_base_": "all_to_all",
+}
+FUNCTIONAL_KINDS = {"all_reduce": "all_reduce", "all_reduce_coalesced": "all_reduce",
+                    "all_gather_into_tensor": "all_gather", "all_gather_into_tensor_coalesced": "all_gather",
+                    "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_tensor_coalesced": "reduce_scatter",
+                    "broadcast": "broadcast", "all_to_all_single": "all_to_all"}
+# Bytes one rank sends per payload byte in a ring (nccl-tests' PERFORMANCE.md bus-bandwidth
+# factors; the unit tenfold.engine.comm_bytes and tenfold.plan.tp_traffic use).
+RING = {"all_reduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
+        "all_gather": lambda n: (n - 1) / n, "broadcast": lambda n: (n - 1) / n,
+        "all_to_all": lambda n: (n - 1) / n, "send": lambda n: 1.0, "recv": lambda n: 0.0}
+
+
+# --------------------------------------------------------------------------- the child
+
+
+def _nbytes(t) -> int:
+    return int(t.numel() * t.element_size())
+
+
+def _tensors(x) -> list:
+    import torch
+
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, (list, tuple)):
+        return [t for y in x for t in _tensors(y)]
+    return []
+
+
+def _group_size(args, group_now: int | None) -> int:
+    """The size of a collective's process group: a functional collective names its group; a
+    c10d op holds it as a script object that Python cannot read, so the size is the one the
+    `torch.distributed` call around it named (`_named_groups`)."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    for a in reversed(args):
+        if isinstance(a, str):
+            return int(_resolve_process_group(a).size())
+    return int(group_now or 1)
+
+
+def collective_record(func, args, group_now: int | None = None) -> dict | None:
+    """kind, group size and payload of one collective op (c10d or functional), else None.
+    Payload: the full buffer, as nccl-tests counts it: an all-reduce's or broadcast's tensor, a
+    reduce-scatter's input, an all-gather's output (= the input shard x group size), a
+    send/recv's tensor."""
+    packet = getattr(func, "_overloadpacket", None)
+    name, namespace = getattr(packet, "__name__", ""), str(getattr(func, "namespace", ""))
+    kind = C10D_KINDS.get(name) if namespace == "c10d" else (
+        FUNCTIONAL_KINDS.get(name) if namespace == "_c10d_functional" else None)
+    if kind is None:
+        return None
+    size = _group_size(args, group_now)
+    if namespace == "c10d":
+        inputs = _tensors(args[1] if kind in ("all_gather", "reduce_scatter") and len(args) > 1 else args[0])
+        if kind == "all_gather":  # (outputs, inputs, ...): the outputs are the full buffer
+            inputs = _tensors(args[0])
+        payload = sum(_nbytes(t) for t in inputs)
+    else:
+        payload = sum(_nbytes(t) for t in _tensors(args[0]))
+        if kind == "all_gather":
+            payload *= size
+    return {"kind": kind, "group_size": size, "payload_bytes": payload}
+
+
+def _collective_log_class():
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CollectiveLog(TorchDispatchMode):
+        """Every collective the step issues, in order; `.item()` of a data-dependent fake value
+        returns 0 (module docstring). DTensor operands are left to DTensor, which turns them
+        into functional collectives that this mode then sees."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.records: list[dict] = []
+            self.recording = False
+            self.group_now: int | None = None  # set by `_named_groups` around a torch.distributed call
+            self.default_group = 1  # a collective no Python call names (DDP's C++ reducer: the dp group)
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            from torch.distributed.tensor import DTensor
+
+            if any(issubclass(t, DTensor) for t in types):
+                return NotImplemented
+            if func is torch.ops.aten._local_scalar_dense.default:
+                try:
+                    return func(*args, **(kwargs or {}))
+                except Exception:  # noqa: BLE001 - DataDependentOutputException: no value
+                    return False if args[0].dtype == torch.bool else 0
+            out = func(*args, **(kwargs or {}))
+            if self.recording:
+                rec = collective_record(func, args, self.group_now or self.default_group)
+                if rec is not None:
+                    self.records.append(rec)
+            return out
+
+    return CollectiveLog
+
+
+@contextmanager
+def _module_to_same_device_keeps_it():
+    """`nn.Module.to(device)` where every tensor is already on `device` returns the module.
+    torch swaps every FakeTensor parameter on `.to` even to its own device, which fails
+    ("Cannot swap t1 because it has weakref associated with it", torch 2.13); the engine's
+    `model.to(dist.device)` (engine/parts.py) is such a call."""
+    import torch
+    import torch.nn as nn
+
+    original = nn.Module.to
+
+    def to(self, *args, **kwargs):
+        if len(args) == 1 and not kwargs and isinstance(args[0], (str, torch.device)):
+            dev = torch.device(args[0])
+            if all(t.device == dev for t in [*self.parameters(), *self.buffers()]):
+                return self
+        return original(self, *args, **kwargs)
+
+    nn.Module.to = to
+    try:
+        yield
+    finally:
+        nn.Module.to = original
+
+
+NAMED_GROUP_CALLS = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast", "all_gather",
+                     "reduce_scatter", "send", "recv", "isend", "irecv", "all_reduce_coalesced", "all_to_all_single")
+
+
+@contextmanager
+def _named_groups(log):
+    """Wrap torch.distributed's collectives so that `log` knows the size of the group each c10d
+    op below them runs on (FSDP2, pipelining and tenfold look the functions up on the module at
+    call time)."""
+    import inspect
+
+    import torch.distributed as dist
+
+    originals = {name: getattr(dist, name) for name in NAMED_GROUP_CALLS if hasattr(dist, name)}
+
+    def wrap(fn):
+        signature = inspect.signature(fn)
+
+        def call(*args, **kwargs):
+            try:
+                group = signature.bind_partial(*args, **kwargs).arguments.get("group")
+            except TypeError:
+                group = None
+            outer, log.group_now = log.group_now, dist.get_world_size(group)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                log.group_now = outer
+
+        return call
+
+    for name, fn in originals.items():
+        setattr(dist, name, wrap(fn))
+    try:
+        yield
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+
+
+def _summarize(records: list[dict]) -> list[dict]:
+    """Collectives of one step by (kind, group size): count, payload and ring bytes per rank."""
+    out: dict[tuple, list] = defaultdict(lambda: [0, 0, 0.0])
+    for r in records:
+        key = (r["kind"], r["group_size"])
+        out[key][0] += 1
+        out[key][1] += r["payload_bytes"]
+        out[key][2] += RING[r["kind"]](r["group_size"]) * r["payload_bytes"] if r["group_size"] > 1 else 0.0
+    return [{"kind": k, "group_size": n, "count": c, "payload_bytes": p, "ring_bytes": round(b, 1)}
+            for (k, n), (c, p, b) in sorted(out.items())]
+
+
+def trace_rank(train_flags: list[str], world: int, rank: int) -> dict:
+    """Set up the run of `train_flags` as rank `rank` of `world` and trace one step (the
+    module docstring). Returns {"rank", "stage", "memory": MEMORY_KEYS, "collectives": [...]}."""
+    t0 = time.perf_counter()
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+    import torch
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from tenfold.cli import build_parser
+    from tenfold.engine import parts as P
+    from tenfold.engine import step as S
+    from tenfold.engine.distributed import init_distributed
+    from tenfold.engine.tensor_tracker import measure_cpu
+    from tenfold.run import resolve_run
+    from tenfold.run_args import config_from_args
+    from tenfold.techniques.precision import build_precision
+
+    cfg = config_from_args(build_parser(["train"]).parse_args(["train", *train_flags]))
+    run = resolve_run(cfg, world)
+    if not dist.is_initialized():
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    d = init_distributed(run.pp, cfg.parallel.timeout_s, run.tp, run.shard_group, offload=run.offload != "none")
+    precision = build_precision(run.precision, cfg.precision, d.device)
+    log = _collective_log_class()()
+    log.default_group = d.dp_size
+    with FakeTensorMode(allow_non_fake_inputs=True), log, _module_to_same_device_keeps_it(), _named_groups(log):
+        P.seed_everything(cfg.train.seed)
+        model, adapter, lora = P.build_model(P.new_model(run, None), run, d, precision, None, None, None)
+        optimizer, scheduler = P.build_optimizer(model, run, d)
+        parts = P.Parts(run, d, precision, None, adapter, model, optimizer, scheduler, None, lora)
+        shape = (run.micro_batch, run.seq_len)
+        batches = [{"input_ids": torch.zeros(shape, dtype=torch.long), "labels": torch.zeros(shape, dtype=torch.long)}
+                   for _ in range(run.grad_accum)]
+
+        def one_step() -> None:
+            loss, tokens = S.accumulate_gradients(parts, batches)
+            S.apply_gradients(parts, loss, tokens, 1)
+
+        one_step()  # creates the optimizer states, as a run's first step does
+        log.recording = True
+        measured, _ = measure_cpu(model, optimizer, one_step, d.device)
+        log.recording = False
+    return {"rank": rank, "stage": d.pp_rank, "memory": measured, "collectives": _summarize(log.records),
+            "seconds": round(time.perf_counter() - t0, 2)}
+
+
+def _main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="python -m tenfold.engine.trace")
+    p.add_argument("--world", type=int, required=True)
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("flags", nargs=argparse.REMAINDER)
+    a = p.parse_args(argv)
+    flags = a.flags[1:] if a.flags[:1] == ["--"] else a.flags
+    import warnings
+
+    warnings.filterwarnings("ignore")  # fake tensors and the fake backend warn on every use
+    from tenfold.errors import UserError
+
+    try:
+        result = trace_rank(flags, a.world, a.rank)
+    except UserError as exc:
+        print(f"tenfold plan --trace: error: {exc}", file=sys.stderr)
+        return 2
+    print(RESULT_PREFIX + json.dumps(result), flush=True)
+    return 0
+
+
+# --------------------------------------------------------------------------- the parent
+
+
+def stage_ranks(pp: int, dp: int, tp: int) -> list[int]:
+    """One global rank per pipeline stage: the (pp, dp, tp) mesh's first rank of each stage
+    (engine/distributed.py: tp innermost, then dp, then pp)."""
+    return [s * dp * tp for s in range(pp)]
+
+
+def trace_run(train_flags: list[str], world: int, pp: int, dp: int, tp: int, timeout_s: float = 600.0) -> list[dict]:
+    """Trace one rank of each pipeline stage, each in its own process (a process group and a
+    fake world per process); returns their results in stage order."""
+    from tenfold.errors import RunError, UserError
+
+    results = []
+    for rank in stage_ranks(pp, dp, tp):
+        cmd = [sys.executable, "-m", "tenfold.engine.trace", "--world", str(world), "--rank", str(rank), "--", *train_flags]
+        env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+        for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+            env.pop(k, None)
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout_s)
+        line = next((ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_PREFIX)), None)
+        if proc.returncode == 2:
+            raise UserError(proc.stderr.strip().splitlines()[-1].removeprefix("tenfold plan --trace: error: "))
+        if line is None:
+            tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
+            raise RunError(f"--trace: rank {rank} failed (exit {proc.returncode}):\n{tail}")
+        results.append(json.loads(line.removeprefix(RESULT_PREFIX)))
+    return results
+
+
+if __name__ == "__main__":
+    raise SystemExit(_main(sys.argv[1:]))
