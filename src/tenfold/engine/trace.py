@@ -14,10 +14,11 @@ optimizer step), with two substitutions that move no data:
 Two steps run: the first creates the optimizer states, the second is measured with the tensor
 tracker a real run uses (engine/tensor_tracker.py: params, grads, optimizer, gathered params,
 activations, buffers, the peak) and a dispatch mode that records every collective (kind, group
-size, payload; `CollectiveLog`). Host syncs (`.item()`) of data-dependent fake values return 0:
-the loss, token count and overflow flag have no meaning here (a zero flag = finite gradients,
-so the optimizer step is taken); a value fake tensors still know (a constant, Adam's step
-counter) is returned as it is.
+size, payload; `CollectiveLog`). Host syncs (`.item()`) of data-dependent fake values return a
+fixed value (`_no_value`): the loss and overflow flag have no meaning here (a zero flag =
+finite gradients, so the optimizer step is taken); a value fake tensors still know (a constant,
+Adam's step counter) is returned as it is, and operators on real tensors only (the device
+mesh's rank table, the token ids and their count) run for real.
 
 Run as `python -m tenfold.engine.trace --world W --rank R -- <train flags>`: one JSON line on
 stdout. `trace_run` (the parent) starts one such process per distinct pipeline stage.
@@ -112,7 +113,9 @@ def collective_record(func, args, group_now: int | None = None) -> dict | None:
 
 def _collective_log_class():
     import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
+    import torch.utils._pytree as pytree
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
     class CollectiveLog(TorchDispatchMode):
         """Every collective the step issues, in order; `.item()` of a data-dependent fake value
@@ -125,25 +128,46 @@ def _collective_log_class():
             self.recording = False
             self.group_now: int | None = None  # set by `_named_groups` around a torch.distributed call
             self.default_group = 1  # a collective no Python call names (DDP's C++ reducer: the dp group)
+            self.p2p_group = 1  # a send/recv no Python call names (pipelining's lone isend/irecv: the pp group)
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             from torch.distributed.tensor import DTensor
 
             if any(issubclass(t, DTensor) for t in types):
                 return NotImplemented
+            tensors = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+            if tensors and not any(isinstance(t, FakeTensor) for t in tensors):
+                # Real tensors only (the device mesh's rank table, the batch's token ids): a
+                # real result, as a run computes it.
+                with _disable_current_modes():
+                    return func(*args, **(kwargs or {}))
             if func is torch.ops.aten._local_scalar_dense.default:
                 try:
                     return func(*args, **(kwargs or {}))
                 except Exception:  # noqa: BLE001 - DataDependentOutputException: no value
-                    return False if args[0].dtype == torch.bool else 0
+                    return _no_value(args[0].dtype)
             out = func(*args, **(kwargs or {}))
             if self.recording:
-                rec = collective_record(func, args, self.group_now or self.default_group)
+                rec = collective_record(func, args, self.group_now)
+                if rec is not None and self.group_now is None:
+                    rec["group_size"] = self.p2p_group if rec["kind"] in ("send", "recv") else self.default_group
                 if rec is not None:
                     self.records.append(rec)
             return out
 
     return CollectiveLog
+
+
+def _no_value(dtype):
+    """What `.item()` of a fake value with no known value returns: False for a flag (no
+    overflow), 0.0 for a float (the loss, a norm: finite), 1 for an integer (torch.pipelining's
+    warm-up vote, an int32 of 1 per stage whose p2p metadata is static, as tenfold's stages'
+    are: techniques/pipeline.py `stage_io_examples`)."""
+    import torch
+
+    if dtype == torch.bool:
+        return False
+    return 0.0 if dtype.is_floating_point else 1
 
 
 @contextmanager
@@ -172,7 +196,32 @@ def _module_to_same_device_keeps_it():
 
 
 NAMED_GROUP_CALLS = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast", "all_gather",
-                     "reduce_scatter", "send", "recv", "isend", "irecv", "all_reduce_coalesced", "all_to_all_single")
+                     "reduce_scatter", "send", "recv", "batch_isend_irecv", "all_reduce_coalesced",
+                     "all_to_all_single")
+# (isend/irecv stay unwrapped: torch checks a P2POp's function by identity; pipelining sends
+# through batch_isend_irecv, whose group is its ops' group.)
+
+
+class _DoneWork:
+    """An async all-reduce's handle whose future holds the reduced tensor, as gloo's and NCCL's
+    do (the fake backend's holds None; DDP's bf16 communication hook reads it,
+    techniques/zero.py `bf16_reduce_hook`)."""
+
+    def __init__(self, tensor) -> None:
+        self.tensor = tensor
+
+    def wait(self, timeout=None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+    def get_future(self):
+        import torch
+
+        fut = torch.futures.Future()
+        fut.set_result([self.tensor])
+        return fut
 
 
 @contextmanager
@@ -191,14 +240,18 @@ def _named_groups(log):
 
         def call(*args, **kwargs):
             try:
-                group = signature.bind_partial(*args, **kwargs).arguments.get("group")
+                bound = signature.bind_partial(*args, **kwargs).arguments
+                group = bound.get("group") or next((op.group for op in bound.get("p2p_op_list", ())), None)
             except TypeError:
                 group = None
             outer, log.group_now = log.group_now, dist.get_world_size(group)
             try:
-                return fn(*args, **kwargs)
+                work = fn(*args, **kwargs)
             finally:
                 log.group_now = outer
+            if fn.__name__ == "all_reduce" and work is not None:  # async: a future holding the tensor
+                return _DoneWork(args[0] if args else kwargs["tensor"])
+            return work
 
         return call
 
@@ -211,6 +264,35 @@ def _named_groups(log):
             setattr(dist, name, fn)
 
 
+@contextmanager
+def _ddp_without_shape_check():
+    """DDP's constructor compares every parameter's shape across ranks in C++ through real host
+    memory (`_verify_param_shape_across_processes`), which fake tensors have none of: skipped
+    here (every rank of a fake world runs the same build). The reducer, its buckets and its
+    all-reduces run as in a run."""
+    import torch.nn.parallel.distributed as ddp
+
+    original = ddp._verify_param_shape_across_processes
+    ddp._verify_param_shape_across_processes = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        ddp._verify_param_shape_across_processes = original
+
+
+def _ddp_reduces_in_python(model) -> None:
+    """DDP without a communication hook all-reduces each bucket in C++ and reads the result
+    from the work's future, which the fake backend leaves empty: such a DDP gets PyTorch's
+    `allreduce_hook` (torch.distributed.algorithms.ddp_comm_hooks.default_hooks), the documented
+    equivalent of DDP's own reduction (an all-reduce of each bucket), whose future
+    `_named_groups` fills."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(model, DistributedDataParallel) and not model._comm_hooks:
+        model.register_comm_hook(model.process_group, allreduce_hook)
+
+
 def _summarize(records: list[dict]) -> list[dict]:
     """Collectives of one step by (kind, group size): count, payload and ring bytes per rank."""
     out: dict[tuple, list] = defaultdict(lambda: [0, 0, 0.0])
@@ -221,6 +303,17 @@ def _summarize(records: list[dict]) -> list[dict]:
         out[key][2] += RING[r["kind"]](r["group_size"]) * r["payload_bytes"] if r["group_size"] > 1 else 0.0
     return [{"kind": k, "group_size": n, "count": c, "payload_bytes": p, "ring_bytes": round(b, 1)}
             for (k, n), (c, p, b) in sorted(out.items())]
+
+
+def check_traceable(run, dp: int) -> None:
+    """UserError for a layout the trace cannot run: DDP (ZeRO-0/1 without tensor parallelism
+    on several data-parallel ranks) keeps its buckets in C++ and reads their host memory
+    before every forward (`Reducer._rebuild_buckets`), which fake tensors have none of."""
+    from tenfold.errors import UserError
+
+    if dp > 1 and run.zero_runs_as <= 1:
+        raise UserError(f"--trace runs FSDP2 layouts (--zero 2 or 3, or any ZeRO stage with --tp > 1); ZeRO-{run.zero_stage} "
+                        f"on {dp} data-parallel ranks runs on DDP, whose C++ gradient buckets cannot run on fake tensors")
 
 
 def trace_rank(train_flags: list[str], world: int, rank: int) -> dict:
@@ -244,15 +337,18 @@ def trace_rank(train_flags: list[str], world: int, rank: int) -> dict:
 
     cfg = config_from_args(build_parser(["train"]).parse_args(["train", *train_flags]))
     run = resolve_run(cfg, world)
+    check_traceable(run, run.dp)
     if not dist.is_initialized():
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     d = init_distributed(run.pp, cfg.parallel.timeout_s, run.tp, run.shard_group, offload=run.offload != "none")
     precision = build_precision(run.precision, cfg.precision, d.device)
     log = _collective_log_class()()
-    log.default_group = d.dp_size
-    with FakeTensorMode(allow_non_fake_inputs=True), log, _module_to_same_device_keeps_it(), _named_groups(log):
+    log.default_group, log.p2p_group = d.dp_size, d.pp_size
+    with FakeTensorMode(allow_non_fake_inputs=True), log, _module_to_same_device_keeps_it(), \
+            _ddp_without_shape_check(), _named_groups(log):
         P.seed_everything(cfg.train.seed)
         model, adapter, lora = P.build_model(P.new_model(run, None), run, d, precision, None, None, None)
+        _ddp_reduces_in_python(model)
         optimizer, scheduler = P.build_optimizer(model, run, d)
         parts = P.Parts(run, d, precision, None, adapter, model, optimizer, scheduler, None, lora)
         shape = (run.micro_batch, run.seq_len)
@@ -295,32 +391,59 @@ def _main(argv: list[str]) -> int:
 # --------------------------------------------------------------------------- the parent
 
 
-def stage_ranks(pp: int, dp: int, tp: int) -> list[int]:
-    """One global rank per pipeline stage: the (pp, dp, tp) mesh's first rank of each stage
-    (engine/distributed.py: tp innermost, then dp, then pp)."""
-    return [s * dp * tp for s in range(pp)]
+def stage_ranks(pp: int, dp: int, tp: int, stages: list[int] | None = None) -> list[int]:
+    """One global rank per pipeline stage of `stages` (default: every stage): the (pp, dp, tp)
+    mesh's first rank of the stage (engine/distributed.py: tp innermost, then dp, then pp)."""
+    return [s * dp * tp for s in (range(pp) if stages is None else stages)]
 
 
-def trace_run(train_flags: list[str], world: int, pp: int, dp: int, tp: int, timeout_s: float = 600.0) -> list[dict]:
-    """Trace one rank of each pipeline stage, each in its own process (a process group and a
-    fake world per process); returns their results in stage order."""
+def _child(train_flags: list[str], world: int, rank: int, timeout_s: float) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "tenfold.engine.trace", "--world", str(world), "--rank", str(rank), "--", *train_flags]
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def _result(proc: subprocess.Popen, rank: int, timeout_s: float) -> dict:
     from tenfold.errors import RunError, UserError
 
-    results = []
-    for rank in stage_ranks(pp, dp, tp):
-        cmd = [sys.executable, "-m", "tenfold.engine.trace", "--world", str(world), "--rank", str(rank), "--", *train_flags]
-        env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-        for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-            env.pop(k, None)
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout_s)
-        line = next((ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_PREFIX)), None)
-        if proc.returncode == 2:
-            raise UserError(proc.stderr.strip().splitlines()[-1].removeprefix("tenfold plan --trace: error: "))
-        if line is None:
-            tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
-            raise RunError(f"--trace: rank {rank} failed (exit {proc.returncode}):\n{tail}")
-        results.append(json.loads(line.removeprefix(RESULT_PREFIX)))
-    return results
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise RunError(f"--trace: rank {rank} took more than {timeout_s:.0f} s") from None
+    line = next((ln for ln in out.splitlines() if ln.startswith(RESULT_PREFIX)), None)
+    if proc.returncode == 2:
+        raise UserError(err.strip().splitlines()[-1].removeprefix("tenfold plan --trace: error: "))
+    if line is None:
+        tail = "\n".join(err.strip().splitlines()[-15:])
+        raise RunError(f"--trace: rank {rank} failed (exit {proc.returncode}):\n{tail}")
+    return json.loads(line.removeprefix(RESULT_PREFIX))
+
+
+def trace_run(train_flags: list[str], world: int, pp: int, dp: int, tp: int, stages: list[int] | None = None,
+              parallel: int = 2, timeout_s: float = 1800.0) -> list[dict]:
+    """Trace one rank of each pipeline stage in `stages` (default every stage), each in its own
+    process (a process group and a fake world per process), `parallel` at a time; returns
+    their results in stage order."""
+    ranks = stage_ranks(pp, dp, tp, stages)
+    results: dict[int, dict] = {}
+    running: list[tuple[int, subprocess.Popen]] = []
+    try:
+        for rank in ranks:
+            running.append((rank, _child(train_flags, world, rank, timeout_s)))
+            if len(running) >= parallel:
+                r, proc = running.pop(0)
+                results[r] = _result(proc, r, timeout_s)
+        for r, proc in running:
+            results[r] = _result(proc, r, timeout_s)
+    finally:
+        for _, proc in running:
+            if proc.poll() is None:
+                proc.kill()
+    return [results[r] for r in ranks]
 
 
 if __name__ == "__main__":

@@ -10,8 +10,11 @@ COMPARED = ("params_bytes", "grads_bytes", "optimizer_bytes", "gathered_params_b
 
 
 def planned_stage(stage: str, pp: int) -> int:
-    """The pipeline stage the planner's figures describe (MemoryBreakdown.stage)."""
-    return pp - 1 if stage == "last" else 0
+    """The pipeline rank the planner's figures describe (MemoryBreakdown.stage: "only", "first",
+    "last" or "pp rank N")."""
+    if stage == "last":
+        return pp - 1
+    return int(stage.removeprefix("pp rank ")) if stage.startswith("pp rank ") else 0
 
 
 def diff_percent(planned: float | None, traced: float | None) -> float | None:

@@ -274,7 +274,7 @@ def _run_plan(args, t: Target, hw) -> int:
 
 def _trace(args, t: Target, plan, advice) -> dict:
     """`--trace`: the run train would do, traced (tenfold.engine.trace), beside this plan."""
-    from tenfold.engine.trace import trace_run
+    from tenfold.engine.trace import check_traceable, trace_run
     from tenfold.engine.trace_report import compare, planned_stage
     from tenfold.plan.for_run import memory_by_category
     from tenfold.run_args import train_argv
@@ -283,9 +283,13 @@ def _trace(args, t: Target, plan, advice) -> dict:
         why = "--params describes no model to build" if t.from_params else "; ".join(plan.unsupported)
         raise UserError(f"--trace runs what tenfold train runs, and it cannot run this plan: {why}")
     run = advice.run
+    check_traceable(run, run.dp)
     flags = train_argv(advice.cfg)
-    traces = trace_run(flags, run.world_size, run.pp, run.dp, run.tp)
-    return compare(memory_by_category(plan.memory), traces, planned_stage(plan.memory.stage, run.pp),
+    stage = planned_stage(plan.memory.stage, run.pp)
+    # The first and the last stage (embedding, output layer and loss) and the one the plan
+    # describes; the others differ from one of them only by the micro-batches they hold.
+    traces = trace_run(flags, run.world_size, run.pp, run.dp, run.tp, stages=sorted({0, stage, run.pp - 1}))
+    return compare(memory_by_category(plan.memory), traces, stage,
                    plan.tp_bytes_per_step + plan.dp_bytes_per_step if hasattr(plan, "dp_bytes_per_step") else None)
 
 
