@@ -480,11 +480,34 @@ def gathered_param_bytes(stage_params: float, run: ResolvedRun, largest_unit: fl
     if run.lora is not None and run.model is not None:  # the frozen base (16-bit or NF4) and the adapters
         unit_bytes = lora_plan.unit_bytes_per_param(run)[0]
     if run.zero_runs_as == 3 and run.pp == 1:
-        return 2 * largest_unit * unit_bytes
+        return unit_bytes * zero3_gathered_params(stage_params, run, largest_unit)
     fsdp2 = runs_on_fsdp2(run.zero_stage, run.tp, run.dp, run.offload)
     if fsdp2 and not run.stack.master_weights:
         return unit_bytes * stage_params
     return 0.0
+
+
+PERSISTENCE_THRESHOLD = 100_000  # DeepSpeed's stage3_param_persistence_threshold default (config.py)
+
+
+def zero3_gathered_params(stage_params: float, run: ResolvedRun, largest_unit: float) -> float:
+    """Parameters ZeRO-3 holds gathered at once without pipelining (techniques/zero.py
+    `_wrap_fsdp2`): the root unit (embedding, final norm, head) is never freed after forward,
+    its backward follows at once (FSDP2's root heuristic); a block unit of at most
+    `parallel.param_persistence_threshold` elements stays gathered from forward to backward
+    (DeepSpeed's stage3_param_persistence_threshold); the others are freed after forward, and
+    two of them are gathered at once in backward, the one computing and the prefetched next
+    (PyTorch PR #128884). The threshold is compared with a block's whole parameter count, as
+    FSDP2 counts a DTensor's elements (`largest_unit` x tp: the block's tp-split weights)."""
+    cfg = run.config.parallel if run.config is not None else None
+    threshold = cfg.param_persistence_threshold if cfg is not None else PERSISTENCE_THRESHOLD
+    layers = run.rank_layers(0) if run.model is not None else 0
+    if not layers:  # --params: the whole stage is one unit
+        return stage_params
+    root = max(0.0, stage_params - layers * largest_unit)
+    if largest_unit * run.tp <= threshold:
+        return stage_params  # every block persists
+    return root + min(2, layers) * largest_unit
 
 
 def autocast_weight_copy_bytes(stage_params: float, run: ResolvedRun) -> float:

@@ -1,0 +1,121 @@
+"""The planner held to the run: `tenfold plan --trace` runs the engine's set-up and one optimizer
+step on fake tensors over a fake world (tenfold.engine.trace), and each per-rank memory term the
+planner predicts must match the traced one within MEMORY_TOLERANCE. A term that misses and
+could not be closed is listed in KNOWN_MISSES with the reason (strict xfail: it must still miss;
+when it is fixed, the entry goes)."""
+
+from __future__ import annotations
+
+import functools
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import HERE
+
+MEMORY_TOLERANCE = 0.03  # |planned - traced| / traced
+SHAPE = ["--set", "model.n_layers=4", "--set", "model.d_model=64", "--set", "model.n_heads=4", "--set", "model.d_ff=128",
+         "--set", "model.max_seq_len=64", "--set", "model.vocab_size=256", "--seq-len", "32"]
+# name -> the flags of `tenfold plan` (the world is --gpus)
+CASES = {
+    "zero3": ["--zero", "3", "--gpus", "8"],
+    "zero3_resharded": ["--zero", "3", "--gpus", "8", "--set", "parallel.param_persistence_threshold=0"],
+    "zero2": ["--zero", "2", "--gpus", "8"],
+    "hsdp": ["--zero", "3", "--gpus", "16", "--shard-group", "4"],
+    "tp2_zero1": ["--zero", "1", "--gpus", "8", "--tp", "2"],
+    "tp2_sequence_parallel": ["--zero", "3", "--gpus", "8", "--tp", "2", "--sequence-parallel"],
+    "pp2_zero3": ["--zero", "3", "--gpus", "8", "--pp", "2", "--grad-accum", "4"],
+    "recompute_full": ["--zero", "3", "--gpus", "8", "--ac", "full"],
+    "fp32": ["--zero", "3", "--gpus", "8", "--precision", "fp32"],
+    "one_process": ["--gpus", "1"],
+    "offload_optimizer": ["--zero", "2", "--gpus", "8", "--offload", "optimizer"],
+}
+TERMS = ("params_bytes", "grads_bytes", "optimizer_bytes", "gathered_params_bytes", "activations_bytes", "peak_bytes")
+
+_GRADS_AS_ACTIVATIONS = (
+    "under pipelining FSDP2 accumulates every micro-batch's gradient on its unsharded parameters and reduces once "
+    "(the plan's grads term holds them); the tensor tracker files those unsharded gradients as activations")
+_ACTIVATIONS = "eager activations on the traced CPU step differ from the per-layer table (not yet closed)"
+KNOWN_MISSES = {
+    ("zero3", "activations_bytes"): _ACTIVATIONS,
+    ("zero3_resharded", "gathered_params_bytes"):
+        "the trace holds the root and one resharded block gathered at once, the plan two blocks (FSDP2's backward "
+        "prefetch, PyTorch PR #128884): not yet explained",
+    ("zero3_resharded", "activations_bytes"): _ACTIVATIONS,
+    ("zero3_resharded", "peak_bytes"): "follows the gathered and activation misses",
+    ("zero2", "activations_bytes"): _ACTIVATIONS,
+    ("hsdp", "activations_bytes"): _ACTIVATIONS,
+    ("hsdp", "peak_bytes"): "the plan's peak adds every term at its own high plus one unsharded gradient unit: +3.9%",
+    ("tp2_zero1", "activations_bytes"): _ACTIVATIONS + "; tensor parallel: -20%",
+    ("tp2_zero1", "peak_bytes"): "follows the activation miss",
+    ("tp2_sequence_parallel", "activations_bytes"): _ACTIVATIONS + "; tensor parallel: -20%",
+    ("tp2_sequence_parallel", "peak_bytes"): "follows the activation miss",
+    ("pp2_zero3", "grads_bytes"): _GRADS_AS_ACTIVATIONS,
+    ("pp2_zero3", "activations_bytes"): _GRADS_AS_ACTIVATIONS,
+    ("pp2_zero3", "gathered_params_bytes"): "under pipelining the plan holds the whole stage gathered, the trace less",
+    ("recompute_full", "activations_bytes"): _ACTIVATIONS + "; full recompute: the plan +35%",
+    ("recompute_full", "peak_bytes"): "follows the activation miss",
+    ("fp32", "peak_bytes"): "the plan's peak adds every term at its own high plus one unsharded gradient unit: +3.6%",
+    ("one_process", "gathered_params_bytes"): "torch.amp's weight casts: the plan counts every weight, the trace 91% of them",
+    ("one_process", "activations_bytes"): _ACTIVATIONS,
+    ("one_process", "peak_bytes"): "follows the gathered and activation misses",
+    ("offload_optimizer", "optimizer_bytes"):
+        "HostAdamW keeps its states in host memory (the plan's cpu_bytes, 0 on the device); the trace runs on the CPU, "
+        "where host and device are one",
+    ("offload_optimizer", "activations_bytes"): _ACTIVATIONS,
+}
+
+
+@functools.cache
+def traced(case: str) -> dict:
+    """`tenfold plan --trace --json` for one case (run once per case, shared by its terms)."""
+    cmd = [sys.executable, "-m", "tenfold", "plan", "--model", "tiny", *SHAPE, "--gpu", "h100-sxm", "--trace", "--json",
+           *CASES[case]]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=HERE.parent, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout)["trace"]
+
+
+def _params():
+    for case in CASES:
+        for term in TERMS:
+            why = KNOWN_MISSES.get((case, term))
+            marks = [pytest.mark.xfail(strict=True, reason=why)] if why else []
+            yield pytest.param(case, term, id=f"{case}-{term.removesuffix('_bytes')}", marks=marks)
+
+
+@pytest.mark.parametrize("case,term", list(_params()))
+def test_planned_memory_term_matches_the_trace(case, term):
+    row = traced(case)["memory"][term]
+    planned, measured = row["planned"], row["traced"]
+    assert measured is not None and planned is not None
+    assert abs(planned - measured) <= MEMORY_TOLERANCE * max(measured, 1), (
+        f"{case} {term}: planned {planned}, traced {measured} ({row['diff_percent']}%)")
+
+
+def test_known_misses_name_real_cases():
+    assert {case for case, _ in KNOWN_MISSES} <= set(CASES)
+    assert {term for _, term in KNOWN_MISSES} <= set(TERMS)
+
+
+def test_trace_records_the_fsdp2_collectives_of_the_full_world():
+    """ZeRO-3 on 8 ranks: the reduce-scatters run on groups of 8 and carry each rank's whole
+    unsharded gradient (8 x its shard) per micro-batch, and the all-gathers gather the
+    16-bit parameters; nothing runs on a group of another size (the fake world is the full one)."""
+    out = traced("zero3")
+    kinds = {(c["kind"], c["group_size"]) for c in out["collectives"]}
+    assert ("reduce_scatter", 8) in kinds and ("all_gather", 8) in kinds
+    assert {size for _, size in kinds} == {8}
+    rs = next(c for c in out["collectives"] if c["kind"] == "reduce_scatter")
+    grads = out["memory"]["grads_bytes"]["traced"]
+    assert rs["payload_bytes"] == 8 * grads  # fp32 reduce of the whole unsharded gradient, once (one micro-batch)
+
+
+def test_trace_refuses_a_ddp_layout_with_the_reason():
+    cmd = [sys.executable, "-m", "tenfold", "plan", "--model", "tiny", *SHAPE, "--gpu", "h100-sxm", "--trace",
+           "--zero", "1", "--gpus", "8"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=HERE.parent, timeout=600)
+    assert proc.returncode == 2
+    assert "DDP" in proc.stderr and "--zero 2 or 3" in proc.stderr
