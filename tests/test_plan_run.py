@@ -113,7 +113,10 @@ def _flags(flags, run_toml) -> list[str]:
 
 
 @pytest.mark.parametrize("flags", TRAIN_FLAGS, ids=lambda f: " ".join(Path(x).name for x in f) or "defaults")
-def test_plan_predicts_the_run_train_announces(capsys, run_toml, flags):
+def test_plan_json_repeats_the_prediction_train_announces(capsys, run_toml, flags):
+    """`tenfold plan --json`'s run section and what `tenfold train` prints at its start (both the
+    planner's, through two front ends); the plan against the run itself: test_plan_batch_and_layout_are_the_traced_runs
+    and tests/test_trace.py."""
     flags = _flags(flags, run_toml)
     memory, batch, layout = train_prediction(flags)
     run = plan_json(capsys, *flags, "--gpu", "cpu")["run"]  # the machine train runs on: `auto` precision alike
@@ -124,7 +127,7 @@ def test_plan_predicts_the_run_train_announces(capsys, run_toml, flags):
 
 
 @pytest.mark.parametrize("flags", TRAIN_FLAGS, ids=lambda f: " ".join(Path(x).name for x in f) or "defaults")
-def test_plan_config_file_predicts_train_config_file(tmp_path, capsys, run_toml, flags):
+def test_plan_config_file_repeats_the_prediction_train_config_file_announces(tmp_path, capsys, run_toml, flags):
     """The same runs as one config file: `tenfold plan --config X` and `tenfold train --config X`."""
     cfg = config_from_args(build_parser(["train"]).parse_args(["train", *_flags(flags, run_toml)]))
     path = tmp_path / "x.toml"
@@ -133,6 +136,29 @@ def test_plan_config_file_predicts_train_config_file(tmp_path, capsys, run_toml,
     run = plan_json(capsys, "--config", str(path), "--gpu", "cpu")["run"]
     assert (run["memory_predicted"], run["batch"], run["layout"]) == (memory, batch, layout)
     assert len(TRAIN_FLAGS) >= 30
+
+
+TRACED = [  # TRAIN_FLAGS the trace runs (FSDP2, tensor parallel or one process): one per technique family
+    ["--nproc", "4", "--zero", "3", "--ac", "full", "--micro-batch", "2"],
+    ["--nproc", "2", "--pp", "2", "--pp-schedule", "gpipe", "--grad-accum", "2"],
+    ["--nproc", "4", "--pp", "2", "--pp-split", "3,1", "--zero", "2", "--grad-accum", "2", "--ac", "every:2"],
+    ["--hf-config", str(DATA / "llama-tiny" / "config.json"), "--nproc", "2", "--tp", "2", "--seq-len", "64"],
+    ["--nproc", "4", "--zero", "3", "--shard-group", "2", "--ac", "op"],
+    ["--precision", "fp16", "--ac", "full", "--micro-batch", "2", "--grad-accum", "4"],
+]
+
+
+@pytest.mark.parametrize("flags", TRACED, ids=lambda f: " ".join(Path(x).name for x in f))
+def test_plan_batch_and_layout_are_the_traced_runs(capsys, flags):
+    """`tenfold plan --trace`: the batch and layout the plan prices are the ones the engine's own
+    set-up built and its step ran (micro-batches of that size, that many, over that mesh)."""
+    assert flags in TRAIN_FLAGS
+    plan = plan_json(capsys, *flags, "--gpu", "h100-sxm", "--trace")
+    run, trace = plan["run"], plan["trace"]
+    assert {k: trace["batch"][k] for k in run["batch"]} == run["batch"]
+    assert trace["batch"]["dp"] == run["dp"] == trace["layout"]["dp"]
+    assert (trace["layout"]["pp"], trace["layout"]["tp"], trace["layout"]["processes"]) == (
+        run["layout"]["pp"], run["layout"]["tp"], run["processes"])
 
 
 def _summary(out: Path) -> dict:

@@ -106,7 +106,7 @@ def test_batch_triplet_refuses_what_does_not_add_up(args):
 
 @pytest.mark.parametrize("train,gpus", [({"global_batch": 64}, 8), ({"micro_batch": 2, "global_batch": 24}, 4),
                                         ({"grad_accum": 4}, 2), ({}, 1)])
-def test_plan_and_train_resolve_the_same_triplet(train, gpus):
+def test_planner_and_resolver_apply_the_same_triplet_rule(train, gpus):
     run = resolve_run(build_config({"train": train}), gpus)
     r = planned(1e9, gpus, **train)  # a run the planner builds without a config (tenfold plan --params)
     assert (r.micro_batch, r.grad_accum, r.global_batch) == tuple(run.batch)

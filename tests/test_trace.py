@@ -119,3 +119,24 @@ def test_trace_refuses_a_ddp_layout_with_the_reason():
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=HERE.parent, timeout=600)
     assert proc.returncode == 2
     assert "DDP" in proc.stderr and "--zero 2 or 3" in proc.stderr
+
+
+COLLECTIVE_TOLERANCE = 0.01  # |planned - traced| / traced, bytes one rank sends per step
+TP_CASES = {  # tensor parallelism alone: every traced collective of a group > 1 is the planner's tp traffic
+    "tp2_sp": ["--tp", "2", "--gpus", "2", "--sequence-parallel"],
+    "tp2_no_sp": ["--tp", "2", "--gpus", "2", "--no-sequence-parallel"],
+    "tp4_sp_recompute_full": ["--tp", "4", "--gpus", "4", "--sequence-parallel", "--ac", "full"],
+    "tp2_fp32_accumulation": ["--tp", "2", "--gpus", "2", "--precision", "fp32", "--micro-batch", "2",
+                              "--global-batch", "8"],
+}
+
+
+@pytest.mark.parametrize("case", list(TP_CASES))
+def test_planned_tensor_parallel_bytes_match_the_trace(case):
+    cmd = [sys.executable, "-m", "tenfold", "plan", "--model", "tiny", *SHAPE, "--gpu", "h100-sxm", "--trace", "--json",
+           *TP_CASES[case]]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=HERE.parent, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    traffic = json.loads(proc.stdout)["trace"]["traffic"]
+    assert traffic["traced"] > 0
+    assert abs(traffic["planned"] - traffic["traced"]) <= COLLECTIVE_TOLERANCE * traffic["traced"], traffic

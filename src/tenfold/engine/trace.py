@@ -75,16 +75,16 @@ def _tensors(x) -> list:
     return []
 
 
-def _group_size(args, group_now: int | None) -> int:
+def _group_size(args, group_now: int | None) -> int | None:
     """The size of a collective's process group: a functional collective names its group; a
     c10d op holds it as a script object that Python cannot read, so the size is the one the
-    `torch.distributed` call around it named (`_named_groups`)."""
+    `torch.distributed` call around it named (`_named_groups`), None outside one."""
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     for a in reversed(args):
         if isinstance(a, str):
             return int(_resolve_process_group(a).size())
-    return int(group_now or 1)
+    return group_now
 
 
 def collective_record(func, args, group_now: int | None = None) -> dict | None:
@@ -107,7 +107,7 @@ def collective_record(func, args, group_now: int | None = None) -> dict | None:
     else:
         payload = sum(_nbytes(t) for t in _tensors(args[0]))
         if kind == "all_gather":
-            payload *= size
+            payload *= size or 1
     return {"kind": kind, "group_size": size, "payload_bytes": payload}
 
 
@@ -149,7 +149,7 @@ def _collective_log_class():
             out = func(*args, **(kwargs or {}))
             if self.recording:
                 rec = collective_record(func, args, self.group_now)
-                if rec is not None and self.group_now is None:
+                if rec is not None and rec["group_size"] is None:
                     rec["group_size"] = self.p2p_group if rec["kind"] in ("send", "recv") else self.default_group
                 if rec is not None:
                     self.records.append(rec)
@@ -171,28 +171,27 @@ def _no_value(dtype):
 
 
 @contextmanager
-def _module_to_same_device_keeps_it():
-    """`nn.Module.to(device)` where every tensor is already on `device` returns the module.
-    torch swaps every FakeTensor parameter on `.to` even to its own device, which fails
-    ("Cannot swap t1 because it has weakref associated with it", torch 2.13); the engine's
-    `model.to(dist.device)` (engine/parts.py) is such a call."""
+def _module_conversion_to_itself_keeps_it():
+    """`nn.Module._apply(fn)` where `fn` returns every tensor as it is (`.to(its device)`,
+    `.float()` of fp32 weights) returns the module. torch swaps every FakeTensor parameter on
+    such a conversion even when nothing changes, which fails ("Cannot swap t1 because it has
+    weakref associated with it", torch 2.13); the engine's `model.to(dist.device)`
+    (engine/parts.py) and Hugging Face's `from_config(...).float()` (models/hf.py) are such calls."""
     import torch
     import torch.nn as nn
 
-    original = nn.Module.to
+    original = nn.Module._apply
 
-    def to(self, *args, **kwargs):
-        if len(args) == 1 and not kwargs and isinstance(args[0], (str, torch.device)):
-            dev = torch.device(args[0])
-            if all(t.device == dev for t in [*self.parameters(), *self.buffers()]):
-                return self
-        return original(self, *args, **kwargs)
+    def _apply(self, fn, recurse=True):
+        with torch.no_grad():
+            unchanged = all(fn(t) is t for t in [*self.parameters(), *self.buffers()])
+        return self if unchanged else original(self, fn, recurse)
 
-    nn.Module.to = to
+    nn.Module._apply = _apply
     try:
         yield
     finally:
-        nn.Module.to = original
+        nn.Module._apply = original
 
 
 NAMED_GROUP_CALLS = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast", "all_gather",
@@ -311,6 +310,11 @@ def check_traceable(run, dp: int) -> None:
     before every forward (`Reducer._rebuild_buckets`), which fake tensors have none of."""
     from tenfold.errors import UserError
 
+    from tenfold.terms import MULTI_STAGE_SCHEDULES
+
+    if run.pp > 1 and run.pp_schedule in MULTI_STAGE_SCHEDULES:
+        raise UserError(f"--trace runs single-stage pipeline schedules (1f1b, gpipe); the tensor tracker's module hooks "
+                        f"break the stage backward of the {run.pp_schedule} schedule (torch 2.13)")
     if dp > 1 and run.zero_runs_as <= 1:
         raise UserError(f"--trace runs FSDP2 layouts (--zero 2 or 3, or any ZeRO stage with --tp > 1); ZeRO-{run.zero_stage} "
                         f"on {dp} data-parallel ranks runs on DDP, whose C++ gradient buckets cannot run on fake tensors")
@@ -318,7 +322,9 @@ def check_traceable(run, dp: int) -> None:
 
 def trace_rank(train_flags: list[str], world: int, rank: int) -> dict:
     """Set up the run of `train_flags` as rank `rank` of `world` and trace one step (the
-    module docstring). Returns {"rank", "stage", "memory": MEMORY_KEYS, "collectives": [...]}."""
+    module docstring). Returns {"rank", "stage", "batch" (the micro-batches the step ran, over
+the data-parallel ranks the mesh has), "layout" (the mesh built), "memory": MEMORY_KEYS,
+"collectives": [...]}."""
     t0 = time.perf_counter()
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
     import torch
@@ -344,7 +350,7 @@ def trace_rank(train_flags: list[str], world: int, rank: int) -> dict:
     precision = build_precision(run.precision, cfg.precision, d.device)
     log = _collective_log_class()()
     log.default_group, log.p2p_group = d.dp_size, d.pp_size
-    with FakeTensorMode(allow_non_fake_inputs=True), log, _module_to_same_device_keeps_it(), \
+    with FakeTensorMode(allow_non_fake_inputs=True), log, _module_conversion_to_itself_keeps_it(), \
             _ddp_without_shape_check(), _named_groups(log):
         P.seed_everything(cfg.train.seed)
         model, adapter, lora = P.build_model(P.new_model(run, None), run, d, precision, None, None, None)
@@ -363,7 +369,12 @@ def trace_rank(train_flags: list[str], world: int, rank: int) -> dict:
         log.recording = True
         measured, _ = measure_cpu(model, optimizer, one_step, d.device)
         log.recording = False
-    return {"rank": rank, "stage": d.pp_rank, "memory": measured, "collectives": _summarize(log.records),
+    batch = {"micro_batch": run.micro_batch, "grad_accum": len(batches), "dp": d.dp_size, "seq_len": run.seq_len,
+             "global_batch": run.micro_batch * len(batches) * d.dp_size}
+    layout = {"processes": d.world_size, "pp": d.pp_size, "dp": d.dp_size, "tp": d.tp_size,
+              "shard_size": d.shard_size, "hybrid": d.hybrid}
+    return {"rank": rank, "stage": d.pp_rank, "batch": batch, "layout": layout, "memory": measured,
+            "collectives": _summarize(log.records),
             "seconds": round(time.perf_counter() - t0, 2)}
 
 

@@ -31,7 +31,7 @@ def compare(planned: dict, traces: list[dict], stage: int, planned_traffic: floa
     memory = {k: {"planned": planned.get(k), "traced": traced["memory"].get(k),
                   "diff_percent": diff_percent(planned.get(k), traced["memory"].get(k))} for k in COMPARED}
     ring = sum(c["ring_bytes"] for c in traced["collectives"] if c["group_size"] > 1 and c["kind"] not in ("send", "recv"))
-    out = {"stage": stage, "rank": traced["rank"], "memory": memory,
+    out = {"stage": stage, "rank": traced["rank"], "batch": traced["batch"], "layout": traced["layout"], "memory": memory,
            "stages": [{"stage": t["stage"], "rank": t["rank"], "memory": t["memory"], "seconds": t["seconds"]}
                       for t in traces],
            "collectives": traced["collectives"],

@@ -289,8 +289,10 @@ def _trace(args, t: Target, plan, advice) -> dict:
     # The first and the last stage (embedding, output layer and loss) and the one the plan
     # describes; the others differ from one of them only by the micro-batches they hold.
     traces = trace_run(flags, run.world_size, run.pp, run.dp, run.tp, stages=sorted({0, stage, run.pp - 1}))
-    return compare(memory_by_category(plan.memory), traces, stage,
-                   plan.tp_bytes_per_step + plan.dp_bytes_per_step if hasattr(plan, "dp_bytes_per_step") else None)
+    # The planner states collective bytes for the tensor-parallel group (plan/tp_traffic.py); its
+    # data-parallel traffic is a time (plan/dp_time.py): bytes are compared where tp is all there is.
+    planned_bytes = plan.tp_bytes_per_step if run.dp == 1 and run.pp == 1 else None
+    return compare(memory_by_category(plan.memory), traces, stage, planned_bytes)
 
 
 @dataclass
