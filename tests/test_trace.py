@@ -68,14 +68,19 @@ KNOWN_MISSES = {
 }
 
 
-@functools.cache
-def traced(case: str) -> dict:
-    """`tenfold plan --trace --json` for one case (run once per case, shared by its terms)."""
+def plan_trace(flags: list[str]) -> dict:
+    """`tenfold plan --trace --json` of the small model on a fleet of `flags`: its `trace`."""
     cmd = [sys.executable, "-m", "tenfold", "plan", "--model", "tiny", *SHAPE, "--gpu", "h100-sxm", "--trace", "--json",
-           *CASES[case]]
+           *flags]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=HERE.parent, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout)["trace"]
+
+
+@functools.cache
+def traced(case: str) -> dict:
+    """One case's trace, run once and shared by its terms."""
+    return plan_trace(CASES[case])
 
 
 def _params():
@@ -133,10 +138,6 @@ TP_CASES = {  # tensor parallelism alone: every traced collective of a group > 1
 
 @pytest.mark.parametrize("case", list(TP_CASES))
 def test_planned_tensor_parallel_bytes_match_the_trace(case):
-    cmd = [sys.executable, "-m", "tenfold", "plan", "--model", "tiny", *SHAPE, "--gpu", "h100-sxm", "--trace", "--json",
-           *TP_CASES[case]]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=HERE.parent, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    traffic = json.loads(proc.stdout)["trace"]["traffic"]
+    traffic = plan_trace(TP_CASES[case])["traffic"]
     assert traffic["traced"] > 0
     assert abs(traffic["planned"] - traffic["traced"]) <= COLLECTIVE_TOLERANCE * traffic["traced"], traffic
