@@ -42,9 +42,9 @@ KNOWN_MISSES = {
     ("zero3", "activations_bytes"): _ACTIVATIONS,
     ("zero3_resharded", "gathered_params_bytes"):
         "the trace holds the root and one resharded block gathered at once, the plan two blocks (FSDP2's backward "
-        "prefetch, PyTorch PR #128884): not yet explained",
+        "prefetch, PyTorch PR #128884), +11%; a real two-rank gloo run measures the same 10% below the plan "
+        "(tests/test_zero.py): not yet explained",
     ("zero3_resharded", "activations_bytes"): _ACTIVATIONS,
-    ("zero3_resharded", "peak_bytes"): "follows the gathered and activation misses",
     ("zero2", "activations_bytes"): _ACTIVATIONS,
     ("hsdp", "activations_bytes"): _ACTIVATIONS,
     ("hsdp", "peak_bytes"): "the plan's peak adds every term at its own high plus one unsharded gradient unit: +3.9%",

@@ -267,7 +267,7 @@ def _trace_rest(tr, best: MemoryBreakdown, run: ResolvedRun, hw: Hardware, notes
            f"layers x per-layer({run.recompute.text}) x in-flight + working layer + embedding/logits extras",
            "Korthikanti Table 2 and §4.3; torch.utils.checkpoint semantics")
     tr("gathered_params_bytes", best.gathered_params_bytes,
-       "FSDP2: ZeRO-3 the root, blocks under the persistence threshold and 2 more units, ZeRO-2 / replicate / pipelined the whole stage, in the compute dtype; "
+       "FSDP2: ZeRO-3 2 units (the whole stage when blocks are under the persistence threshold), ZeRO-2 / replicate / pipelined the whole stage, in the compute dtype; "
        "DDP or one process: torch.amp's 16-bit weight casts", "PyTorch FSDP2 MixedPrecisionPolicy, PR #128884; torch.amp")
     tr("comm_buffers_bytes", best.comm_buffers_bytes, "DDP: 2 x 25 MiB buckets; FSDP2: 1 unsharded grad unit; "
        "none at dp 1", "PyTorch FSDP notes; DDP bucket_cap_mb")
