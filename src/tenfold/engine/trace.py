@@ -335,7 +335,7 @@ the data-parallel ranks the mesh has), "layout" (the mesh built), "memory": MEMO
     from tenfold.cli import build_parser
     from tenfold.engine import parts as P
     from tenfold.engine import step as S
-    from tenfold.engine.distributed import init_distributed
+    from tenfold.engine.distributed import join_layout
     from tenfold.engine.tensor_tracker import measure_cpu
     from tenfold.run import resolve_run
     from tenfold.run_args import config_from_args
@@ -346,17 +346,18 @@ the data-parallel ranks the mesh has), "layout" (the mesh built), "memory": MEMO
     check_traceable(run, run.dp)
     if not dist.is_initialized():
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
-    d = init_distributed(run.pp, cfg.parallel.timeout_s, run.tp, run.shard_group, offload=run.offload != "none")
+    d = join_layout(run.dims, cfg.parallel.timeout_s, offload=run.offload != "none")
     precision = build_precision(run.precision, cfg.precision, d.device)
     log = _collective_log_class()()
     log.default_group, log.p2p_group = d.dp_size, d.pp_size
     with FakeTensorMode(allow_non_fake_inputs=True), log, _module_conversion_to_itself_keeps_it(), \
             _ddp_without_shape_check(), _named_groups(log):
         P.seed_everything(cfg.train.seed)
-        model, adapter, lora = P.build_model(P.new_model(run, None), run, d, precision, None, None, None)
+        model, adapter, lora = P.build_model(P.new_model(run, cfg, None), run, cfg.model.blocks, d, precision, None,
+                                             None, None)
         _ddp_reduces_in_python(model)
-        optimizer, scheduler = P.build_optimizer(model, run, d)
-        parts = P.Parts(run, d, precision, None, adapter, model, optimizer, scheduler, None, lora)
+        optimizer, scheduler = P.build_optimizer(model, run, cfg.train, cfg.parallel.timeout_s, d)
+        parts = P.Parts(run, d, precision, None, adapter, model, optimizer, scheduler, None, cfg.train, lora)
         shape = (run.micro_batch, run.seq_len)
         batches = [{"input_ids": torch.zeros(shape, dtype=torch.long), "labels": torch.zeros(shape, dtype=torch.long)}
                    for _ in range(run.grad_accum)]

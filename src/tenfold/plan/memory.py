@@ -487,7 +487,6 @@ def gathered_param_bytes(stage_params: float, run: ResolvedRun, largest_unit: fl
     return 0.0
 
 
-PERSISTENCE_THRESHOLD = 100_000  # DeepSpeed's stage3_param_persistence_threshold default (config.py)
 
 
 def zero3_gathered_params(stage_params: float, run: ResolvedRun, largest_unit: float) -> float:
@@ -502,8 +501,7 @@ def zero3_gathered_params(stage_params: float, run: ResolvedRun, largest_unit: f
     one block (tests/test_trace.py KNOWN_MISSES). The threshold is compared with a block's whole
     parameter count, as FSDP2 counts a DTensor's elements (`largest_unit` x tp: the block's
     tp-split weights)."""
-    cfg = run.config.parallel if run.config is not None else None
-    threshold = cfg.param_persistence_threshold if cfg is not None else PERSISTENCE_THRESHOLD
+    threshold = run.param_persistence_threshold
     layers = run.rank_layers(0) if run.model is not None else 0
     if not layers:  # --params: the whole stage is one unit
         return stage_params
