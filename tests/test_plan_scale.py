@@ -305,9 +305,11 @@ def test_the_two_offload_values_are_priced_as_the_engine_runs_them():
     assert opt.time.optimizer_s - none.time.optimizer_s > 12 * shard / 1e9  # the step's copies, plus the host's Adam
 
 
-def test_tp_must_split_query_and_kv_heads():
+def test_tp_must_split_the_heads_and_the_vocabulary():
     assert tp_choices(64, 8) == [1, 2, 4, 8]
     assert tp_choices(96) == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 96]
+    assert tp_choices(96, None, 50257) == [1]  # GPT-2's BPE vocabulary splits over no tp > 1
+    assert tp_choices(96, None, 50304) == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 96]  # GPT-3's, padded
     # 16 GPUs per node would allow TP 16, but 8 KV heads cannot be split 16 ways.
     result = search(planned("llama-70b", 64, global_batch=64, seq_len=4096), "h100-sxm", top_k=200, gpus_per_node=16,
                     include_unsupported=True)

@@ -183,6 +183,9 @@ BAD = [
     (["train", "--nproc", "2", "--tp", "2", "--hf-config", GPT2], "model_type 'gpt2' has no tensor-parallel plan"),
     (["plan", "--model", "tiny", "--gpus", "3", "--tp", "3"], "parallel.tp_degree (--tp) 3 must divide the 4 query heads"),
     (["plan", "--hf-config", LLAMA, "--gpus", "4", "--tp", "4"], "and the 2 key/value heads"),
+    (["train", "--nproc", "2", "--tp", "2", "--set", "model.vocab_size=257"], "must divide the vocabulary of 257 tokens"),
+    (["plan", "--model", "tiny", "--set", "model.vocab_size=257", "--gpus", "2", "--tp", "2"],
+     "must divide the vocabulary of 257 tokens"),
 ]
 
 

@@ -25,7 +25,7 @@ from tenfold.lora_terms import LORA_BASES, LoraSpec, check_targets, lora_spec
 from tenfold.models.presets import ModelConfig, param_count
 from tenfold.terms import (
     MULTI_STAGE_SCHEDULES, PRECISION_CHOICES, BatchTriplet,
-    RecomputePolicy, check_tp_heads, local_device_is_cpu, num_stages, parse_recompute, resolve_batch, resolve_precision,
+    RecomputePolicy, check_tp_split, local_device_is_cpu, num_stages, parse_recompute, resolve_batch, resolve_precision,
     stage_layer_counts, virtual_stages_for, zero_runs_as,
 )
 
@@ -267,7 +267,7 @@ def resolve(model: ModelConfig | None, world_size: int, *, params: float | None 
     if c["lora"] is not None and model is not None and not own_model:
         check_targets(c["lora"], c["model_kind"], c["hf_model_type"], model.mlp)
     if model is not None and tp > 1 and not own_model:
-        check_tp_heads(tp, model.n_heads, model.kv_heads, flag="parallel.tp_degree (--tp)")
+        check_tp_split(tp, model.n_heads, model.kv_heads, model.vocab_size, flag="parallel.tp_degree (--tp)")
     dims = build_layout(world_size, pp, tp, c["shard_group"])
     dp = dims.dp
     sequence_parallel = sequence_parallel_for(tp, c["sequence_parallel"])

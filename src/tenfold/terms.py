@@ -429,24 +429,31 @@ def runs_on_fsdp2(zero_stage: int, tp: int, dp: int, offload: str = "none") -> b
 # --------------------------------------------------------------------------- tensor parallelism
 
 
-def tp_choices(n_heads: int, n_kv_heads: int | None = None) -> list[int]:
-    """Tensor-parallel sizes that split both the query heads and the key/value heads evenly:
-    the column split of q/k/v gives each rank whole heads (Megatron-LM, Shoeybi et al. 2019
-    section 3), and GQA's key/value heads are split, not copied."""
+def tp_choices(n_heads: int, n_kv_heads: int | None = None, vocab_size: int | None = None) -> list[int]:
+    """Tensor-parallel sizes that split the query heads, the key/value heads and the vocabulary
+    evenly: the column split of q/k/v gives each rank whole heads (Megatron-LM, Shoeybi et al.
+    2019 section 3), GQA's key/value heads are split, not copied, and the embedding and output
+    layer are split by token (tenfold.techniques.tensor_parallel). `vocab_size` None: a model
+    whose vocabulary is not split (a user's own module)."""
     kv = n_kv_heads or n_heads
-    return [t for t in range(1, n_heads + 1) if n_heads % t == 0 and kv % t == 0]
+    return [t for t in range(1, n_heads + 1) if n_heads % t == 0 and kv % t == 0 and (not vocab_size or vocab_size % t == 0)]
 
 
-def check_tp_heads(tp: int, n_heads: int, n_kv_heads: int | None = None, flag: str = "--tp") -> None:
-    """The one rule `tenfold train` and `tenfold plan` apply to a tensor-parallel degree:
-    it must divide the query heads and the key/value heads (Megatron refuses the same)."""
+def check_tp_split(tp: int, n_heads: int, n_kv_heads: int | None = None, vocab_size: int | None = None,
+                   flag: str = "--tp") -> None:
+    """The one rule `tenfold train` and `tenfold plan` apply to a tensor-parallel degree: it
+    must divide the query heads, the key/value heads (Megatron refuses the same) and the
+    vocabulary (the engine splits the embedding's rows and the output's columns)."""
     kv = n_kv_heads or n_heads
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise UserError(f"{flag} must be a positive integer, got {tp!r}")
+    allowed = ", ".join(str(t) for t in tp_choices(n_heads, kv, vocab_size))
     if n_heads % tp or kv % tp:
         heads = f"the {n_heads} query heads" + (f" and the {kv} key/value heads" if kv != n_heads else "")
-        allowed = ", ".join(str(t) for t in tp_choices(n_heads, kv))
         raise UserError(f"{flag} {tp} must divide {heads} (each rank computes whole heads); allowed: {allowed}")
+    if vocab_size and vocab_size % tp:
+        raise UserError(f"{flag} {tp} must divide the vocabulary of {vocab_size} tokens (the embedding and the output "
+                        f"layer are split by token; pad model.vocab_size to a multiple of {tp}); allowed: {allowed}")
 
 
 # --------------------------------------------------------------------------- files

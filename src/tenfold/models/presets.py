@@ -84,11 +84,16 @@ class ModelConfig:
         return replace(self, **{k: v for k, v in overrides.items() if v is not None})
 
 
+GPT3_PADDED_VOCAB = 50304  # 50257 BPE tokens + 47 never-used rows
+
+
 def _gpt3(n_layers: int, d_model: int, n_heads: int) -> ModelConfig:
     # Brown et al. 2020 Table 2.1: GPT-2 style blocks (LayerNorm, GELU 4d MLP, biases,
-    # learned positions, tied embeddings), context 2048, BPE vocabulary of 50257.
+    # learned positions, tied embeddings), context 2048, BPE vocabulary of 50257 padded to 50304,
+    # a multiple of 128 (Megatron-LM's make_vocab_size_divisible_by), so that tensor parallelism
+    # up to 128 splits the embedding and the output layer by token.
     return ModelConfig(
-        n_layers=n_layers, d_model=d_model, n_heads=n_heads, vocab_size=50257, max_seq_len=2048,
+        n_layers=n_layers, d_model=d_model, n_heads=n_heads, vocab_size=GPT3_PADDED_VOCAB, max_seq_len=2048,
         mlp="gelu", norm="layernorm", pos="learned", bias=True, tie_embeddings=True,
     )
 

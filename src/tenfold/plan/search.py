@@ -120,7 +120,7 @@ def _layouts(base: ResolvedRun, hw: Hardware, sequence_parallel: bool | None, gp
     """Every valid layout of `base` on `gpus` processes without offload, resolved by the run's
     own rules."""
     cfg, glob = base.model, base.global_batch
-    tps = [t for t in _powers_of_two_upto(min(hw.gpus_per_node, gpus)) if t in tp_choices(cfg.n_heads, cfg.kv_heads)]
+    tps = [t for t in _powers_of_two_upto(min(hw.gpus_per_node, gpus)) if t in tp_choices(cfg.n_heads, cfg.kv_heads, cfg.vocab_size)]
     # Any number of stages up to the layers: the blocks are split by the rule train uses
     # (tenfold.terms.stage_layer_counts), evenly or not.
     pps = [p for p in range(1, cfg.n_layers + 1) if gpus % p == 0]

@@ -28,7 +28,7 @@ Every parameter of a tenfold or Hugging Face model must be covered by the plan (
 norm that stays replicated): a module the plan does not know is a UserError naming it, so a
 model is never silently half-split. RoPE and GQA need nothing special: the attention code
 views the projections as (..., -1, head_dim), so each rank sees its own whole heads and the
-query-to-KV head ratio is unchanged (tenfold.terms.check_tp_heads requires tp to divide both).
+query-to-KV head ratio is unchanged (tenfold.terms.check_tp_split requires tp to divide both).
 
 Hugging Face models compute the position ids and the causal mask from the embedding output's
 length, so there the embedding's output stays replicated (an all-reduce) and the first block's
