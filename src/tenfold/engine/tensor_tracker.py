@@ -95,6 +95,8 @@ def _make_tracker_class():
             self.per_module = per_module  # False: only the step's totals (much less overhead)
             self.act_peak: dict = {}  # per device: (highest Activation + Temp, the snapshot then)
             self.gathered_peak: dict = {}  # per device: highest bytes of gathered parameter copies
+            self.grad_peak: dict = {}  # per device: highest bytes of gradients (unsharded ones included)
+            self.held_unsharded_grads = False  # FSDP2 held gradients across micro-batches unsharded
             self.gathered, self.params = set(gathered), set(params)
 
         def _update_peak_stats(self, peak_state) -> None:
@@ -113,6 +115,8 @@ def _make_tracker_class():
                     self.act_peak = {**self.act_peak, dev: (act, dict(snap))}
                 copies = sum(v for k, v in snap.items() if getattr(k, "value", k) == GATHERED)
                 self.gathered_peak[dev] = max(self.gathered_peak.get(dev, 0), copies)
+                grads = sum(v for k, v in snap.items() if getattr(k, "value", k) == "Gradient")
+                self.grad_peak[dev] = max(self.grad_peak.get(dev, 0), grads)
 
         def _track_module_params_and_buffers(self, module: nn.Module, install_grad_hooks: bool = True):
             # MemTracker hooks every parameter's gradient, and torch refuses a hook on a tensor
@@ -143,17 +147,78 @@ def _storage_ids(t: Any) -> set[int]:
         return set()
 
 
+def fsdp_param_groups(model: nn.Module) -> list[Any]:
+    """FSDP2's parameter groups (one per fully_shard unit) inside `model`."""
+    groups = []
+    for m in model.modules():
+        get_state = getattr(m, "_get_fsdp_state", None)
+        group = getattr(get_state(), "_fsdp_param_group", None) if callable(get_state) else None
+        if group is not None:
+            groups.append(group)
+    return groups
+
+
 def gathered_tensors(model: nn.Module) -> list[torch.Tensor]:
     """The tensors FSDP2 all-gathers this model's parameters into (each unit's unsharded
     parameters, whose storages it frees and re-allocates in place between gathers, so the same
     storages for the whole run): FSDP2's own per-parameter state, read after its first gather."""
     out: list[torch.Tensor] = []
-    for m in model.modules():
-        get_state = getattr(m, "_get_fsdp_state", None)
-        group = getattr(get_state(), "_fsdp_param_group", None) if callable(get_state) else None
-        for fsdp_param in getattr(group, "fsdp_params", ()):
+    for group in fsdp_param_groups(model):
+        for fsdp_param in group.fsdp_params:
             out += [*getattr(fsdp_param, "all_gather_outputs", ()), *getattr(fsdp_param, "_unsharded_inner_tensors", ())]
     return out
+
+
+def file_unsharded_grads_as_gradients(model: nn.Module, tracker: Any) -> list[Any]:
+    """Without gradient sync (pipelining: one reduce-scatter at the end of the step) FSDP2 keeps
+    every micro-batch's gradient on its unsharded parameters (`.grad`, then
+    `unsharded_accumulated_grad` in the reduce dtype) until the step's reduce-scatter:
+    gradients, which the tracker would file as activations because they belong to no
+    registered parameter. Hooks on the unsharded parameters and around each group's
+    post-backward file them as gradients. (With sync on, each unit's unsharded gradient lives
+    only until its own reduce-scatter, a transient the planner counts elsewhere.) Returns the
+    handles to remove."""
+    grad = tracker._ref_class.GRAD
+
+    def file(t: torch.Tensor | None) -> None:
+        if isinstance(t, torch.Tensor):
+            tracker._update_and_maybe_create_winfos(t, grad)
+            tracker.held_unsharded_grads = True
+
+    def file_group(group: Any) -> None:
+        if group.reduce_grads:
+            return
+        for fsdp_param in group.fsdp_params:
+            file(getattr(getattr(fsdp_param, "_unsharded_param", None), "grad", None))
+            file(getattr(fsdp_param, "unsharded_accumulated_grad", None))
+
+    handles: list[Any] = []
+    for group in fsdp_param_groups(model):
+        for fsdp_param in group.fsdp_params:
+            unsharded = getattr(fsdp_param, "_unsharded_param", None)
+            if isinstance(unsharded, torch.Tensor) and unsharded.requires_grad:
+                handles.append(unsharded.register_post_accumulate_grad_hook(
+                    lambda p, g=group: None if g.reduce_grads else file(p.grad)))
+        handles.append(_AroundPostBackward(group, file_group))
+    return handles
+
+
+class _AroundPostBackward:
+    """Calls `after(group)` once FSDP2's post-backward of `group` has run (it casts the
+    unsharded gradient into the accumulated one); `remove()` restores the group's method."""
+
+    def __init__(self, group: Any, after: Callable[[Any], None]) -> None:
+        self.group, original = group, group.post_backward
+
+        def post_backward(*args: Any, **kwargs: Any) -> Any:
+            out = original(*args, **kwargs)
+            after(group)
+            return out
+
+        group.post_backward = post_backward
+
+    def remove(self) -> None:
+        self.group.__dict__.pop("post_backward", None)
 
 
 def gathered_storages(model: nn.Module) -> set[int]:
@@ -211,7 +276,7 @@ def _tracked_step(model: nn.Module, optimizer: Any, run_step: Callable[[], None]
     optimizers = optimizers_of(optimizer)
     tracker.track_external(model, *optimizers)
     at_step: dict[str, dict] = {}
-    handles = []
+    handles = file_unsharded_grads_as_gradients(model, tracker)
 
     params = list(model.parameters())
 
@@ -247,7 +312,11 @@ def measure_cpu(model, optimizer, run_step, device, per_module: bool = False) ->
     post = category_bytes(at_step.get("post", at_step.get("pre", peak_snap)), device)
     measured = {
         "params_bytes": pre["param"],
-        "grads_bytes": max(pre["grad"], int(at_step.get("grad_storage_bytes", 0))),
+        # Gradients at their high-water mark: at the optimizer step, or earlier in the step
+        # where FSDP2 holds unsharded ones until its one reduce-scatter (pipelining).
+        "grads_bytes": max(pre["grad"], int(at_step.get("grad_storage_bytes", 0)),
+                           sum(n for dev, n in tracker.grad_peak.items() if torch.device(dev).type == device.type)
+                           if tracker.held_unsharded_grads else 0),
         "optimizer_bytes": max(post["opt"], pre["opt"]),
         # Saved-for-backward tensors and temporaries at their high-water mark (MemTracker may
         # file some recomputed tensors under Temp rather than Activation, its documented
