@@ -1,0 +1,170 @@
+"""Context parallelism: each sequence split over the cp ranks, attention computed across them.
+
+Layout (load balancing for a causal mask): the sequence is cut into 2 x cp equal chunks and cp
+rank r holds chunks r and 2cp-1-r ("head-tail"), so every rank holds one early chunk (little
+to attend to) and one late chunk (much to attend to) and the ranks do the same attention work
+(Llama 3 paper, arXiv:2407.21783, section 3.3.2; torchtitan / PyTorch `context_parallel`'s
+round-robin load balancer; Megatron-Core's context parallelism). `local_positions` names the
+positions a rank holds; `shard_sequence` / `unshard_sequence` go between the whole sequence and
+a rank's part.
+
+Attention (`context_attention`): every rank's keys and values reach every other rank through
+an all-gather over the cp group, the scheme Llama 3 uses for its long-context stage (all-gather
+based context parallelism, section 3.3.2): the K/V of grouped-query attention are small next
+to Q, and an all-gather is one collective whose backward is a reduce-scatter of the K/V
+gradients (`torch.distributed.nn.functional.all_gather`, differentiable, so autograd gives the
+backward exactly). Each local query chunk then attends block by block: one block of every
+earlier chunk (no mask) and its own chunk (causal mask); later chunks are skipped. Each block
+gives its output and the log-sum-exp of its scores, and the blocks merge by log-sum-exp
+(Milakov & Gimelshein 2018, "Online normalizer calculation for softmax"; the merge of ring
+attention, Liu et al. 2023, arXiv:2310.01889): out = sum_j exp(lse_j - lse) out_j with
+lse = logsumexp_j(lse_j). The block math is written out (scores in fp32), so the log-sum-exp
+is differentiable on any device; it runs on CPU (where torch's `context_parallel` raises
+NotImplementedError for the CPU flash kernel) and on CUDA alike.
+
+The cp ranks hold the same parameters and compute gradients on different tokens of the same
+rows, so they join the data-parallel gradient reduction (FSDP2 / DDP over dp x cp, as
+torchtitan shards over dp_shard x cp), count their own targets in the global token count and
+load the same rows (tenfold.engine.distributed builds the groups; the step splits each
+micro-batch with `local_batch`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+from torch.distributed.nn.functional import all_gather
+
+from tenfold.errors import UserError
+
+NEG_INF = float("-inf")
+
+
+# --------------------------------------------------------------------------- load-balanced layout
+
+
+def chunk_ids(cp: int, rank: int) -> tuple[int, int]:
+    """The two chunks (of 2 x cp) cp rank `rank` holds: its head and its mirrored tail."""
+    return rank, 2 * cp - 1 - rank
+
+
+def check_seq_len(seq_len: int, cp: int) -> None:
+    if seq_len % (2 * cp):
+        raise UserError(
+            f"context parallelism cuts each sequence into 2 x parallel.cp_degree (--cp {cp}) = {2 * cp} equal chunks: "
+            f"the sequence length ({seq_len}, --seq-len) must be a multiple of {2 * cp}"
+        )
+
+
+def local_positions(seq_len: int, cp: int, rank: int, device=None) -> torch.Tensor:
+    """Positions (into the whole sequence) of the tokens cp rank `rank` holds, in its order."""
+    check_seq_len(seq_len, cp)
+    c = seq_len // (2 * cp)
+    return torch.cat([torch.arange(i * c, (i + 1) * c, device=device) for i in chunk_ids(cp, rank)])
+
+
+def shard_sequence(x: torch.Tensor, cp: int, rank: int, dim: int = 1) -> torch.Tensor:
+    """This rank's part of `x` along the sequence dimension `dim`."""
+    return x.index_select(dim, local_positions(x.shape[dim], cp, rank, x.device))
+
+
+def unshard_sequence(parts: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
+    """The whole sequence from every cp rank's part (`parts` in rank order)."""
+    cp = len(parts)
+    chunks: list[torch.Tensor | None] = [None] * (2 * cp)
+    for rank, part in enumerate(parts):
+        head, tail = part.chunk(2, dim=dim)
+        first, second = chunk_ids(cp, rank)
+        chunks[first], chunks[second] = head, tail
+    return torch.cat(chunks, dim=dim)
+
+
+def local_batch(batch: dict, cp: int, rank: int) -> dict:
+    """A micro-batch's (b, s) tensors cut to this rank's part, with the positions of its tokens:
+    `positions` (tenfold's GPT: RoPE angles and learned positions) and `position_ids` (Hugging
+    Face models; a packed row's own ids are cut like the tokens)."""
+    out = {k: shard_sequence(v, cp, rank) if v.dim() >= 2 else v for k, v in batch.items()}
+    seq_len = batch["input_ids"].shape[1]
+    positions = local_positions(seq_len, cp, rank, batch["input_ids"].device)
+    out["positions"] = positions
+    if "position_ids" not in batch:
+        out["position_ids"] = positions[None].expand(batch["input_ids"].shape[0], -1)
+    return out
+
+
+# --------------------------------------------------------------------------- attention
+
+
+def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                    causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax(q k^T * scale) v of one block pair and the log-sum-exp of its scores (fp32).
+    `causal`: q and k are the same chunk, query t sees keys 0..t of it."""
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    if causal:
+        n = scores.shape[-1]
+        scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1), NEG_INF)
+    lse = torch.logsumexp(scores, dim=-1)
+    return torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), v.float()), lse
+
+
+def merge_blocks(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> torch.Tensor:
+    """Blocks of one query chunk, each normalised over its own keys, as one softmax over all
+    of them: weights exp(lse_j - lse)."""
+    lse = torch.logsumexp(torch.stack(lses), dim=0)
+    return sum(torch.exp(l - lse).unsqueeze(-1) * o for o, l in zip(outs, lses))
+
+
+def gather_blocks(t: torch.Tensor, group, cp: int) -> list[torch.Tensor]:
+    """Every rank's K (or V) as the 2 x cp chunks of the whole sequence, in chunk order. The
+    all-gather returns rank j's part (its chunks j and 2cp-1-j) at index j."""
+    chunks: list[torch.Tensor | None] = [None] * (2 * cp)
+    for rank, part in enumerate(all_gather(t, group=group)):
+        head, tail = part.chunk(2, dim=-2)
+        first, second = chunk_ids(cp, rank)
+        chunks[first], chunks[second] = head, tail
+    return chunks
+
+
+def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, cp: int, rank: int,
+                      scale: float | None = None) -> torch.Tensor:
+    """Causal attention of this rank's queries (b, h, s/cp, d) over the whole sequence's keys
+    and values, whose local parts k, v (b, h_kv, s/cp, d) every rank contributes; the result
+    is this rank's part of causal attention over the whole sequence (`unshard_sequence` of
+    every rank's result = `F.scaled_dot_product_attention(..., is_causal=True)`)."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    keys, values = gather_blocks(k, group, cp), gather_blocks(v, group, cp)
+    rep = q.shape[1] // k.shape[1]  # grouped-query attention: kv heads travel once, repeat here
+    outs = []
+    for q_chunk, i in zip(q.chunk(2, dim=-2), chunk_ids(cp, rank)):
+        parts = [block_attention(q_chunk, _heads(keys[j], rep), _heads(values[j], rep), scale, causal=j == i)
+                 for j in range(i + 1)]
+        outs.append(merge_blocks([o for o, _ in parts], [l for _, l in parts]))
+    return torch.cat(outs, dim=-2).to(q.dtype)
+
+
+def _heads(t: torch.Tensor, rep: int) -> torch.Tensor:
+    return t.repeat_interleave(rep, dim=1) if rep > 1 else t
+
+
+class ContextParallelCore(nn.Module):
+    """tenfold GPT's attention core (`Block.attn.core`) over the cp group: no parameters, so
+    selective recompute wraps it as it wraps the plain core."""
+
+    def __init__(self, group, cp: int, rank: int):
+        super().__init__()
+        self.group, self.cp, self.rank = group, cp, rank
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return context_attention(q, k, v, self.group, self.cp, self.rank)
+
+
+def apply_context_parallel(model: nn.Module, blocks: list[nn.Module], group, cp: int, rank: int) -> None:
+    """Swap every block's attention core for the cp one (tenfold's GPT: `block.attn.core`)."""
+    for block in blocks:
+        attn = getattr(block, "attn", None)
+        if not isinstance(getattr(attn, "core", None), nn.Module):
+            raise UserError(f"context parallelism (--cp) needs tenfold's attention core `attn.core`; "
+                            f"{type(block).__name__} has none")
+        attn.core = ContextParallelCore(group, cp, rank)
