@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import torchrun
+from conftest import read_metrics, rel_err, torchrun, train_summary
 from tenfold.errors import UserError
 from tenfold.techniques.context_parallel import local_positions, local_batch, shard_sequence, unshard_sequence
 
@@ -57,3 +57,56 @@ def test_context_attention_equals_causal_attention(tmp_path):
     assert scale > 0.1
     for name, d in diffs.items():
         assert d < 1e-6, (name, d)
+
+
+# --------------------------------------------------------------------------- training runs
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """tests/workers/cp_worker.py's cases on one process and on their layouts (2 and 4 ranks):
+    {ranks: (results, first-step gradients)}."""
+    tmp = tmp_path_factory.mktemp("cp")
+    out = {}
+    for n in (1, 2, 4):
+        results = torchrun(f"train-{n}", tmp, nproc=n, timeout=400, worker="cp_worker.py")
+        out[n] = results, torch.load(tmp / f"train-{n}-{n}.json.pt")
+    return out
+
+
+def assert_same_gradients(got: dict, ref: dict, rtol: float = 1e-6) -> None:
+    """Each gradient within rtol of the reference, as ||got - ref|| / ||ref|| per tensor. A
+    tensor whose reference gradient is zero in exact arithmetic (the key projection's bias:
+    softmax ignores a shift common to all of a query's scores) is measured against 1e-3 of the
+    model's largest gradient norm instead of its own rounding noise."""
+    assert got.keys() == ref.keys()
+    largest = max(float(r.norm()) for r in ref.values())
+    for name, r in ref.items():
+        err = float((got[name] - r).norm()) / max(float(r.norm()), 1e-3 * largest)
+        assert err < rtol, (name, err)
+
+
+@pytest.mark.parametrize("case", ["cp2", "cp2-learned", "cp2-recompute", "cp2-dp2-zero3", "cp2-tp2"])
+def test_cp_training_equals_one_process(trained, case):
+    """--cp 2 (alone, with learned positions and tied embeddings, under full recompute, with
+    ZeRO-3 over dp 2, with tp 2) at sequence 512: every step's loss and the first step's
+    gradients equal one process's (fp32)."""
+    ranks = 4 if case in ("cp2-dp2-zero3", "cp2-tp2") else 2
+    (ref, ref_grads), (got, got_grads) = trained[1], trained[ranks]
+    losses, expected = got[case]["losses"], ref[case]["losses"]
+    assert max(abs(a - b) / abs(b) for a, b in zip(losses, expected)) < 1e-6, (losses, expected)
+    assert expected[-1] < expected[0] - 0.3  # it learns: a wrong gradient shows in the curve
+    assert_same_gradients(got_grads[case], ref_grads[case])
+
+
+def test_cli_cp2_equals_one_process(tmp_path):
+    """`tenfold train --nproc 2 --cp 2` at sequence 512: the run's summary names the layout and
+    every step's loss equals one process's (the path training takes: flags, resolver, mesh,
+    loader, step)."""
+    flags = ["--steps", "3", "--seq-len", "512", "--set", "model.max_seq_len=512"]
+    one = train_summary(tmp_path / "one", *flags)
+    two = train_summary(tmp_path / "cp2", "--nproc", "2", "--cp", "2", *flags)
+    assert (two["layout"]["cp"], two["layout"]["dp"], two["layout"]["seq_len"]) == (2, 1, 512)
+    ref = [r["loss"] for r in read_metrics(tmp_path / "one") if "loss" in r]
+    got = [r["loss"] for r in read_metrics(tmp_path / "cp2") if "loss" in r]
+    assert len(ref) == 3 and rel_err(got, ref) < 1e-6, (got, ref)

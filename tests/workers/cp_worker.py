@@ -3,16 +3,22 @@ from tests/test_context_parallel.py, never by pytest itself (no test functions).
 
     python -m torch.distributed.run --standalone --nproc-per-node N tests/workers/cp_worker.py MODE OUT.json
 
-MODE `attention`: every rank draws the same whole-sequence q, k, v (grouped-query: 4 query
+MODE `attention` (2 ranks): every rank draws the same whole-sequence q, k, v (grouped-query: 4 query
 heads, 2 kv heads) and weights w; the reference is plain causal attention over the whole
 sequence in this process, and its loss sum(out * w) backpropagated. Each rank then runs
 `context_attention` on its part and the same loss on its part; rank 0 writes the largest
 differences of the gathered outputs and q/k/v gradients from the reference.
+
+MODE `train-N` (N ranks; N = 1 gives the reference): the Trainer on learnable token rows of
+length SEQ, each case of CASES that fits N ranks (its cp / dp / tp layout, or one process),
+3 steps; rank 0 writes every step's loss and the first step's gradients (whole tensors, as the
+optimizer sees them) of each case to OUT.json and OUT.pt.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import torch
@@ -20,6 +26,20 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from tenfold.techniques.context_parallel import context_attention, shard_sequence, unshard_sequence
+
+SEQ, ROWS, STEPS = 512, 16, 3
+MODEL = {"name": "tiny", "n_layers": 2, "d_model": 64, "n_heads": 4, "n_kv_heads": 2, "d_ff": 128,
+         "max_seq_len": SEQ}
+LEARNED = {**MODEL, "pos": "learned", "norm": "layernorm", "mlp": "gelu", "bias": True, "tie_embeddings": True}
+# name -> (ranks, model, parallel section, micro-batch per dp rank); one process runs each
+# case's reference with the micro-batch of all its dp ranks
+CASES = {
+    "cp2": (2, MODEL, {"cp_degree": 2}, 2),
+    "cp2-learned": (2, LEARNED, {"cp_degree": 2}, 2),
+    "cp2-recompute": (2, MODEL, {"cp_degree": 2}, 2),
+    "cp2-dp2-zero3": (4, MODEL, {"cp_degree": 2, "zero_stage": 3}, 1),
+    "cp2-tp2": (4, MODEL, {"cp_degree": 2, "tp_degree": 2}, 2),
+}
 
 
 def attention(out_path: str) -> None:
@@ -56,5 +76,76 @@ def attention(out_path: str) -> None:
     dist.destroy_process_group()
 
 
+def token_rows() -> "np.ndarray":
+    """Learnable rows (an arithmetic progression mod 50 from a random start): the loss falls."""
+    import numpy as np
+
+    starts = np.random.default_rng(0).integers(0, 50, size=(ROWS, 1))
+    return ((starts + 3 * np.arange(SEQ + 1)) % 50).astype(np.int64)
+
+
+def case_config(name: str, world: int, out: str) -> dict:
+    ranks, model, parallel, micro = CASES[name]
+    one = world == 1
+    dp = ranks // (parallel.get("cp_degree", 1) * parallel.get("tp_degree", 1))
+    return {
+        "model": dict(model),
+        "data": {"seq_len": SEQ, "val_fraction": 0.0},
+        "train": {"steps": STEPS, "micro_batch": micro * dp if one else micro, "lr": 1e-2, "warmup_steps": 0,
+                  "eval_every": 0, "seed": 7, "grad_clip": 0.0},
+        "precision": {"dtype": "fp32"},
+        "recompute": {"policy": "full" if name.endswith("recompute") else "none"},
+        "parallel": {"param_persistence_threshold": 0, **({} if one else parallel)},
+        "log": {"out": out, "progress": False, "tensorboard": False},
+    }
+
+
+def whole_grads(model) -> dict:
+    """Every parameter's gradient as one whole tensor (DTensor shards gathered), by the name
+    the plain model gives it."""
+    out = {}
+    for name, p in model.named_parameters():
+        g = p.grad
+        if g is None:
+            continue
+        g = g.full_tensor() if hasattr(g, "full_tensor") else g
+        for wrapper in ("module.", "_checkpoint_wrapped_module.", "_orig_mod."):
+            name = name.replace(wrapper, "")
+        out[name] = g.detach().clone()
+    return out
+
+
+def train(world: int, out_path: str) -> None:
+    from tenfold.engine.distributed import init_distributed, shutdown
+    from tenfold.engine.trainer import Trainer
+
+    results, grads = {}, {}
+    for name, (ranks, *_rest) in CASES.items():
+        if world not in (1, ranks):
+            continue
+        t = Trainer(case_config(name, world, os.path.dirname(out_path)), dataset=token_rows())
+        t.setup()
+        first: dict = {}
+
+        def keep_first(*_, first=first, model=t.model):
+            if not first:
+                first.update(whole_grads(model))
+
+        t.optimizer.register_step_pre_hook(keep_first)
+        losses = [t.train_step(t.loader.next_step()).loss for _ in range(STEPS)]
+        results[name] = {"losses": losses}
+        grads[name] = first
+    info = init_distributed()
+    if info.is_main:
+        with open(out_path, "w") as f:
+            json.dump(results, f)
+        torch.save(grads, out_path + ".pt")
+    shutdown()
+
+
 if __name__ == "__main__":
-    {"attention": attention}[sys.argv[1]](sys.argv[2])
+    mode, out = sys.argv[1], sys.argv[2]
+    if mode == "attention":
+        attention(out)
+    else:
+        train(int(mode.split("-")[1]), out)

@@ -12,8 +12,7 @@ Attention (`context_attention`): every rank's keys and values reach every other 
 an all-gather over the cp group, the scheme Llama 3 uses for its long-context stage (all-gather
 based context parallelism, section 3.3.2): the K/V of grouped-query attention are small next
 to Q, and an all-gather is one collective whose backward is a reduce-scatter of the K/V
-gradients (`torch.distributed.nn.functional.all_gather`, differentiable, so autograd gives the
-backward exactly). Each local query chunk then attends block by block: one block of every
+gradients (`AllGatherBlocks`, an autograd.Function; the rest of the backward is autograd's). Each local query chunk then attends block by block: one block of every
 earlier chunk (no mask) and its own chunk (causal mask); later chunks are skipped. Each block
 gives its output and the log-sum-exp of its scores, and the blocks merge by log-sum-exp
 (Milakov & Gimelshein 2018, "Online normalizer calculation for softmax"; the merge of ring
@@ -35,7 +34,7 @@ import math
 
 import torch
 import torch.nn as nn
-from torch.distributed.nn.functional import all_gather
+import torch.distributed as dist
 
 from tenfold.errors import UserError
 
@@ -116,11 +115,38 @@ def merge_blocks(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> torch.Te
     return sum(torch.exp(l - lse).unsqueeze(-1) * o for o, l in zip(outs, lses))
 
 
+class AllGatherBlocks(torch.autograd.Function):
+    """Every cp rank's tensor, stacked in group-rank order (cp, *shape); backward: the sum over
+    the ranks of the gradient of this rank's slot (a reduce-scatter). gloo has no
+    reduce-scatter, so there the gradients are all-reduced and each rank keeps its slot (cp
+    times the bytes, CPU runs only). torch.distributed.nn.functional.all_gather emulates its
+    backward on gloo with scatters that name group ranks as global ranks, which fails on a
+    sub-group such as cp inside dp x cp (torch 2.13)."""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, t.contiguous(), group=group)
+        return torch.stack(parts)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous()
+        if dist.get_backend(ctx.group) == "nccl":
+            out = torch.empty_like(grad[0])
+            dist.reduce_scatter_tensor(out, grad, group=ctx.group)
+            return out, None
+        summed = grad.clone()
+        dist.all_reduce(summed, group=ctx.group)
+        return summed[dist.get_rank(ctx.group)], None
+
+
 def gather_blocks(t: torch.Tensor, group, cp: int) -> list[torch.Tensor]:
     """Every rank's K (or V) as the 2 x cp chunks of the whole sequence, in chunk order. The
     all-gather returns rank j's part (its chunks j and 2cp-1-j) at index j."""
     chunks: list[torch.Tensor | None] = [None] * (2 * cp)
-    for rank, part in enumerate(all_gather(t, group=group)):
+    for rank, part in enumerate(AllGatherBlocks.apply(t, group).unbind(0)):
         head, tail = part.chunk(2, dim=-2)
         first, second = chunk_ids(cp, rank)
         chunks[first], chunks[second] = head, tail
