@@ -133,6 +133,11 @@ class ResolvedRun:
         return self.global_batch * self.seq_len
 
     @property
+    def local_seq_len(self) -> int:
+        """Tokens of each sequence one rank holds: seq_len / cp (context parallelism)."""
+        return self.seq_len // self.cp
+
+    @property
     def grad_ranks(self) -> int:
         """Ranks that hold the same parameters and reduce their gradients together: dp x cp
         (tenfold.layout.Layout.grad_ranks)."""

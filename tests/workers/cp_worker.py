@@ -12,7 +12,8 @@ differences of the gathered outputs and q/k/v gradients from the reference.
 MODE `train-N` (N ranks; N = 1 gives the reference): the Trainer on learnable token rows of
 length SEQ, each case of CASES that fits N ranks (its cp / dp / tp layout, or one process),
 3 steps; rank 0 writes every step's loss and the first step's gradients (whole tensors, as the
-optimizer sees them) of each case to OUT.json and OUT.pt.
+optimizer sees them) of each case to OUT.json and OUT.pt, and for case cp2 the activations of
+its last step, measured and predicted.
 """
 
 from __future__ import annotations
@@ -55,20 +56,20 @@ def attention(out_path: str) -> None:
                                          is_causal=True)
     (ref * w).sum().backward()
 
-    local = [shard_sequence(t, cp, rank, dim=2).clone().requires_grad_() for t in (q, k, v)]
-    out = context_attention(*local, group=dist.group.WORLD, cp=cp, rank=rank)
-    (out * shard_sequence(w, cp, rank, dim=2)).sum().backward()
-
     def whole(t):
         parts = [torch.empty_like(t) for _ in range(cp)]
         dist.all_gather(parts, t.contiguous())
         return unshard_sequence(parts, dim=2)
 
-    # out is computed in fp32 (block scores in fp32), so compare at fp32 precision
-    diffs = {"out": (whole(out.detach()) - ref.detach()).abs().max().item()}
-    for name, t, r in zip("qkv", local, (ref_q, ref_k, ref_v)):
-        diffs[f"grad_{name}"] = (whole(t.grad) - r.grad).abs().max().item()
-    diffs["scale"] = ref.abs().max().item()
+    diffs = {"scale": ref.abs().max().item()}
+    for kernel in ("flash", "math"):
+        local = [shard_sequence(t, cp, rank, dim=2).clone().requires_grad_() for t in (q, k, v)]
+        out = context_attention(*local, group=dist.group.WORLD, cp=cp, rank=rank, kernel=kernel)
+        (out * shard_sequence(w, cp, rank, dim=2)).sum().backward()
+        # the math kernel's blocks run in fp32, so both compare at fp32 precision
+        diffs[f"{kernel}-out"] = (whole(out.detach()) - ref.detach()).abs().max().item()
+        for name, t, r in zip("qkv", local, (ref_q, ref_k, ref_v)):
+            diffs[f"{kernel}-grad_{name}"] = (whole(t.grad) - r.grad).abs().max().item()
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(diffs, f)
@@ -115,6 +116,15 @@ def whole_grads(model) -> dict:
     return out
 
 
+def step_memory(t, run_step) -> dict:
+    """Activations of one step: measured by the tensor tracker, predicted by the planner."""
+    from tenfold.engine.memory import measure_step_memory, predicted_memory
+
+    measured = measure_step_memory(t.model, t.optimizer, run_step, t.dist.device)
+    predicted = predicted_memory(t.run, t.dist.device, "fp32")
+    return {"measured": measured["activations_bytes"], "predicted": predicted["activations_bytes"]}
+
+
 def train(world: int, out_path: str) -> None:
     from tenfold.engine.distributed import init_distributed, shutdown
     from tenfold.engine.trainer import Trainer
@@ -132,8 +142,14 @@ def train(world: int, out_path: str) -> None:
                 first.update(whole_grads(model))
 
         t.optimizer.register_step_pre_hook(keep_first)
-        losses = [t.train_step(t.loader.next_step()).loss for _ in range(STEPS)]
-        results[name] = {"losses": losses}
+        losses, memory = [], None
+        for i in range(STEPS):
+            mbs = t.loader.next_step()
+            if name == "cp2" and i == STEPS - 1:  # the last step: DDP rebuilt its buckets in step 2
+                memory = step_memory(t, lambda: losses.append(t.train_step(mbs).loss))
+            else:
+                losses.append(t.train_step(mbs).loss)
+        results[name] = {"losses": losses, "memory": memory}
         grads[name] = first
     info = init_distributed()
     if info.is_main:

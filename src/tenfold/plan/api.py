@@ -311,7 +311,7 @@ def _stage_memory(shape: ModelShape, hw: Hardware, run: ResolvedRun, rank: int) 
             # forward and after the head's backward freed them (plan/lora.py)
             act = max(act, act - (sa.extra_bytes if last else 0.0) + lora_plan.dequant_working_bytes(cfg, run))
         cpu += sa.cpu_bytes
-        tp_seq_bytes = run.micro_batch * run.seq_len * cfg.d_model * element_bytes(run.precision)
+        tp_seq_bytes = run.micro_batch * run.local_seq_len * cfg.d_model * element_bytes(run.precision)
     unit = largest_unit_params(shape, run.tp)
     buffers, _ = memory.comm_buffer_bytes(run, unit, tp_seq_bytes)
     autocast = (lora_plan.autocast_copy_bytes(cfg, run, run.rank_layers(rank)) if run.lora and cfg is not None

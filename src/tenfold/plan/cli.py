@@ -168,7 +168,7 @@ def resolve_target(args, on_cpu: bool) -> Target:
     seq_for_params = None
     if a.params:  # the config's own model does not apply: keep --seq-len for the planner
         seq_for_params, a.seq_len = a.seq_len, None
-    a.set = [*_shape_overrides(a), *a.set]  # the user's own --set still wins
+    a.set = [*_shape_overrides(a), *extended_context(a), *a.set]  # the user's own --set still wins
     cfg = config_from_args(a)
     gpus = a.gpus or cfg.parallel.nnodes * cfg.parallel.nproc
     stack = Stack(**{k: getattr(a, k) for k in STACK_FLAGS})
@@ -184,6 +184,23 @@ def resolve_target(args, on_cpu: bool) -> Target:
     if a.params:
         run = dc_replace(run, model=None, params=float(a.params))
     return Target(cfg, run, _label(a, cfg), gpus, bool(a.params), cfg.parallel.sequence_parallel)
+
+
+def extended_context(args) -> list[str]:
+    """A RoPE model planned at a --seq-len past its context is a context extension (Llama 3's
+    long-context stage trains its 8K model at 128K, arXiv:2407.21783 section 3.4.2): its
+    model.max_seq_len is raised to the sequence (the rotary tables follow it; `--emit` writes
+    it), as a `--set` item. Learned positions have no such extension: train refuses them."""
+    from tenfold.run_args import config_from_args
+
+    if not args.seq_len or args.params:
+        return []
+    probe = argparse.Namespace(**{**vars(args), "seq_len": None})
+    cfg = config_from_args(probe)
+    model = cfg.model.build()
+    if args.seq_len <= model.max_seq_len or model.pos != "rope" or cfg.model.hf_config or cfg.model.hf_pretrained:
+        return []
+    return [f"model.max_seq_len={args.seq_len}"]
 
 
 def _search_base(cfg, gpus: int, on_cpu: bool):

@@ -17,9 +17,20 @@ earlier chunk (no mask) and its own chunk (causal mask); later chunks are skippe
 gives its output and the log-sum-exp of its scores, and the blocks merge by log-sum-exp
 (Milakov & Gimelshein 2018, "Online normalizer calculation for softmax"; the merge of ring
 attention, Liu et al. 2023, arXiv:2310.01889): out = sum_j exp(lse_j - lse) out_j with
-lse = logsumexp_j(lse_j). The block math is written out (scores in fp32), so the log-sum-exp
-is differentiable on any device; it runs on CPU (where torch's `context_parallel` raises
-NotImplementedError for the CPU flash kernel) and on CUDA alike.
+lse = logsumexp_j(lse_j).
+
+Two block kernels compute the same thing:
+* on CPU, `FlashChunkAttention`: each block by torch's CPU flash kernel
+  (`aten._scaled_dot_product_flash_attention_for_cpu`, which returns the log-sum-exp), no s x s
+  tensor kept; its backward runs the kernel's backward on every block with the MERGED output
+  and log-sum-exp, which gives each block its exact share of the gradient (the ring backward of
+  FlashAttention-2, Dao 2023, section 3.1.2; ring-flash-attention). torch's own
+  `torch.distributed.tensor.experimental.context_parallel` does not serve here: it raises
+  NotImplementedError for that CPU kernel (torch 2.13).
+* elsewhere, `block_attention`: the block math written out (scores in fp32), differentiable
+  through autograd; it keeps each block's scores and probabilities for backward, so its memory
+  grows with (s/cp)^2. (On CUDA, torch's `context_parallel` with its flash / cuDNN kernels is
+  the memory-efficient route; tenfold does not wire it yet: docs/context_parallel.md.)
 
 The cp ranks hold the same parameters and compute gradients on different tokens of the same
 rows, so they join the data-parallel gradient reduction (FSDP2 / DDP over dp x cp, as
@@ -153,25 +164,76 @@ def gather_blocks(t: torch.Tensor, group, cp: int) -> list[torch.Tensor]:
     return chunks
 
 
+class FlashChunkAttention(torch.autograd.Function):
+    """One query chunk over its key/value blocks (the last one its own chunk, causal), each by
+    the CPU flash kernel, merged by log-sum-exp. Backward: the kernel's backward per block with
+    the merged output and log-sum-exp (P_j = exp(S_j - lse) is then block j's part of the whole
+    softmax, and D = rowsum(dO * O) the whole row's), dq summed over the blocks. The blocks
+    keep their kv heads (grouped-query attention): each is repeated to the query heads where
+    it is used, forward and backward, so only the gathered K/V is kept, and the repeated
+    heads' gradients are summed back."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, scale: float, rep: int, *blocks: torch.Tensor) -> torch.Tensor:
+        n = len(blocks) // 2
+        keys, values = blocks[:n], blocks[n:]
+        outs, lses = [], []
+        for j, (k, v) in enumerate(zip(keys, values)):
+            o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                q, _heads(k, rep), _heads(v, rep), 0.0, is_causal=j == n - 1, scale=scale)
+            outs.append(o.float())
+            lses.append(lse)
+        lse = torch.logsumexp(torch.stack(lses), dim=0)
+        out = sum(torch.exp(l - lse).unsqueeze(-1) * o for o, l in zip(outs, lses)).to(q.dtype)
+        ctx.scale, ctx.n, ctx.rep = scale, n, rep
+        ctx.save_for_backward(q, out, lse, *blocks)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        q, out, lse, *blocks = ctx.saved_tensors
+        n, rep, grad_out = ctx.n, ctx.rep, grad_out.contiguous()
+        dq, dks, dvs = torch.zeros_like(q, dtype=torch.float32), [], []
+        for j, (k, v) in enumerate(zip(blocks[:n], blocks[n:])):
+            gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                grad_out, q, _heads(k, rep), _heads(v, rep), out, lse, 0.0, j == n - 1, scale=ctx.scale)
+            dq += gq.float()
+            dks.append(_sum_heads(gk, rep))
+            dvs.append(_sum_heads(gv, rep))
+        return (dq.to(q.dtype), None, None, *dks, *dvs)
+
+
 def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, cp: int, rank: int,
-                      scale: float | None = None) -> torch.Tensor:
+                      scale: float | None = None, kernel: str | None = None) -> torch.Tensor:
     """Causal attention of this rank's queries (b, h, s/cp, d) over the whole sequence's keys
     and values, whose local parts k, v (b, h_kv, s/cp, d) every rank contributes; the result
     is this rank's part of causal attention over the whole sequence (`unshard_sequence` of
-    every rank's result = `F.scaled_dot_product_attention(..., is_causal=True)`)."""
+    every rank's result = `F.scaled_dot_product_attention(..., is_causal=True)`). `kernel`:
+    "flash" (CPU only) or "math"; None: flash on CPU, math elsewhere."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    kernel = kernel or ("flash" if q.device.type == "cpu" else "math")
     keys, values = gather_blocks(k, group, cp), gather_blocks(v, group, cp)
     rep = q.shape[1] // k.shape[1]  # grouped-query attention: kv heads travel once, repeat here
     outs = []
     for q_chunk, i in zip(q.chunk(2, dim=-2), chunk_ids(cp, rank)):
-        parts = [block_attention(q_chunk, _heads(keys[j], rep), _heads(values[j], rep), scale, causal=j == i)
-                 for j in range(i + 1)]
-        outs.append(merge_blocks([o for o, _ in parts], [l for _, l in parts]))
-    return torch.cat(outs, dim=-2).to(q.dtype)
+        ks, vs = keys[:i + 1], values[:i + 1]  # every earlier chunk, then its own
+        if kernel == "flash":
+            outs.append(FlashChunkAttention.apply(q_chunk, scale, rep, *ks, *vs))
+            continue
+        parts = [block_attention(q_chunk, _heads(kj, rep), _heads(vj, rep), scale, causal=j == i)
+                 for j, (kj, vj) in enumerate(zip(ks, vs))]
+        outs.append(merge_blocks([o for o, _ in parts], [l for _, l in parts]).to(q.dtype))
+    return torch.cat(outs, dim=-2)
 
 
 def _heads(t: torch.Tensor, rep: int) -> torch.Tensor:
+    """kv heads repeated to the query heads (head i of q reads kv head i // rep)."""
     return t.repeat_interleave(rep, dim=1) if rep > 1 else t
+
+
+def _sum_heads(g: torch.Tensor, rep: int) -> torch.Tensor:
+    """The gradient of `_heads`: the repeated heads' gradients summed onto their kv head."""
+    return g.unflatten(1, (-1, rep)).sum(2) if rep > 1 else g
 
 
 class ContextParallelCore(nn.Module):
