@@ -88,11 +88,11 @@ def assert_same_gradients(got: dict, ref: dict, rtol: float = 1e-6) -> None:
         assert err < rtol, (name, err)
 
 
-@pytest.mark.parametrize("case", ["cp2", "cp2-learned", "cp2-recompute", "cp2-dp2-zero3", "cp2-tp2"])
+@pytest.mark.parametrize("case", ["cp2", "cp2-learned", "cp2-recompute", "cp2-dp2-zero3", "cp2-tp2", "cp2-hf-llama"])
 def test_cp_training_equals_one_process(trained, case):
     """--cp 2 (alone, with learned positions and tied embeddings, under full recompute, with
-    ZeRO-3 over dp 2, with tp 2) at sequence 512: every step's loss and the first step's
-    gradients equal one process's (fp32)."""
+    ZeRO-3 over dp 2, with tp 2, and a Hugging Face Llama) at sequence 512: every step's loss
+    and the first step's gradients equal one process's (fp32)."""
     ranks = 4 if case in ("cp2-dp2-zero3", "cp2-tp2") else 2
     (ref, ref_grads), (got, got_grads) = trained[1], trained[ranks]
     losses, expected = got[case]["losses"], ref[case]["losses"]

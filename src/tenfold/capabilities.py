@@ -49,7 +49,8 @@ class Capabilities:
     lora_with_fp8: bool  # adapters on float8 Linears
     lora_recompute: tuple[str, ...]  # recompute policies adapters run with
     nf4_offload: bool  # QLoRA's NF4 base with ZeRO-Offload
-    context_parallel_models: tuple[str, ...] = ("tenfold",)  # model kinds --cp splits (a cp attention core)
+    context_parallel_models: tuple[str, ...] = ("tenfold", "hf")  # model kinds --cp splits (a cp attention)
+    context_parallel_hf_types: tuple[str, ...] = ("llama",)  # Hugging Face model_types --cp splits
     context_parallel_with_pp: bool = False  # --cp with pipeline stages
     context_parallel_with_compile: bool = False  # --cp with torch.compile
 
@@ -215,6 +216,9 @@ def _context_parallel_problems(run, caps: Capabilities) -> list[str]:
         names = " and ".join(_KIND_NAMES[k] for k in caps.context_parallel_models)
         out.append(f"parallel.cp_degree {cp} (--cp): context parallelism runs {names} models, not a "
                    f"{_KIND_NAMES[run.model_kind]} one; use --cp 1")
+    elif run.model_kind == "hf" and run.hf_model_type not in caps.context_parallel_hf_types:
+        out.append(f"parallel.cp_degree {cp} (--cp): Hugging Face model_type {run.hf_model_type!r} has no cp attention; "
+                   f"built in: {', '.join(caps.context_parallel_hf_types)} (and tenfold's own models); use --cp 1")
     if run.pp > 1 and not caps.context_parallel_with_pp:
         out.append(f"parallel.cp_degree {cp} (--cp) with pipeline stages (pp {run.pp}): the pipeline schedule does "
                    "not split sequences; use --pp 1 with --cp, or --cp 1")

@@ -29,6 +29,19 @@ import torch.nn.functional as F
 from tenfold.techniques.context_parallel import context_attention, shard_sequence, unshard_sequence
 
 SEQ, ROWS, STEPS = 512, 16, 3
+
+
+def long_llama() -> str:
+    """tests/data/llama-tiny with a context of SEQ positions (its own is 128)."""
+    import tempfile
+
+    with open(os.path.join(os.path.dirname(__file__), "..", "data", "llama-tiny", "config.json")) as f:
+        config = {**json.load(f), "max_position_embeddings": SEQ}
+    path = os.path.join(tempfile.gettempdir(), f"llama-tiny-{SEQ}-{os.getpid()}.json")
+    with open(path, "w") as f:
+        json.dump(config, f)
+    return path
+
 MODEL = {"name": "tiny", "n_layers": 2, "d_model": 64, "n_heads": 4, "n_kv_heads": 2, "d_ff": 128,
          "max_seq_len": SEQ}
 LEARNED = {**MODEL, "pos": "learned", "norm": "layernorm", "mlp": "gelu", "bias": True, "tie_embeddings": True}
@@ -40,6 +53,7 @@ CASES = {
     "cp2-recompute": (2, MODEL, {"cp_degree": 2}, 2),
     "cp2-dp2-zero3": (4, MODEL, {"cp_degree": 2, "zero_stage": 3}, 1),
     "cp2-tp2": (4, MODEL, {"cp_degree": 2, "tp_degree": 2}, 2),
+    "cp2-hf-llama": (2, {"hf_config": long_llama()}, {"cp_degree": 2}, 2),
 }
 
 

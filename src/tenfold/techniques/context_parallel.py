@@ -248,11 +248,35 @@ class ContextParallelCore(nn.Module):
         return context_attention(q, k, v, self.group, self.cp, self.rank)
 
 
+HF_ATTENTION = "tenfold_cp"  # the name the cp attention is registered under in transformers
+
+
+def hf_context_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         attention_mask, dropout: float = 0.0, scaling: float | None = None, **kwargs):
+    """The cp attention as a transformers attention function (AttentionInterface: q, k, v as
+    (b, heads, s, d), the output as (b, s, heads, d)). The causal mask is the cp layout's own,
+    over the global positions; the model's mask is not read (training rows carry no padding;
+    a packed row's documents see each other, as under the plain kernel's is_causal)."""
+    group, cp, rank = module.tenfold_cp
+    return context_attention(query, key, value, group, cp, rank, scale=scaling).transpose(1, 2), None
+
+
 def apply_context_parallel(model: nn.Module, blocks: list[nn.Module], group, cp: int, rank: int) -> None:
-    """Swap every block's attention core for the cp one (tenfold's GPT: `block.attn.core`)."""
+    """Swap every block's attention for the cp one: tenfold's GPT's `block.attn.core` module; a
+    Hugging Face Llama's attention function (registered with transformers' AttentionInterface,
+    the model's `_attn_implementation` set to it, its layers told the cp group)."""
+    if blocks and hasattr(blocks[0], "self_attn"):
+        from transformers import AttentionInterface
+
+        # no mask function under this name: transformers then builds no mask tensor
+        AttentionInterface.register(HF_ATTENTION, hf_context_attention)
+        model.config._attn_implementation = HF_ATTENTION
+        for block in blocks:
+            block.self_attn.tenfold_cp = (group, cp, rank)
+        return
     for block in blocks:
         attn = getattr(block, "attn", None)
         if not isinstance(getattr(attn, "core", None), nn.Module):
-            raise UserError(f"context parallelism (--cp) needs tenfold's attention core `attn.core`; "
-                            f"{type(block).__name__} has none")
+            raise UserError(f"context parallelism (--cp) needs tenfold's attention core `attn.core` or a Hugging "
+                            f"Face Llama attention; {type(block).__name__} has neither")
         attn.core = ContextParallelCore(group, cp, rank)
