@@ -121,3 +121,52 @@ def test_planned_activations_match_measured(trained, ranks):
     5% (measured: +4.3% and +0.8%, tiny at sequence 512, fp32)."""
     memory = trained[ranks][0]["cp2"]["memory"]
     assert memory["predicted"] == pytest.approx(memory["measured"], rel=0.05), memory
+
+
+# --------------------------------------------------------------------------- planner
+
+
+def test_planner_divides_activations_by_cp_and_adds_received_blocks():
+    from tenfold.models.presets import get_preset
+    from tenfold.plan.memory import activation_bytes_per_layer, cp_kv_bytes
+    from tenfold.run import resolve
+
+    model = get_preset("llama-7b")
+    one = resolve(model, 2, seq_len=4096, micro_batch=1, check=False)
+    two = one.with_(check=False, cp=2)
+    assert (two.dp, two.cp, two.local_seq_len) == (1, 2, 2048)
+    received = cp_kv_bytes(model, two)
+    assert received > 0 and cp_kv_bytes(model, one) == 0
+    assert activation_bytes_per_layer(model, two) == pytest.approx(activation_bytes_per_layer(model, one) / 2 + received)
+
+
+def test_search_tries_cp_only_for_long_sequences():
+    from tenfold.plan.search import cp_choices
+
+    assert cp_choices(8192, 64) == [1]
+    assert cp_choices(131072, 64) == [1, 2, 4, 8, 16, 32, 64]
+
+
+def test_plan_search_at_128k_finds_cp_and_its_emit_passes_dry_run(tmp_path):
+    """Llama 70B at 128K tokens on 64 H100s: the search finds a layout that fits, with cp, and
+    `tenfold train --dry-run` accepts the emitted config."""
+    from conftest import tenfold_child
+
+    emitted = tmp_path / "cp.toml"
+    plan = tenfold_child("plan", "--model", "llama-70b", "--seq-len", "131072", "--gpus", "64", "--gpu", "h100-sxm",
+                         "--search", "--emit", str(emitted))
+    assert plan.returncode == 0, plan.stderr[-2000:]
+    text = emitted.read_text()
+    assert "max_seq_len = 131072" in text and "cp_degree = 1\n" not in text and "cp_degree" in text
+    dry = tenfold_child("train", "--config", str(emitted), "--dry-run")
+    assert dry.returncode == 0, dry.stderr[-2000:]
+    assert " x cp " in dry.stdout
+
+
+def test_cp_refusals_name_the_fix(tmp_path):
+    from conftest import tenfold_child
+
+    odd = tenfold_child("train", "--nproc", "3", "--cp", "3", "--seq-len", "32", "--dry-run")
+    assert odd.returncode == 2 and "must be a multiple of 6" in odd.stderr
+    pp = tenfold_child("train", "--nproc", "4", "--cp", "2", "--pp", "2", "--grad-accum", "2", "--dry-run")
+    assert pp.returncode == 2 and "use --pp 1 with --cp" in pp.stderr
