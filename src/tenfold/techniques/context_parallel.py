@@ -48,6 +48,7 @@ import torch.nn as nn
 import torch.distributed as dist
 
 from tenfold.errors import UserError
+from tenfold.run import check_context_split
 
 NEG_INF = float("-inf")
 
@@ -60,17 +61,9 @@ def chunk_ids(cp: int, rank: int) -> tuple[int, int]:
     return rank, 2 * cp - 1 - rank
 
 
-def check_seq_len(seq_len: int, cp: int) -> None:
-    if seq_len % (2 * cp):
-        raise UserError(
-            f"context parallelism cuts each sequence into 2 x parallel.cp_degree (--cp {cp}) = {2 * cp} equal chunks: "
-            f"the sequence length ({seq_len}, --seq-len) must be a multiple of {2 * cp}"
-        )
-
-
 def local_positions(seq_len: int, cp: int, rank: int, device=None) -> torch.Tensor:
     """Positions (into the whole sequence) of the tokens cp rank `rank` holds, in its order."""
-    check_seq_len(seq_len, cp)
+    check_context_split(seq_len, cp)
     c = seq_len // (2 * cp)
     return torch.cat([torch.arange(i * c, (i + 1) * c, device=device) for i in chunk_ids(cp, rank)])
 
