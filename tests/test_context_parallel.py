@@ -3,10 +3,12 @@ attention across cp ranks against plain causal attention (values and gradients).
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
-from conftest import read_metrics, rel_err, torchrun, train_summary
+from conftest import SMALL_FLAGS, read_metrics, rel_err, tenfold_child, torchrun, train_summary
 from tenfold.errors import UserError
 from tenfold.techniques.context_parallel import local_positions, local_batch, shard_sequence, unshard_sequence
 
@@ -104,11 +106,15 @@ def test_cp_training_equals_one_process(trained, case):
 def test_cli_cp2_equals_one_process(tmp_path):
     """`tenfold train --nproc 2 --cp 2` at sequence 512: the run's summary names the layout and
     every step's loss equals one process's (the path training takes: flags, resolver, mesh,
-    loader, step)."""
+    loader, step), and the header's batch counts the data ranks (dp 1), not dp x cp."""
     flags = ["--steps", "3", "--seq-len", "512", "--set", "model.max_seq_len=512"]
-    one = train_summary(tmp_path / "one", *flags)
-    two = train_summary(tmp_path / "cp2", "--nproc", "2", "--cp", "2", *flags)
+    train_summary(tmp_path / "one", *flags)
+    proc = tenfold_child("train", "--seed", "7", "--precision", "fp32", "--micro-batch", "2",
+                         "--out", str(tmp_path / "cp2"), *SMALL_FLAGS, "--nproc", "2", "--cp", "2", *flags, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    two = json.loads((tmp_path / "cp2" / "summary.json").read_text())
     assert (two["layout"]["cp"], two["layout"]["dp"], two["layout"]["seq_len"]) == (2, 1, 512)
+    assert "batch 2 = 2 x 1 x dp 1 |" in proc.stdout, proc.stdout[:2000]
     ref = [r["loss"] for r in read_metrics(tmp_path / "one") if "loss" in r]
     got = [r["loss"] for r in read_metrics(tmp_path / "cp2") if "loss" in r]
     assert len(ref) == 3 and rel_err(got, ref) < 1e-6, (got, ref)
