@@ -300,16 +300,18 @@ def _trace(args, t: Target, plan, advice) -> dict:
         why = "--params describes no model to build" if t.from_params else "; ".join(plan.unsupported)
         raise UserError(f"--trace runs what tenfold train runs, and it cannot run this plan: {why}")
     run = advice.run
-    check_traceable(run, run.dp)
+    check_traceable(run, run.grad_ranks)
     flags = train_argv(advice.cfg)
     stage = planned_stage(plan.memory.stage, run.pp)
     # The first and the last stage (embedding, output layer and loss) and the one the plan
     # describes; the others differ from one of them only by the micro-batches they hold.
-    traces = trace_run(flags, run.world_size, run.pp, run.dp, run.tp, stages=sorted({0, stage, run.pp - 1}))
-    # The planner states collective bytes for the tensor-parallel group (plan/tp_traffic.py); its
-    # data-parallel traffic is a time (plan/dp_time.py): bytes are compared where tp is all there is.
-    planned_bytes = plan.tp_bytes_per_step if run.dp == 1 and run.pp == 1 else None
-    return compare(memory_by_category(plan.memory), traces, stage, planned_bytes)
+    traces = trace_run(flags, run.world_size, run.pp, run.grad_ranks, run.tp, stages=sorted({0, stage, run.pp - 1}))
+    # The planner states collective bytes for the tensor-parallel group (plan/tp_traffic.py) and
+    # the cp group (plan/cp_traffic.py); its data-parallel traffic is a time (plan/dp_time.py):
+    # tp bytes are compared where tp is all there is, cp bytes with the traced cp group's.
+    planned_bytes = plan.tp_bytes_per_step if run.grad_ranks == 1 and run.pp == 1 else None
+    return compare(memory_by_category(plan.memory), traces, stage, planned_bytes,
+                   plan.cp_bytes_per_step if run.cp > 1 else None)
 
 
 @dataclass

@@ -50,6 +50,24 @@ def layer_traffic(cfg: ModelConfig, run: ResolvedRun, hw: Hardware) -> CpTraffic
     return CpTraffic(n, comm.all_gather_time(n, hw, g), comm.reduce_scatter_time(n, hw, g))
 
 
+def bytes_per_step(cfg: ModelConfig, run: ResolvedRun) -> float:
+    """Bytes one rank sends on its cp group per optimizer step (ring convention, as
+    tenfold.plan.tp_traffic counts tensor-parallel traffic), on the busiest pipeline rank: per
+    micro-batch and layer the K and V all-gather forward (again in each recomputed layer, the
+    rule `step_time.cp_comm` prices) and the reduce-scatter of their gradients backward, each
+    (cp-1)/cp of `kv_bytes`; 0 without cp."""
+    if run.cp <= 1:
+        return 0.0
+    ring = kv_bytes(cfg, run) * (run.cp - 1) / run.cp
+    rc_again = run.recompute.kind in ("full", "every", "segments")
+    out = 0.0
+    for rank in run.busiest_ranks():
+        layers = run.rank_layers(rank)
+        recomputed = sum(len(run.recompute.recomputed_blocks(n)) for n in run.rank_stage_layers(rank)) if rc_again else 0
+        out = max(out, (2 * layers + recomputed) * ring * run.grad_accum)
+    return out
+
+
 def exposed_s(traffic_s: float, attention_s: float, overlapped: bool) -> float:
     """What compute does not hide: all of it when the collective precedes the attention, the
     excess over the attention when a ring overlaps each block's transfer with the previous

@@ -123,9 +123,10 @@ class AllGatherBlocks(torch.autograd.Function):
     """Every cp rank's tensor, stacked in group-rank order (cp, *shape); backward: the sum over
     the ranks of the gradient of this rank's slot (a reduce-scatter). gloo has no
     reduce-scatter, so there the gradients are all-reduced and each rank keeps its slot (cp
-    times the bytes, CPU runs only). torch.distributed.nn.functional.all_gather emulates its
-    backward on gloo with scatters that name group ranks as global ranks, which fails on a
-    sub-group such as cp inside dp x cp (torch 2.13)."""
+    times the bytes, CPU runs only); every other backend (NCCL, and the fake one `tenfold plan
+    --trace` runs a GPU job's step on) reduce-scatters. torch.distributed.nn.functional.all_gather
+    emulates its backward on gloo with scatters that name group ranks as global ranks, which
+    fails on a sub-group such as cp inside dp x cp (torch 2.13)."""
 
     @staticmethod
     def forward(ctx, t: torch.Tensor, group) -> torch.Tensor:
@@ -137,7 +138,7 @@ class AllGatherBlocks(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         grad = grad.contiguous()
-        if dist.get_backend(ctx.group) == "nccl":
+        if dist.get_backend(ctx.group) != "gloo":
             out = torch.empty_like(grad[0])
             dist.reduce_scatter_tensor(out, grad, group=ctx.group)
             return out, None
