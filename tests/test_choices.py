@@ -31,6 +31,7 @@ SAMPLES = {
     "overlap_comm": ({"parallel": {"overlap_comm": False}}, False),
     "pp": ({"parallel": {"pp_degree": 2}, "train": {"grad_accum": 2}}, 2),
     "tp": ({"parallel": {"tp_degree": 2}}, 2),
+    "cp": ({"parallel": {"cp_degree": 2}}, 2),
     "pp_schedule": ({"parallel": {"pp_degree": 2, "pp_schedule": "gpipe"}, "train": {"grad_accum": 2}}, "gpipe"),
     "virtual_stages": ({"parallel": {"pp_degree": 2, "pp_schedule": "interleaved", "virtual_stages": 2},
                         "train": {"grad_accum": 2}}, 2),

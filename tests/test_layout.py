@@ -9,40 +9,48 @@ from tenfold.errors import UserError
 from tenfold.layout import MESH_ORDER, Layout, build_layout
 
 
-@pytest.mark.parametrize("world, pp, tp, group, degrees", [
-    (1, 1, 1, None, (1, 1, 1, 1)),
-    (8, 2, 2, None, (2, 1, 2, 2)),
-    (64, 2, 4, None, (2, 1, 8, 4)),
-    (64, 2, 4, 2, (2, 4, 2, 4)),  # 8 dp ranks in shard groups of 2: 4 replicas
-    (64, 2, 4, 8, (2, 1, 8, 4)),  # one group of every dp rank: no split
-    (64, 2, 4, 3, (2, 1, 8, 4)),  # a group that cannot split dp leaves it whole (capabilities refuses it)
+@pytest.mark.parametrize("world, pp, tp, group, cp, degrees", [
+    (1, 1, 1, None, 1, (1, 1, 1, 1, 1)),
+    (8, 2, 2, None, 1, (2, 1, 2, 1, 2)),
+    (64, 2, 4, None, 1, (2, 1, 8, 1, 4)),
+    (64, 2, 4, 2, 1, (2, 4, 2, 1, 4)),  # 8 dp ranks in shard groups of 2: 4 replicas
+    (64, 2, 4, 8, 1, (2, 1, 8, 1, 4)),  # one group of every dp rank: no split
+    (64, 2, 4, 3, 1, (2, 1, 8, 1, 4)),  # a group that cannot split dp leaves it whole (capabilities refuses it)
+    (64, 1, 4, None, 4, (1, 1, 4, 4, 4)),  # cp splits the data ranks: 16 / 4
+    (64, 1, 2, 2, 2, (1, 8, 2, 2, 2)),  # dp 16 in shard groups of 2 (8 replicas), each dp rank 2 cp ranks
 ])
-def test_degrees_multiply_to_the_world(world, pp, tp, group, degrees):
-    layout = build_layout(world, pp, tp, group)
+def test_degrees_multiply_to_the_world(world, pp, tp, group, cp, degrees):
+    layout = build_layout(world, pp, tp, group, cp=cp)
     assert tuple(layout.degrees().values()) == degrees and tuple(layout.degrees()) == MESH_ORDER
     assert layout.world_size == world and layout.dp == degrees[1] * degrees[2]
+    assert layout.cp == cp and layout.grad_ranks == layout.dp * cp
     assert layout.hybrid == (degrees[1] > 1)
-    assert layout.mesh_dim_names == ("pp", "dp", "tp") and layout.mesh_shape == (pp, layout.dp, tp)
+    # the torch mesh's "dp" holds every rank that reduces the same gradients: dp x cp
+    assert layout.mesh_dim_names == ("pp", "dp", "tp") and layout.mesh_shape == (pp, layout.dp * cp, tp)
 
 
 def test_enabled_names_the_dimensions_with_more_than_one_rank():
     assert Layout().enabled() == ()
     assert build_layout(64, 2, 4, 2).enabled() == ("pp", "dp_replicate", "dp_shard", "tp")
     assert build_layout(8, 1, 2).enabled() == ("dp_shard", "tp")
+    assert build_layout(8, 1, 2, cp=2).enabled() == ("dp_shard", "cp", "tp")
+    assert build_layout(4, 1, 1, cp=4).enabled() == ("cp",)
 
 
-@pytest.mark.parametrize("world, pp, tp, message", [
-    (12, 1, 8, "parallel.pp_degree (--pp) 1 x parallel.tp_degree (--tp) 8 = 8 must divide the number of processes "
-               "(12); world = pp x dp x tp"),
-    (3, 2, 1, "= 2 must divide the number of processes (3)"),
-    (4, 0, 1, "parallel.pp_degree (--pp) must be a positive integer, got 0"),
-    (4, 1, True, "parallel.tp_degree (--tp) must be a positive integer, got True"),
-    (4, 1, 2.0, "parallel.tp_degree (--tp) must be a positive integer, got 2.0"),
-    (0, 1, 1, "the number of processes must be a positive integer, got 0"),
+@pytest.mark.parametrize("world, pp, tp, cp, message", [
+    (12, 1, 8, 1, "parallel.pp_degree (--pp) 1 x parallel.cp_degree (--cp) 1 x parallel.tp_degree (--tp) 8 = 8 must "
+                  "divide the number of processes (12); world = pp x dp x cp x tp"),
+    (3, 2, 1, 1, "= 2 must divide the number of processes (3)"),
+    (8, 1, 2, 3, "parallel.cp_degree (--cp) 3 x parallel.tp_degree (--tp) 2 = 6 must divide the number of processes (8)"),
+    (4, 0, 1, 1, "parallel.pp_degree (--pp) must be a positive integer, got 0"),
+    (4, 1, True, 1, "parallel.tp_degree (--tp) must be a positive integer, got True"),
+    (4, 1, 2.0, 1, "parallel.tp_degree (--tp) must be a positive integer, got 2.0"),
+    (4, 1, 1, 0, "parallel.cp_degree (--cp) must be a positive integer, got 0"),
+    (0, 1, 1, 1, "the number of processes must be a positive integer, got 0"),
 ])
-def test_bad_degrees_are_refused_by_name(world, pp, tp, message):
+def test_bad_degrees_are_refused_by_name(world, pp, tp, cp, message):
     with pytest.raises(UserError) as e:
-        build_layout(world, pp, tp)
+        build_layout(world, pp, tp, cp=cp)
     assert message in str(e.value)
 
 
@@ -56,6 +64,9 @@ def test_the_resolver_takes_its_degrees_from_the_layout():
     assert (run.world_size, run.pp, run.dp, run.tp, run.shard_size, run.replicas) == (8, 2, 4, 1, 2, 2)
     with pytest.raises(UserError, match=r"= 2 must divide the number of processes \(3\)"):
         resolve(get_preset("tiny"), 3, pp=2)
+    run = resolve(get_preset("tiny"), 8, cp=2, tp=2, zero_stage=3, micro_batch=1, global_batch=4, seq_len=64)
+    assert run.dims == Layout(dp_shard=2, cp=2, tp=2)
+    assert (run.dp, run.cp, run.grad_ranks, run.shard_size) == (2, 2, 4, 4)
 
 
 def test_a_gloo_world_of_one_has_a_mesh_of_ones():
@@ -102,6 +113,33 @@ def test_a_fake_world_of_64_splits_dp_into_replicas_of_shard_groups():
         dist.destroy_process_group()
 
 
+def test_a_fake_world_of_64_splits_the_gradient_ranks_into_data_and_cp():
+    """pp 2 x (dp_replicate 2 x dp_shard 2) x cp 2 x tp 4 on rank 37 of torch's fake process
+    group: the mesh's "dp" holds the 8 dp x cp ranks that reduce the same gradients (33, 37, ...,
+    61), cp is its inner part (the neighbours 33 and 37), and a shard group is dp_shard x cp = 4
+    of them. Mutations: cp outside dp in the split, or the shard group without cp -> other ranks."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from tenfold.layout import build_context_parallel_mesh, build_hybrid_mesh, build_mesh
+
+    assert not dist.is_initialized()
+    dist.init_process_group("fake", store=FakeStore(), rank=37, world_size=64)
+    try:
+        layout = build_layout(64, pp=2, tp=4, shard_group=2, cp=2)
+        assert layout == Layout(pp=2, dp_replicate=2, dp_shard=2, cp=2, tp=4)
+        mesh = build_mesh(layout, "cpu")
+        assert mesh.mesh_dim_names == ("pp", "dp", "tp") and tuple(mesh.mesh.shape) == (2, 8, 4)
+        assert mesh["dp"].mesh.tolist() == [33, 37, 41, 45, 49, 53, 57, 61]
+        assert build_context_parallel_mesh(layout, mesh).mesh.tolist() == [33, 37]
+        hybrid = build_hybrid_mesh(layout, mesh)
+        assert hybrid["dp_shard"].mesh.tolist() == [33, 37, 41, 45]
+        assert hybrid["dp_replicate"].mesh.tolist() == [37, 53]
+        assert build_context_parallel_mesh(build_layout(64, pp=2, tp=4), mesh) is None
+    finally:
+        dist.destroy_process_group()
+
+
 def test_the_engine_maps_every_reduce_dtype_and_offload_the_resolver_allows():
     """The value lists live in tenfold.terms; the engine's tables cover exactly them."""
     from tenfold.capabilities import ENGINE
@@ -120,7 +158,7 @@ def test_the_engine_refuses_a_layout_that_does_not_span_the_job(monkeypatch):
     from tenfold.engine.distributed import join_layout
 
     monkeypatch.delenv("RANK", raising=False)
-    with pytest.raises(UserError, match="the layout pp 2 x dp_replicate 1 x dp_shard 1 x tp 1 spans 2 processes, "
+    with pytest.raises(UserError, match="the layout pp 2 x dp_replicate 1 x dp_shard 1 x cp 1 x tp 1 spans 2 processes, "
                                         "the job has 1"):
         join_layout(build_layout(2, pp=2))
     assert join_layout(build_layout(1)).world_size == 1

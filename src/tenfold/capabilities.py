@@ -49,6 +49,10 @@ class Capabilities:
     lora_with_fp8: bool  # adapters on float8 Linears
     lora_recompute: tuple[str, ...]  # recompute policies adapters run with
     nf4_offload: bool  # QLoRA's NF4 base with ZeRO-Offload
+    context_parallel_models: tuple[str, ...] = ("tenfold", "hf")  # model kinds --cp splits (a cp attention)
+    context_parallel_hf_types: tuple[str, ...] = ("llama",)  # Hugging Face model_types --cp splits
+    context_parallel_with_pp: bool = False  # --cp with pipeline stages
+    context_parallel_with_compile: bool = False  # --cp with torch.compile
 
 
 ENGINE = Capabilities(
@@ -172,7 +176,7 @@ def _technique_problems(run, caps: Capabilities) -> list[str]:
             f"tensor-parallel plan; built in: {', '.join(caps.tensor_parallel_hf_types)} (and tenfold's own "
             "models); use --tp 1, or train it through the Python API with Trainer(tp_plan={FQN: ParallelStyle})"
         )
-    return out + _sharding_problems(run, caps)
+    return out + _sharding_problems(run, caps) + _context_parallel_problems(run, caps)
 
 
 def _sharding_problems(run, caps: Capabilities) -> list[str]:
@@ -197,6 +201,30 @@ def _sharding_problems(run, caps: Capabilities) -> list[str]:
     elif off == "optimizer+params" and run.zero_stage != 3:
         out.append("parallel.offload 'optimizer+params' (--offload) needs --zero 3 (only stage 3 partitions parameters); "
                    "use --offload optimizer with --zero 2")
+    return out
+
+
+def _context_parallel_problems(run, caps: Capabilities) -> list[str]:
+    """Context parallelism swaps the blocks' attention for one across the cp ranks
+    (techniques/context_parallel.py): models with a cp attention, the plain (non-pipelined)
+    step, eager blocks."""
+    cp = getattr(run, "cp", 1)
+    if cp <= 1:
+        return []
+    out = []
+    if run.model_kind not in caps.context_parallel_models:
+        names = " and ".join(_KIND_NAMES[k] for k in caps.context_parallel_models)
+        out.append(f"parallel.cp_degree {cp} (--cp): context parallelism runs {names} models, not a "
+                   f"{_KIND_NAMES[run.model_kind]} one; use --cp 1")
+    elif run.model_kind == "hf" and run.hf_model_type not in caps.context_parallel_hf_types:
+        out.append(f"parallel.cp_degree {cp} (--cp): Hugging Face model_type {run.hf_model_type!r} has no cp attention; "
+                   f"built in: {', '.join(caps.context_parallel_hf_types)} (and tenfold's own models); use --cp 1")
+    if run.pp > 1 and not caps.context_parallel_with_pp:
+        out.append(f"parallel.cp_degree {cp} (--cp) with pipeline stages (pp {run.pp}): the pipeline schedule does "
+                   "not split sequences; use --pp 1 with --cp, or --cp 1")
+    if run.compile and not caps.context_parallel_with_compile:
+        out.append(f"parallel.cp_degree {cp} (--cp) with train.compile (--compile): the cp attention's collectives "
+                   "run eagerly; drop --compile or use --cp 1")
     return out
 
 

@@ -204,6 +204,8 @@ class ParallelSection(_Section):
     pp_degree: int = Field(1, gt=0)
     tp_degree: int = Field(1, gt=0)  # tensor parallelism: each layer's matrices split over tp ranks
     sequence_parallel: bool | None = None  # None: on when tp_degree > 1 (tenfold.run.sequence_parallel_for)
+    # context parallelism: each sequence split over cp ranks (techniques/context_parallel.py)
+    cp_degree: int = Field(1, gt=0)
     pp_schedule: Literal["gpipe", "1f1b", "interleaved", "zero-bubble"] = "1f1b"  # tenfold.terms.PIPELINE_SCHEDULES
     virtual_stages: int | None = Field(None, gt=0)  # None: 2 for interleaved schedules, else 1
     pp_split: list[int] | None = None

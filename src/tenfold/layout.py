@@ -4,11 +4,14 @@ same part). The resolver (tenfold.run), the engine (tenfold.engine.distributed) 
 planner's search (tenfold.plan.search) all take their degrees from here.
 
 Dimensions, outermost first (`MESH_ORDER`): pipeline stages, data-parallel replicas of a shard
-group, data-parallel ranks of a shard group, tensor-parallel ranks. tp is innermost and
-contiguous (its collectives run in every layer: its ranks must share a node), then dp, then pp
-(Megatron-LM's and torchtitan's order). The two data-parallel degrees multiply into dp; the
-torch mesh keeps them as one "dp" dimension (`mesh_dim_names`), split into ("dp_replicate",
-"dp_shard") only under hybrid sharding (`build_hybrid_mesh`).
+group, data-parallel ranks of a shard group, context-parallel ranks, tensor-parallel ranks. tp
+is innermost and contiguous (its collectives run in every layer: its ranks must share a node),
+then cp (the attention's K/V all-gather, every layer), then dp, then pp (Megatron-LM's and
+torchtitan's order). The two data-parallel degrees multiply into dp. The cp ranks of one dp rank
+train the same parameters on other tokens of the same rows, so the torch mesh keeps dp x cp as
+one "dp" dimension (`mesh_dim_names`: every rank that reduces the same gradients), split into
+("dp_replicate", "dp_shard") only under hybrid sharding (`build_hybrid_mesh`) and into
+("dp_data", "cp") only under context parallelism (`build_context_parallel_mesh`).
 
 A new mesh dimension touches: a field of `Layout` and its place in `MESH_ORDER` (its degree
 then enters `world_size`, the mesh shape and names, the divisibility rule and its message),
@@ -26,8 +29,9 @@ from dataclasses import dataclass
 from tenfold.choices import BY_NAME
 from tenfold.errors import UserError
 
-MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "tp")  # outermost first
-DP_DIMS = ("dp_replicate", "dp_shard")  # one "dp" dimension of the torch mesh
+MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # outermost first
+DP_DIMS = ("dp_replicate", "dp_shard")  # the data-parallel degrees: dp = their product
+GRAD_DIMS = DP_DIMS + ("cp",)  # one "dp" dimension of the torch mesh: the ranks that reduce the same gradients
 # The degrees a user sets (the data-parallel ones follow from the world), named as every
 # message says them: config key (flag), from the run-choice table.
 DEGREE_FLAGS = {name: f"{BY_NAME[name].key} ({BY_NAME[name].flag})" for name in MESH_ORDER if name not in DP_DIMS}
@@ -40,12 +44,20 @@ class Layout:
     pp: int = 1  # pipeline stages
     dp_replicate: int = 1  # copies of each shard group (hybrid sharding); 1 otherwise
     dp_shard: int = 1  # data-parallel ranks in a shard group: every dp rank unless hybrid
+    cp: int = 1  # context-parallel ranks: each sequence split over them (techniques/context_parallel.py)
     tp: int = 1  # tensor-parallel ranks
 
     @property
     def dp(self) -> int:
         """Data-parallel ranks: replicas x shard group."""
         return self.dp_replicate * self.dp_shard
+
+    @property
+    def grad_ranks(self) -> int:
+        """Ranks that hold the same parameters and reduce their gradients together: dp x cp (the
+        cp ranks train on other tokens of the same rows; torchtitan shards over dp_shard x cp).
+        The torch mesh's "dp" dimension."""
+        return self.dp * self.cp
 
     @property
     def world_size(self) -> int:
@@ -58,17 +70,17 @@ class Layout:
 
     @property
     def mesh_dim_names(self) -> tuple[str, ...]:
-        """The torch mesh's dimensions: MESH_ORDER with the data-parallel pair as one "dp"."""
+        """The torch mesh's dimensions: MESH_ORDER with the data-parallel pair and cp as one "dp"."""
         names: list[str] = []
         for name in MESH_ORDER:
-            name = "dp" if name in DP_DIMS else name
+            name = "dp" if name in GRAD_DIMS else name
             if name not in names:
                 names.append(name)
         return tuple(names)
 
     @property
     def mesh_shape(self) -> tuple[int, ...]:
-        return tuple(self.dp if name == "dp" else getattr(self, name) for name in self.mesh_dim_names)
+        return tuple(self.grad_ranks if name == "dp" else getattr(self, name) for name in self.mesh_dim_names)
 
     def degrees(self) -> dict[str, int]:
         """{dimension: ranks} in MESH_ORDER."""
@@ -97,22 +109,33 @@ def shard_group_problem(dp: int, shard_group: int | None) -> str | None:
             f"(world / (pp x tp)) and be at least 2; allowed: {allowed}")
 
 
-def build_layout(world_size: int, pp: int = 1, tp: int = 1, shard_group: int | None = None) -> Layout:
-    """The layout of `world_size` processes: pp and tp as given, data parallelism over the rest
-    (world = pp x dp x tp); hybrid sharding splits dp into replicas x groups of `shard_group`.
+def build_layout(world_size: int, pp: int = 1, tp: int = 1, shard_group: int | None = None, cp: int = 1) -> Layout:
+    """The layout of `world_size` processes: pp, cp and tp as given, data parallelism over the
+    rest (world = pp x dp x cp x tp); hybrid sharding splits dp into replicas x groups of
+    `shard_group`.
     Refuses (UserError) degrees that are not positive integers or do not divide the world. A
     shard group that cannot split dp (`shard_group_problem`, which tenfold.capabilities reports
     among the run's problems) leaves dp unsplit."""
-    given = {"pp": pp, "tp": tp}
+    given = {"pp": pp, "cp": cp, "tp": tp}
     check_degree_values(world_size, **given)
     model_parallel = math.prod(given.values())
     if world_size % model_parallel:
         product = " x ".join(f"{DEGREE_FLAGS[name]} {v}" for name, v in given.items())
         raise UserError(f"{product} = {model_parallel} must divide the number of processes ({world_size}); "
-                        "world = pp x dp x tp")
+                        f"world = {' x '.join(_world_terms())}")
     dp = world_size // model_parallel
     shard = dp if shard_group is None or shard_group_problem(dp, shard_group) else shard_group
-    return Layout(pp=pp, dp_replicate=dp // shard, dp_shard=shard, tp=tp)
+    return Layout(pp=pp, dp_replicate=dp // shard, dp_shard=shard, cp=cp, tp=tp)
+
+
+def _world_terms() -> list[str]:
+    """MESH_ORDER with the data-parallel pair as "dp": ["pp", "dp", "cp", "tp"]."""
+    terms: list[str] = []
+    for name in MESH_ORDER:
+        name = "dp" if name in DP_DIMS else name
+        if name not in terms:
+            terms.append(name)
+    return terms
 
 
 def build_mesh(layout: Layout, device_type: str):
@@ -125,7 +148,7 @@ def build_mesh(layout: Layout, device_type: str):
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh(device_type, layout.mesh_shape, mesh_dim_names=layout.mesh_dim_names)
-    if layout.dp > 1 and layout.tp > 1:
+    if layout.grad_ranks > 1 and layout.tp > 1:
         mesh["dp", "tp"]._flatten("dp_tp")
     return mesh
 
@@ -135,9 +158,23 @@ def build_hybrid_mesh(layout: Layout, mesh):
     group of `layout.dp_shard` neighbouring dp ranks that shard, the groups replicating; None
     without hybrid sharding. "dp_shard" is the inner dimension, so when a node holds dp_shard x
     tp ranks the sharding collectives stay on the node and only the replicas' gradient
-    all-reduce crosses nodes (PyTorch HSDP; torchtitan's dp_replicate x dp_shard). `mesh` stays
-    as it is: whatever reduces over every data-parallel rank (loss, token count, data order)
-    reads "dp"."""
+    all-reduce crosses nodes (PyTorch HSDP; torchtitan's dp_replicate x dp_shard). Under context
+    parallelism a shard group is dp_shard x cp ranks (the cp ranks of a dp rank hold the same
+    parameters). `mesh` stays as it is: whatever reduces over every data-parallel rank (loss,
+    token count) reads "dp"."""
     if not layout.hybrid:
         return None
-    return mesh["dp"]._unflatten(0, (layout.dp_replicate, layout.dp_shard), DP_DIMS)
+    return mesh["dp"]._unflatten(0, (layout.dp_replicate, layout.dp_shard * layout.cp), DP_DIMS)
+
+
+def build_context_parallel_mesh(layout: Layout, mesh):
+    """Context parallelism: the "dp" dimension of `mesh` (dp x cp ranks) split into ("dp_data",
+    "cp"), the cp ranks of one dp rank neighbours (the inner dimension, MESH_ORDER), so that the
+    attention's K/V all-gather stays among close ranks (torchtitan's order: dp_replicate,
+    dp_shard, cp, tp); None without context parallelism. The gradient reduction, the loss and
+    the token count keep reading "dp" (every rank that trains the same parameters); the data
+    order reads dp_rank // cp (tenfold.engine.distributed.DistInfo.data_rank). Returns the 1-D
+    "cp" mesh."""
+    if layout.cp <= 1:
+        return None
+    return mesh["dp"]._unflatten(0, (layout.dp, layout.cp), ("dp_data", "cp"))["cp"]

@@ -63,7 +63,7 @@ ENGINE_STACK = Stack()
 class ResolvedRun:
     model: ModelConfig | None  # the configured shape; None: only a parameter count (tenfold plan --params)
     params: float  # parameters of the model
-    dims: Layout  # ranks of each mesh dimension (tenfold.layout): pp x dp x tp processes
+    dims: Layout  # ranks of each mesh dimension (tenfold.layout): pp x dp x cp x tp processes
     batch: BatchTriplet
     seq_len: int
     precision: str  # `auto` resolved; the engine may fall back to fp32 where bf16 autocast is missing
@@ -93,7 +93,7 @@ class ResolvedRun:
     # ------------------------------------------------------------------ derived values
     @property
     def world_size(self) -> int:
-        """Processes (GPUs): pp x dp x tp."""
+        """Processes (GPUs): pp x dp x cp x tp."""
         return self.dims.world_size
 
     @property
@@ -112,6 +112,11 @@ class ResolvedRun:
         return self.dims.tp
 
     @property
+    def cp(self) -> int:
+        """Context-parallel ranks: each sequence split over them (techniques/context_parallel.py)."""
+        return self.dims.cp
+
+    @property
     def micro_batch(self) -> int:
         return self.batch.micro_batch
 
@@ -128,19 +133,31 @@ class ResolvedRun:
         return self.global_batch * self.seq_len
 
     @property
+    def local_seq_len(self) -> int:
+        """Tokens of each sequence one rank holds: seq_len / cp (context parallelism)."""
+        return self.seq_len // self.cp
+
+    @property
+    def grad_ranks(self) -> int:
+        """Ranks that hold the same parameters and reduce their gradients together: dp x cp
+        (tenfold.layout.Layout.grad_ranks)."""
+        return self.dims.grad_ranks
+
+    @property
     def shard_size(self) -> int:
-        """Ranks a ZeRO-2/3 state is split over: the shard group under hybrid sharding, else dp."""
-        return self.shard_group or self.dp
+        """Ranks a ZeRO-2/3 state is split over: the shard group (x cp) under hybrid sharding,
+        else dp x cp."""
+        return self.shard_group * self.cp if self.shard_group else self.grad_ranks
 
     @property
     def replicas(self) -> int:
         """Copies of each shard: dp / shard group under hybrid sharding, else 1."""
-        return self.dp // self.shard_size if self.dp % self.shard_size == 0 else 1
+        return self.grad_ranks // self.shard_size if self.grad_ranks % self.shard_size == 0 else 1
 
     @property
     def zero_runs_as(self) -> int:
         """The stage whose memory and traffic the engine really has (tenfold.terms.zero_runs_as)."""
-        return zero_runs_as(self.zero_stage, self.tp, self.dp, self.offload)
+        return zero_runs_as(self.zero_stage, self.tp, self.grad_ranks, self.offload)
 
     @property
     def n_stages(self) -> int:
@@ -169,7 +186,7 @@ class ResolvedRun:
     def layout(self) -> dict:
         """The run's layout with the names every output uses (`tenfold plan --json`'s `strategy`)."""
         return {
-            "world_size": self.world_size, "pp": self.pp, "dp": self.dp, "tp": self.tp,
+            "world_size": self.world_size, "pp": self.pp, "dp": self.dp, "cp": self.cp, "tp": self.tp,
             "precision": self.precision, "micro_batch": self.micro_batch, "grad_accum": self.grad_accum,
             "global_batch": self.global_batch, "seq_len": self.seq_len, "recompute": str(self.recompute),
             "zero_stage": self.zero_stage, "zero_runs_as": self.zero_runs_as, "shard_group": self.shard_group,
@@ -182,7 +199,8 @@ class ResolvedRun:
     def layout_line(self) -> str:
         """`pp 2 x dp 4 x tp 1; ZeRO-3; recompute full; ...`: the layout in one line, saying where
         the engine runs one strategy as another."""
-        parts = [f"{self.world_size} = pp {self.pp} x dp {self.dp} x tp {self.tp}", zero_text(self)]
+        cp = f" x cp {self.cp}" if self.cp > 1 else ""
+        parts = [f"{self.world_size} = pp {self.pp} x dp {self.dp}{cp} x tp {self.tp}", zero_text(self)]
         parts.append(f"recompute {self.recompute}")
         if self.offload != "none":
             parts.append(f"offload {self.offload}")
@@ -206,7 +224,7 @@ class ResolvedRun:
         if unknown:
             raise TypeError(f"unknown run choice(s): {', '.join(unknown)}")
         now = self.choices()
-        if "micro_batch" in changes or {"pp", "tp", "world_size"} & set(changes):
+        if "micro_batch" in changes or {"pp", "tp", "cp", "world_size"} & set(changes):
             now["grad_accum"] = None
         if changes.get("pp_schedule", self.pp_schedule) not in MULTI_STAGE_SCHEDULES:
             now["virtual_stages"] = None
@@ -226,7 +244,8 @@ class ResolvedRun:
 
     def with_seq_len(self, seq_len: int) -> "ResolvedRun":
         """The same run on sequences of another length (a user's own packed dataset)."""
-        return replace(self, seq_len=check_sequence_split(seq_len, self.tp, self.sequence_parallel))
+        return replace(self, seq_len=check_context_split(check_sequence_split(seq_len, self.tp, self.sequence_parallel),
+                                                         self.cp))
 
 
 # The user's choices `resolve` takes (keyword names), with their defaults: the table's, and the
@@ -263,16 +282,16 @@ def resolve(model: ModelConfig | None, world_size: int, *, params: float | None 
         raise TypeError(f"unknown run choice(s): {', '.join(unknown)}")
     c = {**CHOICES, **choices}
     _check_choices(world_size, c)
-    pp, tp = c["pp"], c["tp"]
+    pp, tp, cp = c["pp"], c["tp"], c["cp"]
     if c["lora"] is not None and model is not None and not own_model:
         check_targets(c["lora"], c["model_kind"], c["hf_model_type"], model.mlp)
     if model is not None and tp > 1 and not own_model:
         check_tp_split(tp, model.n_heads, model.kv_heads, model.vocab_size, flag="parallel.tp_degree (--tp)")
-    dims = build_layout(world_size, pp, tp, c["shard_group"])
+    dims = build_layout(world_size, pp, tp, c["shard_group"], cp=cp)
     dp = dims.dp
     sequence_parallel = sequence_parallel_for(tp, c["sequence_parallel"])
     shard_group = None if c["shard_group"] in (None, dp) else c["shard_group"]  # one group of every dp rank: plain ZeRO
-    seq_len = check_sequence_split(_seq_len(model, c["seq_len"]), tp, sequence_parallel)
+    seq_len = check_context_split(check_sequence_split(_seq_len(model, c["seq_len"]), tp, sequence_parallel), cp)
     v = virtual_stages_for(c["pp_schedule"], c["virtual_stages"]) if pp > 1 else 1
     n_layers = model.n_layers if model is not None else pp * v
     stages = num_stages(pp, c["pp_schedule"], v) if pp > 1 else 1
@@ -297,7 +316,7 @@ def resolve(model: ModelConfig | None, world_size: int, *, params: float | None 
 
 def _check_choices(world_size: int, c: dict) -> None:
     """The values each choice may take, whoever gives them (config, flags, the planner's search)."""
-    check_degree_values(world_size, pp=c["pp"], tp=c["tp"])
+    check_degree_values(world_size, pp=c["pp"], tp=c["tp"], cp=c["cp"])
     if c["precision"] not in PRECISION_CHOICES:
         raise UserError(f"precision {c['precision']!r}; allowed: {', '.join(PRECISION_CHOICES)}")
     for name in ("zero_stage", "pp_schedule", "offload", "reduce_dtype"):  # the table's allowed values
@@ -395,6 +414,17 @@ def check_sequence_split(seq_len: int, tp: int, sequence_parallel: bool) -> int:
         raise UserError(
             f"sequence parallelism splits each sequence over the {tp} tp ranks: the sequence length "
             f"({seq_len}, --seq-len) must be a multiple of parallel.tp_degree (--tp) {tp}; or pass --no-sequence-parallel"
+        )
+    return seq_len
+
+
+def check_context_split(seq_len: int, cp: int) -> int:
+    """Context parallelism cuts every sequence into 2 x cp equal chunks (two per cp rank, for
+    the causal mask's load balance: techniques/context_parallel.py)."""
+    if cp > 1 and seq_len % (2 * cp):
+        raise UserError(
+            f"context parallelism cuts each sequence into 2 x parallel.cp_degree (--cp {cp}) = {2 * cp} equal chunks: "
+            f"the sequence length ({seq_len}, --seq-len) must be a multiple of {2 * cp}"
         )
     return seq_len
 

@@ -103,6 +103,8 @@ def _technique_group(p: argparse.ArgumentParser, only_train) -> None:
     x.add_argument("--tp", type=int, help="tensor-parallel ranks: each layer's matrices split over N ranks (must divide the heads)")
     x.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None,
                    help="split norms and the residual stream by sequence over the tp ranks (default: on when --tp > 1)")
+    x.add_argument("--cp", type=int, help="context-parallel ranks: each sequence split over N ranks (load-balanced "
+                   "for the causal mask), attention across them; for long sequences (docs/context_parallel.md)")
     x.add_argument("--pp-schedule", help="gpipe | 1f1b | interleaved | zero-bubble")
     x.add_argument("--virtual-stages", type=int, help="stages per rank for interleaved schedules")
     x.add_argument("--pp-split", type=_int_list, metavar="N,N,...", help="transformer blocks per pipeline stage, e.g. 1,3 (default: even, embedding and head weighted as one block each)")

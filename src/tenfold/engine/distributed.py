@@ -3,8 +3,9 @@
 * `join_layout(layout, timeout_s, offload)` (`init_distributed` from the degrees): reads
   torchrun's env:// variables, picks the backend from the device (NCCL with one GPU per rank,
   else gloo), builds the layout's ("pp", "dp", "tp") device mesh and, under hybrid sharding,
-  its ("dp_replicate", "dp_shard") split (tenfold.layout: the degrees, their rules, the mesh
-  order); ZeRO-Offload on one process joins a process group of one.
+  its ("dp_replicate", "dp_shard") split, under context parallelism its ("dp_data", "cp") split
+  (tenfold.layout: the degrees, their rules, the mesh order); ZeRO-Offload on one process joins
+  a process group of one.
 * Failures: every rank's stderr lines are prefixed with `[rank k]`, an uncaught exception is
   recorded in torchelastic's error file (torchrun's failure summary then shows the rank and
   its error), and `tighten_timeouts` shortens the collective timeout after the first step, so
@@ -35,7 +36,7 @@ from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
 from tenfold.engine.torchrun_env import launched_by_torchrun
 from tenfold.errors import UserError
-from tenfold.layout import DP_DIMS, Layout, build_hybrid_mesh, build_layout, build_mesh
+from tenfold.layout import DP_DIMS, Layout, build_context_parallel_mesh, build_hybrid_mesh, build_layout, build_mesh
 
 
 @dataclass
@@ -54,6 +55,21 @@ class DistInfo:
     shard_size: int = 0  # dp ranks that shard together: dp_size, or the HSDP group (0: one process)
     hybrid_mesh: object | None = None  # ("dp_replicate", "dp_shard") under hybrid sharding (tenfold.layout.build_hybrid_mesh)
     embedding_group: object | None = None  # tied embeddings across pipeline stages (`embedding_group`)
+    # Context parallelism: the mesh's "dp" dimension holds dp x cp ranks (they all reduce the
+    # gradients of the same parameters), split by tenfold.layout.build_context_parallel_mesh
+    cp_size: int = 1
+    cp_rank: int = 0
+    cp_group: object | None = None
+
+    @property
+    def data_rank(self) -> int:
+        """This rank's row of the data: the cp ranks of one dp replica load the same rows."""
+        return self.dp_rank // self.cp_size
+
+    @property
+    def data_size(self) -> int:
+        """Ranks that load different rows: dp (the mesh's "dp" dimension holds dp x cp)."""
+        return self.dp_size // self.cp_size
 
     @property
     def hybrid(self) -> bool:
@@ -105,18 +121,20 @@ def world_size_from_env() -> int:
 
 
 def init_distributed(pp_size: int = 1, timeout_s: float = 600.0, tp_size: int = 1, shard_size: int | None = None,
-                     offload: bool = False) -> DistInfo:
-    """Join the job's process group with pp x dp x tp ranks over the job's processes (the
+                     offload: bool = False, cp_size: int = 1) -> DistInfo:
+    """Join the job's process group with pp x dp x cp x tp ranks over the job's processes (the
     layout's rules: tenfold.layout.build_layout). `shard_size`: the HSDP group, dp ranks that
     shard together. `offload`: ZeRO-Offload, which runs on FSDP2 even on one process
     (`_one_process_group`) and reduces host tensors (`backend_for`)."""
-    return join_layout(build_layout(world_size_from_env(), pp_size, tp_size, shard_size), timeout_s, offload)
+    return join_layout(build_layout(world_size_from_env(), pp_size, tp_size, shard_size, cp=cp_size), timeout_s,
+                       offload)
 
 
 def join_layout(layout: Layout, timeout_s: float = 600.0, offload: bool = False) -> DistInfo:
     """Join the job's process group and build `layout`'s device mesh (tenfold.layout.build_mesh)
-    and, under hybrid sharding, its ("dp_replicate", "dp_shard") split (`DistInfo.hybrid_mesh`).
-    The layout must span the job's processes (torchrun's WORLD_SIZE)."""
+    and, under hybrid sharding, its ("dp_replicate", "dp_shard") split (`DistInfo.hybrid_mesh`),
+    under context parallelism its cp sub-mesh (`DistInfo.cp_group`). The layout must span the
+    job's processes (torchrun's WORLD_SIZE)."""
     world = world_size_from_env()
     if layout.world_size != world:
         raise UserError(f"the layout {' x '.join(f'{k} {v}' for k, v in layout.degrees().items())} spans "
@@ -135,13 +153,17 @@ def join_layout(layout: Layout, timeout_s: float = 600.0, offload: bool = False)
             kwargs["device_id"] = device  # eager NCCL init, one communicator per device
         dist.init_process_group(**kwargs)
     mesh = build_mesh(layout, device.type)
-    return DistInfo(
+    info = DistInfo(
         rank=rank, world_size=world, local_rank=local_rank, device=device,
-        dp_size=layout.dp, dp_rank=mesh["dp"].get_local_rank(),
+        dp_size=layout.grad_ranks, dp_rank=mesh["dp"].get_local_rank(),
         pp_size=layout.pp, pp_rank=mesh["pp"].get_local_rank(),
-        tp_size=layout.tp, tp_rank=mesh["tp"].get_local_rank(), mesh=mesh, shard_size=layout.dp_shard,
+        tp_size=layout.tp, tp_rank=mesh["tp"].get_local_rank(), mesh=mesh, shard_size=layout.dp_shard * layout.cp,
         hybrid_mesh=build_hybrid_mesh(layout, mesh),
     )
+    cp_mesh = build_context_parallel_mesh(layout, mesh)
+    if cp_mesh is not None:
+        info.cp_size, info.cp_rank, info.cp_group = layout.cp, cp_mesh.get_local_rank(), cp_mesh.get_group()
+    return info
 
 
 def _one_process_group(timeout_s: float) -> DistInfo:
@@ -191,6 +213,8 @@ def _all_groups(info: DistInfo) -> list:
         groups += [info.hybrid_mesh[name].get_group() for name in DP_DIMS]
     if info.embedding_group is not None:
         groups.append(info.embedding_group)
+    if info.cp_group is not None:
+        groups.append(info.cp_group)
     return groups
 
 

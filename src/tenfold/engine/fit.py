@@ -66,7 +66,7 @@ class Fit:
         self.console = t.console = run_outputs.console(main)
         self.facts = run_outputs.facts(t)
         if self.console is not None:
-            self.console.print(run_summary.header_line(self.facts, self.cfg.train.steps, self.dist.dp_size,
+            self.console.print(run_summary.header_line(self.facts, self.cfg.train.steps, self.dist.data_size,
                                                        self.dist.device.type, self.dist.tp_size))
             self.console.print(f"data: {t.data.describe()}")
             if t.lora is not None:
@@ -96,7 +96,7 @@ class Fit:
         self.state.global_batch = new
         if saved is None or not old or old == new:
             return
-        dp = self.dist.dp_size
+        dp = self.dist.data_size  # ranks that load different rows (dp x cp reduce the gradients)
         keep = (f"pass --global-batch {old} to keep it" if old % dp == 0 else
                 f"{old} is not a multiple of this run's {dp} data-parallel ranks, so it cannot be kept here")
         message = (f"resume: the global batch changes from {old} to {new} sequences per step (saved on "

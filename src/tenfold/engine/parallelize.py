@@ -1,7 +1,7 @@
 """The one place where the techniques are applied to a model, in a fixed order.
 
 Order (torchtitan's `parallelize_llama`): low-rank adapters -> pipeline split -> NF4 base ->
-float8 conversion -> tensor parallelism -> activation recompute -> torch.compile per block ->
+float8 conversion -> tensor parallelism -> context-parallel attention -> activation recompute -> torch.compile per block ->
 ZeRO/FSDP wrapping, on one ("pp", "dp", "tp") device mesh. Adapters are a model conversion
 (PEFT's LoRA layers around the targeted Linears, the rest frozen in the compute dtype:
 techniques/lora.py) made on the whole model on every rank, so that their random init draws what
@@ -36,7 +36,7 @@ from tenfold.errors import UserError
 from tenfold.models.adapter import ModelAdapter
 from tenfold.run import ResolvedRun
 from tenfold.lora_terms import nf4_shards
-from tenfold.techniques import fp8, lora, nf4, recompute, zero
+from tenfold.techniques import context_parallel, fp8, lora, nf4, recompute, zero
 from tenfold.techniques import tensor_parallel as tp
 from tenfold.techniques.compile import apply_compile, check_supported as check_compile_supported
 from tenfold.techniques.pipeline import PipelineSplit, split_for_rank
@@ -83,6 +83,9 @@ def _apply_techniques(model: nn.Module, run: ResolvedRun, dist: DistInfo, blocks
                       run.fp8_emulate, fsdp_all_gather=run.zero_stage >= 2 and dist.dp_size > 1)
     if dist.tp_size > 1:
         tp.apply_tensor_parallel(model, dist.mesh["tp"], tp.plan_for(model, kind, run.sequence_parallel, tp_plan))
+    if dist.cp_size > 1:  # before recompute, which then re-runs the cp attention's all-gather
+        context_parallel.apply_context_parallel(model, blocks if blocks is not None else recompute.find_blocks(model),
+                                                dist.cp_group, dist.cp_size, dist.cp_rank)
     if run.recompute.kind != "none":
         recompute.apply_recompute(model, run.recompute, blocks=blocks)
     if run.compile:

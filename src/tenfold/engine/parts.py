@@ -92,7 +92,7 @@ def build_parts(cfg: TenfoldConfig, user_model: nn.Module | None = None, user_da
     seed_tensor_parallel_ranks(cfg.train.seed, dist)
     optimizer, scheduler = build_optimizer(model, run, cfg.train, cfg.parallel.timeout_s, dist)
     loader = make_loader(data, run.global_batch, run.micro_batch, run.grad_accum,
-                         dp_rank=dist.dp_rank, dp_size=dist.dp_size, seed=cfg.train.seed)
+                         dp_rank=dist.data_rank, dp_size=dist.data_size, seed=cfg.train.seed)
     return Parts(run, dist, precision, data, adapter, model, optimizer, scheduler, loader, cfg.train, lora)
 
 

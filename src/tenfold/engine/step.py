@@ -4,6 +4,8 @@ apply_gradients):
   2. per micro-batch: autocast forward, loss = sum of token losses / global tokens
      (x dp_size for the data-parallel average), scaled by the fp16 loss scale, backward;
      gradient reduction only on the last micro-batch where the ZeRO stage allows it;
+     under context parallelism each micro-batch is first cut to this cp rank's part of every
+     sequence (techniques/context_parallel.py), whose targets it counts and whose loss it sums;
   3. under tensor parallelism, settle the gradients of replicated parameters;
   4. `techniques.precision.finish_step`: unscale, the global overflow / non-finite check, skip
      or clip (global norm over every shard and pipeline stage) + step; the LR schedule advances
@@ -21,6 +23,7 @@ from tenfold.data import iter_eval
 from tenfold.engine.parts import Parts
 from tenfold.techniques import accumulation as acc
 from tenfold.techniques import zero
+from tenfold.techniques.context_parallel import local_batch
 from tenfold.techniques.precision import StepResult, finish_step
 from tenfold.techniques.tensor_parallel import loss_context, settle_gradients
 
@@ -35,6 +38,7 @@ def accumulate_gradients(p: Parts, micro_batches: list[dict]) -> tuple[float, in
     if dist.pp_size > 1:  # the pipeline schedule runs all micro-batches (techniques/pipeline_runner.py)
         result = p.model.train_step(micro_batches, scaler.scale, dp_group)
         return result.loss, result.global_tokens
+    micro_batches = cp_parts(p, micro_batches)
     global_tokens = int(acc.all_reduce_sum(acc.count_targets(micro_batches), dp_group))
     loss_sum = torch.zeros((), dtype=torch.float64, device=dist.device)
     for i, mb in enumerate(micro_batches):
@@ -46,6 +50,13 @@ def accumulate_gradients(p: Parts, micro_batches: list[dict]) -> tuple[float, in
             scaler.scale_loss(loss).backward()
         loss_sum += mb_loss_sum.detach().double()
     return acc.all_reduce_sum(float(loss_sum), dp_group) / max(global_tokens, 1), global_tokens
+
+
+def cp_parts(p: Parts, batches: list[dict]) -> list[dict]:
+    """Under context parallelism, this cp rank's part of each batch (its two chunks of every
+    sequence, with their positions); the batches themselves otherwise."""
+    d = p.dist
+    return [local_batch(b, d.cp_size, d.cp_rank) for b in batches] if d.cp_size > 1 else batches
 
 
 def forward_loss(p: Parts, batch: dict) -> torch.Tensor:
@@ -88,9 +99,11 @@ def evaluate(p: Parts) -> float | None:
         if p.dist.pp_size > 1:  # forward through the stages, loss on the last
             return p.model.eval_loss_sum(batches) / max(count, 1)
         total = 0.0
-        for batch in batches:
+        for batch in cp_parts(p, batches):
             with p.precision.autocast(), loss_context(p.dist.tp_size):
                 total += float(forward_loss(p, {k: v.to(p.dist.device) for k, v in batch.items()}))
+        if p.dist.cp_size > 1:  # each cp rank scored its part of every sequence
+            total = acc.all_reduce_sum(total, p.dist.cp_group)
         return total / max(count, 1)
     finally:
         p.model.train()

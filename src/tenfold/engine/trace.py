@@ -75,20 +75,24 @@ def _tensors(x) -> list:
     return []
 
 
-def _group_size(args, group_now: int | None) -> int | None:
-    """The size of a collective's process group: a functional collective names its group; a
-    c10d op holds it as a script object that Python cannot read, so the size is the one the
-    `torch.distributed` call around it named (`_named_groups`), None outside one."""
+def _group(args, group_now: tuple[int, str | None] | None,
+           labels: dict[str, str]) -> tuple[int | None, str | None]:
+    """The size and the mesh dimension (`labels`: process group name -> "dp", "tp", "cp", ...)
+    of a collective's process group: a functional collective names its group; a c10d op holds
+    it as a script object that Python cannot read, so they are the ones the `torch.distributed`
+    call around it named (`_named_groups`), None outside one."""
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     for a in reversed(args):
         if isinstance(a, str):
-            return int(_resolve_process_group(a).size())
-    return group_now
+            return int(_resolve_process_group(a).size()), labels.get(a)
+    return group_now if group_now is not None else (None, None)
 
 
-def collective_record(func, args, group_now: int | None = None) -> dict | None:
-    """kind, group size and payload of one collective op (c10d or functional), else None.
+def collective_record(func, args, group_now: tuple[int, str | None] | None = None,
+                      labels: dict[str, str] | None = None) -> dict | None:
+    """kind, group size, group (the mesh dimension it runs on, None where unknown) and payload
+    of one collective op (c10d or functional), else None.
     Payload: the full buffer, as nccl-tests counts it: an all-reduce's or broadcast's tensor, a
     reduce-scatter's input, an all-gather's output (= the input shard x group size), a
     send/recv's tensor."""
@@ -98,7 +102,7 @@ def collective_record(func, args, group_now: int | None = None) -> dict | None:
         FUNCTIONAL_KINDS.get(name) if namespace == "_c10d_functional" else None)
     if kind is None:
         return None
-    size = _group_size(args, group_now)
+    size, group = _group(args, group_now, labels or {})
     if namespace == "c10d":
         inputs = _tensors(args[1] if kind in ("all_gather", "reduce_scatter") and len(args) > 1 else args[0])
         if kind == "all_gather":  # (outputs, inputs, ...): the outputs are the full buffer
@@ -108,7 +112,7 @@ def collective_record(func, args, group_now: int | None = None) -> dict | None:
         payload = sum(_nbytes(t) for t in _tensors(args[0]))
         if kind == "all_gather":
             payload *= size or 1
-    return {"kind": kind, "group_size": size, "payload_bytes": payload}
+    return {"kind": kind, "group_size": size, "group": group, "payload_bytes": payload}
 
 
 def _collective_log_class():
@@ -126,7 +130,9 @@ def _collective_log_class():
             super().__init__()
             self.records: list[dict] = []
             self.recording = False
-            self.group_now: int | None = None  # set by `_named_groups` around a torch.distributed call
+            # (size, mesh dimension) of the group a torch.distributed call names, set by `_named_groups`
+            self.group_now: tuple[int, str | None] | None = None
+            self.labels: dict[str, str] = {}  # process group name -> mesh dimension (`group_labels`)
             self.default_group = 1  # a collective no Python call names (DDP's C++ reducer: the dp group)
             self.p2p_group = 1  # a send/recv no Python call names (pipelining's lone isend/irecv: the pp group)
 
@@ -148,9 +154,11 @@ def _collective_log_class():
                     return _no_value(args[0].dtype)
             out = func(*args, **(kwargs or {}))
             if self.recording:
-                rec = collective_record(func, args, self.group_now)
+                rec = collective_record(func, args, self.group_now, self.labels)
                 if rec is not None and rec["group_size"] is None:
-                    rec["group_size"] = self.p2p_group if rec["kind"] in ("send", "recv") else self.default_group
+                    p2p = rec["kind"] in ("send", "recv")
+                    rec["group_size"] = self.p2p_group if p2p else self.default_group
+                    rec["group"] = "pp" if p2p else "dp"
                 if rec is not None:
                     self.records.append(rec)
             return out
@@ -243,7 +251,8 @@ def _named_groups(log):
                 group = bound.get("group") or next((op.group for op in bound.get("p2p_op_list", ())), None)
             except TypeError:
                 group = None
-            outer, log.group_now = log.group_now, dist.get_world_size(group)
+            name = getattr(group if group is not None else dist.group.WORLD, "group_name", None)
+            outer, log.group_now = log.group_now, (dist.get_world_size(group), log.labels.get(name))
             try:
                 work = fn(*args, **kwargs)
             finally:
@@ -293,21 +302,40 @@ def _ddp_reduces_in_python(model) -> None:
 
 
 def _summarize(records: list[dict]) -> list[dict]:
-    """Collectives of one step by (kind, group size): count, payload and ring bytes per rank."""
+    """Collectives of one step by (kind, group size, group): count, payload and ring bytes per
+    rank."""
     out: dict[tuple, list] = defaultdict(lambda: [0, 0, 0.0])
     for r in records:
-        key = (r["kind"], r["group_size"])
+        key = (r["kind"], r["group_size"], r["group"] or "")
         out[key][0] += 1
         out[key][1] += r["payload_bytes"]
         out[key][2] += RING[r["kind"]](r["group_size"]) * r["payload_bytes"] if r["group_size"] > 1 else 0.0
-    return [{"kind": k, "group_size": n, "count": c, "payload_bytes": p, "ring_bytes": round(b, 1)}
-            for (k, n), (c, p, b) in sorted(out.items())]
+    return [{"kind": k, "group_size": n, "group": g or None, "count": c, "payload_bytes": p, "ring_bytes": round(b, 1)}
+            for (k, n, g), (c, p, b) in sorted(out.items())]
+
+
+def group_labels(d) -> dict[str, str]:
+    """{process group name: mesh dimension} of a DistInfo's groups: the mesh's ("pp", "dp",
+    "tp", a flattened "dp_tp"), the hybrid split's, the cp group. A group that two dimensions
+    share (cp over every dp x cp rank when dp is 1) takes the later, more specific one."""
+    out: dict[str, str] = {}
+    if d.mesh is not None:
+        names = list(d.mesh.mesh_dim_names) + (["dp_tp"] if d.dp_size > 1 and d.tp_size > 1 else [])
+        for name in names:
+            out[d.mesh[name].get_group().group_name] = name
+    if d.hybrid_mesh is not None:
+        for name in d.hybrid_mesh.mesh_dim_names:
+            out[d.hybrid_mesh[name].get_group().group_name] = name
+    if d.cp_group is not None:
+        out[d.cp_group.group_name] = "cp"
+    return out
 
 
 def check_traceable(run, dp: int) -> None:
     """UserError for a layout the trace cannot run: DDP (ZeRO-0/1 without tensor parallelism
-    on several data-parallel ranks) keeps its buckets in C++ and reads their host memory
-    before every forward (`Reducer._rebuild_buckets`), which fake tensors have none of."""
+    on several data-parallel ranks, `dp`: the dp x cp ranks that reduce gradients) keeps its
+    buckets in C++ and reads their host memory before every forward (`Reducer._rebuild_buckets`),
+    which fake tensors have none of."""
     from tenfold.errors import UserError
 
     from tenfold.terms import MULTI_STAGE_SCHEDULES
@@ -343,13 +371,14 @@ the data-parallel ranks the mesh has), "layout" (the mesh built), "memory": MEMO
 
     cfg = config_from_args(build_parser(["train"]).parse_args(["train", *train_flags]))
     run = resolve_run(cfg, world)
-    check_traceable(run, run.dp)
+    check_traceable(run, run.grad_ranks)
     if not dist.is_initialized():
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     d = join_layout(run.dims, cfg.parallel.timeout_s, offload=run.offload != "none")
     precision = build_precision(run.precision, cfg.precision, d.device)
     log = _collective_log_class()()
     log.default_group, log.p2p_group = d.dp_size, d.pp_size
+    log.labels = group_labels(d)
     with FakeTensorMode(allow_non_fake_inputs=True), log, _module_conversion_to_itself_keeps_it(), \
             _ddp_without_shape_check(), _named_groups(log):
         P.seed_everything(cfg.train.seed)
@@ -370,9 +399,9 @@ the data-parallel ranks the mesh has), "layout" (the mesh built), "memory": MEMO
         log.recording = True
         measured, _ = measure_cpu(model, optimizer, one_step, d.device)
         log.recording = False
-    batch = {"micro_batch": run.micro_batch, "grad_accum": len(batches), "dp": d.dp_size, "seq_len": run.seq_len,
-             "global_batch": run.micro_batch * len(batches) * d.dp_size}
-    layout = {"processes": d.world_size, "pp": d.pp_size, "dp": d.dp_size, "tp": d.tp_size,
+    batch = {"micro_batch": run.micro_batch, "grad_accum": len(batches), "dp": d.data_size, "seq_len": run.seq_len,
+             "global_batch": run.micro_batch * len(batches) * d.data_size}
+    layout = {"processes": d.world_size, "pp": d.pp_size, "dp": d.data_size, "cp": d.cp_size, "tp": d.tp_size,
               "shard_size": d.shard_size, "hybrid": d.hybrid}
     return {"rank": rank, "stage": d.pp_rank, "batch": batch, "layout": layout, "memory": measured,
             "collectives": _summarize(log.records),
@@ -405,7 +434,8 @@ def _main(argv: list[str]) -> int:
 
 def stage_ranks(pp: int, dp: int, tp: int, stages: list[int] | None = None) -> list[int]:
     """One global rank per pipeline stage of `stages` (default: every stage): the (pp, dp, tp)
-    mesh's first rank of the stage (engine/distributed.py: tp innermost, then dp, then pp)."""
+    mesh's first rank of the stage (tenfold.layout: tp innermost, then dp, then pp; `dp` is the
+    mesh's, dp x cp)."""
     return [s * dp * tp for s in (range(pp) if stages is None else stages)]
 
 

@@ -70,6 +70,8 @@ class ModelAdapter:
         if self.kind == "hf":  # position_ids: packed fine-tuning rows (tenfold.data.examples)
             extra = {"position_ids": batch["position_ids"]} if "position_ids" in batch else {}
             out = model(input_ids=batch["input_ids"], use_cache=False, **extra)
+        elif "positions" in batch:  # context parallelism: this rank's tokens and where they sit
+            out = model(batch["input_ids"], positions=batch["positions"])
         else:
             out = model(batch["input_ids"])
         return token_loss_sum(logits_of(out), batch["labels"])

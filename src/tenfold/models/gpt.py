@@ -190,19 +190,26 @@ class GPT(nn.Module):
             self.rope_cos.copy_(cos)
             self.rope_sin.copy_(sin)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        h = self.embed(input_ids)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """`positions`: where the tokens sit in their sequences, one 1-D tensor for every row
+        (context parallelism hands each rank two chunks of every sequence); None: 0..s-1."""
+        h = self.embed(input_ids, positions)
+        cos, sin = self.rope_cos, self.rope_sin
+        if positions is not None and cos is not None:
+            cos, sin = cos[positions], sin[positions]
         for block in self.layers.values():
-            h = block(h, self.rope_cos, self.rope_sin)
+            h = block(h, cos, sin)
         return self.head(h)
 
     # Pieces a pipeline stage calls on its own (embedding on the first stage, head on the last).
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         h = self.tok_emb(input_ids)
         if self.pos_emb is not None:
             # positions as a (1, s) batch, so that a sequence-parallel split of the lookup
             # (dim 1) cuts them where it cuts the tokens
-            h = h + self.pos_emb(torch.arange(input_ids.shape[1], device=input_ids.device)[None])
+            if positions is None:
+                positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+            h = h + self.pos_emb(positions[None])
         return h
 
     def head(self, h: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from tenfold.errors import UserError
 from tenfold.plan import lora as lora_plan
-from tenfold.plan import memory
+from tenfold.plan import cp_traffic, memory
 from tenfold.plan.hardware import Hardware, get_hardware, with_gpus_per_node
 from tenfold.plan.shape import ModelShape, largest_unit_params, run_rank_params, shape_of
 from tenfold.plan.step_time import TimeBreakdown, compute_share, step_time
@@ -91,6 +91,7 @@ class Plan:
     gpu_hours: float | None
     max_micro_batch: int | None = None  # largest micro-batch that fits, the rest unchanged (set by the CLI; see largest_micro_batch)
     tp_bytes_per_step: float = 0.0  # tensor-parallel traffic per rank per step (tenfold.plan.tp_traffic), busiest stage
+    cp_bytes_per_step: float = 0.0  # context-parallel K/V traffic per rank per step (tenfold.plan.cp_traffic)
     # Why `tenfold train` cannot run this strategy (tenfold.capabilities; set by the CLI and --search)
     unsupported: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
@@ -178,6 +179,11 @@ def _predict(run: ResolvedRun, hardware, gpus_per_node=None, trace: bool = True,
     if tp_bytes:
         tr("tp_bytes_per_step", tp_bytes, "per layer 8 (t-1)/t b s h x m, + embedding, head, loss, norm gradients, "
            "clip (docs/tensor_parallel.md)", "Narayanan et al. 2021 §3.2; Korthikanti et al. 2022 §4.2.2")
+    cp_bytes = cp_traffic.bytes_per_step(shape.cfg, run) if shape.cfg is not None else 0.0
+    if cp_bytes:
+        tr("cp_bytes_per_step", cp_bytes, "per layer and micro-batch: the K/V all-gather (again per recomputed layer) "
+           "and reduce-scatter of b s 2 kv/t elements, (cp-1)/cp of them sent by each rank",
+           "Llama 3 (arXiv:2407.21783) §3.3.2 all-gather CP; nccl-tests bus bandwidth")
     fits = _fits(mem, hw, gpus)
     if not fits and hw.shared_compute:
         notes.append(f"does not fit: {min(gpus, hw.gpus_per_node)} ranks x {(mem.total_bytes + mem.cpu_bytes) / 2**30:.1f} GiB "
@@ -197,7 +203,7 @@ def _predict(run: ResolvedRun, hardware, gpus_per_node=None, trace: bool = True,
         tokens_per_step=tokens_step, model_flops_per_step=flops_model, hardware_flops_per_step=flops_hw,
         tokens_per_s=tps, tflops_per_gpu=tflops / 1e12, hardware_tflops_per_gpu=hw_tflops / 1e12, mfu=mfu, hfu=hfu,
         tokens=tokens, train_days=days, gpu_hours=hours, notes=notes, explain=tr.items if trace else [],
-        tp_bytes_per_step=tp_bytes, run=run,
+        tp_bytes_per_step=tp_bytes, cp_bytes_per_step=cp_bytes, run=run,
     )
 
 
@@ -311,7 +317,7 @@ def _stage_memory(shape: ModelShape, hw: Hardware, run: ResolvedRun, rank: int) 
             # forward and after the head's backward freed them (plan/lora.py)
             act = max(act, act - (sa.extra_bytes if last else 0.0) + lora_plan.dequant_working_bytes(cfg, run))
         cpu += sa.cpu_bytes
-        tp_seq_bytes = run.micro_batch * run.seq_len * cfg.d_model * element_bytes(run.precision)
+        tp_seq_bytes = run.micro_batch * run.local_seq_len * cfg.d_model * element_bytes(run.precision)
     unit = largest_unit_params(shape, run.tp)
     buffers, _ = memory.comm_buffer_bytes(run, unit, tp_seq_bytes)
     autocast = (lora_plan.autocast_copy_bytes(cfg, run, run.rank_layers(rank)) if run.lora and cfg is not None

@@ -168,7 +168,7 @@ def resolve_target(args, on_cpu: bool) -> Target:
     seq_for_params = None
     if a.params:  # the config's own model does not apply: keep --seq-len for the planner
         seq_for_params, a.seq_len = a.seq_len, None
-    a.set = [*_shape_overrides(a), *a.set]  # the user's own --set still wins
+    a.set = [*_shape_overrides(a), *extended_context(a), *a.set]  # the user's own --set still wins
     cfg = config_from_args(a)
     gpus = a.gpus or cfg.parallel.nnodes * cfg.parallel.nproc
     stack = Stack(**{k: getattr(a, k) for k in STACK_FLAGS})
@@ -184,6 +184,23 @@ def resolve_target(args, on_cpu: bool) -> Target:
     if a.params:
         run = dc_replace(run, model=None, params=float(a.params))
     return Target(cfg, run, _label(a, cfg), gpus, bool(a.params), cfg.parallel.sequence_parallel)
+
+
+def extended_context(args) -> list[str]:
+    """A RoPE model planned at a --seq-len past its context is a context extension (Llama 3's
+    long-context stage trains its 8K model at 128K, arXiv:2407.21783 section 3.4.2): its
+    model.max_seq_len is raised to the sequence (the rotary tables follow it; `--emit` writes
+    it), as a `--set` item. Learned positions have no such extension: train refuses them."""
+    from tenfold.run_args import config_from_args
+
+    if not args.seq_len or args.params:
+        return []
+    probe = argparse.Namespace(**{**vars(args), "seq_len": None})
+    cfg = config_from_args(probe)
+    model = cfg.model.build()
+    if args.seq_len <= model.max_seq_len or model.pos != "rope" or cfg.model.hf_config or cfg.model.hf_pretrained:
+        return []
+    return [f"model.max_seq_len={args.seq_len}"]
 
 
 def _search_base(cfg, gpus: int, on_cpu: bool):
@@ -283,16 +300,18 @@ def _trace(args, t: Target, plan, advice) -> dict:
         why = "--params describes no model to build" if t.from_params else "; ".join(plan.unsupported)
         raise UserError(f"--trace runs what tenfold train runs, and it cannot run this plan: {why}")
     run = advice.run
-    check_traceable(run, run.dp)
+    check_traceable(run, run.grad_ranks)
     flags = train_argv(advice.cfg)
     stage = planned_stage(plan.memory.stage, run.pp)
     # The first and the last stage (embedding, output layer and loss) and the one the plan
     # describes; the others differ from one of them only by the micro-batches they hold.
-    traces = trace_run(flags, run.world_size, run.pp, run.dp, run.tp, stages=sorted({0, stage, run.pp - 1}))
-    # The planner states collective bytes for the tensor-parallel group (plan/tp_traffic.py); its
-    # data-parallel traffic is a time (plan/dp_time.py): bytes are compared where tp is all there is.
-    planned_bytes = plan.tp_bytes_per_step if run.dp == 1 and run.pp == 1 else None
-    return compare(memory_by_category(plan.memory), traces, stage, planned_bytes)
+    traces = trace_run(flags, run.world_size, run.pp, run.grad_ranks, run.tp, stages=sorted({0, stage, run.pp - 1}))
+    # The planner states collective bytes for the tensor-parallel group (plan/tp_traffic.py) and
+    # the cp group (plan/cp_traffic.py); its data-parallel traffic is a time (plan/dp_time.py):
+    # tp bytes are compared where tp is all there is, cp bytes with the traced cp group's.
+    planned_bytes = plan.tp_bytes_per_step if run.grad_ranks == 1 and run.pp == 1 else None
+    return compare(memory_by_category(plan.memory), traces, stage, planned_bytes,
+                   plan.cp_bytes_per_step if run.cp > 1 else None)
 
 
 @dataclass

@@ -130,7 +130,7 @@ def layer_terms(cfg: ModelConfig, run) -> list[tuple[str, float, str, str, str]]
 def final_layer_bytes(cfg: ModelConfig, run) -> float:
     """The last stage: the frozen final norm's fp32 input (the frozen head keeps no input) and
     the loss's fp32 log-probabilities with their fp32 gradient (8 b s V, as without adapters)."""
-    return run.micro_batch * run.seq_len * (4.0 * cfg.d_model + 8.0 * cfg.vocab_size / run.tp)
+    return run.micro_batch * run.local_seq_len * (4.0 * cfg.d_model + 8.0 * cfg.vocab_size / run.tp)
 
 
 def autocast_copy_bytes(cfg: ModelConfig, run, layers: int) -> float:
@@ -156,7 +156,7 @@ def flops_per_token(cfg: ModelConfig, run) -> float:
 
 def adapter_gemm_shapes(cfg: ModelConfig, run) -> list[tuple[int, int, int]]:
     """(m, n, k) of the forward matmuls adapters add to one block: x A^T (t x r x in), then B."""
-    t = run.micro_batch * run.seq_len
+    t = run.micro_batch * run.local_seq_len
     shapes = _shapes(cfg)
     out = []
     for role in layer_counts(cfg, run).adapted:

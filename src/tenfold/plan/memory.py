@@ -297,17 +297,36 @@ def layer_input_bytes_per_token(cfg: ModelConfig, run: ResolvedRun) -> float:
 def activation_bytes_per_layer(cfg: ModelConfig, run: ResolvedRun, drop_parts: tuple[str, ...] = ()) -> float:
     """Korthikanti Table 2 generalised: sum of the saved tensors of one layer, one micro-batch.
     TP divides "shard" terms by t; sequence parallelism also divides the "replicated" ones
-    (Eq. 4: sbh/t (34 + 5as/h)). `drop_parts` are the parts that selective recompute frees."""
+    (Eq. 4: sbh/t (34 + 5as/h)). `drop_parts` are the parts that selective recompute frees.
+    Under context parallelism a rank holds s/cp tokens of each sequence (their queries see all
+    s keys) and keeps the other ranks' keys and values for backward (`cp_kv_bytes`)."""
     total = 0.0
-    s, b, tp = run.seq_len, run.micro_batch, run.tp
+    s, b, tp = run.local_seq_len, run.micro_batch, run.tp
     for term in layer_activation_terms(cfg, run):
         if term.part in drop_parts:
             continue
-        n = term.bytes_per_token * b * s * (s if term.per_seq else 1)
+        n = term.bytes_per_token * b * s * (run.seq_len if term.per_seq else 1)
         if term.tp == "shard" or run.sequence_parallel:
             n /= tp
         total += n
+    if "attn_core" not in drop_parts:
+        total += cp_kv_bytes(cfg, run)
     return total
+
+
+def cp_kv_bytes(cfg: ModelConfig, run: ResolvedRun) -> float:
+    """What one layer's cp attention keeps for backward beyond the plain attention
+    (techniques/context_parallel.py): the received key/value blocks, the other cp - 1 ranks' K
+    and V, (cp-1)/cp x s x 2 x kv_dim / tp elements per sequence (the all-gather's output), and
+    one (s/cp) x h / tp copy of its output: its chunks are joined head-major, so the output
+    projection's input is a transposed copy where the plain kernel's output is reshaped as a
+    view (measured: tiny at sequence 512, cp 2, fp32; tests/test_context_parallel.py). Both in
+    the compute dtype; 0 without cp."""
+    if run.cp <= 1:
+        return 0.0
+    kv = cfg.kv_heads * cfg.head_dim
+    received = run.seq_len * (run.cp - 1) / run.cp * 2 * kv
+    return run.micro_batch * (received + run.local_seq_len * cfg.d_model) / run.tp * element_bytes(run.precision)
 
 
 def op_saved_bytes(cfg: ModelConfig, run: ResolvedRun) -> float:
@@ -317,12 +336,12 @@ def op_saved_bytes(cfg: ModelConfig, run: ResolvedRun) -> float:
     (the attention's logsumexp) always."""
     B = element_bytes(run.precision)
     per_token = sum(t.per_token * (4.0 if t.fp32 else B) for t in op_saved_tensors(cfg, run.tp, run.sequence_parallel))
-    return per_token * run.micro_batch * run.seq_len
+    return per_token * run.micro_batch * run.local_seq_len + cp_kv_bytes(cfg, run)
 
 
 def recompute_layer_bytes(cfg: ModelConfig, run: ResolvedRun) -> float:
     """Bytes kept by a checkpointed layer: its input (divided by t only with SP)."""
-    n = layer_input_bytes_per_token(cfg, run) * run.micro_batch * run.seq_len
+    n = layer_input_bytes_per_token(cfg, run) * run.micro_batch * run.local_seq_len
     return n / run.tp if run.sequence_parallel else n
 
 
@@ -414,7 +433,7 @@ def stage_activations(cfg: ModelConfig, run: ResolvedRun, modules: tuple[int, ..
         raise AssertionError(k)
     stored = per_mb if k == "offload" else per_mb * inflight
     extra = 0.0
-    tokens = run.micro_batch * run.seq_len
+    tokens = run.micro_batch * run.local_seq_len
     if first and run.stack.dropout:
         # Korthikanti §4.3: embedding dropout mask sbhp/t (p micro-batches in flight).
         extra += tokens * cfg.d_model * inflight / (run.tp if run.sequence_parallel else 1)
@@ -427,7 +446,7 @@ def final_layer_activation_bytes(cfg: ModelConfig, run: ResolvedRun) -> float:
     """Korthikanti §4.3 (counted on the last stage): final norm input 2sbh/t, output projection
     input 2sbh/t, fp32 logits 4sbv/t. tenfold keeps fp32 log-probabilities for the loss and, at
     the start of backward, their fp32 gradient too: 8 bytes x b x s x V (the engine's loss)."""
-    bs = run.micro_batch * run.seq_len
+    bs = run.micro_batch * run.local_seq_len
     h, tp = cfg.d_model, run.tp
     B = element_bytes(run.precision)
     if run.lora is not None and run.stack.activation_style == "tenfold":

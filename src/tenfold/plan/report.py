@@ -36,7 +36,7 @@ def _duration(x: float) -> str:
 # The strategy keys `_layout` writes (or leaves out only at a value it shows by omission:
 # no offload, no shard group, fp32 reduction); any other key that differs between the rows of
 # one table is added as `key=value`, so two rows never read alike unless they are alike.
-_LAYOUT_KEYS = frozenset({"world_size", "pp", "dp", "tp", "pp_schedule", "virtual_stages", "stage_layers",
+_LAYOUT_KEYS = frozenset({"world_size", "pp", "dp", "cp", "tp", "pp_schedule", "virtual_stages", "stage_layers",
                           "zero_stage", "zero_runs_as", "recompute", "micro_batch", "grad_accum", "global_batch",
                           "offload", "shard_group", "reduce_dtype", "sequence_parallel"})
 
@@ -45,7 +45,7 @@ def _layout(p: Plan, varying: frozenset[str] = frozenset()) -> str:
     """The compact layout of a search row (`zero=1->2`: ZeRO-1 runs as ZeRO-2 there), with every
     key in `varying` (the keys that differ between the table's rows) written."""
     s = p.strategy
-    parts = [f"dp={p.dp}", f"tp={s['tp']}", f"pp={s['pp']}"]
+    parts = [f"dp={p.dp}", f"tp={s['tp']}", f"pp={s['pp']}"] + ([f"cp={s['cp']}"] if s.get("cp", 1) > 1 else [])
     if s["pp"] > 1:
         parts.append(s["pp_schedule"] + (f"(v={s['virtual_stages']})" if s["virtual_stages"] > 1 else ""))
         parts.append(f"split={_split(s['stage_layers'])}")

@@ -1,4 +1,4 @@
-"""`--search`: every valid strategy (TP x PP x schedule x ZeRO x shard group x micro-batch x recompute) for
+"""`--search`: every valid strategy (TP x PP x CP x schedule x ZeRO x shard group x micro-batch x recompute) for
 a model, fleet and global batch; the top k that fit, by predicted throughput.
 
 GPipe is never better than 1F1B (same bubble, more activations in flight) and is left out.
@@ -14,7 +14,10 @@ and data-parallel size divide the global batch; interleaving needs at least one 
 stage (p x v <= layers) and micro-batches divisible by p. The stages need not divide the layers:
 each candidate's blocks per stage come from the rule train uses when no --pp-split is given
 (tenfold.terms.layer_counts, the embedding and the head weighted as a layer each), so an
-emitted config leaves the split to train. Memory is checked first (cheap); time only for what fits.
+emitted config leaves the split to train. Context parallelism (cp > 1) is tried for long
+sequences only (`cp_choices`: from LONG_SEQUENCE tokens, keeping at least MIN_CP_CHUNK tokens per
+rank), as Llama 3 turns it on for its long-context stage only (arXiv:2407.21783, section 3.3.2).
+Memory is checked first (cheap); time only for what fits.
 """
 
 from __future__ import annotations
@@ -36,6 +39,10 @@ AC_CHOICES = ("none", "selective", "op", "full")
 # tried with more offload only when it does not fit with less (more offload only adds host time).
 # In the default search only where tenfold train runs it (tenfold.capabilities).
 OFFLOAD_CHOICES = OFFLOADS
+# Context parallelism is searched from this sequence length on (Llama 3: 8K without cp, cp 16 at
+# 128K), each rank keeping at least MIN_CP_CHUNK tokens of the sequence (shorter chunks leave the
+# K/V traffic large next to the attention compute).
+LONG_SEQUENCE, MIN_CP_CHUNK = 16384, 2048
 
 
 @dataclass
@@ -124,27 +131,35 @@ def _layouts(base: ResolvedRun, hw: Hardware, sequence_parallel: bool | None, gp
     # Any number of stages up to the layers: the blocks are split by the rule train uses
     # (tenfold.terms.stage_layer_counts), evenly or not.
     pps = [p for p in range(1, cfg.n_layers + 1) if gpus % p == 0]
-    for tp, pp, mb in itertools.product(tps, pps, _powers_of_two_upto(min(glob, 16))):
+    for tp, pp, cp, mb in itertools.product(tps, pps, cp_choices(base.seq_len, gpus), _powers_of_two_upto(min(glob, 16))):
         try:
-            dp = build_layout(gpus, pp, tp).dp
-        except UserError:  # pp x tp does not divide the processes
+            dp = build_layout(gpus, pp, tp, cp=cp).dp
+        except UserError:  # pp x cp x tp does not divide the processes
             continue
         if glob % (mb * dp):
             continue
         m = glob // (mb * dp)
         for (sched, v), zero, ac in itertools.product(_schedules(pp, m, cfg.n_layers), (0, 1, 2, 3), AC_CHOICES):
-            if zero and dp == 1:
+            if zero and dp * cp == 1:
                 continue  # nothing to partition
             if zero == 1 and tp > 1 and pp > 1:
                 continue  # runs as ZeRO-2 (tenfold.terms.zero_runs_as), which a pipeline reduces once per step too
-            for group in _shard_groups(zero, dp, tp, hw.gpus_per_node):
+            for group in _shard_groups(zero, dp, tp, hw.gpus_per_node) if cp == 1 else [None]:
                 try:
-                    yield base.with_(check=False, world_size=gpus, tp=tp, pp=pp, micro_batch=mb, pp_schedule=sched,
+                    yield base.with_(check=False, world_size=gpus, tp=tp, pp=pp, cp=cp, micro_batch=mb, pp_schedule=sched,
                                      virtual_stages=v, global_batch=glob, zero_stage=zero, recompute=ac,
                                      offload="none", pp_split=None, shard_group=group,
                                      sequence_parallel=sequence_parallel if tp > 1 else None)
                 except UserError:  # a layout the run's rules refuse (e.g. sequence split by tp)
                     continue
+
+
+def cp_choices(seq_len: int, gpus: int) -> list[int]:
+    """Context-parallel degrees to try: 1, and for a sequence of LONG_SEQUENCE tokens or more the
+    powers of two up to the GPUs that leave each rank MIN_CP_CHUNK tokens or more."""
+    if seq_len < LONG_SEQUENCE:
+        return [1]
+    return [c for c in _powers_of_two_upto(gpus) if c == 1 or (seq_len // c >= MIN_CP_CHUNK and seq_len % (2 * c) == 0)]
 
 
 def _shard_groups(zero: int, dp: int, tp: int, gpus_per_node: int) -> list[int | None]:

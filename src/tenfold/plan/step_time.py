@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tenfold.errors import UserError
-from tenfold.plan import comm, dp_time, fp8, memory
+from tenfold.plan import comm, cp_traffic, dp_time, fp8, memory
 from tenfold.plan import lora as lora_plan
 from tenfold.plan import time as tm
 from tenfold.plan.flops import model_flops_per_token, recompute_flops_per_token, regathered_layers
@@ -181,8 +181,10 @@ def _trace_time(tr, r: ResolvedRun, hw: Hardware, mb: MicroBatch, bubble: float,
        f"roofline (Williams et al. 2009); e_max = {hw.gemm_efficiency:.3f} of peak = "
        f"{hw.gemm_efficiency / hw.matmul_fraction:.3f} x measured best matmul ({hw.matmul_fraction:.3f} of peak)")
     tr("recompute_s", m * mb.rc, f"forward of the recomputed part ({r.recompute.text})", "torch.utils.checkpoint semantics")
-    tr("tp_comm_s", m * mb.tpc, "4 all-reduces of b s h per layer (+2 per recomputed layer), not overlapped",
-       "Narayanan §3.2: 8 b s h (t-1)/t elements per layer")
+    tr("tp_comm_s", m * mb.tpc, "4 all-reduces of b s h per layer (+2 per recomputed layer), not overlapped; "
+       "with cp: + the K/V all-gather per layer (again per recomputed layer) and reduce-scatter of b s 2 kv/t "
+       "elements, (cp-1)/cp of them crossing each rank, not overlapped",
+       "Narayanan §3.2: 8 b s h (t-1)/t elements per layer; Llama 3 (arXiv:2407.21783) §3.3.2 all-gather CP")
     tr("pp_comm_s", m * mb.ppc, "2 v sends of b s h / t per micro-batch", "Narayanan §4.1 (scatter/gather)")
     tr("bubble_s", bubble, "(p - 1)/v x t_microbatch", "Narayanan Eq. (1)")
     tr("host_transfer_s", m * mb.host, "host-link bytes per micro-batch (offloaded activations, params, gradients) "
@@ -239,12 +241,13 @@ def stage_work(shape: ModelShape, r: ResolvedRun, mb: MicroBatch) -> dp_time.Sta
 def microbatch(shape: ModelShape, hw: Hardware, r: ResolvedRun, peak: float) -> MicroBatch:
     cfg, tp = shape.cfg, r.tp
     if cfg is None:  # --params only: 6N FLOPs per token at the large-GEMM efficiency, no shapes
-        flops_mb = 6.0 * shape.params * r.micro_batch * r.seq_len / (tp * r.pp)
+        flops_mb = 6.0 * shape.params * r.micro_batch * r.local_seq_len / (tp * r.pp)
         fwd = flops_mb / 3 / (peak * hw.gemm_efficiency)
         return MicroBatch(fwd, 2 * fwd, fwd if r.recompute.kind == "full" else 0.0, 0.0, 0.0, 0.0)
-    act_bytes = r.micro_batch * r.seq_len * cfg.d_model * element_bytes(r.precision)
+    act_bytes = r.micro_batch * r.local_seq_len * cfg.d_model * element_bytes(r.precision)
     tp_ar = comm.all_reduce_time(act_bytes, hw, comm.group_layout(tp, 1, hw.gpus_per_node))
     lt = tm.layer_times(cfg, r, hw, peak, tp_ar)
+    cp = cp_traffic.layer_traffic(cfg, r, hw)
     rc_tp = r.recompute.kind in ("full", "every", "segments")  # a recomputed layer repeats its forward all-reduces
     best = None
     for rank in r.busiest_ranks():
@@ -257,6 +260,7 @@ def microbatch(shape: ModelShape, hw: Hardware, r: ResolvedRun, peak: float) -> 
             fwd, bwd = fwd + hf, bwd + hb
         rc = tm.recompute_time(lt, r.recompute, layers, rc_layers)
         tpc = layers * 2 * lt.tp_comm_fwd + (rc_layers * lt.tp_comm_fwd if rc_tp else 0.0)
+        tpc += cp_comm(cp, lt, layers, rc_layers if rc_tp else 0)
         cand = (fwd + bwd + rc + tpc, rank, layers, fwd, bwd, rc, tpc, rc_layers)
         best = cand if best is None or cand[0] > best[0] else best
     _, rank, layers, fwd, bwd, rc, tpc, rc_layers = best
@@ -267,6 +271,17 @@ def microbatch(shape: ModelShape, hw: Hardware, r: ResolvedRun, peak: float) -> 
     rc_layer = rc / layers if layers else 0.0
     return MicroBatch(fwd, bwd, rc, tpc, ppc, host, stage=rank, layers=layers, layer_fwd=lt.fwd + lt.tp_comm_fwd,
                       layer_bwd=lt.bwd + rc_layer + lt.tp_comm_fwd + (share * lt.tp_comm_fwd if rc_tp else 0.0))
+
+
+def cp_comm(cp: "cp_traffic.CpTraffic", lt: "tm.LayerTimes", layers: int, recomputed: int) -> float:
+    """Context parallelism's exposed K/V traffic of a rank's layers in one micro-batch: the
+    all-gather per layer forward (again per recomputed layer) and the reduce-scatter per layer
+    backward, before / after the attention, so not hidden by it (plan/cp_traffic.py)."""
+    if cp.bytes_per_layer == 0:
+        return 0.0
+    fwd = cp_traffic.exposed_s(cp.fwd_s, lt.attn_fwd, overlapped=False)
+    bwd = cp_traffic.exposed_s(cp.bwd_s, 2.5 * lt.attn_fwd, overlapped=False)
+    return (layers + recomputed) * fwd + layers * bwd
 
 
 def host_transfer_exposed(shape: ModelShape, hw: Hardware, r: ResolvedRun, fwd: float, bwd: float) -> float:

@@ -99,12 +99,14 @@ class LayerTimes:
 
 def layer_times(cfg: ModelConfig, run: ResolvedRun, hw: Hardware, peak: float, tp_ar_time: float) -> LayerTimes:
     B = element_bytes(run.precision)
-    micro_batch, seq_len, tp = run.micro_batch, run.seq_len, run.tp
+    # Context parallelism: s/cp tokens of each sequence per rank; their queries attend over all
+    # s keys, so the rank does 1/cp of the sequence's attention (balanced by the head-tail layout)
+    micro_batch, seq_len, tp = run.micro_batch, run.local_seq_len, run.tp
     gemms = layer_gemms(cfg, micro_batch, seq_len, tp)
     mm_peak = fp8.block_matmul_peak(hw, run, peak)  # float8 matmuls in the blocks with --fp8
     g_times = {g.name: gemm_time(g, hw, mm_peak, B) for g in gemms}
-    core = attention_core_gemms(cfg, micro_batch, seq_len, tp)
-    core_t = sum(gemm_time(g, hw, peak, B) for g in core)
+    core = attention_core_gemms(cfg, micro_batch, run.seq_len, tp)
+    core_t = sum(gemm_time(g, hw, peak, B) for g in core) / run.cp
     if run.stack.flash_attention:
         attn_f = 0.5 * core_t / FLASH_KERNEL_EFFICIENCY  # causal: masked blocks skipped
         attn_b = 2.5 * attn_f  # FA2 backward: 5 matmuls vs 2
@@ -157,7 +159,7 @@ def recompute_time(lt: LayerTimes, policy: RecomputePolicy, layers: int, recompu
 def head_time(cfg: ModelConfig, run: ResolvedRun, hw: Hardware, peak: float) -> tuple[float, float]:
     """Output layer forward and backward, plus the fp32 cross-entropy (memory-bound)."""
     B = element_bytes(run.precision)
-    micro_batch, seq_len, tp = run.micro_batch, run.seq_len, run.tp
+    micro_batch, seq_len, tp = run.micro_batch, run.local_seq_len, run.tp
     g = head_gemm(cfg, micro_batch, seq_len, tp)
     t = gemm_time(g, hw, peak, B)
     ce = micro_batch * seq_len * cfg.vocab_size / tp * (B + 4.0 * 3) / (hw.hbm_bw * MEMORY_EFFICIENCY)

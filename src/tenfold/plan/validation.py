@@ -124,12 +124,15 @@ def _titan_a100(model: ModelConfig, name: str, seq: int, mb: int, ac: str, tps: 
     )
 
 
-def _llama405(gpus: int, dp: int, tflops: float) -> PublishedRun:
-    run = resolve(LLAMA3_405B, gpus, precision="bf16", zero_stage=2, tp=8, sequence_parallel=True, pp=16,
-                  pp_schedule="interleaved", virtual_stages=4, micro_batch=1, global_batch=2048, seq_len=8192,
-                  stack=Stack(master_weights=True, grads_fp32=True, activation_style="megatron"), check=False)
+def _llama405(gpus: int, dp: int, tflops: float, cp: int = 1, seq: int = 8192) -> PublishedRun:
+    model = LLAMA3_405B if seq <= LLAMA3_405B.max_seq_len else replace(LLAMA3_405B, max_seq_len=seq)
+    run = resolve(model, gpus, precision="bf16", zero_stage=2, tp=8, sequence_parallel=True, pp=16, cp=cp,
+                  pp_schedule="interleaved", virtual_stages=4, micro_batch=1, global_batch=2048 * 8192 // seq,
+                  seq_len=seq, stack=Stack(master_weights=True, grads_fp32=True, activation_style="megatron"),
+                  check=False)
+    layout = f"TP 8, CP {cp}, PP 16, DP {dp}, seq {seq}" if cp > 1 else f"TP 8, PP 16, DP {dp}"
     return PublishedRun(
-        f"Llama 3 405B x{gpus} (TP 8, PP 16, DP {dp})", LLAMA3, run, CATALOG["h100-sxm"],
+        f"Llama 3 405B x{gpus} ({layout})", LLAMA3, run, CATALOG["h100-sxm"],
         "tflops_per_gpu", tflops, 0.25, "llama-h100",
         assumed="interleaved schedule with v = 4 (the paper gives no v: v = 2 predicts 410 / 340, v = 6 "
                 "459 / 419); the first and last pipeline rank one layer fewer (see LLAMA3_405B); "
@@ -230,6 +233,8 @@ CASES: list[PublishedRun] = [
     # Llama-style training on H100s.
     _titan(8, 5762), _titan(128, 5605),
     _llama405(8192, 64, 430), _llama405(16384, 128, 400),
+    # ... and its long-context stage: 128K-token sequences, context parallelism 16 (16M tokens per step)
+    _llama405(16384, 8, 380, cp=16, seq=131072),
     # FSDP and HSDP at 96-384 GPUs: fms-fsdp (IBM) on A100 and H100; DeepSpeed ZeRO-3 on V100 at
     # four network speeds (the ZeRO++ paper's baseline).
     _ibm("7b", "a100-80gb", 128, 6.25, "none", True, 3700), _ibm("13b", "a100-80gb", 128, 6.25, "every:2", True, 1800),
