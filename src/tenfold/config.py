@@ -75,6 +75,14 @@ class ModelSection(_Section):
     pos: Literal["rope", "learned"] | None = None
     bias: bool | None = None
     tie_embeddings: bool | None = None
+    n_experts: int | None = Field(None, ge=0)
+    experts_per_token: int | None = Field(None, gt=0)
+    d_expert: int | None = Field(None, gt=0)
+    n_shared_experts: int | None = Field(None, ge=0)
+    router_aux_loss_coef: float | None = Field(None, ge=0)
+    router_bias_rate: float | None = Field(None, ge=0)
+    router_norm_topk: bool | None = None
+    capacity_factor: float | None = Field(None, ge=0)
     # Any model (tenfold.models.adapter / hf): a Hugging Face config.json (random init) or a
     # local folder with config.json + safetensors; `blocks` names the repeated block class.
     hf_config: str | None = None

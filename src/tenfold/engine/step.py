@@ -19,6 +19,7 @@ import torch
 
 from tenfold.data import iter_eval
 from tenfold.engine.parts import Parts
+from tenfold.models.moe import finish_router_step
 from tenfold.techniques import accumulation as acc
 from tenfold.techniques import zero
 from tenfold.techniques.precision import StepResult, finish_step
@@ -65,6 +66,8 @@ def apply_gradients(p: Parts, loss: float, global_tokens: int, step: int) -> Ste
                          lambda max_norm: clip(p, max_norm), train.grad_clip, on_nan=train.on_nan, step=step)
     if result.message and p.dist.is_main:
         log.warning(result.message)
+    dp_group = p.dist.mesh["dp"].get_group() if p.dist.mesh is not None else None
+    result.expert_load = finish_router_step(p.model, dp_group, update_bias=not result.skipped)
     return result
 
 
