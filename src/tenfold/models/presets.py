@@ -102,6 +102,19 @@ class ModelConfig:
         return self.n_experts > 0
 
     @property
+    def active_ffn_dim(self) -> int:
+        """The MLP width one token's forward runs through: a dense MLP's, or for MoE the k routed
+        plus the shared experts' (what its FLOPs and saved activations scale with)."""
+        if not self.is_moe:
+            return self.ffn_dim
+        return (self.experts_per_token + self.n_shared_experts) * self.expert_dim
+
+    @property
+    def router_dim(self) -> int:
+        """Router outputs per token (its matmul is d_model x n_experts); 0 for a dense model."""
+        return self.n_experts
+
+    @property
     def expert_dim(self) -> int:
         return self.d_expert if self.d_expert is not None else self.ffn_dim
 

@@ -13,6 +13,7 @@ from tenfold.errors import UserError
 from tenfold.plan import lora as lora_plan
 from tenfold.plan import memory
 from tenfold.plan.hardware import Hardware, get_hardware, with_gpus_per_node
+from tenfold.models.presets import active_param_count
 from tenfold.plan.shape import ModelShape, largest_unit_params, run_rank_params, shape_of
 from tenfold.plan.step_time import TimeBreakdown, compute_share, step_time
 from tenfold.run import ResolvedRun
@@ -96,6 +97,9 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     explain: list[Explained] = field(default_factory=list)
     run: ResolvedRun | None = field(default=None, repr=False, compare=False)  # what was priced
+    # Parameters a token's forward uses (MoE: k routed experts per block); = params for dense.
+    # Memory is priced on `params`, FLOPs and MFU on these.
+    active_params: float | None = None
 
     @property
     def step_time_s(self) -> float:
@@ -198,6 +202,7 @@ def _predict(run: ResolvedRun, hardware, gpus_per_node=None, trace: bool = True,
         tokens_per_s=tps, tflops_per_gpu=tflops / 1e12, hardware_tflops_per_gpu=hw_tflops / 1e12, mfu=mfu, hfu=hfu,
         tokens=tokens, train_days=days, gpu_hours=hours, notes=notes, explain=tr.items if trace else [],
         tp_bytes_per_step=tp_bytes, run=run,
+        active_params=float(active_param_count(shape.cfg)) if shape.known else shape.params,
     )
 
 

@@ -84,7 +84,9 @@ def varying_keys(plans: list[Plan]) -> frozenset[str]:
 
 def print_plan(p: Plan, hw: Hardware, explain: bool = False, console: Console | None = None) -> None:
     c = console or Console()
-    c.print(f"[bold]{p.model}[/] ({p.params / 1e9:,.3g}B params) on {p.gpus} x {p.hardware} "
+    active = (f", {p.active_params / 1e9:,.3g}B active" if p.active_params is not None and p.active_params < p.params
+              else "")
+    c.print(f"[bold]{p.model}[/] ({p.params / 1e9:,.3g}B params{active}) on {p.gpus} x {p.hardware} "
             f"({p.gpus_per_node}/node), {p.strategy['precision']}, seq {p.seq_len}")
     c.print(f"layout: {p.layout_line}; micro-batch {p.micro_batch} x {p.grad_accum} x dp {p.dp} = {p.global_batch}",
             highlight=False)

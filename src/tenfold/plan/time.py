@@ -67,7 +67,7 @@ def elementwise_bytes_per_token(cfg: ModelConfig, run: ResolvedRun) -> float:
     tenfold (eager PyTorch): RMSNorm is ~8 fp32 passes (F.rms_norm's composite kernels plus
     the casts around it), 16-bit casts of the Linears' inputs, RoPE's pair swap and two
     multiplies, the transposed copy, SwiGLU's silu and mul as separate kernels."""
-    h, f = cfg.d_model, cfg.ffn_dim
+    h, f = cfg.d_model, cfg.active_ffn_dim
     kv = cfg.kv_heads * cfg.head_dim
     B = element_bytes(run.precision)
     tp, seq_len, st = run.tp, run.seq_len, run.stack
@@ -117,7 +117,7 @@ def layer_times(cfg: ModelConfig, run: ResolvedRun, hw: Hardware, peak: float, t
     bwd = 2 * mm + attn_b + 2 * elem
     if run.lora is not None:
         fwd, bwd = _lora_layer_times(cfg, run, hw, peak, mm, attn_f, attn_b, elem)
-    mlp_f = g_times["mlp-in"] + g_times["mlp-out"]
+    mlp_f = sum(t for name, t in g_times.items() if name not in ("qkv", "out-proj"))  # MLP or MoE layer
     return LayerTimes(fwd, bwd, attn_f, mlp_f, 2 * tp_ar_time, op_rerun_matmuls(cfg, g_times) + elem)
 
 
@@ -138,7 +138,10 @@ def op_rerun_matmuls(cfg: ModelConfig, g_times: dict) -> float:
     (GeLU, its 6th); attention is kept."""
     kv = cfg.kv_heads * cfg.head_dim
     wk = g_times["qkv"] * kv / (cfg.d_model + 2 * kv)
-    third = g_times["mlp-in"] / 2 if cfg.mlp == "swiglu" else g_times["mlp-out"]
+    if cfg.is_moe:  # the experts' w3 halves of the grouped up-projections
+        third = (g_times["experts-in"] + g_times.get("shared-in", 0.0)) / 2
+    else:
+        third = g_times["mlp-in"] / 2 if cfg.mlp == "swiglu" else g_times["mlp-out"]
     return wk + g_times["out-proj"] + third
 
 
