@@ -210,6 +210,7 @@ class ParallelSection(_Section):
     # nodes the run spans (torchrun --nnodes on each); the run has nnodes x nproc processes
     nnodes: int = Field(1, gt=0)
     pp_degree: int = Field(1, gt=0)
+    ep_degree: int = Field(1, gt=0)  # expert parallelism: MoE experts split over ep of the dp ranks
     tp_degree: int = Field(1, gt=0)  # tensor parallelism: each layer's matrices split over tp ranks
     sequence_parallel: bool | None = None  # None: on when tp_degree > 1 (tenfold.run.sequence_parallel_for)
     pp_schedule: Literal["gpipe", "1f1b", "interleaved", "zero-bubble"] = "1f1b"  # tenfold.terms.PIPELINE_SCHEDULES

@@ -78,7 +78,8 @@ class RoutedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """`x` (N, d): rows sorted by expert, `counts` (E_local,) rows per expert."""
-        w1, w3, w2 = self.w1, self.w3, self.w2
+        # under expert parallelism the weights are DTensors: this rank's experts are the local part
+        w1, w3, w2 = (w.to_local() if hasattr(w, "to_local") else w for w in (self.w1, self.w3, self.w2))
         if torch.is_autocast_enabled(x.device.type):  # grouped_mm is not on autocast's lists
             dtype = torch.get_autocast_dtype(x.device.type)
             x, w1, w3, w2 = x.to(dtype), w1.to(dtype), w3.to(dtype), w2.to(dtype)
