@@ -69,8 +69,13 @@ def mode_equivalence(out_dir: str) -> dict:
     more ranks than ep, the ranks holding the same experts average them too."""
     world = int(os.environ["WORLD_SIZE"])
     micro, accum = (2, 1) if world == 2 else (1, 1)
-    return {f"{stage}": run_steps(config(stage, micro, accum, os.path.join(out_dir, f"ep-{stage}"), ep=2))
+    runs = {f"{stage}": run_steps(config(stage, micro, accum, os.path.join(out_dir, f"ep-{stage}"), ep=2))
             for stage in (0, 3)}
+    # accumulation (micro 1 x accum 2) and full recompute: the all-to-alls replayed in backward
+    recomputed = config(3, 1, 2, os.path.join(out_dir, "ep-ac"), ep=2)
+    recomputed["recompute"] = {"policy": "full"}
+    runs["3-accum-recompute"] = run_steps(recomputed)
+    return runs
 
 
 def main() -> None:
