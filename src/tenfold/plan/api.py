@@ -7,11 +7,12 @@ rung; the CLI prints it. Every figure carries the formula and source it came fro
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 
 from tenfold.errors import UserError
 from tenfold.plan import lora as lora_plan
 from tenfold.plan import memory
+from tenfold.plan import moe as moe_plan
 from tenfold.plan.hardware import Hardware, get_hardware, with_gpus_per_node
 from tenfold.models.presets import active_param_count
 from tenfold.plan.shape import ModelShape, largest_unit_params, run_rank_params, shape_of
@@ -317,7 +318,7 @@ def _stage_memory(shape: ModelShape, hw: Hardware, run: ResolvedRun, rank: int) 
             act = max(act, act - (sa.extra_bytes if last else 0.0) + lora_plan.dequant_working_bytes(cfg, run))
         cpu += sa.cpu_bytes
         tp_seq_bytes = run.micro_batch * run.seq_len * cfg.d_model * element_bytes(run.precision)
-    unit = largest_unit_params(shape, run.tp)
+    unit = largest_unit_params(shape, run.tp, run.ep)
     buffers, _ = memory.comm_buffer_bytes(run, unit, tp_seq_bytes)
     autocast = (lora_plan.autocast_copy_bytes(cfg, run, run.rank_layers(rank)) if run.lora and cfg is not None
                 else memory.autocast_weight_copy_bytes(n_params, run))
@@ -353,10 +354,18 @@ def _model_states(shape: ModelShape, run: ResolvedRun, rank: int, n_params: floa
     """ZeRO's model states, or a LoRA run's: the frozen base (16-bit or NF4) and the adapters'
     weights, gradients and AdamW states (plan/lora.py)."""
     if run.lora is None or shape.cfg is None:
+        if run.ep > 1 and shape.cfg is not None:  # split experts: whole on their replicas (plan/moe.py)
+            experts = moe_plan.rank_expert_params(shape.cfg, run, run.rank_layers(rank))
+            return _add_states(memory.model_states(n_params - experts, run),
+                               memory.model_states(experts, replace(run, zero_stage=0, shard_group=None)))
         return memory.model_states(n_params, run)
     s = lora_plan.model_states(n_params, run.rank_layers(rank), shape.cfg, run)
     return memory.ModelStates(params_bytes=s.params, grads_bytes=s.grads, master_weights_bytes=0.0,
                               optimizer_moments_bytes=s.moments, grad_copy_bytes=0.0, cpu_bytes=s.cpu)
+
+
+def _add_states(a: memory.ModelStates, b: memory.ModelStates) -> memory.ModelStates:
+    return memory.ModelStates(**{f.name: getattr(a, f.name) + getattr(b, f.name) for f in fields(a)})
 
 
 def largest_micro_batch(run: ResolvedRun, hardware, memory_budget_bytes: float | None = None, limit: int = 4096,

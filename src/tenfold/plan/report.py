@@ -55,6 +55,8 @@ def _layout(p: Plan, varying: frozenset[str] = frozenset()) -> str:
     parts.append(f"zero={zero}")
     if s["shard_group"]:
         parts.append(f"shard-group={s['shard_group']}")
+    if s.get("ep", 1) > 1:
+        parts.append(f"ep={s['ep']}")
     parts += [f"ac={s['recompute']}", f"mb={p.micro_batch}", f"accum={p.grad_accum}", f"gb={p.global_batch}"]
     if s["offload"] != "none":
         parts.append(f"offload={s['offload']}")
@@ -147,6 +149,7 @@ def _time_table(p: Plan) -> Table:
         return tt
     for name, v in (("compute (fwd + bwd)", p.time.compute_s), ("recompute", p.time.recompute_s),
                     ("TP communication (exposed)", p.time.tp_comm_s), ("PP communication", p.time.pp_comm_s),
+                    *((("EP all-to-all", p.time.ep_comm_s),) if p.time.ep_comm_s else ()),
                     ("offload PCIe traffic (exposed)", p.time.host_transfer_s),
                     (f"pipeline bubble ({p.time.bubble_fraction:.1%})", p.time.bubble_s),
                     (f"DP/ZeRO comm exposed (of {_secs(p.time.dp_comm_s)})", p.time.dp_comm_exposed_s),

@@ -29,6 +29,7 @@ from tenfold.models.presets import ModelConfig
 from tenfold.plan.flops import Gemm, attention_core_gemms, head_gemm, layer_gemms
 from tenfold.plan import fp8
 from tenfold.plan import lora as lora_plan
+from tenfold.plan.moe import LOAD_IMBALANCE
 from tenfold.plan.hardware import Hardware
 from tenfold.run import ResolvedRun
 from tenfold.terms import RecomputePolicy, element_bytes
@@ -103,6 +104,9 @@ def layer_times(cfg: ModelConfig, run: ResolvedRun, hw: Hardware, peak: float, t
     gemms = layer_gemms(cfg, micro_batch, seq_len, tp)
     mm_peak = fp8.block_matmul_peak(hw, run, peak)  # float8 matmuls in the blocks with --fp8
     g_times = {g.name: gemm_time(g, hw, mm_peak, B) for g in gemms}
+    if run.ep > 1:  # the busiest expert rank's share of the routed tokens (plan/moe.py)
+        for name in ("experts-in", "experts-out"):
+            g_times[name] *= LOAD_IMBALANCE
     core = attention_core_gemms(cfg, micro_batch, seq_len, tp)
     core_t = sum(gemm_time(g, hw, peak, B) for g in core)
     if run.stack.flash_attention:
