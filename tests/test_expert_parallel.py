@@ -45,8 +45,8 @@ def reference_micro1(tmp_path_factory):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("run", ["0", "3", "3-accum-recompute"])
-def test_ep2_matches_one_process_losses_and_first_step_gradients(two_ranks, reference, reference_micro1, run):
+@pytest.mark.parametrize("run", ["0", "3", "3-accum-recompute", "ep1-0", "ep1-3"])
+def test_ep_layouts_match_one_process_losses_and_first_step_gradients(two_ranks, reference, reference_micro1, run):
     if run == "3-accum-recompute":
         reference = reference_micro1
     for rank in ("0", "1"):

@@ -66,7 +66,8 @@ def run_steps(cfg: dict) -> dict:
 
 def mode_equivalence(out_dir: str) -> dict:
     """ep 2 over the 2 dp ranks, micro 2 x accum 1 x dp 2, ZeRO-0 (DDP) and ZeRO-3 (FSDP2); with
-    more ranks than ep, the ranks holding the same experts average them too."""
+    more ranks than ep, the ranks holding the same experts average them too. The same without
+    ep (ep 1): DDP and FSDP2 reduce the experts' gradients with the others'."""
     world = int(os.environ["WORLD_SIZE"])
     micro, accum = (2, 1) if world == 2 else (1, 1)
     runs = {f"{stage}": run_steps(config(stage, micro, accum, os.path.join(out_dir, f"ep-{stage}"), ep=2))
@@ -75,6 +76,9 @@ def mode_equivalence(out_dir: str) -> dict:
     recomputed = config(3, 1, 2, os.path.join(out_dir, "ep-ac"), ep=2)
     recomputed["recompute"] = {"policy": "full"}
     runs["3-accum-recompute"] = run_steps(recomputed)
+    # no ep on the same ranks: the experts are data-parallel weights like the rest
+    for stage in (0, 3):
+        runs[f"ep1-{stage}"] = run_steps(config(stage, micro, accum, os.path.join(out_dir, f"ep1-{stage}"), ep=1))
     return runs
 
 

@@ -81,8 +81,10 @@ class ExpertParallelDispatch:
 
 
 def expert_params(model: nn.Module) -> list[nn.Parameter]:
-    """The routed experts' weights of every MoE layer (what ep splits and the dp wrappers skip)."""
-    return [p for m in moe_layers(model) for p in m.experts.parameters()]
+    """The routed experts' weights that expert parallelism split (`apply_expert_parallel`): what
+    the dp wrappers skip and `reduce_expert_gradients` reduces. None without ep: there the
+    experts are data-parallel weights like any other (DDP reduces them, FSDP2 shards them)."""
+    return [p for m in moe_layers(model) if isinstance(m.dispatch, ExpertParallelDispatch) for p in m.experts.parameters()]
 
 
 def apply_expert_parallel(model: nn.Module, ep_mesh) -> None:
