@@ -242,12 +242,15 @@ def _wrap_fsdp2(model: nn.Module, choices: ZeroChoices, dist: DataParallelRanks,
     threshold = int(choices.param_persistence_threshold)
     if blocks is None:
         blocks = list(model.layers.values()) if hasattr(model, "layers") else []
-    units = fsdp_units(blocks, stage, unit_bucket(choices, dist.device.type))
-    backward_next = _backward_follows_forward(len(units), dist)
-    # expert-parallel experts are split over ep already; their gradients are reduced on their own
+    # expert-parallel experts are split over ep already; their gradients are reduced on their own.
+    # FSDP2 neither gathers nor shards them: the units' sizes (bucket, persistence threshold)
+    # count the parameters it does.
     ignored = set(expert_params(model)) or None
+    skip = frozenset(map(id, ignored or ()))
+    units = fsdp_units(blocks, stage, unit_bucket(choices, dist.device.type), skip)
+    backward_next = _backward_follows_forward(len(units), dist)
     for unit, next_ in zip(units, backward_next):
-        reshard = _reshard_after_forward(stage, sum(map(_numel, unit)), threshold) and not next_
+        reshard = _reshard_after_forward(stage, sum(_numel(b, skip) for b in unit), threshold) and not next_
         fully_shard(unit if len(unit) > 1 else unit[0], mesh=mesh, mp_policy=mp, offload_policy=offload,
                     reshard_after_forward=reshard, ignored_params=ignored)
     block_params = {id(p) for b in blocks for p in b.parameters()}
@@ -330,16 +333,18 @@ def unit_bucket(choices: ZeroChoices, device_type: str) -> int | None:
     return None if device_type == "cuda" else CPU_UNIT_BUCKET
 
 
-def fsdp_units(blocks: list[nn.Module], stage: int, bucket: int | None) -> list[list[nn.Module]]:
+def fsdp_units(blocks: list[nn.Module], stage: int, bucket: int | None,
+               skip: frozenset[int] = frozenset()) -> list[list[nn.Module]]:
     """The FSDP2 units (lists of consecutive blocks) below the root. ZeRO-3 shards block by
     block (what it frees between uses is one block); ZeRO-2 groups consecutive blocks while
-    their parameters fit `bucket` (at least one block per unit)."""
+    their parameters fit `bucket` (at least one block per unit). `skip`: ids of parameters FSDP2
+    leaves alone (not counted)."""
     if stage != 2 or bucket is None:
         return [[b] for b in blocks]
     units: list[list[nn.Module]] = []
     size = 0
     for block in blocks:
-        n = _numel(block)
+        n = _numel(block, skip)
         if units and size + n <= bucket:
             units[-1].append(block)
             size += n
@@ -365,8 +370,8 @@ def _wrap_replicate(model: nn.Module, choices: ZeroChoices, dist: DataParallelRa
     return model
 
 
-def _numel(module: nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters())
+def _numel(module: nn.Module, skip: frozenset[int] = frozenset()) -> int:
+    return sum(p.numel() for p in module.parameters() if id(p) not in skip)
 
 
 def _reshard_after_forward(stage: int, unit_numel: int, persistence_threshold: int) -> bool:
