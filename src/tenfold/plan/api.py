@@ -93,6 +93,7 @@ class Plan:
     gpu_hours: float | None
     max_micro_batch: int | None = None  # largest micro-batch that fits, the rest unchanged (set by the CLI; see largest_micro_batch)
     tp_bytes_per_step: float = 0.0  # tensor-parallel traffic per rank per step (tenfold.plan.tp_traffic), busiest stage
+    ep_bytes_per_step: float = 0.0  # expert-parallel all-to-all bytes one rank sends per step (tenfold.plan.moe), busiest stage
     # Why `tenfold train` cannot run this strategy (tenfold.capabilities; set by the CLI and --search)
     unsupported: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
@@ -183,6 +184,10 @@ def _predict(run: ResolvedRun, hardware, gpus_per_node=None, trace: bool = True,
     if tp_bytes:
         tr("tp_bytes_per_step", tp_bytes, "per layer 8 (t-1)/t b s h x m, + embedding, head, loss, norm gradients, "
            "clip (docs/tensor_parallel.md)", "Narayanan et al. 2021 §3.2; Korthikanti et al. 2022 §4.2.2")
+    ep_bytes = moe_plan.ep_bytes_per_step(shape.cfg, run) if shape.known else 0.0
+    if ep_bytes:
+        tr("ep_bytes_per_step", ep_bytes, "(4 per MoE layer + 2 per recomputed one) all-to-alls of b s k d x m, "
+           "(ep-1)/ep of each leaving the rank", "GShard (Lepikhin et al. 2020) §2.2")
     fits = _fits(mem, hw, gpus)
     if not fits and hw.shared_compute:
         notes.append(f"does not fit: {min(gpus, hw.gpus_per_node)} ranks x {(mem.total_bytes + mem.cpu_bytes) / 2**30:.1f} GiB "
@@ -202,7 +207,7 @@ def _predict(run: ResolvedRun, hardware, gpus_per_node=None, trace: bool = True,
         tokens_per_step=tokens_step, model_flops_per_step=flops_model, hardware_flops_per_step=flops_hw,
         tokens_per_s=tps, tflops_per_gpu=tflops / 1e12, hardware_tflops_per_gpu=hw_tflops / 1e12, mfu=mfu, hfu=hfu,
         tokens=tokens, train_days=days, gpu_hours=hours, notes=notes, explain=tr.items if trace else [],
-        tp_bytes_per_step=tp_bytes, run=run,
+        tp_bytes_per_step=tp_bytes, ep_bytes_per_step=ep_bytes, run=run,
         active_params=float(active_param_count(shape.cfg)) if shape.known else shape.params,
     )
 
@@ -323,6 +328,11 @@ def _stage_memory(shape: ModelShape, hw: Hardware, run: ResolvedRun, rank: int) 
     autocast = (lora_plan.autocast_copy_bytes(cfg, run, run.rank_layers(rank)) if run.lora and cfg is not None
                 else memory.autocast_weight_copy_bytes(n_params, run))
     gathered = memory.gathered_param_bytes(n_params, run, unit) + autocast  # each term at its own high
+    if run.ep > 1 and cfg is not None and memory.runs_on_fsdp2(run.zero_stage, run.tp, run.dp, run.offload):
+        # FSDP2 gathers the dense part; the ep-split experts compute on their own 16-bit casts (plan/moe.py)
+        experts = moe_plan.rank_expert_params(cfg, run, run.rank_layers(rank))
+        gathered = (memory.gathered_param_bytes(n_params - experts, run, unit) + moe_plan.expert_copy_bytes(cfg, run, rank)
+                    + autocast)
     at_peak = gathered
     if autocast and act_work and run.recompute.kind in ("full", "every", "segments", "op"):
         # [recompute] torch.amp + recompute: autocast's cache holds every 16-bit weight copy

@@ -8,7 +8,9 @@ every MoE block's routed experts; the rest of the model is data-parallel as usua
 What tenfold's engine runs (techniques/expert_parallel.py): the ep ranks are dp ranks; the
 experts are split over ep and NOT sharded further by ZeRO (their weights, gradients and AdamW
 states are whole on each of the dp / ep replicas that hold them, reduced over those replicas once
-per step); the dense part follows the ZeRO stage over every dp rank.
+per step); the dense part follows the ZeRO stage over every dp rank. Under ZeRO-2/3 FSDP2 gathers
+the dense part only; the experts compute on 16-bit casts of their fp32 weights
+(`expert_copy_bytes`).
 
 All-to-all (GShard, Lepikhin et al. 2020, section 2.2; Megatron-Core's MoE token dispatcher):
 each MoE layer sends every token's k routed copies to the experts' ranks and back, forward
@@ -39,6 +41,19 @@ def expert_params_per_layer(cfg: ModelConfig) -> float:
 def rank_expert_params(cfg: ModelConfig, run: ResolvedRun, layers: int) -> float:
     """Routed-expert parameters a rank holding `layers` blocks keeps: 1/ep of each block's."""
     return layers * expert_params_per_layer(cfg) / run.ep
+
+
+def expert_copy_bytes(cfg: ModelConfig, run: ResolvedRun, pp_rank: int) -> float:
+    """The 16-bit casts of a rank's ep-split experts (models/moe.py `RoutedExperts.forward` under
+    autocast; FSDP2 leaves these weights in fp32), which the grouped GEMMs save for backward: a
+    block's from its forward to its backward, a recomputed block's only while it recomputes, so
+    one at a time. None in fp32 (no autocast) or without ep (FSDP2 gathers the experts with the
+    rest of the block)."""
+    if run.ep <= 1 or not cfg.is_moe or run.precision == "fp32":
+        return 0.0
+    layers, recomputed = run.rank_layers(pp_rank), recomputed_layers(run, pp_rank)
+    held = layers - recomputed + min(recomputed, 1)
+    return 2.0 * held * expert_params_per_layer(cfg) / run.ep
 
 
 def ep_group(run: ResolvedRun, hw: Hardware) -> comm.Group:
@@ -73,8 +88,21 @@ def ep_comm_time(cfg: ModelConfig | None, run: ResolvedRun, hw: Hardware, layers
     return (4 * layers + 2 * recomputed) * one
 
 
-def ep_volume_per_step(cfg: ModelConfig | None, run: ResolvedRun, layers: int) -> float:
-    """Bytes one rank sends by all-to-all in a step (no recompute): 4 per layer per micro-batch."""
+def ep_volume_per_step(cfg: ModelConfig | None, run: ResolvedRun, layers: int, recomputed: int = 0) -> float:
+    """Bytes one rank sends by all-to-all in a step: 4 per layer per micro-batch, 2 more per
+    layer whose forward is recomputed."""
     if cfg is None or not cfg.is_moe or run.ep <= 1:
         return 0.0
-    return 4 * layers * run.grad_accum * all_to_all_bytes(cfg, run) * (run.ep - 1) / run.ep
+    return (4 * layers + 2 * recomputed) * run.grad_accum * all_to_all_bytes(cfg, run) * (run.ep - 1) / run.ep
+
+
+def recomputed_layers(run: ResolvedRun, pp_rank: int) -> int:
+    """Blocks of a pipeline rank whose forward (and so its all-to-alls) runs again in backward."""
+    if run.recompute.kind == "op":
+        return 0
+    return sum(len(run.recompute.recomputed_blocks(n)) for n in run.rank_stage_layers(pp_rank))
+
+
+def ep_bytes_per_step(cfg: ModelConfig | None, run: ResolvedRun) -> float:
+    """`ep_volume_per_step` of the busiest pipeline rank (tenfold plan --json's ep_bytes_per_step)."""
+    return max(ep_volume_per_step(cfg, run, run.rank_layers(r), recomputed_layers(run, r)) for r in run.busiest_ranks())
