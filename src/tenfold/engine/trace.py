@@ -11,14 +11,23 @@ optimizer step), with two substitutions that move no data:
     any size and does nothing, as torchtitan's memory estimation runs a large world on one
     process (torchtitan/scripts/estimate/estimation.py).
 
+A mixture-of-experts router's choices depend on values fake tensors do not have; the trace
+routes every token balanced (`_balanced_routing`: token t's k experts are t k, ..., t k + k - 1
+mod E, every expert the same share, the planner's assumption, tenfold.plan.moe), so the routing
+bookkeeping (counts, sort, all-to-all split sizes) runs on real index tensors beside the fake
+activations. An all-to-all of real tensors (the expert-parallel split sizes) returns this rank's
+input as its output (`_as_every_rank_sends`): every rank of the fake world runs the same step,
+so what arrives is what this rank sends.
+
 Two steps run: the first creates the optimizer states, the second is measured with the tensor
 tracker a real run uses (engine/tensor_tracker.py: params, grads, optimizer, gathered params,
-activations, buffers, the peak) and a dispatch mode that records every collective (kind, group
-size, payload; `CollectiveLog`). Host syncs (`.item()`) of data-dependent fake values return a
-fixed value (`_no_value`): the loss and overflow flag have no meaning here (a zero flag =
-finite gradients, so the optimizer step is taken); a value fake tensors still know (a constant,
-Adam's step counter) is returned as it is, and operators on real tensors only (the device
-mesh's rank table, the token ids and their count) run for real.
+activations, buffers, the peak) and a dispatch mode that records every collective (kind, the
+mesh dimension of its group and the group's size, payload; `CollectiveLog`). Host syncs
+(`.item()`) of data-dependent fake values return a fixed value (`_no_value`): the loss and
+overflow flag have no meaning here (a zero flag = finite gradients, so the optimizer step is
+taken); a value fake tensors still know (a constant, Adam's step counter) is returned as it is,
+and operators on real tensors only (the device mesh's rank table, the routing's indices and
+counts) run for real.
 
 Run as `python -m tenfold.engine.trace --world W --rank R -- <train flags>`: one JSON line on
 stdout. `trace_run` (the parent) starts one such process per distinct pipeline stage.
@@ -87,8 +96,9 @@ def _group_size(args, group_now: int | None) -> int | None:
     return group_now
 
 
-def collective_record(func, args, group_now: int | None = None) -> dict | None:
-    """kind, group size and payload of one collective op (c10d or functional), else None.
+def collective_record(func, args, group_now: int | None = None, names: dict | None = None) -> dict | None:
+    """kind, group size and payload of one collective op (c10d or functional), else None; with
+    `names` ({process group name: mesh dimension}) a functional collective's group by name.
     Payload: the full buffer, as nccl-tests counts it: an all-reduce's or broadcast's tensor, a
     reduce-scatter's input, an all-gather's output (= the input shard x group size), a
     send/recv's tensor."""
@@ -99,6 +109,7 @@ def collective_record(func, args, group_now: int | None = None) -> dict | None:
     if kind is None:
         return None
     size = _group_size(args, group_now)
+    group = _group_name(args, names) if namespace == "_c10d_functional" else None
     if namespace == "c10d":
         inputs = _tensors(args[1] if kind in ("all_gather", "reduce_scatter") and len(args) > 1 else args[0])
         if kind == "all_gather":  # (outputs, inputs, ...): the outputs are the full buffer
@@ -108,7 +119,35 @@ def collective_record(func, args, group_now: int | None = None) -> dict | None:
         payload = sum(_nbytes(t) for t in _tensors(args[0]))
         if kind == "all_gather":
             payload *= size or 1
-    return {"kind": kind, "group_size": size, "payload_bytes": payload}
+    return {"kind": kind, "group": group, "group_size": size, "payload_bytes": payload}
+
+
+def _group_name(args, names: dict | None) -> str | None:
+    """The mesh dimension of a functional collective's group (its last string argument)."""
+    for a in reversed(args):
+        if isinstance(a, str):
+            return (names or {}).get(a)
+    return None
+
+
+def mesh_group_names(d) -> dict[str, str]:
+    """{process group name: mesh dimension} of a DistInfo's meshes ("pp", "dp", "tp", "dp_tp",
+    "dp_replicate", "dp_shard", "dp_mod_ep", "ep"), the first dimension named for a group that is
+    several; the default group, where no dimension is it, is "world"."""
+    import torch.distributed as dist
+
+    names: dict[str, str] = {}
+    meshes = [(d.mesh, (*d.mesh.mesh_dim_names, "dp_tp") if d.mesh is not None else ())]
+    meshes += [(d.hybrid_mesh, ("dp_replicate", "dp_shard")), (d.ep_mesh, ("dp_mod_ep", "ep"))]
+    for mesh, dims in meshes:
+        for dim in dims if mesh is not None else ():
+            try:
+                group = mesh[dim].get_group()
+            except (KeyError, RuntimeError, ValueError):  # "dp_tp" exists only under dp and tp together
+                continue
+            names.setdefault(group.group_name, dim)  # a dimension of the whole world keeps its own name
+    names.setdefault(dist.group.WORLD.group_name, "world")
+    return names
 
 
 def _collective_log_class():
@@ -127,8 +166,10 @@ def _collective_log_class():
             self.records: list[dict] = []
             self.recording = False
             self.group_now: int | None = None  # set by `_named_groups` around a torch.distributed call
+            self.group_name_now: str | None = None  # its mesh dimension
             self.default_group = 1  # a collective no Python call names (DDP's C++ reducer: the dp group)
             self.p2p_group = 1  # a send/recv no Python call names (pipelining's lone isend/irecv: the pp group)
+            self.names: dict[str, str] = {}  # process group name -> mesh dimension (`mesh_group_names`)
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             from torch.distributed.tensor import DTensor
@@ -137,25 +178,75 @@ def _collective_log_class():
                 return NotImplemented
             tensors = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
             if tensors and not any(isinstance(t, FakeTensor) for t in tensors):
-                # Real tensors only (the device mesh's rank table, the batch's token ids): a
-                # real result, as a run computes it.
+                # Real tensors only (the device mesh's rank table, the routing's indices and
+                # counts): a real result, as a run computes it.
                 with _disable_current_modes():
-                    return func(*args, **(kwargs or {}))
+                    out = func(*args, **(kwargs or {}))
+                    self._record(func, args)
+                    _as_every_rank_sends(func, args)
+                return out
             if func is torch.ops.aten._local_scalar_dense.default:
                 try:
                     return func(*args, **(kwargs or {}))
                 except Exception:  # noqa: BLE001 - DataDependentOutputException: no value
                     return _no_value(args[0].dtype)
             out = func(*args, **(kwargs or {}))
-            if self.recording:
-                rec = collective_record(func, args, self.group_now)
-                if rec is not None and rec["group_size"] is None:
-                    rec["group_size"] = self.p2p_group if rec["kind"] in ("send", "recv") else self.default_group
-                if rec is not None:
-                    self.records.append(rec)
+            self._record(func, args)
             return out
 
+        def _record(self, func, args) -> None:
+            if not self.recording:
+                return
+            rec = collective_record(func, args, self.group_now, self.names)
+            if rec is None:
+                return
+            p2p = rec["kind"] in ("send", "recv")
+            if rec["group"] is None:
+                rec["group"] = self.group_name_now if self.group_now is not None else ("pp" if p2p else "dp")
+            if rec["group_size"] is None:
+                rec["group_size"] = self.p2p_group if p2p else self.default_group
+            self.records.append(rec)
+
     return CollectiveLog
+
+
+def _as_every_rank_sends(func, args) -> None:
+    """A c10d all-to-all of real tensors (the expert-parallel split sizes): its output is its
+    input, what every rank of a world that runs the same step receives (the fake backend
+    writes nothing)."""
+    packet = getattr(func, "_overloadpacket", None)
+    if str(getattr(func, "namespace", "")) == "c10d" and getattr(packet, "__name__", "") == "alltoall_base_":
+        out, inp = args[0], args[1]
+        if out.shape == inp.shape:
+            out.copy_(inp)
+
+
+@contextmanager
+def _balanced_routing():
+    """Every MoE layer routes token t to experts t k, ..., t k + k - 1 (mod E), a real index
+    tensor (module docstring); the weights are the router's scores of those experts, as
+    `MoE.route` takes them."""
+    import torch
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    from tenfold.models.moe import MoE
+
+    original = MoE.route
+
+    def route(self, h):
+        scores, chosen, _ = original(self, h)
+        with _disable_current_modes():
+            chosen = (torch.arange(chosen.numel()) % self.n_experts).reshape(chosen.shape)
+        weights = scores.gather(-1, chosen)
+        if self.norm_topk:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return scores, chosen, weights
+
+    MoE.route = route
+    try:
+        yield
+    finally:
+        MoE.route = original
 
 
 def _no_value(dtype):
@@ -243,11 +334,13 @@ def _named_groups(log):
                 group = bound.get("group") or next((op.group for op in bound.get("p2p_op_list", ())), None)
             except TypeError:
                 group = None
-            outer, log.group_now = log.group_now, dist.get_world_size(group)
+            outer = log.group_now, log.group_name_now
+            log.group_now = dist.get_world_size(group)
+            log.group_name_now = log.names.get((group or dist.group.WORLD).group_name)
             try:
                 work = fn(*args, **kwargs)
             finally:
-                log.group_now = outer
+                log.group_now, log.group_name_now = outer
             if fn.__name__ == "all_reduce" and work is not None:  # async: a future holding the tensor
                 return _DoneWork(args[0] if args else kwargs["tensor"])
             return work
@@ -293,21 +386,22 @@ def _ddp_reduces_in_python(model) -> None:
 
 
 def _summarize(records: list[dict]) -> list[dict]:
-    """Collectives of one step by (kind, group size): count, payload and ring bytes per rank."""
+    """Collectives of one step by (kind, group, group size): count, payload and ring bytes per rank."""
     out: dict[tuple, list] = defaultdict(lambda: [0, 0, 0.0])
     for r in records:
-        key = (r["kind"], r["group_size"])
+        key = (r["kind"], r["group"] or "?", r["group_size"])
         out[key][0] += 1
         out[key][1] += r["payload_bytes"]
         out[key][2] += RING[r["kind"]](r["group_size"]) * r["payload_bytes"] if r["group_size"] > 1 else 0.0
-    return [{"kind": k, "group_size": n, "count": c, "payload_bytes": p, "ring_bytes": round(b, 1)}
-            for (k, n), (c, p, b) in sorted(out.items())]
+    return [{"kind": k, "group": g, "group_size": n, "count": c, "payload_bytes": p, "ring_bytes": round(b, 1)}
+            for (k, g, n), (c, p, b) in sorted(out.items())]
 
 
 def check_traceable(run, dp: int) -> None:
     """UserError for a layout the trace cannot run: DDP (ZeRO-0/1 without tensor parallelism
     on several data-parallel ranks) keeps its buckets in C++ and reads their host memory
-    before every forward (`Reducer._rebuild_buckets`), which fake tensors have none of."""
+    before every forward (`Reducer._rebuild_buckets`), which fake tensors have none of; a
+    mixture-of-experts model in another precision than bf16 (torch._grouped_mm's fake kernel)."""
     from tenfold.errors import UserError
 
     from tenfold.terms import MULTI_STAGE_SCHEDULES
@@ -315,6 +409,9 @@ def check_traceable(run, dp: int) -> None:
     if run.pp > 1 and run.pp_schedule in MULTI_STAGE_SCHEDULES:
         raise UserError(f"--trace runs single-stage pipeline schedules (1f1b, gpipe); the tensor tracker's module hooks "
                         f"break the stage backward of the {run.pp_schedule} schedule (torch 2.13)")
+    if run.model is not None and run.model.is_moe and run.precision != "bf16":
+        raise UserError(f"--trace runs mixture-of-experts models in bf16 (--precision bf16); torch's fake-tensor "
+                        f"kernel of the experts' grouped GEMM (torch._grouped_mm) takes bf16 only, not {run.precision}")
     if dp > 1 and run.zero_runs_as <= 1:
         raise UserError(f"--trace runs FSDP2 layouts (--zero 2 or 3, or any ZeRO stage with --tp > 1); ZeRO-{run.zero_stage} "
                         f"on {dp} data-parallel ranks runs on DDP, whose C++ gradient buckets cannot run on fake tensors")
@@ -350,8 +447,9 @@ the data-parallel ranks the mesh has), "layout" (the mesh built), "memory": MEMO
     precision = build_precision(run.precision, cfg.precision, d.device)
     log = _collective_log_class()()
     log.default_group, log.p2p_group = d.dp_size, d.pp_size
+    log.names = mesh_group_names(d)
     with FakeTensorMode(allow_non_fake_inputs=True), log, _module_conversion_to_itself_keeps_it(), \
-            _ddp_without_shape_check(), _named_groups(log):
+            _ddp_without_shape_check(), _named_groups(log), _balanced_routing():
         P.seed_everything(cfg.train.seed)
         model, adapter, lora = P.build_model(P.new_model(run, cfg, None), run, cfg.model.blocks, d, precision, None,
                                              None, None)
@@ -373,7 +471,7 @@ the data-parallel ranks the mesh has), "layout" (the mesh built), "memory": MEMO
     batch = {"micro_batch": run.micro_batch, "grad_accum": len(batches), "dp": d.dp_size, "seq_len": run.seq_len,
              "global_batch": run.micro_batch * len(batches) * d.dp_size}
     layout = {"processes": d.world_size, "pp": d.pp_size, "dp": d.dp_size, "tp": d.tp_size,
-              "shard_size": d.shard_size, "hybrid": d.hybrid}
+              "shard_size": d.shard_size, "hybrid": d.hybrid, "ep": d.ep_size}
     return {"rank": rank, "stage": d.pp_rank, "batch": batch, "layout": layout, "memory": measured,
             "collectives": _summarize(log.records),
             "seconds": round(time.perf_counter() - t0, 2)}

@@ -24,9 +24,11 @@ def diff_percent(planned: float | None, traced: float | None) -> float | None:
     return round(100.0 * (planned - traced) / traced, 2)
 
 
-def compare(planned: dict, traces: list[dict], stage: int, planned_traffic: float | None = None) -> dict:
+def compare(planned: dict, traces: list[dict], stage: int, planned_traffic: float | None = None,
+            planned_all_to_all: float | None = None) -> dict:
     """{"stage", "memory": {key: {planned, traced, diff_percent}}, "stages": per-stage traced
-    memory, "collectives": the compared stage's, "traffic": planned vs traced ring bytes}."""
+    memory, "collectives": the compared stage's, "traffic": planned vs traced ring bytes,
+    "all_to_all": planned vs traced ring bytes of the expert-parallel all-to-alls (group "ep")}."""
     traced = next(t for t in traces if t["stage"] == stage)
     memory = {k: {"planned": planned.get(k), "traced": traced["memory"].get(k),
                   "diff_percent": diff_percent(planned.get(k), traced["memory"].get(k))} for k in COMPARED}
@@ -36,6 +38,10 @@ def compare(planned: dict, traces: list[dict], stage: int, planned_traffic: floa
                       for t in traces],
            "collectives": traced["collectives"],
            "traffic": {"planned": planned_traffic, "traced": ring, "diff_percent": diff_percent(planned_traffic, ring)}}
+    if planned_all_to_all is not None:
+        a2a = sum(c["ring_bytes"] for c in traced["collectives"] if c["kind"] == "all_to_all" and c.get("group") == "ep")
+        out["all_to_all"] = {"planned": planned_all_to_all, "traced": a2a,
+                             "diff_percent": diff_percent(planned_all_to_all, a2a)}
     return out
 
 
@@ -64,14 +70,22 @@ def print_comparison(result: dict) -> None:
         console.print(s)
     c = Table(title="collectives per step, this rank (ring bytes: what one rank sends, nccl-tests' bus factors)",
               title_justify="left")
-    for col in ("kind", "group size", "calls", "payload", "ring bytes"):
+    for col in ("kind", "group", "group size", "calls", "payload", "ring bytes"):
         c.add_column(col, justify="right")
     for row in result["collectives"]:
-        c.add_row(row["kind"], str(row["group_size"]), str(row["count"]), fmt_bytes(row["payload_bytes"]),
-                  fmt_bytes(row["ring_bytes"]))
+        c.add_row(row["kind"], row.get("group") or "-", str(row["group_size"]), str(row["count"]),
+                  fmt_bytes(row["payload_bytes"]), fmt_bytes(row["ring_bytes"]))
+    captions = []
     traffic = result["traffic"]
     if traffic["planned"] is not None:
         d = traffic["diff_percent"]
-        c.caption = (f"collective bytes per step (groups > 1, no point-to-point): planned {fmt_bytes(traffic['planned'])}, "
-                     f"traced {fmt_bytes(traffic['traced'])}" + ("" if d is None else f" ({d:+.1f}%)"))
+        captions.append(f"collective bytes per step (groups > 1, no point-to-point): planned {fmt_bytes(traffic['planned'])}, "
+                        f"traced {fmt_bytes(traffic['traced'])}" + ("" if d is None else f" ({d:+.1f}%)"))
+    a2a = result.get("all_to_all")
+    if a2a is not None:
+        d = a2a["diff_percent"]
+        captions.append(f"expert-parallel all-to-all bytes per step: planned {fmt_bytes(a2a['planned'])}, "
+                        f"traced {fmt_bytes(a2a['traced'])}" + ("" if d is None else f" ({d:+.1f}%)"))
+    if captions:
+        c.caption = "\n".join(captions)
     console.print(c)

@@ -292,7 +292,9 @@ def _trace(args, t: Target, plan, advice) -> dict:
     # The planner states collective bytes for the tensor-parallel group (plan/tp_traffic.py); its
     # data-parallel traffic is a time (plan/dp_time.py): bytes are compared where tp is all there is.
     planned_bytes = plan.tp_bytes_per_step if run.dp == 1 and run.pp == 1 else None
-    return compare(memory_by_category(plan.memory), traces, stage, planned_bytes)
+    # The expert-parallel all-to-alls run on their own group ("ep"): compared wherever ep > 1.
+    planned_a2a = plan.ep_bytes_per_step if run.ep > 1 else None
+    return compare(memory_by_category(plan.memory), traces, stage, planned_bytes, planned_a2a)
 
 
 @dataclass

@@ -69,9 +69,10 @@ class ExpertParallelDispatch:
         send_splits = send_counts.sum(1).tolist()
         recv_splits = recv_counts.sum(1).tolist()
         received = all_to_all(h[token], recv_splits, send_splits, self.group)
-        # received rows come by source rank, then expert: regroup them by local expert
-        expert_of_row = torch.repeat_interleave(
-            torch.arange(local, device=h.device).repeat(self.size), recv_counts.reshape(-1))
+        # received rows come by source rank, then expert: regroup them by local expert (row i's
+        # (source, expert) slot is repeat_interleave's index, its expert that slot mod `local`;
+        # derived from the counts alone)
+        expert_of_row = torch.repeat_interleave(recv_counts.reshape(-1)) % local
         regroup = torch.argsort(expert_of_row, stable=True)
         y = moe.experts(received[regroup], recv_counts.sum(0))
         y = y[torch.argsort(regroup)]
