@@ -424,16 +424,17 @@ the data-parallel ranks the mesh has), "layout" (the mesh built), "memory": MEMO
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from tenfold.cli import build_parser
     from tenfold.engine import parts as P
     from tenfold.engine import step as S
     from tenfold.engine.distributed import join_layout
     from tenfold.engine.tensor_tracker import measure_cpu
     from tenfold.run import resolve_run
-    from tenfold.run_args import config_from_args
+    from tenfold.run_args import add_run_arguments, config_from_args
     from tenfold.techniques.precision import build_precision
 
-    cfg = config_from_args(build_parser(["train"]).parse_args(["train", *train_flags]))
+    train = argparse.ArgumentParser(prog="tenfold train")  # train's run flags, as the command line adds them
+    add_run_arguments(train)
+    cfg = config_from_args(train.parse_args(train_flags))
     run = resolve_run(cfg, world)
     check_traceable(run, run.grad_ranks)
     if not dist.is_initialized():
