@@ -51,7 +51,7 @@ class Capabilities:
     nf4_offload: bool  # QLoRA's NF4 base with ZeRO-Offload
     context_parallel_models: tuple[str, ...] = ("tenfold", "hf")  # model kinds --cp splits (a cp attention)
     context_parallel_hf_types: tuple[str, ...] = ("llama",)  # Hugging Face model_types --cp splits
-    context_parallel_with_pp: bool = False  # --cp with pipeline stages
+    context_parallel_with_pp: bool = True  # --cp with pipeline stages
     context_parallel_with_compile: bool = False  # --cp with torch.compile
 
 

@@ -46,7 +46,8 @@ MODEL = {"name": "tiny", "n_layers": 2, "d_model": 64, "n_heads": 4, "n_kv_heads
          "max_seq_len": SEQ}
 LEARNED = {**MODEL, "pos": "learned", "norm": "layernorm", "mlp": "gelu", "bias": True, "tie_embeddings": True}
 # name -> (ranks, model, parallel section, micro-batch per dp rank); one process runs each
-# case's reference with the micro-batch of all its dp ranks
+# case's reference with the micro-batch of all its dp ranks and the same micro-batches per step
+# (ACCUM: 1 unless named)
 CASES = {
     "cp2": (2, MODEL, {"cp_degree": 2}, 2),
     "cp2-learned": (2, LEARNED, {"cp_degree": 2}, 2),
@@ -54,7 +55,9 @@ CASES = {
     "cp2-dp2-zero3": (4, MODEL, {"cp_degree": 2, "zero_stage": 3}, 1),
     "cp2-tp2": (4, MODEL, {"cp_degree": 2, "tp_degree": 2}, 2),
     "cp2-hf-llama": (2, {"hf_config": long_llama()}, {"cp_degree": 2}, 2),
+    "cp2-pp2": (4, MODEL, {"cp_degree": 2, "pp_degree": 2}, 1),
 }
+ACCUM = {"cp2-pp2": 2}  # a pipeline step streams micro-batches through its stages
 
 
 def attention(out_path: str) -> None:
@@ -102,11 +105,12 @@ def token_rows() -> "np.ndarray":
 def case_config(name: str, world: int, out: str) -> dict:
     ranks, model, parallel, micro = CASES[name]
     one = world == 1
-    dp = ranks // (parallel.get("cp_degree", 1) * parallel.get("tp_degree", 1))
+    dp = ranks // (parallel.get("cp_degree", 1) * parallel.get("tp_degree", 1) * parallel.get("pp_degree", 1))
     return {
         "model": dict(model),
         "data": {"seq_len": SEQ, "val_fraction": 0.0},
-        "train": {"steps": STEPS, "micro_batch": micro * dp if one else micro, "lr": 1e-2, "warmup_steps": 0,
+        "train": {"steps": STEPS, "micro_batch": micro * dp if one else micro, "grad_accum": ACCUM.get(name, 1),
+                  "lr": 1e-2, "warmup_steps": 0,
                   "eval_every": 0, "seed": 7, "grad_clip": 0.0},
         "precision": {"dtype": "fp32"},
         "recompute": {"policy": "full" if name.endswith("recompute") else "none"},
@@ -163,6 +167,10 @@ def train(world: int, out_path: str) -> None:
                 memory = step_memory(t, lambda: losses.append(t.train_step(mbs).loss))
             else:
                 losses.append(t.train_step(mbs).loss)
+        if t.dist.pp_size > 1:  # each rank holds its stages' gradients: every stage's, by name
+            every: list = [None] * dist.get_world_size()
+            dist.all_gather_object(every, first)
+            first = {k: v for part in every for k, v in part.items()}
         results[name] = {"losses": losses, "memory": memory}
         grads[name] = first
     info = init_distributed()
