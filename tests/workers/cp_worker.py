@@ -10,10 +10,10 @@ sequence in this process, and its loss sum(out * w) backpropagated. Each rank th
 differences of the gathered outputs and q/k/v gradients from the reference.
 
 MODE `train-N` (N ranks; N = 1 gives the reference): the Trainer on learnable token rows of
-length SEQ, each case of CASES that fits N ranks (its cp / dp / tp layout, or one process),
+length SEQ, each case of CASES that fits N ranks (its cp / dp / tp / pp layout, or one process),
 3 steps; rank 0 writes every step's loss and the first step's gradients (whole tensors, as the
-optimizer sees them) of each case to OUT.json and OUT.pt, and for case cp2 the activations of
-its last step, measured and predicted.
+optimizer sees them, every pipeline stage's) of each case to OUT.json and OUT.pt, and for case
+cp2 the activations of its last step, measured and predicted.
 """
 
 from __future__ import annotations
@@ -56,8 +56,12 @@ CASES = {
     "cp2-tp2": (4, MODEL, {"cp_degree": 2, "tp_degree": 2}, 2),
     "cp2-hf-llama": (2, {"hf_config": long_llama()}, {"cp_degree": 2}, 2),
     "cp2-pp2": (4, MODEL, {"cp_degree": 2, "pp_degree": 2}, 1),
+    "cp2-pp2-learned": (4, LEARNED, {"cp_degree": 2, "pp_degree": 2, "pp_schedule": "gpipe"}, 1),
+    "cp2-pp2-hf-llama": (4, {"hf_config": long_llama()}, {"cp_degree": 2, "pp_degree": 2}, 1),
+    "cp2-pp2-zero-bubble": (4, {**MODEL, "n_layers": 4}, {"cp_degree": 2, "pp_degree": 2, "pp_schedule": "zero-bubble",
+                                                          "virtual_stages": 2, "zero_stage": 2}, 1),
 }
-ACCUM = {"cp2-pp2": 2}  # a pipeline step streams micro-batches through its stages
+ACCUM = {name: 2 for name in CASES if "-pp2" in name}  # a pipeline step streams micro-batches through its stages
 
 
 def attention(out_path: str) -> None:
