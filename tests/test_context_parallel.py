@@ -97,12 +97,16 @@ def test_cp_training_equals_one_process(trained, case):
     ZeRO-3 over dp 2, with tp 2, and a Hugging Face Llama) at sequence 512, and --cp 2 with
     --pp 2 (1F1B; GPipe with learned positions and embeddings tied across the stages; a Hugging
     Face Llama; zero-bubble with two stages per rank over ZeRO-2): every step's loss and the
-    first step's gradients (every stage's) equal one process's (fp32)."""
+    first step's gradients (every stage's) equal one process's (fp32), and so does the pipelined
+    cases' validation loss (each cp rank scores its part of the held-out rows)."""
     ranks = 4 if case in ("cp2-dp2-zero3", "cp2-tp2") or "-pp2" in case else 2
     (ref, ref_grads), (got, got_grads) = trained[1], trained[ranks]
     losses, expected = got[case]["losses"], ref[case]["losses"]
     assert max(abs(a - b) / abs(b) for a, b in zip(losses, expected)) < 1e-6, (losses, expected)
     assert expected[-1] < expected[0] - 0.3  # it learns: a wrong gradient shows in the curve
+    if "-pp2" in case:
+        val, ref_val = got[case]["val_loss"], ref[case]["val_loss"]
+        assert ref_val is not None and abs(val - ref_val) / ref_val < 1e-6, (val, ref_val)
     got_grads = dict(got_grads[case])
     if case == "cp2-pp2-learned":  # the last stage's head is its own copy of the tied embedding
         head = got_grads.pop("output.weight")
