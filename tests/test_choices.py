@@ -32,6 +32,7 @@ SAMPLES = {
     "pp": ({"parallel": {"pp_degree": 2}, "train": {"grad_accum": 2}}, 2),
     "tp": ({"parallel": {"tp_degree": 2}}, 2),
     "cp": ({"parallel": {"cp_degree": 2}}, 2),
+    "ep": ({"model": {"name": "tiny-moe"}, "parallel": {"ep_degree": 2}}, 2),
     "pp_schedule": ({"parallel": {"pp_degree": 2, "pp_schedule": "gpipe"}, "train": {"grad_accum": 2}}, "gpipe"),
     "virtual_stages": ({"parallel": {"pp_degree": 2, "pp_schedule": "interleaved", "virtual_stages": 2},
                         "train": {"grad_accum": 2}}, 2),
@@ -88,7 +89,8 @@ def test_each_configured_choice_reaches_the_run_and_back(name):
     assert choices_from_config(cfg)[name] is not None
     run = resolve_run(cfg, WORLD, check=False, on_cpu=False)
     assert _run_value(run, name) == expected
-    again = resolve_run(config_for_run(build_config({}), run), WORLD, check=False, on_cpu=False)  # onto defaults
+    base = build_config({"model": overrides["model"]} if "model" in overrides else {})  # the defaults (and the model)
+    again = resolve_run(config_for_run(base, run), WORLD, check=False, on_cpu=False)
     assert again.choices() == run.choices()
     assert again == run
 

@@ -54,6 +54,28 @@ def test_bad_degrees_are_refused_by_name(world, pp, tp, cp, message):
     assert message in str(e.value)
 
 
+def test_ep_splits_the_data_parallel_ranks_without_multiplying_the_world():
+    layout = build_layout(16, pp=2, tp=2, ep=2)
+    assert layout == Layout(pp=2, dp_replicate=1, dp_shard=4, tp=2, ep=2)
+    assert layout.world_size == 16 and layout.dp == 4 and layout.dp_mod_ep == 2
+    assert tuple(layout.degrees()) == MESH_ORDER and layout.mesh_shape == (2, 4, 2)  # ep is a view of dp
+    assert layout.enabled() == ("pp", "dp_shard", "tp", "ep")
+    assert build_layout(8, ep=8).dp_mod_ep == 1
+
+
+@pytest.mark.parametrize("world, pp, tp, ep, message", [
+    (12, 1, 2, 4, "parallel.ep_degree (--ep) 4 must divide the 6 data-parallel ranks (world / (pp x cp x tp)): "
+                  "expert parallelism splits the data-parallel ranks; allowed: 1, 2, 3, 6"),
+    (4, 2, 1, 4, "parallel.ep_degree (--ep) 4 must divide the 2 data-parallel ranks"),
+    (4, 1, 1, 0, "parallel.ep_degree (--ep) must be a positive integer, got 0"),
+    (4, 1, 1, True, "parallel.ep_degree (--ep) must be a positive integer, got True"),
+])
+def test_bad_ep_degrees_are_refused_by_name(world, pp, tp, ep, message):
+    with pytest.raises(UserError) as e:
+        build_layout(world, pp, tp, ep=ep)
+    assert message in str(e.value)
+
+
 def test_the_resolver_takes_its_degrees_from_the_layout():
     """The run's pp/dp/tp/world are the layout's; the resolver's messages are the layout's."""
     from tenfold.models.presets import get_preset
@@ -138,6 +160,49 @@ def test_a_fake_world_of_64_splits_the_gradient_ranks_into_data_and_cp():
         assert build_context_parallel_mesh(build_layout(64, pp=2, tp=4), mesh) is None
     finally:
         dist.destroy_process_group()
+
+
+def test_a_fake_world_of_64_groups_neighbouring_dp_ranks_into_ep_groups():
+    """pp 2 x dp 8 x tp 4 with ep 4 on rank 37 (dp ranks 33, 37, ..., 61, dp index 1): its ep
+    group is dp indices 0-3, the ranks holding its experts are dp indices 1 and 5. Mutation:
+    EP_DIMS in the other order -> ep over strided dp ranks."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from tenfold.layout import build_expert_mesh, build_mesh
+
+    assert not dist.is_initialized()
+    dist.init_process_group("fake", store=FakeStore(), rank=37, world_size=64)
+    try:
+        layout = build_layout(64, pp=2, tp=4, ep=4)
+        mesh = build_mesh(layout, "cpu")
+        assert mesh["dp"].mesh.tolist() == [33, 37, 41, 45, 49, 53, 57, 61]
+        experts = build_expert_mesh(layout, mesh)
+        assert experts.mesh_dim_names == ("dp_mod_ep", "ep") and tuple(experts.mesh.shape) == (2, 4)
+        assert experts["ep"].mesh.tolist() == [33, 37, 41, 45]
+        assert experts["dp_mod_ep"].mesh.tolist() == [37, 53]
+        assert build_expert_mesh(build_layout(64, pp=2, tp=4), mesh) is None
+    finally:
+        dist.destroy_process_group()
+
+
+def test_expert_and_context_parallelism_together_are_refused():
+    with pytest.raises(UserError, match=r"parallel.ep_degree \(--ep\) 2 with parallel.cp_degree \(--cp\) 2"):
+        build_layout(8, cp=2, ep=2)
+
+
+def test_the_resolver_checks_ep_against_the_model():
+    from tenfold.models.presets import get_preset
+    from tenfold.run import resolve
+
+    run = resolve(get_preset("tiny-moe"), 4, ep=2, micro_batch=1, global_batch=4)
+    assert run.ep == 2 and run.dims.ep == 2 and run.dp == 4
+    assert "experts over ep 2" in run.layout_line()
+    with pytest.raises(UserError, match=r"parallel.ep_degree \(--ep\) 2 needs a mixture-of-experts model"):
+        resolve(get_preset("tiny"), 4, ep=2)
+    n = get_preset("tiny-moe").n_experts
+    with pytest.raises(UserError, match=rf"must divide model.n_experts \({n}\)"):
+        resolve(get_preset("tiny-moe"), 4 * (n + 1), ep=n + 1)
 
 
 def test_the_engine_maps_every_reduce_dtype_and_offload_the_resolver_allows():

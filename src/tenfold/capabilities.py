@@ -123,10 +123,29 @@ def problems(run, caps: Capabilities = ENGINE) -> list[str]:
                               dp_size=run.grad_ranks, zero_stage=run.zero_stage)
         except UserError as e:
             out.append(str(e))
+    out += expert_parallel_problems(run)
     departures = run.stack.departures()
     if departures:
         out.append(f"priced as another training stack ({', '.join(departures)}); tenfold train runs its own "
                    "(fp32 parameters under autocast, no dropout, flash attention, overlapped reduction)")
+    return out
+
+
+def expert_parallel_problems(run) -> list[str]:
+    """What expert parallelism (parallel.ep_degree > 1) does not combine with in tenfold train."""
+    if run.ep <= 1:
+        return []
+    flag = f"parallel.ep_degree (--ep) {run.ep}"
+    out = []
+    if run.model_kind != "tenfold":
+        out.append(f"{flag}: expert parallelism runs tenfold's MoE blocks (--model tiny-moe, mixtral-8x7b, ...)")
+    others = {"--pp": run.pp > 1, "--tp": run.tp > 1, "--zero 1": run.zero_stage == 1, "--offload": run.offload != "none",
+              "--shard-group": bool(run.shard_group), "--lora/--qlora": run.lora is not None, "--fp8": run.fp8,
+              "--compile": run.compile}
+    refused = [name for name, on in others.items() if on]
+    if refused:
+        out.append(f"{flag} does not combine with {', '.join(refused)} in tenfold train; "
+                   "it runs with --zero 0, 2 or 3 and any --ac")
     return out
 
 

@@ -50,6 +50,7 @@ RUN_CHOICES = (
     Choice("pp", "parallel.pp_degree", "--pp", 1),
     Choice("tp", "parallel.tp_degree", "--tp", 1),
     Choice("cp", "parallel.cp_degree", "--cp", 1),
+    Choice("ep", "parallel.ep_degree", "--ep", 1),  # expert parallelism: splits the dp ranks (tenfold.layout)
     Choice("pp_schedule", "parallel.pp_schedule", "--pp-schedule", "1f1b", PIPELINE_SCHEDULES),
     Choice("virtual_stages", "parallel.virtual_stages", "--virtual-stages"),
     Choice("pp_split", "parallel.pp_split", "--pp-split"),

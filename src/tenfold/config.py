@@ -75,6 +75,14 @@ class ModelSection(_Section):
     pos: Literal["rope", "learned"] | None = None
     bias: bool | None = None
     tie_embeddings: bool | None = None
+    n_experts: int | None = Field(None, ge=0)
+    experts_per_token: int | None = Field(None, gt=0)
+    d_expert: int | None = Field(None, gt=0)
+    n_shared_experts: int | None = Field(None, ge=0)
+    router_aux_loss_coef: float | None = Field(None, ge=0)
+    router_bias_rate: float | None = Field(None, ge=0)
+    router_norm_topk: bool | None = None
+    capacity_factor: float | None = Field(None, ge=0)
     # Any model (tenfold.models.adapter / hf): a Hugging Face config.json (random init) or a
     # local folder with config.json + safetensors; `blocks` names the repeated block class.
     hf_config: str | None = None
@@ -202,6 +210,7 @@ class ParallelSection(_Section):
     # nodes the run spans (torchrun --nnodes on each); the run has nnodes x nproc processes
     nnodes: int = Field(1, gt=0)
     pp_degree: int = Field(1, gt=0)
+    ep_degree: int = Field(1, gt=0)  # expert parallelism: MoE experts split over ep of the dp ranks
     tp_degree: int = Field(1, gt=0)  # tensor parallelism: each layer's matrices split over tp ranks
     sequence_parallel: bool | None = None  # None: on when tp_degree > 1 (tenfold.run.sequence_parallel_for)
     # context parallelism: each sequence split over cp ranks (techniques/context_parallel.py)

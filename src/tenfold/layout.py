@@ -13,8 +13,15 @@ one "dp" dimension (`mesh_dim_names`: every rank that reduces the same gradients
 ("dp_replicate", "dp_shard") only under hybrid sharding (`build_hybrid_mesh`) and into
 ("dp_data", "cp") only under context parallelism (`build_context_parallel_mesh`).
 
+Expert parallelism (`ep`, `SPLIT_DIMS`) is no factor of the world: it splits the data-parallel
+ranks (torchtitan borrows its ep ranks from data parallelism the same way), so ep divides dp.
+Its mesh (`build_expert_mesh`) views the "dp" dimension as ("dp_mod_ep", "ep"), ep innermost:
+consecutive dp ranks form one ep group, which splits each MoE layer's experts and exchanges its
+tokens by all-to-all; "dp_mod_ep" joins the ranks that hold the same experts.
+
 A new mesh dimension touches: a field of `Layout` and its place in `MESH_ORDER` (its degree
-then enters `world_size`, the mesh shape and names, the divisibility rule and its message),
+then enters `world_size`, the mesh shape and names, the divisibility rule and its message) or,
+for one that splits another dimension's ranks, in `SPLIT_DIMS` (with its view of the mesh),
 its keyword in `build_layout` plus any rule of its own there, one row of the run's choice table
 (tenfold.choices: config key, flag, default), and the technique that uses the dimension.
 
@@ -32,9 +39,14 @@ from tenfold.errors import UserError
 MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # outermost first
 DP_DIMS = ("dp_replicate", "dp_shard")  # the data-parallel degrees: dp = their product
 GRAD_DIMS = DP_DIMS + ("cp",)  # one "dp" dimension of the torch mesh: the ranks that reduce the same gradients
+# Dimensions that split the ranks of a MESH_ORDER one instead of multiplying the world:
+# {dimension: the mesh dimension it splits}.
+SPLIT_DIMS = {"ep": "dp"}
+EP_DIMS = ("dp_mod_ep", "ep")  # the expert view of "dp" (`build_expert_mesh`), ep innermost
 # The degrees a user sets (the data-parallel ones follow from the world), named as every
 # message says them: config key (flag), from the run-choice table.
-DEGREE_FLAGS = {name: f"{BY_NAME[name].key} ({BY_NAME[name].flag})" for name in MESH_ORDER if name not in DP_DIMS}
+DEGREE_FLAGS = {name: f"{BY_NAME[name].key} ({BY_NAME[name].flag})"
+                for name in (*MESH_ORDER, *SPLIT_DIMS) if name not in DP_DIMS}
 
 
 @dataclass(frozen=True)
@@ -46,6 +58,7 @@ class Layout:
     dp_shard: int = 1  # data-parallel ranks in a shard group: every dp rank unless hybrid
     cp: int = 1  # context-parallel ranks: each sequence split over them (techniques/context_parallel.py)
     tp: int = 1  # tensor-parallel ranks
+    ep: int = 1  # expert-parallel ranks: each MoE layer's experts split over ep of the dp ranks (ep divides dp)
 
     @property
     def dp(self) -> int:
@@ -82,13 +95,18 @@ class Layout:
     def mesh_shape(self) -> tuple[int, ...]:
         return tuple(self.grad_ranks if name == "dp" else getattr(self, name) for name in self.mesh_dim_names)
 
+    @property
+    def dp_mod_ep(self) -> int:
+        """Ranks holding the same experts: the dp ranks over the ep group."""
+        return self.dp // self.ep
+
     def degrees(self) -> dict[str, int]:
-        """{dimension: ranks} in MESH_ORDER."""
+        """{dimension: ranks} in MESH_ORDER (their product is the world)."""
         return {name: getattr(self, name) for name in MESH_ORDER}
 
     def enabled(self) -> tuple[str, ...]:
-        """The dimensions with more than one rank, in MESH_ORDER."""
-        return tuple(name for name in MESH_ORDER if getattr(self, name) > 1)
+        """The dimensions with more than one rank, in MESH_ORDER, then the splitting ones (ep)."""
+        return tuple(name for name in (*MESH_ORDER, *SPLIT_DIMS) if getattr(self, name) > 1)
 
 
 def check_degree_values(world_size: object, **degrees: object) -> None:
@@ -109,15 +127,30 @@ def shard_group_problem(dp: int, shard_group: int | None) -> str | None:
             f"(world / (pp x tp)) and be at least 2; allowed: {allowed}")
 
 
-def build_layout(world_size: int, pp: int = 1, tp: int = 1, shard_group: int | None = None, cp: int = 1) -> Layout:
+def ep_problem(dp: int, ep: int, cp: int = 1) -> str | None:
+    """Why `ep` expert-parallel ranks cannot split `dp` data-parallel ranks (None: they can)."""
+    if ep > 1 and cp > 1:
+        return (f"{DEGREE_FLAGS['ep']} {ep} with {DEGREE_FLAGS['cp']} {cp}: expert parallelism splits the "
+                f"data-parallel ranks and context parallelism shares them, and the two are not composed; "
+                f"allowed: one of them above 1")
+    if dp % ep == 0:
+        return None
+    allowed = ", ".join(str(d) for d in range(1, dp + 1) if dp % d == 0)
+    return (f"{DEGREE_FLAGS['ep']} {ep} must divide the {dp} data-parallel ranks (world / (pp x cp x tp)): "
+            f"expert parallelism splits the data-parallel ranks; allowed: {allowed}")
+
+
+def build_layout(world_size: int, pp: int = 1, tp: int = 1, shard_group: int | None = None, cp: int = 1,
+                 ep: int = 1) -> Layout:
     """The layout of `world_size` processes: pp, cp and tp as given, data parallelism over the
     rest (world = pp x dp x cp x tp); hybrid sharding splits dp into replicas x groups of
-    `shard_group`.
+    `shard_group`; expert parallelism splits dp into groups of `ep` (`ep_problem`: ep divides
+    dp).
     Refuses (UserError) degrees that are not positive integers or do not divide the world. A
     shard group that cannot split dp (`shard_group_problem`, which tenfold.capabilities reports
     among the run's problems) leaves dp unsplit."""
     given = {"pp": pp, "cp": cp, "tp": tp}
-    check_degree_values(world_size, **given)
+    check_degree_values(world_size, **given, ep=ep)
     model_parallel = math.prod(given.values())
     if world_size % model_parallel:
         product = " x ".join(f"{DEGREE_FLAGS[name]} {v}" for name, v in given.items())
@@ -125,7 +158,10 @@ def build_layout(world_size: int, pp: int = 1, tp: int = 1, shard_group: int | N
                         f"world = {' x '.join(_world_terms())}")
     dp = world_size // model_parallel
     shard = dp if shard_group is None or shard_group_problem(dp, shard_group) else shard_group
-    return Layout(pp=pp, dp_replicate=dp // shard, dp_shard=shard, cp=cp, tp=tp)
+    problem = ep_problem(dp, ep, cp)
+    if problem:
+        raise UserError(problem)
+    return Layout(pp=pp, dp_replicate=dp // shard, dp_shard=shard, cp=cp, tp=tp, ep=ep)
 
 
 def _world_terms() -> list[str]:
@@ -178,3 +214,14 @@ def build_context_parallel_mesh(layout: Layout, mesh):
     if layout.cp <= 1:
         return None
     return mesh["dp"]._unflatten(0, (layout.dp, layout.cp), ("dp_data", "cp"))["cp"]
+
+
+def build_expert_mesh(layout: Layout, mesh):
+    """Expert parallelism: the "dp" dimension of `mesh` viewed as `EP_DIMS` ("dp_mod_ep", "ep"),
+    groups of `layout.ep` consecutive dp ranks. "ep" splits each MoE layer's experts and carries
+    its token all-to-all; "dp_mod_ep" joins the ranks holding the same experts (their gradient
+    reduction). None without expert parallelism (never with context parallelism: `ep_problem`);
+    `mesh` stays as it is."""
+    if layout.ep <= 1:
+        return None
+    return mesh["dp"]._unflatten(0, (layout.dp_mod_ep, layout.ep), EP_DIMS)

@@ -117,6 +117,11 @@ class ResolvedRun:
         return self.dims.cp
 
     @property
+    def ep(self) -> int:
+        """Expert-parallel ranks: each MoE layer's experts split over them, a split of the dp ranks."""
+        return self.dims.ep
+
+    @property
     def micro_batch(self) -> int:
         return self.batch.micro_batch
 
@@ -190,7 +195,7 @@ class ResolvedRun:
             "precision": self.precision, "micro_batch": self.micro_batch, "grad_accum": self.grad_accum,
             "global_batch": self.global_batch, "seq_len": self.seq_len, "recompute": str(self.recompute),
             "zero_stage": self.zero_stage, "zero_runs_as": self.zero_runs_as, "shard_group": self.shard_group,
-            "offload": self.offload, "reduce_dtype": self.reduce_dtype,
+            "offload": self.offload, "reduce_dtype": self.reduce_dtype, "ep": self.ep,
             "pp_schedule": self.pp_schedule, "virtual_stages": self.virtual_stages,
             "stage_layers": list(self.stage_layers), "sequence_parallel": self.sequence_parallel,
             "lora": asdict(self.lora) if self.lora else None, "stack": asdict(self.stack),
@@ -211,6 +216,8 @@ class ResolvedRun:
             parts.append(f"schedule {self.pp_schedule}, {self.virtual_stages} stage(s) per rank, blocks per stage {split}")
         if self.sequence_parallel:
             parts.append("sequence parallel")
+        if self.ep > 1:
+            parts.append(f"experts over ep {self.ep} (of the dp ranks)")
         if self.lora:
             parts.append(self.lora.text())
         return "; ".join(parts)
@@ -287,7 +294,8 @@ def resolve(model: ModelConfig | None, world_size: int, *, params: float | None 
         check_targets(c["lora"], c["model_kind"], c["hf_model_type"], model.mlp)
     if model is not None and tp > 1 and not own_model:
         check_tp_split(tp, model.n_heads, model.kv_heads, model.vocab_size, flag="parallel.tp_degree (--tp)")
-    dims = build_layout(world_size, pp, tp, c["shard_group"], cp=cp)
+    check_expert_parallel(c["ep"], model)
+    dims = build_layout(world_size, pp, tp, c["shard_group"], cp=cp, ep=c["ep"])
     dp = dims.dp
     sequence_parallel = sequence_parallel_for(tp, c["sequence_parallel"])
     shard_group = None if c["shard_group"] in (None, dp) else c["shard_group"]  # one group of every dp rank: plain ZeRO
@@ -314,9 +322,23 @@ def resolve(model: ModelConfig | None, world_size: int, *, params: float | None 
     return run
 
 
+def check_expert_parallel(ep: int, model: ModelConfig | None) -> None:
+    """The ep degree's rules on the model: expert parallelism needs a mixture-of-experts model,
+    and every MoE layer's experts split evenly over the ep ranks. (That ep divides the dp ranks
+    is the layout's rule: tenfold.layout.build_layout.)"""
+    if ep == 1 or model is None:
+        return
+    flag = f"{BY_NAME['ep'].key} ({BY_NAME['ep'].flag}) {ep}"
+    if not model.is_moe:
+        raise UserError(f"{flag} needs a mixture-of-experts model (model.n_experts > 0)")
+    if model.n_experts % ep:
+        allowed = ", ".join(str(d) for d in range(1, model.n_experts + 1) if model.n_experts % d == 0)
+        raise UserError(f"{flag} must divide model.n_experts ({model.n_experts}); allowed: {allowed}")
+
+
 def _check_choices(world_size: int, c: dict) -> None:
     """The values each choice may take, whoever gives them (config, flags, the planner's search)."""
-    check_degree_values(world_size, pp=c["pp"], tp=c["tp"], cp=c["cp"])
+    check_degree_values(world_size, pp=c["pp"], tp=c["tp"], cp=c["cp"], ep=c["ep"])
     if c["precision"] not in PRECISION_CHOICES:
         raise UserError(f"precision {c['precision']!r}; allowed: {', '.join(PRECISION_CHOICES)}")
     for name in ("zero_stage", "pp_schedule", "offload", "reduce_dtype"):  # the table's allowed values

@@ -101,6 +101,8 @@ def _technique_group(p: argparse.ArgumentParser, only_train) -> None:
                    "device) | optimizer+params (--zero 3: sharded weights and gradients in host memory too; docs/zero.md)")
     x.add_argument("--pp", type=int, help="pipeline stages")
     x.add_argument("--tp", type=int, help="tensor-parallel ranks: each layer's matrices split over N ranks (must divide the heads)")
+    x.add_argument("--ep", type=int, help="expert-parallel ranks: each MoE layer's experts split over N of the "
+                   "data-parallel ranks, tokens exchanged by all-to-all (must divide dp and the experts)")
     x.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None,
                    help="split norms and the residual stream by sequence over the tp ranks (default: on when --tp > 1)")
     x.add_argument("--cp", type=int, help="context-parallel ranks: each sequence split over N ranks (load-balanced "

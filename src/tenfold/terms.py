@@ -200,7 +200,7 @@ def op_saved_tensors(model, tp: int = 1, sequence_parallel: bool = False) -> tup
     Under tensor parallelism each rank keeps its shard of the column-split outputs, and the
     row-split w2's full-width partial sum (the matmul output before its all-reduce or
     reduce-scatter)."""
-    h, kv, f, a = model.d_model, model.kv_heads * model.head_dim, model.ffn_dim, model.n_heads
+    h, kv, f, a = model.d_model, model.kv_heads * model.head_dim, model.active_ffn_dim, model.n_heads
     out = [
         OpSaved("wq output", h / tp, False),  # matmul 1
         OpSaved("wv output", kv / tp, False),  # matmul 3

@@ -3,9 +3,9 @@
 * `join_layout(layout, timeout_s, offload)` (`init_distributed` from the degrees): reads
   torchrun's env:// variables, picks the backend from the device (NCCL with one GPU per rank,
   else gloo), builds the layout's ("pp", "dp", "tp") device mesh and, under hybrid sharding,
-  its ("dp_replicate", "dp_shard") split, under context parallelism its ("dp_data", "cp") split
-  (tenfold.layout: the degrees, their rules, the mesh order); ZeRO-Offload on one process joins
-  a process group of one.
+  its ("dp_replicate", "dp_shard") split, under context parallelism its ("dp_data", "cp") split,
+  under expert parallelism its ("dp_mod_ep", "ep") view (tenfold.layout: the degrees, their
+  rules, the mesh order); ZeRO-Offload on one process joins a process group of one.
 * Failures: every rank's stderr lines are prefixed with `[rank k]`, an uncaught exception is
   recorded in torchelastic's error file (torchrun's failure summary then shows the rank and
   its error), and `tighten_timeouts` shortens the collective timeout after the first step, so
@@ -36,7 +36,8 @@ from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
 from tenfold.engine.torchrun_env import launched_by_torchrun
 from tenfold.errors import UserError
-from tenfold.layout import DP_DIMS, Layout, build_context_parallel_mesh, build_hybrid_mesh, build_layout, build_mesh
+from tenfold.layout import (DP_DIMS, EP_DIMS, Layout, build_context_parallel_mesh, build_expert_mesh, build_hybrid_mesh,
+                            build_layout, build_mesh)
 
 
 @dataclass
@@ -54,6 +55,8 @@ class DistInfo:
     mesh: object | None = None  # torch DeviceMesh ("pp", "dp", "tp") when world_size > 1
     shard_size: int = 0  # dp ranks that shard together: dp_size, or the HSDP group (0: one process)
     hybrid_mesh: object | None = None  # ("dp_replicate", "dp_shard") under hybrid sharding (tenfold.layout.build_hybrid_mesh)
+    ep_size: int = 1  # expert parallelism: ranks one MoE layer's experts are split over (a split of dp)
+    ep_mesh: object | None = None  # ("dp_mod_ep", "ep") view of the dp axis (tenfold.layout.build_expert_mesh)
     embedding_group: object | None = None  # tied embeddings across pipeline stages (`embedding_group`)
     # Context parallelism: the mesh's "dp" dimension holds dp x cp ranks (they all reduce the
     # gradients of the same parameters), split by tenfold.layout.build_context_parallel_mesh
@@ -121,20 +124,22 @@ def world_size_from_env() -> int:
 
 
 def init_distributed(pp_size: int = 1, timeout_s: float = 600.0, tp_size: int = 1, shard_size: int | None = None,
-                     offload: bool = False, cp_size: int = 1) -> DistInfo:
+                     offload: bool = False, cp_size: int = 1, ep_size: int = 1) -> DistInfo:
     """Join the job's process group with pp x dp x cp x tp ranks over the job's processes (the
     layout's rules: tenfold.layout.build_layout). `shard_size`: the HSDP group, dp ranks that
     shard together. `offload`: ZeRO-Offload, which runs on FSDP2 even on one process
-    (`_one_process_group`) and reduces host tensors (`backend_for`)."""
-    return join_layout(build_layout(world_size_from_env(), pp_size, tp_size, shard_size, cp=cp_size), timeout_s,
-                       offload)
+    (`_one_process_group`) and reduces host tensors (`backend_for`). `ep_size`: expert-parallel
+    ranks, a split of dp."""
+    return join_layout(build_layout(world_size_from_env(), pp_size, tp_size, shard_size, cp=cp_size, ep=ep_size),
+                       timeout_s, offload)
 
 
 def join_layout(layout: Layout, timeout_s: float = 600.0, offload: bool = False) -> DistInfo:
     """Join the job's process group and build `layout`'s device mesh (tenfold.layout.build_mesh)
     and, under hybrid sharding, its ("dp_replicate", "dp_shard") split (`DistInfo.hybrid_mesh`),
-    under context parallelism its cp sub-mesh (`DistInfo.cp_group`). The layout must span the
-    job's processes (torchrun's WORLD_SIZE)."""
+    under context parallelism its cp sub-mesh (`DistInfo.cp_group`), under expert parallelism its
+    ("dp_mod_ep", "ep") view (`DistInfo.ep_mesh`). The layout must span the job's processes
+    (torchrun's WORLD_SIZE)."""
     world = world_size_from_env()
     if layout.world_size != world:
         raise UserError(f"the layout {' x '.join(f'{k} {v}' for k, v in layout.degrees().items())} spans "
@@ -159,6 +164,7 @@ def join_layout(layout: Layout, timeout_s: float = 600.0, offload: bool = False)
         pp_size=layout.pp, pp_rank=mesh["pp"].get_local_rank(),
         tp_size=layout.tp, tp_rank=mesh["tp"].get_local_rank(), mesh=mesh, shard_size=layout.dp_shard * layout.cp,
         hybrid_mesh=build_hybrid_mesh(layout, mesh),
+        ep_size=layout.ep, ep_mesh=build_expert_mesh(layout, mesh),
     )
     cp_mesh = build_context_parallel_mesh(layout, mesh)
     if cp_mesh is not None:
@@ -211,6 +217,8 @@ def _all_groups(info: DistInfo) -> list:
             groups.append(info.mesh[name].get_group())
     if info.hybrid_mesh is not None:
         groups += [info.hybrid_mesh[name].get_group() for name in DP_DIMS]
+    if info.ep_mesh is not None:
+        groups += [info.ep_mesh[name].get_group() for name in EP_DIMS]
     if info.embedding_group is not None:
         groups.append(info.embedding_group)
     if info.cp_group is not None:

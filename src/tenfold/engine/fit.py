@@ -194,4 +194,6 @@ class Fit:
         }
         if self.dist.pp_size > 1:  # per-device tokens/s; rank 0's bubble vs (P-1)/m
             row.update(t.model.step_metrics(tps, self.dist.world_size))
+        if result.expert_load is not None:  # router assignments per expert, one list per MoE block
+            row["expert_load"] = result.expert_load
         return row

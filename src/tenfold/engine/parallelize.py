@@ -2,7 +2,9 @@
 
 Order (torchtitan's `parallelize_llama`): low-rank adapters -> pipeline split -> NF4 base ->
 float8 conversion -> tensor parallelism -> context-parallel attention -> activation recompute -> torch.compile per block ->
-ZeRO/FSDP wrapping, on one ("pp", "dp", "tp") device mesh. Adapters are a model conversion
+ZeRO/FSDP wrapping, on one ("pp", "dp", "tp") device mesh. Expert parallelism (MoE experts split
+over ep of the dp ranks, techniques/expert_parallel.py) comes after tensor parallelism and before
+the ZeRO wrappers, which skip the split experts. Adapters are a model conversion
 (PEFT's LoRA layers around the targeted Linears, the rest frozen in the compute dtype:
 techniques/lora.py) made on the whole model on every rank, so that their random init draws what
 one process draws, whatever the layout. The pipeline split comes next because each stage
@@ -36,7 +38,7 @@ from tenfold.errors import UserError
 from tenfold.models.adapter import ModelAdapter
 from tenfold.run import ResolvedRun
 from tenfold.lora_terms import nf4_shards
-from tenfold.techniques import context_parallel, fp8, lora, nf4, recompute, zero
+from tenfold.techniques import context_parallel, expert_parallel, fp8, lora, nf4, recompute, zero
 from tenfold.techniques import tensor_parallel as tp
 from tenfold.techniques.compile import apply_compile, check_supported as check_compile_supported
 from tenfold.techniques.pipeline import PipelineSplit, split_for_rank
@@ -86,6 +88,8 @@ def _apply_techniques(model: nn.Module, run: ResolvedRun, dist: DistInfo, blocks
     if dist.cp_size > 1:  # before recompute, which then re-runs the cp attention's all-gather
         context_parallel.apply_context_parallel(model, blocks if blocks is not None else recompute.find_blocks(model),
                                                 dist.cp_group, dist.cp_size, dist.cp_rank)
+    if dist.ep_size > 1:  # experts split before the dp wrappers, which then leave them alone
+        expert_parallel.apply_expert_parallel(model, dist.ep_mesh["ep"])
     if run.recompute.kind != "none":
         recompute.apply_recompute(model, run.recompute, blocks=blocks)
     if run.compile:

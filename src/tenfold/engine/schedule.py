@@ -57,11 +57,25 @@ class FormulaLR(LRScheduler):
                 f"{self.name!r}; resume with the same train.schedule"
             )
         self.last_epoch = int(state_dict["last_epoch"])
-        self.base_lrs = [float(x) for x in state_dict["base_lrs"]]
+        self.base_lrs = self._per_group(state_dict["base_lrs"])
         self._step_count = int(state_dict["_step_count"])
-        self._last_lr = [float(x) for x in state_dict["_last_lr"]]
+        self._last_lr = self._per_group(state_dict["_last_lr"])
         for group, lr in zip(self.optimizer.param_groups, self._last_lr):
             group["lr"] = lr
+
+
+    def _per_group(self, saved: list) -> list[float]:
+        """Saved per-group values for this optimizer's groups. The groups are split by device
+        mesh (techniques/optimizer.param_groups), so another layout (tp, ep) has another number
+        of them; every group runs the one schedule, so one saved value serves them all."""
+        values = [float(x) for x in saved]
+        groups = len(self.optimizer.param_groups)
+        if len(values) == groups:
+            return values
+        if values and len(set(values)) == 1:
+            return values[:1] * groups
+        raise UserError(f"the checkpoint's lr schedule has {len(values)} differing parameter-group rates "
+                        f"and this run has {groups} groups; resume with the same optimizer groups")
 
 
 # --------------------------------------------------------------------------- formulas

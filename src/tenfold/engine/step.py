@@ -21,9 +21,11 @@ import torch
 
 from tenfold.data import iter_eval
 from tenfold.engine.parts import Parts
+from tenfold.models.moe import finish_router_step
 from tenfold.techniques import accumulation as acc
 from tenfold.techniques import zero
 from tenfold.techniques.context_parallel import local_batch
+from tenfold.techniques.expert_parallel import reduce_expert_gradients
 from tenfold.techniques.precision import StepResult, finish_step
 from tenfold.techniques.tensor_parallel import loss_context, settle_gradients
 
@@ -69,6 +71,8 @@ def apply_gradients(p: Parts, loss: float, global_tokens: int, step: int) -> Ste
     """The step tail every run takes (techniques.precision.finish_step); `step`: the number of
     the optimizer step being taken (1-based)."""
     params = [q for q in p.model.parameters() if q.requires_grad]
+    if p.dist.ep_size > 1:
+        reduce_expert_gradients(p.model, expert_replica_group(p.dist), p.dist.dp_size)
     if p.dist.tp_size > 1:
         settle_gradients(params)
     train = p.train  # clipping and the non-finite rule are not part of the run's layout
@@ -76,7 +80,15 @@ def apply_gradients(p: Parts, loss: float, global_tokens: int, step: int) -> Ste
                          lambda max_norm: clip(p, max_norm), train.grad_clip, on_nan=train.on_nan, step=step)
     if result.message and p.dist.is_main:
         log.warning(result.message)
+    dp_group = p.dist.mesh["dp"].get_group() if p.dist.mesh is not None else None
+    result.expert_load = finish_router_step(p.model, dp_group, update_bias=not result.skipped)
     return result
+
+
+def expert_replica_group(dist):
+    """The ranks holding the same experts (None: only this one)."""
+    replicas = dist.ep_mesh["dp_mod_ep"]
+    return replicas.get_group() if replicas.size() > 1 else None
 
 
 def clip(p: Parts, max_norm: float) -> float:

@@ -11,14 +11,23 @@ optimizer step), with two substitutions that move no data:
     any size and does nothing, as torchtitan's memory estimation runs a large world on one
     process (torchtitan/scripts/estimate/estimation.py).
 
+A mixture-of-experts router's choices depend on values fake tensors do not have; the trace
+routes every token balanced (`_balanced_routing`: token t's k experts are t k, ..., t k + k - 1
+mod E, every expert the same share, the planner's assumption, tenfold.plan.moe), so the routing
+bookkeeping (counts, sort, all-to-all split sizes) runs on real index tensors beside the fake
+activations. An all-to-all of real tensors (the expert-parallel split sizes) returns this rank's
+input as its output (`_as_every_rank_sends`): every rank of the fake world runs the same step,
+so what arrives is what this rank sends.
+
 Two steps run: the first creates the optimizer states, the second is measured with the tensor
 tracker a real run uses (engine/tensor_tracker.py: params, grads, optimizer, gathered params,
-activations, buffers, the peak) and a dispatch mode that records every collective (kind, group
-size, payload; `CollectiveLog`). Host syncs (`.item()`) of data-dependent fake values return a
-fixed value (`_no_value`): the loss and overflow flag have no meaning here (a zero flag =
-finite gradients, so the optimizer step is taken); a value fake tensors still know (a constant,
-Adam's step counter) is returned as it is, and operators on real tensors only (the device
-mesh's rank table, the token ids and their count) run for real.
+activations, buffers, the peak) and a dispatch mode that records every collective (kind, the
+mesh dimension of its group and the group's size, payload; `CollectiveLog`). Host syncs
+(`.item()`) of data-dependent fake values return a fixed value (`_no_value`): the loss and
+overflow flag have no meaning here (a zero flag = finite gradients, so the optimizer step is
+taken); a value fake tensors still know (a constant, Adam's step counter) is returned as it is,
+and operators on real tensors only (the device mesh's rank table, the routing's indices and
+counts) run for real.
 
 Run as `python -m tenfold.engine.trace --world W --rank R -- <train flags>`: one JSON line on
 stdout. `trace_run` (the parent) starts one such process per distinct pipeline stage.
@@ -143,27 +152,74 @@ def _collective_log_class():
                 return NotImplemented
             tensors = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
             if tensors and not any(isinstance(t, FakeTensor) for t in tensors):
-                # Real tensors only (the device mesh's rank table, the batch's token ids): a
-                # real result, as a run computes it.
+                # Real tensors only (the device mesh's rank table, the routing's indices and
+                # counts): a real result, as a run computes it.
                 with _disable_current_modes():
-                    return func(*args, **(kwargs or {}))
+                    out = func(*args, **(kwargs or {}))
+                    self._record(func, args)
+                    _as_every_rank_sends(func, args)
+                return out
             if func is torch.ops.aten._local_scalar_dense.default:
                 try:
                     return func(*args, **(kwargs or {}))
                 except Exception:  # noqa: BLE001 - DataDependentOutputException: no value
                     return _no_value(args[0].dtype)
             out = func(*args, **(kwargs or {}))
-            if self.recording:
-                rec = collective_record(func, args, self.group_now, self.labels)
-                if rec is not None and rec["group_size"] is None:
-                    p2p = rec["kind"] in ("send", "recv")
-                    rec["group_size"] = self.p2p_group if p2p else self.default_group
-                    rec["group"] = "pp" if p2p else "dp"
-                if rec is not None:
-                    self.records.append(rec)
+            self._record(func, args)
             return out
 
+        def _record(self, func, args) -> None:
+            if not self.recording:
+                return
+            rec = collective_record(func, args, self.group_now, self.labels)
+            if rec is None:
+                return
+            if rec["group_size"] is None:  # no Python call named its group
+                p2p = rec["kind"] in ("send", "recv")
+                rec["group_size"] = self.p2p_group if p2p else self.default_group
+                rec["group"] = "pp" if p2p else "dp"
+            self.records.append(rec)
+
     return CollectiveLog
+
+
+def _as_every_rank_sends(func, args) -> None:
+    """A c10d all-to-all of real tensors (the expert-parallel split sizes): its output is its
+    input, what every rank of a world that runs the same step receives (the fake backend
+    writes nothing)."""
+    packet = getattr(func, "_overloadpacket", None)
+    if str(getattr(func, "namespace", "")) == "c10d" and getattr(packet, "__name__", "") == "alltoall_base_":
+        out, inp = args[0], args[1]
+        if out.shape == inp.shape:
+            out.copy_(inp)
+
+
+@contextmanager
+def _balanced_routing():
+    """Every MoE layer routes token t to experts t k, ..., t k + k - 1 (mod E), a real index
+    tensor (module docstring); the weights are the router's scores of those experts, as
+    `MoE.route` takes them."""
+    import torch
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    from tenfold.models.moe import MoE
+
+    original = MoE.route
+
+    def route(self, h):
+        scores, chosen, _ = original(self, h)
+        with _disable_current_modes():
+            chosen = (torch.arange(chosen.numel()) % self.n_experts).reshape(chosen.shape)
+        weights = scores.gather(-1, chosen)
+        if self.norm_topk:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return scores, chosen, weights
+
+    MoE.route = route
+    try:
+        yield
+    finally:
+        MoE.route = original
 
 
 def _no_value(dtype):
@@ -316,7 +372,8 @@ def _summarize(records: list[dict]) -> list[dict]:
 
 def group_labels(d) -> dict[str, str]:
     """{process group name: mesh dimension} of a DistInfo's groups: the mesh's ("pp", "dp",
-    "tp", a flattened "dp_tp"), the hybrid split's, the cp group. A group that two dimensions
+    "tp", a flattened "dp_tp"), the hybrid split's, the cp group, the expert view's ("dp_mod_ep",
+    "ep"). A group that two dimensions
     share (cp over every dp x cp rank when dp is 1) takes the later, more specific one."""
     out: dict[str, str] = {}
     if d.mesh is not None:
@@ -328,6 +385,9 @@ def group_labels(d) -> dict[str, str]:
             out[d.hybrid_mesh[name].get_group().group_name] = name
     if d.cp_group is not None:
         out[d.cp_group.group_name] = "cp"
+    if d.ep_mesh is not None:
+        for name in d.ep_mesh.mesh_dim_names:
+            out[d.ep_mesh[name].get_group().group_name] = name
     return out
 
 
@@ -335,7 +395,8 @@ def check_traceable(run, dp: int) -> None:
     """UserError for a layout the trace cannot run: DDP (ZeRO-0/1 without tensor parallelism
     on several data-parallel ranks, `dp`: the dp x cp ranks that reduce gradients) keeps its
     buckets in C++ and reads their host memory before every forward (`Reducer._rebuild_buckets`),
-    which fake tensors have none of."""
+    which fake tensors have none of; a mixture-of-experts model in another precision than bf16
+    (torch._grouped_mm's fake kernel)."""
     from tenfold.errors import UserError
 
     from tenfold.terms import MULTI_STAGE_SCHEDULES
@@ -343,6 +404,9 @@ def check_traceable(run, dp: int) -> None:
     if run.pp > 1 and run.pp_schedule in MULTI_STAGE_SCHEDULES:
         raise UserError(f"--trace runs single-stage pipeline schedules (1f1b, gpipe); the tensor tracker's module hooks "
                         f"break the stage backward of the {run.pp_schedule} schedule (torch 2.13)")
+    if run.model is not None and run.model.is_moe and run.precision != "bf16":
+        raise UserError(f"--trace runs mixture-of-experts models in bf16 (--precision bf16); torch's fake-tensor "
+                        f"kernel of the experts' grouped GEMM (torch._grouped_mm) takes bf16 only, not {run.precision}")
     if dp > 1 and run.zero_runs_as <= 1:
         raise UserError(f"--trace runs FSDP2 layouts (--zero 2 or 3, or any ZeRO stage with --tp > 1); ZeRO-{run.zero_stage} "
                         f"on {dp} data-parallel ranks runs on DDP, whose C++ gradient buckets cannot run on fake tensors")
@@ -380,7 +444,7 @@ the data-parallel ranks the mesh has), "layout" (the mesh built), "memory": MEMO
     log.default_group, log.p2p_group = d.dp_size, d.pp_size
     log.labels = group_labels(d)
     with FakeTensorMode(allow_non_fake_inputs=True), log, _module_conversion_to_itself_keeps_it(), \
-            _ddp_without_shape_check(), _named_groups(log):
+            _ddp_without_shape_check(), _named_groups(log), _balanced_routing():
         P.seed_everything(cfg.train.seed)
         model, adapter, lora = P.build_model(P.new_model(run, cfg, None), run, cfg.model.blocks, d, precision, None,
                                              None, None)
@@ -402,7 +466,7 @@ the data-parallel ranks the mesh has), "layout" (the mesh built), "memory": MEMO
     batch = {"micro_batch": run.micro_batch, "grad_accum": len(batches), "dp": d.data_size, "seq_len": run.seq_len,
              "global_batch": run.micro_batch * len(batches) * d.data_size}
     layout = {"processes": d.world_size, "pp": d.pp_size, "dp": d.data_size, "cp": d.cp_size, "tp": d.tp_size,
-              "shard_size": d.shard_size, "hybrid": d.hybrid}
+              "shard_size": d.shard_size, "hybrid": d.hybrid, "ep": d.ep_size}
     return {"rank": rank, "stage": d.pp_rank, "batch": batch, "layout": layout, "memory": measured,
             "collectives": _summarize(log.records),
             "seconds": round(time.perf_counter() - t0, 2)}

@@ -25,10 +25,11 @@ def diff_percent(planned: float | None, traced: float | None) -> float | None:
 
 
 def compare(planned: dict, traces: list[dict], stage: int, planned_traffic: float | None = None,
-            planned_cp: float | None = None) -> dict:
+            planned_cp: float | None = None, planned_all_to_all: float | None = None) -> dict:
     """{"stage", "memory": {key: {planned, traced, diff_percent}}, "stages": per-stage traced
     memory, "collectives": the compared stage's, "traffic": planned vs traced ring bytes,
-    "cp_traffic": planned vs traced ring bytes on the cp group (None without cp)}."""
+    "cp_traffic": planned vs traced ring bytes on the cp group (None without cp), "all_to_all":
+    planned vs traced ring bytes of the expert-parallel all-to-alls (group "ep"; None without ep)}."""
     traced = next(t for t in traces if t["stage"] == stage)
     memory = {k: {"planned": planned.get(k), "traced": traced["memory"].get(k),
                   "diff_percent": diff_percent(planned.get(k), traced["memory"].get(k))} for k in COMPARED}
@@ -41,6 +42,10 @@ def compare(planned: dict, traces: list[dict], stage: int, planned_traffic: floa
     if planned_cp is not None:
         cp_ring = sum(c["ring_bytes"] for c in traced["collectives"] if c.get("group") == "cp")
         out["cp_traffic"] = {"planned": planned_cp, "traced": cp_ring, "diff_percent": diff_percent(planned_cp, cp_ring)}
+    if planned_all_to_all is not None:
+        a2a = sum(c["ring_bytes"] for c in traced["collectives"] if c["kind"] == "all_to_all" and c.get("group") == "ep")
+        out["all_to_all"] = {"planned": planned_all_to_all, "traced": a2a,
+                             "diff_percent": diff_percent(planned_all_to_all, a2a)}
     return out
 
 
@@ -86,6 +91,11 @@ def print_comparison(result: dict) -> None:
         d = cp["diff_percent"]
         captions.append(f"cp group bytes per step (K/V all-gather and reduce-scatter): planned {fmt_bytes(cp['planned'])}, "
                         f"traced {fmt_bytes(cp['traced'])}" + ("" if d is None else f" ({d:+.1f}%)"))
+    a2a = result.get("all_to_all")
+    if a2a is not None:
+        d = a2a["diff_percent"]
+        captions.append(f"expert-parallel all-to-all bytes per step: planned {fmt_bytes(a2a['planned'])}, "
+                        f"traced {fmt_bytes(a2a['traced'])}" + ("" if d is None else f" ({d:+.1f}%)"))
     if captions:
         c.caption = "\n".join(captions)
     console.print(c)

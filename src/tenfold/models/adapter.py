@@ -41,6 +41,9 @@ import torch.nn as nn
 from tenfold.errors import TenfoldNote, UserError
 from tenfold.models.gpt import GPT
 from tenfold.models.loss import replicated_value, token_loss_sum
+from tenfold.models.moe import with_router_aux_loss
+from tenfold.models.presets import flops_per_token as preset_flops_per_token
+from tenfold.terms import IGNORE_INDEX
 
 LossFn = Callable[[nn.Module, dict], Any]
 
@@ -74,7 +77,9 @@ class ModelAdapter:
             out = model(batch["input_ids"], positions=batch["positions"])
         else:
             out = model(batch["input_ids"])
-        return token_loss_sum(logits_of(out), batch["labels"])
+        loss_sum = token_loss_sum(logits_of(out), batch["labels"])
+        # Mixture-of-experts layers' balance losses join the gradient, weighted per target token.
+        return with_router_aux_loss(loss_sum, model, int((batch["labels"] != IGNORE_INDEX).sum()))
 
     # ------------------------------------------------------------------ checks
 
@@ -268,6 +273,8 @@ def adapt(
         found, output, n_params, embedding, seq_len, _hidden_size(model, embedding),
         attention=kind in ("tenfold", "hf"),
     )
+    if kind == "tenfold" and model.cfg.is_moe:  # a token runs k of the E experts: active parameters
+        flops, formula = preset_flops_per_token(model.cfg, seq_len), "6 x active params + 12 L s d"
     return ModelAdapter(
         kind=kind, blocks=found, block_class=type(found[0]).__name__ if found else None,
         embedding=embedding, output=output, param_count=n_params, flops_per_token=flops,

@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from tenfold.models.moe import MoE
 from tenfold.models.presets import ModelConfig
 
 
@@ -132,7 +133,9 @@ class Block(nn.Module):
         self.norm1 = make_norm(cfg)
         self.attn = Attention(cfg)
         self.norm2 = make_norm(cfg)
-        self.mlp = MLP(cfg)
+        # A mixture-of-experts block keeps the name `mlp` for its feed-forward part, so that
+        # selective recompute (selective:mlp) and the checkpoint layout treat both alike.
+        self.mlp = MoE(cfg) if cfg.is_moe else MLP(cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None) -> torch.Tensor:
         x = x + self.attn(self.norm1(x), cos, sin)
@@ -183,8 +186,11 @@ class GPT(nn.Module):
                 else:
                     p.fill_(1.0)
                 continue
-            s = std / math.sqrt(2 * self.cfg.n_layers) if name.endswith(("wo.weight", "w2.weight")) else std
+            s = std / math.sqrt(2 * self.cfg.n_layers) if name.endswith(("wo.weight", "w2.weight", "experts.w2")) else std
             p.normal_(0.0, s, generator=generator)
+        for name, buffer in self.named_buffers():
+            if name.endswith("expert_bias"):  # the aux-loss-free router bias starts at 0
+                buffer.zero_()
         if self.cfg.pos == "rope":  # buffers are recomputed, never loaded
             cos, sin = rope_tables(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta)
             self.rope_cos.copy_(cos)

@@ -31,6 +31,15 @@ class ModelConfig:
     tie_embeddings: bool = False
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
+    # Mixture of experts (tenfold.models.moe): 0 experts = a dense MLP in every block.
+    n_experts: int = 0  # routed experts per block
+    experts_per_token: int = 2  # k of token-choice top-k routing
+    d_expert: int | None = None  # one routed expert's hidden width; None = ffn_dim
+    n_shared_experts: int = 0  # always-on experts of width d_expert (DeepSeekMoE)
+    router_aux_loss_coef: float = 0.01  # Switch/GShard balance loss weight; 0 = off
+    router_bias_rate: float = 0.0  # DeepSeek-V3 aux-loss-free bias update speed; 0 = off
+    router_norm_topk: bool = True  # renormalise the k chosen weights to sum to 1 (Mixtral)
+    capacity_factor: float = 0.0  # 0 = dropless; c > 0: each expert keeps ceil(c T k / E) tokens
 
     def __post_init__(self) -> None:
         for name in ("n_layers", "d_model", "n_heads", "vocab_size", "max_seq_len"):
@@ -52,6 +61,23 @@ class ModelConfig:
             raise UserError(f"model.pos must be 'rope' or 'learned', got {self.pos!r}")
         if self.pos == "rope" and self.head_dim % 2:
             raise UserError(f"RoPE needs an even head dimension, got {self.head_dim}")
+        self._check_moe()
+
+    def _check_moe(self) -> None:
+        if self.n_experts < 0 or self.n_shared_experts < 0:
+            raise UserError("model.n_experts and model.n_shared_experts must be >= 0")
+        if not self.n_experts:
+            return
+        if not 1 <= self.experts_per_token <= self.n_experts:
+            raise UserError(f"model.experts_per_token ({self.experts_per_token}) must be between 1 and "
+                            f"model.n_experts ({self.n_experts})")
+        if self.mlp != "swiglu":
+            raise UserError("mixture-of-experts blocks use SwiGLU experts: set model.mlp = 'swiglu'")
+        if self.expert_dim <= 0:
+            raise UserError(f"model.d_expert must be positive, got {self.d_expert}")
+        for name in ("router_aux_loss_coef", "router_bias_rate", "capacity_factor"):
+            if getattr(self, name) < 0:
+                raise UserError(f"model.{name} must be >= 0, got {getattr(self, name)}")
 
     @property
     def head_dim(self) -> int:
@@ -70,6 +96,27 @@ class ModelConfig:
         # LLaMA: 2/3 of 4d, rounded up to a multiple of 256 (Touvron et al. 2023, model.py).
         hidden = int(2 * 4 * self.d_model / 3)
         return 256 * ((hidden + 255) // 256)
+
+    @property
+    def is_moe(self) -> bool:
+        return self.n_experts > 0
+
+    @property
+    def active_ffn_dim(self) -> int:
+        """The MLP width one token's forward runs through: a dense MLP's, or for MoE the k routed
+        plus the shared experts' (what its FLOPs and saved activations scale with)."""
+        if not self.is_moe:
+            return self.ffn_dim
+        return (self.experts_per_token + self.n_shared_experts) * self.expert_dim
+
+    @property
+    def router_dim(self) -> int:
+        """Router outputs per token (its matmul is d_model x n_experts); 0 for a dense model."""
+        return self.n_experts
+
+    @property
+    def expert_dim(self) -> int:
+        return self.d_expert if self.d_expert is not None else self.ffn_dim
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -106,6 +153,17 @@ def _llama(n_layers: int, d_model: int, n_heads: int, d_ff: int, n_kv_heads: int
     )
 
 
+def _mixtral(n_layers: int, d_model: int, n_heads: int, d_ff: int, n_kv_heads: int, n_experts: int,
+             top_k: int) -> ModelConfig:
+    # Jiang et al. 2024 (Mixtral of Experts), Table 1: Mistral 7B's blocks with 8 SwiGLU experts,
+    # top-2, vocab 32000, context 32768, rope theta 1e6; HF config router_aux_loss_coef 0.02.
+    return ModelConfig(
+        n_layers=n_layers, d_model=d_model, n_heads=n_heads, n_kv_heads=n_kv_heads, d_ff=d_ff,
+        vocab_size=32000, max_seq_len=32768, rope_theta=1e6, n_experts=n_experts,
+        experts_per_token=top_k, router_aux_loss_coef=0.02,
+    )
+
+
 PRESETS: dict[str, ModelConfig] = {
     # Byte-level models that train on a laptop CPU (vocab 256 = the default corpus's bytes).
     "tiny": ModelConfig(n_layers=4, d_model=256, n_heads=4, d_ff=768, vocab_size=256, max_seq_len=256),
@@ -123,6 +181,27 @@ PRESETS: dict[str, ModelConfig] = {
     "llama-7b": _llama(32, 4096, 32, 11008),
     "llama-13b": _llama(40, 5120, 40, 13824),
     "llama-70b": _llama(80, 8192, 64, 28672, n_kv_heads=8),
+    # Mixture of experts (tenfold.models.moe). tiny-moe: the byte-level test model, 8 experts top-2
+    # plus one shared expert, every piece of the MoE path switched on.
+    "tiny-moe": ModelConfig(n_layers=2, d_model=64, n_heads=4, d_ff=128, vocab_size=256, max_seq_len=256,
+                            n_experts=8, experts_per_token=2, d_expert=64, n_shared_experts=1),
+    "mixtral-8x7b": _mixtral(32, 4096, 32, 14336, 8, 8, 2),
+    # DeepSeek-V2-Lite's MoE shape (DeepSeek-AI 2024, HF config): 64 fine-grained routed experts of
+    # width 1408, top-6, 2 shared experts, vocab 102400. Attention is tenfold's grouped-query
+    # attention (not MLA) and every block is MoE (the published model keeps block 0 dense), so the
+    # count is close to, not equal to, the published 15.7B total / 2.4B active.
+    "deepseek-moe-16b": ModelConfig(
+        n_layers=27, d_model=2048, n_heads=16, d_ff=10944, vocab_size=102400, max_seq_len=4096,
+        n_experts=64, experts_per_token=6, d_expert=1408, n_shared_experts=2, router_aux_loss_coef=0.001,
+    ),
+    # Qwen3-235B-A22B (Qwen team 2025, HF config.json): 94 blocks, 128 experts of width 1536, top-8,
+    # no shared expert, 64 query / 4 kv heads of 128 (q width 8192 > d_model 4096: tenfold's
+    # attention ties q width to d_model, so the attention here is slightly smaller).
+    "qwen3-235b-a22b": ModelConfig(
+        n_layers=94, d_model=4096, n_heads=32, n_kv_heads=4, d_ff=12288, vocab_size=151936,
+        max_seq_len=40960, rope_theta=1e6, n_experts=128, experts_per_token=8, d_expert=1536,
+        router_aux_loss_coef=0.001,
+    ),
 }
 
 # Sizes as published, for the tests and the planner's notes.
@@ -130,6 +209,12 @@ PUBLISHED_PARAMS: dict[str, float] = {
     "gpt3-125m": 125e6, "gpt3-350m": 350e6, "gpt3-760m": 760e6, "gpt3-1.3b": 1.3e9,
     "gpt3-2.7b": 2.7e9, "gpt3-6.7b": 6.7e9, "gpt3-13b": 13.0e9, "gpt3-175b": 175.0e9,
     "llama-7b": 6.7e9, "llama-13b": 13.0e9, "llama-70b": 70e9,
+    "mixtral-8x7b": 46.7e9, "deepseek-moe-16b": 15.7e9, "qwen3-235b-a22b": 235e9,
+}
+# Active parameters per token as published (Mixtral Table 1: 12.9B; DeepSeek-V2-Lite: 2.4B;
+# Qwen3: 22B).
+PUBLISHED_ACTIVE_PARAMS: dict[str, float] = {
+    "mixtral-8x7b": 12.9e9, "deepseek-moe-16b": 2.4e9, "qwen3-235b-a22b": 22e9,
 }
 
 
@@ -150,12 +235,30 @@ def block_param_count(cfg: ModelConfig) -> int:
     attn = d * d + 2 * d * kv + d * d  # q, k, v, out projections
     if cfg.bias:
         attn += d + 2 * kv + d
+    return attn + _ffn_param_count(cfg, active=False) + 2 * _norm_params(cfg)
+
+
+def _ffn_param_count(cfg: ModelConfig, active: bool) -> int:
+    """One block's MLP, or its MoE layer: router + routed experts (all of them, or the k a token
+    uses when `active`) + shared experts."""
+    d = cfg.d_model
+    if cfg.is_moe:
+        routed = cfg.experts_per_token if active else cfg.n_experts
+        return d * cfg.n_experts + (routed + cfg.n_shared_experts) * 3 * d * cfg.expert_dim
     ff = cfg.ffn_dim
     if cfg.mlp == "swiglu":
-        mlp = 3 * d * ff + ((2 * ff + d) if cfg.bias else 0)
-    else:
-        mlp = 2 * d * ff + ((ff + d) if cfg.bias else 0)
-    return attn + mlp + 2 * _norm_params(cfg)
+        return 3 * d * ff + ((2 * ff + d) if cfg.bias else 0)
+    return 2 * d * ff + ((ff + d) if cfg.bias else 0)
+
+
+def active_block_param_count(cfg: ModelConfig) -> int:
+    """Parameters one token's forward uses in a block: for MoE only k routed experts; = all for dense."""
+    return block_param_count(cfg) - _ffn_param_count(cfg, active=False) + _ffn_param_count(cfg, active=True)
+
+
+def expert_param_count(cfg: ModelConfig) -> int:
+    """Routed-expert parameters of the whole model (what expert parallelism splits)."""
+    return cfg.n_layers * cfg.n_experts * 3 * cfg.d_model * cfg.expert_dim if cfg.is_moe else 0
 
 
 def embedding_param_count(cfg: ModelConfig) -> int:
@@ -175,6 +278,11 @@ def param_count(cfg: ModelConfig) -> int:
     return embedding_param_count(cfg) + cfg.n_layers * block_param_count(cfg) + head_param_count(cfg)
 
 
+def active_param_count(cfg: ModelConfig) -> int:
+    """Parameters a token's forward uses (MoE: k routed experts per block); = param_count for dense."""
+    return param_count(cfg) - cfg.n_layers * (block_param_count(cfg) - active_block_param_count(cfg))
+
+
 def non_embedding_param_count(cfg: ModelConfig) -> int:
     """Kaplan et al. 2020's N: parameters excluding the token and position embeddings."""
     n = cfg.n_layers * block_param_count(cfg) + _norm_params(cfg)
@@ -192,6 +300,8 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     et al. 2022 App. B, 12*L*H*Q*T with H*Q = d; the causal mask is not discounted, the
     usual convention). nanoGPT's GPT-2 124M at T=1024 gives 875,062,886,400 per sequence
     (nanoGPT `estimate_mfu`). Recompute is not counted here (that would be HFU).
+    Mixture of experts: N counts the ACTIVE parameters (the k routed experts a token visits, the
+    shared experts and the router), as DeepSeek-V3 and Megatron-Core count an MoE model's MFU.
     """
-    n_matmul = cfg.n_layers * block_param_count(cfg) + cfg.vocab_size * cfg.d_model
+    n_matmul = cfg.n_layers * active_block_param_count(cfg) + cfg.vocab_size * cfg.d_model
     return 6.0 * n_matmul + 12.0 * cfg.n_layers * seq_len * cfg.d_model

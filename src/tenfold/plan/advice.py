@@ -23,7 +23,7 @@ from tenfold.run import ResolvedRun, config_for_run, resolve_run
 STRATEGY_KEYS = {
     "model": ("name",), "data": ("seq_len",), "train": ("micro_batch", "global_batch"),
     "precision": ("dtype",), "recompute": ("policy",),
-    "parallel": ("zero_stage", "pp_degree", "tp_degree", "nproc", "nnodes"),
+    "parallel": ("zero_stage", "pp_degree", "tp_degree", "ep_degree", "nproc", "nnodes"),
 }
 EMIT_MARK = "# Written by tenfold plan"
 RENDEZVOUS = ("--rdzv-backend", "c10d", "--rdzv-endpoint", "HEAD:29500", "--rdzv-id", "JOB")

@@ -7,12 +7,14 @@ rung; the CLI prints it. Every figure carries the formula and source it came fro
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 
 from tenfold.errors import UserError
 from tenfold.plan import lora as lora_plan
 from tenfold.plan import cp_traffic, memory
+from tenfold.plan import moe as moe_plan
 from tenfold.plan.hardware import Hardware, get_hardware, with_gpus_per_node
+from tenfold.models.presets import active_param_count
 from tenfold.plan.shape import ModelShape, largest_unit_params, run_rank_params, shape_of
 from tenfold.plan.step_time import TimeBreakdown, compute_share, step_time
 from tenfold.run import ResolvedRun
@@ -92,11 +94,15 @@ class Plan:
     max_micro_batch: int | None = None  # largest micro-batch that fits, the rest unchanged (set by the CLI; see largest_micro_batch)
     tp_bytes_per_step: float = 0.0  # tensor-parallel traffic per rank per step (tenfold.plan.tp_traffic), busiest stage
     cp_bytes_per_step: float = 0.0  # context-parallel K/V traffic per rank per step (tenfold.plan.cp_traffic)
+    ep_bytes_per_step: float = 0.0  # expert-parallel all-to-all bytes one rank sends per step (tenfold.plan.moe), busiest stage
     # Why `tenfold train` cannot run this strategy (tenfold.capabilities; set by the CLI and --search)
     unsupported: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     explain: list[Explained] = field(default_factory=list)
     run: ResolvedRun | None = field(default=None, repr=False, compare=False)  # what was priced
+    # Parameters a token's forward uses (MoE: k routed experts per block); = params for dense.
+    # Memory is priced on `params`, FLOPs and MFU on these.
+    active_params: float | None = None
 
     @property
     def step_time_s(self) -> float:
@@ -184,6 +190,10 @@ def _predict(run: ResolvedRun, hardware, gpus_per_node=None, trace: bool = True,
         tr("cp_bytes_per_step", cp_bytes, "per layer and micro-batch: the K/V all-gather (again per recomputed layer) "
            "and reduce-scatter of b s 2 kv/t elements, (cp-1)/cp of them sent by each rank",
            "Llama 3 (arXiv:2407.21783) §3.3.2 all-gather CP; nccl-tests bus bandwidth")
+    ep_bytes = moe_plan.ep_bytes_per_step(shape.cfg, run) if shape.known else 0.0
+    if ep_bytes:
+        tr("ep_bytes_per_step", ep_bytes, "(4 per MoE layer + 2 per recomputed one) all-to-alls of b s k d x m, "
+           "(ep-1)/ep of each leaving the rank", "GShard (Lepikhin et al. 2020) §2.2")
     fits = _fits(mem, hw, gpus)
     if not fits and hw.shared_compute:
         notes.append(f"does not fit: {min(gpus, hw.gpus_per_node)} ranks x {(mem.total_bytes + mem.cpu_bytes) / 2**30:.1f} GiB "
@@ -203,7 +213,8 @@ def _predict(run: ResolvedRun, hardware, gpus_per_node=None, trace: bool = True,
         tokens_per_step=tokens_step, model_flops_per_step=flops_model, hardware_flops_per_step=flops_hw,
         tokens_per_s=tps, tflops_per_gpu=tflops / 1e12, hardware_tflops_per_gpu=hw_tflops / 1e12, mfu=mfu, hfu=hfu,
         tokens=tokens, train_days=days, gpu_hours=hours, notes=notes, explain=tr.items if trace else [],
-        tp_bytes_per_step=tp_bytes, cp_bytes_per_step=cp_bytes, run=run,
+        tp_bytes_per_step=tp_bytes, cp_bytes_per_step=cp_bytes, ep_bytes_per_step=ep_bytes, run=run,
+        active_params=float(active_param_count(shape.cfg)) if shape.known else shape.params,
     )
 
 
@@ -318,11 +329,16 @@ def _stage_memory(shape: ModelShape, hw: Hardware, run: ResolvedRun, rank: int) 
             act = max(act, act - (sa.extra_bytes if last else 0.0) + lora_plan.dequant_working_bytes(cfg, run))
         cpu += sa.cpu_bytes
         tp_seq_bytes = run.micro_batch * run.local_seq_len * cfg.d_model * element_bytes(run.precision)
-    unit = largest_unit_params(shape, run.tp)
+    unit = largest_unit_params(shape, run.tp, run.ep)
     buffers, _ = memory.comm_buffer_bytes(run, unit, tp_seq_bytes)
     autocast = (lora_plan.autocast_copy_bytes(cfg, run, run.rank_layers(rank)) if run.lora and cfg is not None
                 else memory.autocast_weight_copy_bytes(n_params, run))
     gathered = memory.gathered_param_bytes(n_params, run, unit) + autocast  # each term at its own high
+    if run.ep > 1 and cfg is not None and memory.runs_on_fsdp2(run.zero_stage, run.tp, run.dp, run.offload):
+        # FSDP2 gathers the dense part; the ep-split experts compute on their own 16-bit casts (plan/moe.py)
+        experts = moe_plan.rank_expert_params(cfg, run, run.rank_layers(rank))
+        gathered = (memory.gathered_param_bytes(n_params - experts, run, unit) + moe_plan.expert_copy_bytes(cfg, run, rank)
+                    + autocast)
     at_peak = gathered
     if autocast and act_work and run.recompute.kind in ("full", "every", "segments", "op"):
         # [recompute] torch.amp + recompute: autocast's cache holds every 16-bit weight copy
@@ -354,10 +370,18 @@ def _model_states(shape: ModelShape, run: ResolvedRun, rank: int, n_params: floa
     """ZeRO's model states, or a LoRA run's: the frozen base (16-bit or NF4) and the adapters'
     weights, gradients and AdamW states (plan/lora.py)."""
     if run.lora is None or shape.cfg is None:
+        if run.ep > 1 and shape.cfg is not None:  # split experts: whole on their replicas (plan/moe.py)
+            experts = moe_plan.rank_expert_params(shape.cfg, run, run.rank_layers(rank))
+            return _add_states(memory.model_states(n_params - experts, run),
+                               memory.model_states(experts, replace(run, zero_stage=0, shard_group=None)))
         return memory.model_states(n_params, run)
     s = lora_plan.model_states(n_params, run.rank_layers(rank), shape.cfg, run)
     return memory.ModelStates(params_bytes=s.params, grads_bytes=s.grads, master_weights_bytes=0.0,
                               optimizer_moments_bytes=s.moments, grad_copy_bytes=0.0, cpu_bytes=s.cpu)
+
+
+def _add_states(a: memory.ModelStates, b: memory.ModelStates) -> memory.ModelStates:
+    return memory.ModelStates(**{f.name: getattr(a, f.name) + getattr(b, f.name) for f in fields(a)})
 
 
 def largest_micro_batch(run: ResolvedRun, hardware, memory_budget_bytes: float | None = None, limit: int = 4096,

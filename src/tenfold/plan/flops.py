@@ -30,16 +30,27 @@ class Gemm:
 def layer_gemms(cfg: ModelConfig, micro_batch: int, seq_len: int, tp: int) -> list[Gemm]:
     """Forward matmuls of one block on one TP rank (Megatron's column/row split: QKV and MLP-in
     split their output dim by t, out-proj and MLP-out their input dim)."""
-    h, f = cfg.d_model, cfg.ffn_dim
+    h, f = cfg.d_model, cfg.active_ffn_dim
     kv = cfg.kv_heads * cfg.head_dim
     t = micro_batch * seq_len
     up = 2 * f if cfg.mlp == "swiglu" else f
-    return [
-        Gemm("qkv", t, (h + 2 * kv) // tp, h),
-        Gemm("out-proj", t, h, h // tp),
-        Gemm("mlp-in", t, up // tp, h),
-        Gemm("mlp-out", t, h, f // tp),
-    ]
+    gemms = [Gemm("qkv", t, (h + 2 * kv) // tp, h), Gemm("out-proj", t, h, h // tp)]
+    if cfg.is_moe:
+        return gemms + moe_gemms(cfg, t)
+    return gemms + [Gemm("mlp-in", t, up // tp, h), Gemm("mlp-out", t, h, f // tp)]
+
+
+def moe_gemms(cfg: ModelConfig, tokens: int) -> list[Gemm]:
+    """An MoE layer's matmuls for `tokens` tokens: the router, then one grouped GEMM per
+    projection over the experts, each expert taking t k / E rows when balanced (torchtitan's
+    grouped_mm; the experts are not split by tensor parallelism), and the shared experts."""
+    h, de, e = cfg.d_model, cfg.expert_dim, cfg.n_experts
+    rows = max(1, -(-tokens * cfg.experts_per_token // e))
+    out = [Gemm("router", tokens, e, h), Gemm("experts-in", rows, 2 * de, h, e), Gemm("experts-out", rows, h, de, e)]
+    if cfg.n_shared_experts:
+        ds = cfg.n_shared_experts * de
+        out += [Gemm("shared-in", tokens, 2 * ds, h), Gemm("shared-out", tokens, h, ds)]
+    return out
 
 
 def attention_core_gemms(cfg: ModelConfig, micro_batch: int, seq_len: int, tp: int) -> list[Gemm]:
@@ -55,10 +66,10 @@ def head_gemm(cfg: ModelConfig, micro_batch: int, seq_len: int, tp: int) -> Gemm
 def layer_forward_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """Forward FLOPs of one block per token: 2 x matmul params + 4 s h (Narayanan §5.1 per layer
     24Bsh^2 + 4Bs^2h for the GPT shape; here with the real kv and ffn widths)."""
-    h, f = cfg.d_model, cfg.ffn_dim
+    h, f = cfg.d_model, cfg.active_ffn_dim
     kv = cfg.kv_heads * cfg.head_dim
     up = 3 if cfg.mlp == "swiglu" else 2
-    return 2.0 * (h * (h + 2 * kv) + h * h + up * h * f) + 4.0 * seq_len * h
+    return 2.0 * (h * (h + 2 * kv) + h * h + up * h * f + h * cfg.router_dim) + 4.0 * seq_len * h
 
 
 def attention_core_forward_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
@@ -67,7 +78,7 @@ def attention_core_forward_flops_per_token(cfg: ModelConfig, seq_len: int) -> fl
 
 def mlp_forward_flops_per_token(cfg: ModelConfig) -> float:
     up = 3 if cfg.mlp == "swiglu" else 2
-    return 2.0 * up * cfg.d_model * cfg.ffn_dim
+    return 2.0 * (up * cfg.d_model * cfg.active_ffn_dim + cfg.d_model * cfg.router_dim)
 
 
 def model_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
@@ -112,7 +123,7 @@ def recompute_flops_per_token(cfg: ModelConfig, seq_len: int, policy: RecomputeP
 def op_rerun_flops_per_token(cfg: ModelConfig) -> float:
     """Per-op selective recompute runs wk, wo and w3 (SwiGLU) or w2 (GeLU) again
     (tenfold.terms.op_saved_tensors keeps the other matmuls' and attention's outputs)."""
-    h, f = cfg.d_model, cfg.ffn_dim
+    h, f = cfg.d_model, cfg.active_ffn_dim
     kv = cfg.kv_heads * cfg.head_dim
     return 2.0 * (h * kv + h * h + h * f)
 

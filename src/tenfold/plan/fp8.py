@@ -45,7 +45,7 @@ def cast_bytes_per_token(cfg: ModelConfig, run: ResolvedRun) -> float:
     weights' casts are per step, not per token, and small beside them at training batch sizes)."""
     if not run.fp8:
         return 0.0
-    h, f = cfg.d_model, cfg.ffn_dim
+    h, f = cfg.d_model, cfg.active_ffn_dim
     kv = cfg.kv_heads * cfg.head_dim
     up = 2 * f if cfg.mlp == "swiglu" else f
     tp = run.tp

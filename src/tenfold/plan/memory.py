@@ -186,14 +186,25 @@ def _layer_terms(cfg: ModelConfig, precision: str, style: str, flash: bool, drop
     output is transposed+reshaped (a copy) for wo; SwiGLU saves w1(x), silu(w1 x), w3(x) and
     their product. RoPE saves only cos/sin tables (constants, not counted).
     """
-    h, f = cfg.d_model, cfg.ffn_dim
+    h, f = cfg.d_model, cfg.active_ffn_dim
     kv = cfg.kv_heads * cfg.head_dim
     a = cfg.n_heads
     B = element_bytes(precision)  # bytes of one activation element
     half = precision != "fp32"
-    if style == "megatron":
-        return _megatron_terms(cfg, h, f, kv, a, B, flash, drop)
-    return _tenfold_terms(cfg, h, f, a, B, half, flash)
+    terms = _megatron_terms(cfg, h, f, kv, a, B, flash, drop) if style == "megatron" else _tenfold_terms(cfg, h, f, a, B, half, flash)
+    return terms + _moe_terms(cfg, B) if cfg.is_moe else terms
+
+
+def _moe_terms(cfg: ModelConfig, B: float) -> tuple[ActTerm, ...]:
+    """What an MoE layer saves beyond its active experts' SwiGLU (counted in f = active width):
+    the router's fp32 logits and probabilities (E each per token) and the k routed copies of
+    each token the grouped GEMM reads (tenfold/models/moe.py; Megatron-Core's permuted tokens)."""
+    src = "tenfold/models/moe.py: router softmax in fp32; tokens gathered per expert (k copies)"
+    k = cfg.experts_per_token
+    return (ActTerm("router logits + probabilities (fp32)", 2 * 4.0 * cfg.n_experts, "replicated", "mlp", source=src),
+            ActTerm("routed token copies, expert outputs", 2 * B * k * cfg.d_model, "replicated", "mlp", source=src),
+            # chosen experts, sort order and token index (int64), chosen and sorted weights (fp32)
+            ActTerm("routing indices and weights", (3 * 8.0 + 2 * 4.0) * k, "replicated", "mlp", source=src))
 
 
 def _megatron_terms(cfg: ModelConfig, h: int, f: int, kv: int, a: int, B: float, flash: bool,

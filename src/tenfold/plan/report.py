@@ -55,6 +55,8 @@ def _layout(p: Plan, varying: frozenset[str] = frozenset()) -> str:
     parts.append(f"zero={zero}")
     if s["shard_group"]:
         parts.append(f"shard-group={s['shard_group']}")
+    if s.get("ep", 1) > 1:
+        parts.append(f"ep={s['ep']}")
     parts += [f"ac={s['recompute']}", f"mb={p.micro_batch}", f"accum={p.grad_accum}", f"gb={p.global_batch}"]
     if s["offload"] != "none":
         parts.append(f"offload={s['offload']}")
@@ -84,7 +86,9 @@ def varying_keys(plans: list[Plan]) -> frozenset[str]:
 
 def print_plan(p: Plan, hw: Hardware, explain: bool = False, console: Console | None = None) -> None:
     c = console or Console()
-    c.print(f"[bold]{p.model}[/] ({p.params / 1e9:,.3g}B params) on {p.gpus} x {p.hardware} "
+    active = (f", {p.active_params / 1e9:,.3g}B active" if p.active_params is not None and p.active_params < p.params
+              else "")
+    c.print(f"[bold]{p.model}[/] ({p.params / 1e9:,.3g}B params{active}) on {p.gpus} x {p.hardware} "
             f"({p.gpus_per_node}/node), {p.strategy['precision']}, seq {p.seq_len}")
     c.print(f"layout: {p.layout_line}; micro-batch {p.micro_batch} x {p.grad_accum} x dp {p.dp} = {p.global_batch}",
             highlight=False)
@@ -145,6 +149,7 @@ def _time_table(p: Plan) -> Table:
         return tt
     for name, v in (("compute (fwd + bwd)", p.time.compute_s), ("recompute", p.time.recompute_s),
                     ("TP communication (exposed)", p.time.tp_comm_s), ("PP communication", p.time.pp_comm_s),
+                    *((("EP all-to-all", p.time.ep_comm_s),) if p.time.ep_comm_s else ()),
                     ("offload PCIe traffic (exposed)", p.time.host_transfer_s),
                     (f"pipeline bubble ({p.time.bubble_fraction:.1%})", p.time.bubble_s),
                     (f"DP/ZeRO comm exposed (of {_secs(p.time.dp_comm_s)})", p.time.dp_comm_exposed_s),

@@ -1,4 +1,4 @@
-"""`--search`: every valid strategy (TP x PP x CP x schedule x ZeRO x shard group x micro-batch x recompute) for
+"""`--search`: every valid strategy (TP x PP x CP x schedule x ZeRO x shard group x EP x micro-batch x recompute) for
 a model, fleet and global batch; the top k that fit, by predicted throughput.
 
 GPipe is never better than 1F1B (same bubble, more activations in flight) and is left out.
@@ -139,7 +139,8 @@ def _layouts(base: ResolvedRun, hw: Hardware, sequence_parallel: bool | None, gp
         if glob % (mb * dp):
             continue
         m = glob // (mb * dp)
-        for (sched, v), zero, ac in itertools.product(_schedules(pp, m, cfg.n_layers), (0, 1, 2, 3), AC_CHOICES):
+        for (sched, v), zero, ac, ep in itertools.product(_schedules(pp, m, cfg.n_layers), (0, 1, 2, 3), AC_CHOICES,
+                                                          _ep_choices(cfg, dp) if cp == 1 else [1]):
             if zero and dp * cp == 1:
                 continue  # nothing to partition
             if zero == 1 and tp > 1 and pp > 1:
@@ -148,7 +149,7 @@ def _layouts(base: ResolvedRun, hw: Hardware, sequence_parallel: bool | None, gp
                 try:
                     yield base.with_(check=False, world_size=gpus, tp=tp, pp=pp, cp=cp, micro_batch=mb, pp_schedule=sched,
                                      virtual_stages=v, global_batch=glob, zero_stage=zero, recompute=ac,
-                                     offload="none", pp_split=None, shard_group=group,
+                                     offload="none", pp_split=None, shard_group=group, ep=ep,
                                      sequence_parallel=sequence_parallel if tp > 1 else None)
                 except UserError:  # a layout the run's rules refuse (e.g. sequence split by tp)
                     continue
@@ -160,6 +161,13 @@ def cp_choices(seq_len: int, gpus: int) -> list[int]:
     if seq_len < LONG_SEQUENCE:
         return [1]
     return [c for c in _powers_of_two_upto(gpus) if c == 1 or (seq_len // c >= MIN_CP_CHUNK and seq_len % (2 * c) == 0)]
+
+
+def _ep_choices(cfg, dp: int) -> list[int]:
+    """Expert-parallel degrees of an MoE model: powers of two dividing dp and the experts (1: none)."""
+    if not cfg.is_moe:
+        return [1]
+    return [e for e in _powers_of_two_upto(dp) if dp % e == 0 and cfg.n_experts % e == 0]
 
 
 def _shard_groups(zero: int, dp: int, tp: int, gpus_per_node: int) -> list[int | None]:

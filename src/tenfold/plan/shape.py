@@ -12,6 +12,7 @@ from tenfold.models.presets import (
     block_param_count,
     embedding_param_count,
     get_preset,
+    expert_param_count,
     head_param_count,
     param_count,
 )
@@ -43,18 +44,18 @@ def shape_of(model: "ModelConfig | str | float | int | ModelShape", name: str | 
 
 
 @functools.lru_cache(maxsize=4096)
-def rank_params(shape: ModelShape, layers: int, first: bool, last: bool, tp: int, pp: int) -> float:
+def rank_params(shape: ModelShape, layers: int, first: bool, last: bool, tp: int, pp: int, ep: int = 1) -> float:
     """Parameters held by one pipeline rank before ZeRO sharding: its `layers` blocks, the
     embedding on the first rank, the final norm and output layer on the last (with tied
     embeddings and pp > 1 the last rank keeps its own copy of the embedding matrix, Narayanan
     et al. 2021 section 2 / Megatron `setup_embeddings_and_output_layer`). TP shards matmul
     weights and the vocabulary by t; norm weights are replicated. Without a shape:
-    params / (tp x pp)."""
+    params / (tp x pp). MoE under expert parallelism: 1/ep of each block's routed experts."""
     if not shape.known:
         return shape.params / (tp * pp)
     cfg = shape.cfg
     norm = cfg.d_model * (2 if cfg.norm == "layernorm" else 1)
-    n = layers * layer_params(shape, tp)
+    n = layers * layer_params(shape, tp, ep)
     if first:
         n += embedding_param_count(cfg) / tp
     if last:
@@ -68,26 +69,34 @@ def rank_params(shape: ModelShape, layers: int, first: bool, last: bool, tp: int
 def run_rank_params(shape: ModelShape, run, pp_rank: int) -> float:
     """`rank_params` of pipeline rank `pp_rank` of a resolved run (tenfold.run.ResolvedRun),
     with the run's own split of the blocks."""
-    return rank_params(shape, run.rank_layers(pp_rank), pp_rank == 0, pp_rank == run.pp - 1, run.tp, run.pp)
+    return rank_params(shape, run.rank_layers(pp_rank), pp_rank == 0, pp_rank == run.pp - 1, run.tp, run.pp, run.ep)
 
 
-def layer_params(shape: ModelShape, tp: int) -> float:
-    """One transformer block's parameters on one TP rank: matmul weights / t, norms whole."""
+def layer_params(shape: ModelShape, tp: int, ep: int = 1) -> float:
+    """One transformer block's parameters on one TP rank: matmul weights / t, norms whole; an MoE
+    block's routed experts / ep when expert parallelism splits them (and / tp only without it)."""
     if not shape.known:
         return 0.0
     cfg = shape.cfg
     norm = cfg.d_model * (2 if cfg.norm == "layernorm" else 1)
-    return (_block_params(cfg) - 2 * norm) / tp + 2 * norm
+    experts = _block_experts(cfg) if ep > 1 else 0.0
+    return (_block_params(cfg) - 2 * norm - experts) / tp + experts / ep + 2 * norm
 
 
 @functools.lru_cache(maxsize=1024)
-def largest_unit_params(shape: ModelShape, tp: int) -> float:
+def largest_unit_params(shape: ModelShape, tp: int, ep: int = 1) -> float:
     """The largest FSDP/ZeRO-3 unit gathered at once: one block or the embedding (DeepSpeed's
-    `largest_layer_params`; FSDP2 wraps each block and the root)."""
+    `largest_layer_params`; FSDP2 wraps each block and the root). Expert-parallel experts are
+    never gathered (the engine's FSDP2 leaves them out)."""
     if not shape.known:
         return 0.0
     cfg = shape.cfg
-    return max(_block_params(cfg) / tp, embedding_param_count(cfg) / tp)
+    experts = _block_experts(cfg) if ep > 1 else 0.0
+    return max((_block_params(cfg) - experts) / tp, embedding_param_count(cfg) / tp)
+
+
+def _block_experts(cfg: ModelConfig) -> float:
+    return expert_param_count(cfg) / cfg.n_layers
 
 
 @functools.lru_cache(maxsize=256)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from tenfold.errors import UserError
 from tenfold.plan import comm, cp_traffic, dp_time, fp8, memory
 from tenfold.plan import lora as lora_plan
+from tenfold.plan import moe as moe_plan
 from tenfold.plan import time as tm
 from tenfold.plan.flops import model_flops_per_token, recompute_flops_per_token, regathered_layers
 from tenfold.plan.hardware import Hardware
@@ -35,6 +36,7 @@ class TimeBreakdown:
     source: str  # "model" or "achieved_tflops"
     overhead_s: float = 0.0  # measured per-step + per-micro-batch overhead (Hardware; `tenfold tune`)
     embedding_sync_s: float = 0.0  # tied embeddings under pp: the first + last stage's gradient all-reduce
+    ep_comm_s: float = 0.0  # MoE token dispatch + combine all-to-alls under expert parallelism (plan/moe.py)
 
 
 @dataclass
@@ -48,6 +50,7 @@ class MicroBatch:
     ppc: float  # pipeline sends
     host: float  # exposed offload traffic
     stage: int = 0
+    epc: float = 0.0  # expert-parallel all-to-alls (not overlapped)
     layers: int = 0
     layer_fwd: float = 0.0  # one layer's forward window (compute + TP), what hides a prefetch
     layer_bwd: float = 0.0  # one layer's backward window (backward + recompute + TP)
@@ -101,7 +104,7 @@ def step_time(shape: ModelShape, hw: Hardware, r: ResolvedRun, tr,
     m = r.grad_accum
     z = r.zero_runs_as
     mb = microbatch(shape, hw, r, peak)
-    t_mb = mb.fwd + mb.bwd + mb.rc + mb.tpc + mb.host + mb.ppc + hw.microbatch_overhead_s
+    t_mb = mb.fwd + mb.bwd + mb.rc + mb.tpc + mb.host + mb.ppc + mb.epc + hw.microbatch_overhead_s
     bubble = (r.pp - 1) / r.virtual_stages * t_mb * bubble_factor(r.pp_schedule) if r.pp > 1 else 0.0
     # Tensor-parallel ranks are the fastest mesh dim, then the shard group, then its replicas
     # (the engine's (pp, dp_replicate, dp_shard, tp) mesh).
@@ -133,7 +136,7 @@ def step_time(shape: ModelShape, hw: Hardware, r: ResolvedRun, tr,
         compute_s=m * (mb.fwd + mb.bwd), recompute_s=m * mb.rc, tp_comm_s=m * mb.tpc, pp_comm_s=m * mb.ppc,
         host_transfer_s=m * mb.host, bubble_s=bubble, dp_comm_s=dp.total_s, dp_comm_exposed_s=dp.exposed_s,
         optimizer_s=opt, step_s=step, bubble_fraction=bubble / (m * t_mb), source="model", overhead_s=overhead,
-        embedding_sync_s=sync,
+        embedding_sync_s=sync, ep_comm_s=m * mb.epc,
     )
     return t, model_flops, hw_flops
 
@@ -173,7 +176,8 @@ def bubble_factor(schedule: str) -> float:
 def _trace_time(tr, r: ResolvedRun, hw: Hardware, mb: MicroBatch, bubble: float, dp: dp_time.DpComm, opt: float,
                 step: float) -> None:
     m = r.grad_accum
-    tr("bubble_fraction", bubble / (m * (mb.fwd + mb.bwd + mb.rc + mb.tpc + mb.host + mb.ppc + hw.microbatch_overhead_s)),
+    tr("bubble_fraction", bubble / (m * (mb.fwd + mb.bwd + mb.rc + mb.tpc + mb.host + mb.ppc + mb.epc
+                                        + hw.microbatch_overhead_s)),
        "(p - 1) / (v m), x 1/3 for zero-bubble",
        "Narayanan et al. 2021 §2.2 (GPipe, 1F1B, interleaved); Qi et al. 2023 (zero bubble, ZB-H1)")
     tr("compute_s", m * (mb.fwd + mb.bwd), "m x sum over GEMMs max(FLOPs/(peak x e_max x tile x wave), bytes/HBM) "
@@ -186,6 +190,10 @@ def _trace_time(tr, r: ResolvedRun, hw: Hardware, mb: MicroBatch, bubble: float,
        "elements, (cp-1)/cp of them crossing each rank, not overlapped",
        "Narayanan §3.2: 8 b s h (t-1)/t elements per layer; Llama 3 (arXiv:2407.21783) §3.3.2 all-gather CP")
     tr("pp_comm_s", m * mb.ppc, "2 v sends of b s h / t per micro-batch", "Narayanan §4.1 (scatter/gather)")
+    if mb.epc:
+        tr("ep_comm_s", m * mb.epc, "4 all-to-alls of b s k d per MoE layer (+2 per recomputed layer), (ep-1)/ep "
+           "of each leaving the rank, off-node part over its NIC, not overlapped",
+           "GShard (Lepikhin et al. 2020) §2.2; Megatron-Core MoE token dispatcher")
     tr("bubble_s", bubble, "(p - 1)/v x t_microbatch", "Narayanan Eq. (1)")
     tr("host_transfer_s", m * mb.host, "host-link bytes per micro-batch (offloaded activations, params, gradients) "
        "/ host link - the compute they overlap", "ZeRO-Offload (Ren et al. 2021) §4; torch save_on_cpu")
@@ -216,7 +224,7 @@ def stage_work(shape: ModelShape, r: ResolvedRun, mb: MicroBatch) -> dp_time.Sta
     grad_bytes = reduced_grad_bytes(r)
     on_stage = run_rank_params(shape, r, mb.stage)
     if shape.known:
-        per_layer = layer_params(shape, r.tp)
+        per_layer = layer_params(shape, r.tp, r.ep)
         layers = mb.layers
         regathered = sum(regathered_layers(r.recompute, n) for n in r.rank_stage_layers(mb.stage))
         fwd_w, bwd_w = mb.layer_fwd, mb.layer_bwd
@@ -267,9 +275,10 @@ def microbatch(shape: ModelShape, hw: Hardware, r: ResolvedRun, peak: float) -> 
     pp_crosses = tp * r.dp >= hw.gpus_per_node and r.pp > 1
     ppc = 2 * r.virtual_stages * comm.p2p_time(act_bytes / tp, hw, pp_crosses) if r.pp > 1 else 0.0
     host = host_transfer_exposed(shape, hw, r, fwd, bwd + rc)
+    epc = moe_plan.ep_comm_time(cfg, r, hw, layers, rc_layers)
     share = rc_layers / layers if layers else 0.0  # the average layer's recompute share
     rc_layer = rc / layers if layers else 0.0
-    return MicroBatch(fwd, bwd, rc, tpc, ppc, host, stage=rank, layers=layers, layer_fwd=lt.fwd + lt.tp_comm_fwd,
+    return MicroBatch(fwd, bwd, rc, tpc, ppc, host, stage=rank, layers=layers, epc=epc, layer_fwd=lt.fwd + lt.tp_comm_fwd,
                       layer_bwd=lt.bwd + rc_layer + lt.tp_comm_fwd + (share * lt.tp_comm_fwd if rc_tp else 0.0))
 
 

@@ -29,6 +29,7 @@ from tenfold.models.presets import ModelConfig
 from tenfold.plan.flops import Gemm, attention_core_gemms, head_gemm, layer_gemms
 from tenfold.plan import fp8
 from tenfold.plan import lora as lora_plan
+from tenfold.plan.moe import LOAD_IMBALANCE
 from tenfold.plan.hardware import Hardware
 from tenfold.run import ResolvedRun
 from tenfold.terms import RecomputePolicy, element_bytes
@@ -67,7 +68,7 @@ def elementwise_bytes_per_token(cfg: ModelConfig, run: ResolvedRun) -> float:
     tenfold (eager PyTorch): RMSNorm is ~8 fp32 passes (F.rms_norm's composite kernels plus
     the casts around it), 16-bit casts of the Linears' inputs, RoPE's pair swap and two
     multiplies, the transposed copy, SwiGLU's silu and mul as separate kernels."""
-    h, f = cfg.d_model, cfg.ffn_dim
+    h, f = cfg.d_model, cfg.active_ffn_dim
     kv = cfg.kv_heads * cfg.head_dim
     B = element_bytes(run.precision)
     tp, seq_len, st = run.tp, run.seq_len, run.stack
@@ -105,6 +106,9 @@ def layer_times(cfg: ModelConfig, run: ResolvedRun, hw: Hardware, peak: float, t
     gemms = layer_gemms(cfg, micro_batch, seq_len, tp)
     mm_peak = fp8.block_matmul_peak(hw, run, peak)  # float8 matmuls in the blocks with --fp8
     g_times = {g.name: gemm_time(g, hw, mm_peak, B) for g in gemms}
+    if run.ep > 1:  # the busiest expert rank's share of the routed tokens (plan/moe.py)
+        for name in ("experts-in", "experts-out"):
+            g_times[name] *= LOAD_IMBALANCE
     core = attention_core_gemms(cfg, micro_batch, run.seq_len, tp)
     core_t = sum(gemm_time(g, hw, peak, B) for g in core) / run.cp
     if run.stack.flash_attention:
@@ -119,7 +123,7 @@ def layer_times(cfg: ModelConfig, run: ResolvedRun, hw: Hardware, peak: float, t
     bwd = 2 * mm + attn_b + 2 * elem
     if run.lora is not None:
         fwd, bwd = _lora_layer_times(cfg, run, hw, peak, mm, attn_f, attn_b, elem)
-    mlp_f = g_times["mlp-in"] + g_times["mlp-out"]
+    mlp_f = sum(t for name, t in g_times.items() if name not in ("qkv", "out-proj"))  # MLP or MoE layer
     return LayerTimes(fwd, bwd, attn_f, mlp_f, 2 * tp_ar_time, op_rerun_matmuls(cfg, g_times) + elem)
 
 
@@ -140,7 +144,10 @@ def op_rerun_matmuls(cfg: ModelConfig, g_times: dict) -> float:
     (GeLU, its 6th); attention is kept."""
     kv = cfg.kv_heads * cfg.head_dim
     wk = g_times["qkv"] * kv / (cfg.d_model + 2 * kv)
-    third = g_times["mlp-in"] / 2 if cfg.mlp == "swiglu" else g_times["mlp-out"]
+    if cfg.is_moe:  # the experts' w3 halves of the grouped up-projections
+        third = (g_times["experts-in"] + g_times.get("shared-in", 0.0)) / 2
+    else:
+        third = g_times["mlp-in"] / 2 if cfg.mlp == "swiglu" else g_times["mlp-out"]
     return wk + g_times["out-proj"] + third
 
 

@@ -351,6 +351,7 @@ class StepResult:
     target_tokens: int  # tokens the loss was averaged over (all ranks)
     loss_scale: float  # the scale this step's backward used
     message: str | None = None  # why the step was skipped (DeepSpeed's "OVERFLOW! ..." for fp16)
+    expert_load: list[list[int]] | None = None  # MoE: the step's assignments per expert, per MoE block
 
 
 def finish_step(

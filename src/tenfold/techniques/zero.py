@@ -49,6 +49,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 from tenfold.errors import TenfoldNote, UserError
+from tenfold.techniques.expert_parallel import expert_params
 from tenfold.techniques.nf4 import is_nf4
 from tenfold.techniques.offload import host_optimizer, offload_policy, offloads, offloads_optimizer_only, optimizer_device
 from tenfold.techniques.optimizer import adamw_kwargs, allocate_states, build_optimizer, clip_grad_norm as _clip, param_groups
@@ -170,7 +171,10 @@ def _broadcast_from_dp_rank0(model: nn.Module, dist: DataParallelRanks) -> None:
     assemble a model that no rank ever had."""
     group = dp_group(dist)
     src = torch_dist.get_global_rank(group, 0) if group is not None else 0
+    split_experts = {id(p) for p in expert_params(model)}  # ep ranks hold different experts
     for t in list(model.parameters()) + list(model.buffers()):
+        if id(t) in split_experts:
+            continue
         # a tensor-parallel DTensor: its local part (the dp peers hold the same part)
         local = t.to_local() if hasattr(t, "to_local") else t.data
         if is_nf4(local):  # QLoRA's frozen 4-bit base: every rank checked it built the same (engine/lora_run.py)
@@ -190,8 +194,10 @@ def _wrap_ddp(model: nn.Module, choices: ZeroChoices, dist: DataParallelRanks) -
     if dist.device.type == "cuda":
         kwargs["device_ids"] = [dist.device.index]
     # QLoRA's 4-bit weights cannot be broadcast; every rank checked it built the same base
+    # and expert-parallel experts differ between ranks: their gradients are reduced on their own
+    split_experts = {id(p) for p in expert_params(model)}
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
-        model, [name for name, p in model.named_parameters() if is_nf4(p)])
+        model, [name for name, p in model.named_parameters() if is_nf4(p) or id(p) in split_experts])
     ddp = DistributedDataParallel(model, **kwargs)
     _ddp_reduce_hook(ddp, choices, dist)
     return ddp
@@ -236,16 +242,22 @@ def _wrap_fsdp2(model: nn.Module, choices: ZeroChoices, dist: DataParallelRanks,
     threshold = int(choices.param_persistence_threshold)
     if blocks is None:
         blocks = list(model.layers.values()) if hasattr(model, "layers") else []
-    units = fsdp_units(blocks, stage, unit_bucket(choices, dist.device.type))
+    # expert-parallel experts are split over ep already; their gradients are reduced on their own.
+    # FSDP2 neither gathers nor shards them: the units' sizes (bucket, persistence threshold)
+    # count the parameters it does.
+    ignored = set(expert_params(model)) or None
+    skip = frozenset(map(id, ignored or ()))
+    units = fsdp_units(blocks, stage, unit_bucket(choices, dist.device.type), skip)
     backward_next = _backward_follows_forward(len(units), dist)
     for unit, next_ in zip(units, backward_next):
-        reshard = _reshard_after_forward(stage, sum(map(_numel, unit)), threshold) and not next_
+        reshard = _reshard_after_forward(stage, sum(_numel(b, skip) for b in unit), threshold) and not next_
         fully_shard(unit if len(unit) > 1 else unit[0], mesh=mesh, mp_policy=mp, offload_policy=offload,
-                    reshard_after_forward=reshard)
+                    reshard_after_forward=reshard, ignored_params=ignored)
     block_params = {id(p) for b in blocks for p in b.parameters()}
     root_numel = sum(p.numel() for p in model.parameters() if id(p) not in block_params)
     reshard = _reshard_after_forward(stage, root_numel, threshold) and not backward_next[-1]
-    fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard)
+    fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard,
+                ignored_params=ignored)
     setattr(model, _HYBRID_ATTR, mesh.ndim == 2)
     if dist.device.type == "cpu":
         _gather_ahead_on_cpu(model)
@@ -321,16 +333,18 @@ def unit_bucket(choices: ZeroChoices, device_type: str) -> int | None:
     return None if device_type == "cuda" else CPU_UNIT_BUCKET
 
 
-def fsdp_units(blocks: list[nn.Module], stage: int, bucket: int | None) -> list[list[nn.Module]]:
+def fsdp_units(blocks: list[nn.Module], stage: int, bucket: int | None,
+               skip: frozenset[int] = frozenset()) -> list[list[nn.Module]]:
     """The FSDP2 units (lists of consecutive blocks) below the root. ZeRO-3 shards block by
     block (what it frees between uses is one block); ZeRO-2 groups consecutive blocks while
-    their parameters fit `bucket` (at least one block per unit)."""
+    their parameters fit `bucket` (at least one block per unit). `skip`: ids of parameters FSDP2
+    leaves alone (not counted)."""
     if stage != 2 or bucket is None:
         return [[b] for b in blocks]
     units: list[list[nn.Module]] = []
     size = 0
     for block in blocks:
-        n = _numel(block)
+        n = _numel(block, skip)
         if units and size + n <= bucket:
             units[-1].append(block)
             size += n
@@ -356,8 +370,8 @@ def _wrap_replicate(model: nn.Module, choices: ZeroChoices, dist: DataParallelRa
     return model
 
 
-def _numel(module: nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters())
+def _numel(module: nn.Module, skip: frozenset[int] = frozenset()) -> int:
+    return sum(p.numel() for p in module.parameters() if id(p) not in skip)
 
 
 def _reshard_after_forward(stage: int, unit_numel: int, persistence_threshold: int) -> bool:

@@ -1,0 +1,114 @@
+"""Expert parallelism (`--ep N`): each MoE layer's routed experts split over N ranks, tokens sent to
+the rank of their expert and back with all-to-all (GShard, Lepikhin et al. 2020, section 2.2;
+torchtitan's ExpertParallel).
+
+The ep ranks are borrowed from the data-parallel ranks, as torchtitan does: the dp axis of the
+device mesh is viewed as (dp / ep, ep) (`tenfold.layout.build_expert_mesh`); ranks of one ep
+group hold different experts and exchange tokens, ranks with the same ep index hold the same
+experts and average their gradients.
+
+  * the expert weights become DTensors sharded on the expert dimension over the ep mesh
+    (Shard(0)), so a checkpoint (DCP) holds each expert once and reloads on another ep size;
+  * dispatch: tokens sorted by expert, split sizes exchanged, one all-to-all there, the local
+    experts' grouped GEMM, one all-to-all back (`_AllToAll` is its own backward with the splits
+    swapped);
+  * the data-parallel wrappers leave the expert weights alone (DDP ignores them, FSDP2 gets them
+    as `ignored_params`); `reduce_expert_gradients` sums their gradients over the ranks that hold
+    the same experts and divides by dp: each rank's loss is already scaled by dp / global tokens
+    (tenfold.techniques.accumulation), and an expert's gradient on one rank holds the tokens of
+    its whole ep group, so the sum over the dp / ep replicas holds every token once, dp times.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+from tenfold.models.moe import MoE, moe_layers, sort_by_expert
+
+
+class _AllToAll(torch.autograd.Function):
+    """all_to_all_single with split sizes; its gradient goes back the same way, splits swapped."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        out_splits, in_splits = ctx.splits
+        back = grad.new_empty((sum(in_splits),) + tuple(grad.shape[1:]))
+        dist.all_to_all_single(back, grad.contiguous(), in_splits, out_splits, group=ctx.group)
+        return back, None, None, None
+
+
+def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+    return _AllToAll.apply(x, out_splits, in_splits, group)
+
+
+class ExpertParallelDispatch:
+    """MoE.dispatch over an ep group (replaces `tenfold.models.moe.local_dispatch`)."""
+
+    def __init__(self, group, size: int):
+        self.group, self.size = group, size
+
+    def __call__(self, moe: MoE, h: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor,
+                 counts: torch.Tensor) -> torch.Tensor:
+        order, kept = sort_by_expert(chosen, counts, moe.capacity(h.shape[0]))
+        token = order // moe.top_k
+        local = moe.n_experts // self.size
+        # rows for each (destination rank, its local expert); then what each source sends us
+        send_counts = kept.reshape(self.size, local)
+        recv_counts = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv_counts, send_counts.contiguous(), group=self.group)
+        send_splits = send_counts.sum(1).tolist()
+        recv_splits = recv_counts.sum(1).tolist()
+        received = all_to_all(h[token], recv_splits, send_splits, self.group)
+        # received rows come by source rank, then expert: regroup them by local expert (row i's
+        # (source, expert) slot is repeat_interleave's index, its expert that slot mod `local`;
+        # derived from the counts alone)
+        expert_of_row = torch.repeat_interleave(recv_counts.reshape(-1)) % local
+        regroup = torch.argsort(expert_of_row, stable=True)
+        y = moe.experts(received[regroup], recv_counts.sum(0))
+        y = y[torch.argsort(regroup)]
+        y = all_to_all(y, send_splits, recv_splits, self.group)
+        y = y * weights.reshape(-1)[order, None].to(y.dtype)
+        return torch.zeros(h.shape, dtype=y.dtype, device=h.device).index_add(0, token, y)
+
+
+def expert_params(model: nn.Module) -> list[nn.Parameter]:
+    """The routed experts' weights that expert parallelism split (`apply_expert_parallel`): what
+    the dp wrappers skip and `reduce_expert_gradients` reduces. None without ep: there the
+    experts are data-parallel weights like any other (DDP reduces them, FSDP2 shards them)."""
+    return [p for m in moe_layers(model) if isinstance(m.dispatch, ExpertParallelDispatch) for p in m.experts.parameters()]
+
+
+def apply_expert_parallel(model: nn.Module, ep_mesh) -> None:
+    """Split every MoE layer's experts over `ep_mesh` (1-D): each weight a DTensor Shard(0) made
+    from global rank-0's full tensor (so the split model is the one a single process builds),
+    the layer's dispatch over the ep group."""
+    size = ep_mesh.size()
+    dispatch = ExpertParallelDispatch(ep_mesh.get_group(), size)
+    for moe in moe_layers(model):
+        for name, param in list(moe.experts.named_parameters(recurse=False)):
+            sharded = distribute_tensor(param.data, ep_mesh, [Shard(0)], src_data_rank=0)
+            moe.experts.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+        moe.dispatch = dispatch
+
+
+@torch.no_grad()
+def reduce_expert_gradients(model: nn.Module, replica_group, dp_size: int) -> None:
+    """Expert gradients: summed over the ranks holding the same experts (`replica_group`, None when
+    there is one such rank), divided by dp (see the module docstring)."""
+    for p in expert_params(model):
+        if p.grad is None:
+            continue
+        local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+        if replica_group is not None:
+            dist.all_reduce(local, group=replica_group)
+        local.div_(dp_size)

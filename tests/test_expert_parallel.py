@@ -1,0 +1,91 @@
+"""Expert parallelism (techniques/expert_parallel.py) on gloo: two ranks with the experts split
+over ep 2 against one process holding every expert, under ZeRO-0 (DDP) and ZeRO-3 (FSDP2).
+
+The ranks run tests/workers/moe_worker.py under torchrun (the Trainer, micro 2 x accum 1 x dp 2);
+the reference runs here with the same global batch in the same micro-batches (micro 2 x accum 2:
+rank r's rows are the one process's micro-batch r, tenfold.data.loader's order rule), so each
+micro-batch's router balance loss is computed over the same tokens. fp32: only the order of the
+floating-point sums differs (the all-to-all regroups rows; the dp average)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))
+from conftest import FP32_RTOL, rel_err, torchrun  # noqa: E402
+from workers import moe_worker as worker  # noqa: E402
+
+RTOL = 1e-6
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    return torchrun("equivalence", tmp_path_factory.mktemp("ep2"), worker="moe_worker.py", timeout=400)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    import torch
+
+    torch.set_num_threads(1)
+    return worker.run_steps(worker.config(0, 2, 2, str(tmp_path_factory.mktemp("ref"))))
+
+
+@pytest.fixture(scope="module")
+def reference_micro1(tmp_path_factory):
+    """One process, micro 1 x accum 4: the micro-batches of the ranks' micro 1 x accum 2 x dp 2."""
+    import torch
+
+    torch.set_num_threads(1)
+    return worker.run_steps(worker.config(0, 1, 4, str(tmp_path_factory.mktemp("ref1"))))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("run", ["0", "3", "3-accum-recompute", "ep1-0", "ep1-3"])
+def test_ep_layouts_match_one_process_losses_and_first_step_gradients(two_ranks, reference, reference_micro1, run):
+    if run == "3-accum-recompute":
+        reference = reference_micro1
+    for rank in ("0", "1"):
+        got = two_ranks[rank][run]
+        assert rel_err(got["losses"], reference["losses"]) < RTOL, (got["losses"], reference["losses"])
+        assert rel_err(got["grad_norms"], reference["grad_norms"]) < 10 * RTOL
+        assert got["grads"].keys() == reference["grads"].keys()
+        for name, ref in reference["grads"].items():
+            scale = max(abs(v) for v in ref)
+            worst = max(abs(a - b) for a, b in zip(got["grads"][name], ref))
+            assert worst <= RTOL * scale + 1e-9, (name, worst, scale)
+        assert got["loads"] == reference["loads"]  # every rank logs the global assignments
+    assert reference["losses"][-1] < reference["losses"][0] - 0.3  # it learns
+
+
+def _train(out: Path, *flags: str) -> list[dict]:
+    from conftest import RUN_FLAGS, read_metrics, tenfold_child
+
+    moe = ["--model", "tiny-moe", "--set", "model.d_expert=32", "--set", "model.n_experts=4",
+           "--set", "model.n_shared_experts=1", "--set", "model.d_ff=64", "--set", "model.d_model=32"]
+    proc = tenfold_child("train", "--out", str(out), "--precision", "fp32", "--micro-batch", "2", "--global-batch", "4",
+                         *RUN_FLAGS, *moe, "--set", "model.d_model=32", "--lr", "1e-2", "--set", "train.warmup_steps=0",
+                         *flags, timeout=400, env={"OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return read_metrics(out)
+
+
+@pytest.mark.multiprocess
+def test_an_ep2_checkpoint_resumes_exactly_on_other_ep_sizes(tmp_path):
+    """4 steps on 2 ranks with ep 2, saving at step 2; steps 3-4 again from that checkpoint on one
+    process (every expert in one place) and on 2 ranks without ep. Step 3 repeats bit for bit (the
+    restored weights, optimizer states and data position are the saved ones); step 4 within the
+    fp32 tolerance of a changed reduction order (dp 2 without ep all-reduces the experts' gradients
+    in DDP's buckets)."""
+    whole = _train(tmp_path / "ep2", "--nproc", "2", "--ep", "2", "--steps", "4", "--checkpoint-every", "2")
+    checkpoint = str(tmp_path / "ep2" / "checkpoints" / "step_2")
+    for name, flags in (("one", ()), ("dp2", ("--nproc", "2"))):
+        resumed = _train(tmp_path / name, *flags, "--steps", "4", "--resume", checkpoint)
+        assert [r["step"] for r in resumed] == [3, 4]
+        assert resumed[0]["loss"] == whole[2]["loss"], name
+        assert rel_err([r["loss"] for r in resumed], [r["loss"] for r in whole[2:]]) < FP32_RTOL, name
+        assert [r["expert_load"] for r in resumed] == [r["expert_load"] for r in whole[2:]]

@@ -1,0 +1,92 @@
+"""Rank-side half of the expert-parallel tests: run by `python -m torch.distributed.run` from
+tests/test_expert_parallel.py, never by pytest itself (no test functions).
+
+    python -m torch.distributed.run --standalone --nproc-per-node N tests/workers/moe_worker.py MODE OUT.json
+
+Every rank builds the `Trainer` on the same token array (zero_worker's) with the tiny MoE model,
+runs steps and records its losses and the first step's gradients (whole tensors, gathered);
+rank 0 writes what every rank saw.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from workers.zero_worker import STEPS, SEQ, token_array, write_per_rank  # noqa: E402
+
+MODEL = {"name": "tiny-moe", "n_layers": 2, "d_model": 32, "n_heads": 4, "d_ff": 64, "max_seq_len": SEQ,
+         "d_expert": 32, "n_experts": 4, "experts_per_token": 2, "n_shared_experts": 1}
+
+
+def config(stage: int, micro: int, accum: int, out: str, ep: int = 1, **model) -> dict:
+    return {
+        "model": {**MODEL, **model},
+        "data": {"seq_len": SEQ, "val_fraction": 0.0},
+        "train": {"steps": STEPS, "micro_batch": micro, "grad_accum": accum, "lr": 1e-2,
+                  "warmup_steps": 0, "eval_every": 0, "seed": 7, "grad_clip": 1.0},
+        "precision": {"dtype": "fp32"},
+        "parallel": {"zero_stage": stage, "param_persistence_threshold": 0, "ep_degree": ep},
+        "log": {"out": out, "progress": False, "tensorboard": False},
+    }
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def run_steps(cfg: dict) -> dict:
+    """Losses and gradient norms of STEPS steps, the expert load of each, and every parameter's
+    whole gradient at the first optimizer step (before clipping scales it)."""
+    from tenfold.engine.trainer import Trainer
+    from tenfold.techniques import zero
+
+    t = Trainer(cfg, dataset=token_array())
+    t.setup()
+    grads: dict[str, list] = {}
+
+    def capture(*_):
+        if not grads:
+            for name, p in zero.unwrap(t.model).named_parameters():
+                if p.grad is not None:
+                    grads[name.replace("_fsdp_wrapped_module.", "")] = full(p.grad).flatten()[:64].tolist()
+
+    t.optimizer.register_step_pre_hook(capture)
+    losses, norms, loads = [], [], []
+    for _ in range(STEPS):
+        result = t.train_step(t.loader.next_step())
+        losses.append(result.loss)
+        norms.append(result.grad_norm)
+        loads.append(result.expert_load)
+    return {"losses": losses, "grad_norms": norms, "grads": grads, "loads": loads}
+
+
+def mode_equivalence(out_dir: str) -> dict:
+    """ep 2 over the 2 dp ranks, micro 2 x accum 1 x dp 2, ZeRO-0 (DDP) and ZeRO-3 (FSDP2); with
+    more ranks than ep, the ranks holding the same experts average them too. The same without
+    ep (ep 1): DDP and FSDP2 reduce the experts' gradients with the others'."""
+    world = int(os.environ["WORLD_SIZE"])
+    micro, accum = (2, 1) if world == 2 else (1, 1)
+    runs = {f"{stage}": run_steps(config(stage, micro, accum, os.path.join(out_dir, f"ep-{stage}"), ep=2))
+            for stage in (0, 3)}
+    # accumulation (micro 1 x accum 2) and full recompute: the all-to-alls replayed in backward
+    recomputed = config(3, 1, 2, os.path.join(out_dir, "ep-ac"), ep=2)
+    recomputed["recompute"] = {"policy": "full"}
+    runs["3-accum-recompute"] = run_steps(recomputed)
+    # no ep on the same ranks: the experts are data-parallel weights like the rest
+    for stage in (0, 3):
+        runs[f"ep1-{stage}"] = run_steps(config(stage, micro, accum, os.path.join(out_dir, f"ep1-{stage}"), ep=1))
+    return runs
+
+
+def main() -> None:
+    mode, out_path = sys.argv[1], sys.argv[2]
+    result = {"equivalence": mode_equivalence}[mode](os.path.dirname(out_path))
+    write_per_rank(result, out_path)
+
+
+if __name__ == "__main__":
+    main()
