@@ -90,17 +90,28 @@ def assert_same_gradients(got: dict, ref: dict, rtol: float = 1e-6) -> None:
         assert err < rtol, (name, err)
 
 
-@pytest.mark.parametrize("case", ["cp2", "cp2-learned", "cp2-recompute", "cp2-dp2-zero3", "cp2-tp2", "cp2-hf-llama"])
+@pytest.mark.parametrize("case", ["cp2", "cp2-learned", "cp2-recompute", "cp2-dp2-zero3", "cp2-tp2", "cp2-hf-llama",
+                                  "cp2-pp2", "cp2-pp2-learned", "cp2-pp2-hf-llama", "cp2-pp2-zero-bubble"])
 def test_cp_training_equals_one_process(trained, case):
     """--cp 2 (alone, with learned positions and tied embeddings, under full recompute, with
-    ZeRO-3 over dp 2, with tp 2, and a Hugging Face Llama) at sequence 512: every step's loss
-    and the first step's gradients equal one process's (fp32)."""
-    ranks = 4 if case in ("cp2-dp2-zero3", "cp2-tp2") else 2
+    ZeRO-3 over dp 2, with tp 2, and a Hugging Face Llama) at sequence 512, and --cp 2 with
+    --pp 2 (1F1B; GPipe with learned positions and embeddings tied across the stages; a Hugging
+    Face Llama; zero-bubble with two stages per rank over ZeRO-2): every step's loss and the
+    first step's gradients (every stage's) equal one process's (fp32), and so does the pipelined
+    cases' validation loss (each cp rank scores its part of the held-out rows)."""
+    ranks = 4 if case in ("cp2-dp2-zero3", "cp2-tp2") or "-pp2" in case else 2
     (ref, ref_grads), (got, got_grads) = trained[1], trained[ranks]
     losses, expected = got[case]["losses"], ref[case]["losses"]
     assert max(abs(a - b) / abs(b) for a, b in zip(losses, expected)) < 1e-6, (losses, expected)
     assert expected[-1] < expected[0] - 0.3  # it learns: a wrong gradient shows in the curve
-    assert_same_gradients(got_grads[case], ref_grads[case])
+    if "-pp2" in case:
+        val, ref_val = got[case]["val_loss"], ref[case]["val_loss"]
+        assert ref_val is not None and abs(val - ref_val) / ref_val < 1e-6, (val, ref_val)
+    got_grads = dict(got_grads[case])
+    if case == "cp2-pp2-learned":  # the last stage's head is its own copy of the tied embedding
+        head = got_grads.pop("output.weight")
+        assert_same_gradients({"tok_emb.weight": head}, {"tok_emb.weight": ref_grads[case]["tok_emb.weight"]})
+    assert_same_gradients(got_grads, ref_grads[case])
 
 
 def test_cli_cp2_equals_one_process(tmp_path):
@@ -174,5 +185,10 @@ def test_cp_refusals_name_the_fix(tmp_path):
 
     odd = tenfold_child("train", "--nproc", "3", "--cp", "3", "--seq-len", "32", "--dry-run")
     assert odd.returncode == 2 and "must be a multiple of 6" in odd.stderr
-    pp = tenfold_child("train", "--nproc", "4", "--cp", "2", "--pp", "2", "--grad-accum", "2", "--dry-run")
-    assert pp.returncode == 2 and "use --pp 1 with --cp" in pp.stderr
+    # zero-bubble's separate weight-gradient passes need FSDP2 wherever gradients are reduced:
+    # over the dp x cp ranks, here 2 with dp 1
+    zb = tenfold_child("train", "--nproc", "4", "--cp", "2", "--pp", "2", "--grad-accum", "2",
+                       "--pp-schedule", "zero-bubble", "--seq-len", "32", "--dry-run")
+    assert zb.returncode == 2 and "needs parallel.zero_stage 2 or 3 (FSDP2), got 0 (DDP over 2 ranks" in zb.stderr
+    compiled = tenfold_child("train", "--nproc", "2", "--cp", "2", "--compile", "--seq-len", "32", "--dry-run")
+    assert compiled.returncode == 2 and "drop --compile or use --cp 1" in compiled.stderr

@@ -22,7 +22,7 @@ from tenfold.plan.flops import (
 )
 from tenfold.plan.hardware import CATALOG, GEMM_SHARE_OF_MAMF
 from tenfold.plan.memory import activation_bytes_per_layer, largest_model_that_fits, stage_activations, zero_model_states_gb
-from tenfold.plan.validation import CASES, check_all, predicted_value
+from tenfold.plan.validation import CASES, check_all, markdown_table, predicted_value
 from tenfold.run import Stack
 
 from conftest import deepspeed_stack, planned
@@ -369,3 +369,37 @@ def test_known_memory_misses_still_miss(name):
 def test_llama3_405b_without_recompute_fits_its_80_gb_cards():
     case = next(c for c in CASES if c.name.startswith("Llama 3 405B x8192"))
     assert predict(case.run.with_(virtual_stages=8, check=False), case.hardware).fits
+
+
+# --------------------------------------------------------------------------- context parallelism
+def _cp_rows():
+    """The published runs with context parallelism (and the CP 1 rows of the same tables)."""
+    return [r for r in check_all() if r.case.group == "context-parallel" or r.case.run.cp > 1]
+
+
+def test_context_parallel_rows_are_in_docs_planner_md_with_their_errors():
+    """docs/planner.md's context-parallel table holds every such case (torchtitan's 8B and 405B
+    tables, NeMo's Llama 2 7B on Megatron-Core, Llama 3 405B's 128K stage) with the error the
+    planner gives it, to half a point, and marks the known misses."""
+    from conftest import HERE
+
+    section = (HERE.parent / "docs" / "planner.md").read_text().split("## Context parallelism (long sequences)")[1]
+    lines = section.split("\n## ")[0].splitlines()
+    rows = _cp_rows()
+    assert len(rows) >= 20 and sum(r.case.run.cp > 1 for r in rows) >= 15
+    assert {"torchtitan", "NeMo"} <= {w for r in rows for w in ("torchtitan", "NeMo") if w in r.case.source}
+    for r in rows:
+        cells = markdown_table([r]).splitlines()[-1].split(" | ")
+        line = next((x for x in lines if x.split(" | ")[:3] == cells[:3]), None)
+        assert line is not None, f"docs/planner.md has no row for {r.case.name} ({cells[1]})"
+        stated = float(line.split(" | ")[4].rstrip("%")) / 100
+        assert stated == pytest.approx(r.error, abs=0.005), (r.case.name, stated, r.error)
+        assert ("known miss" in line) == bool(r.case.known_miss), line
+
+
+def test_nemo_1m_token_row_is_priced_over_its_card_as_its_known_miss_says():
+    """The all-gather keeps each layer's gathered K/V for backward: NeMo's 1M-token Llama 2 7B run
+    (no GQA, tp 8 x cp 32) is priced over the H100's 80 GB, where Megatron-Core's ring ran it."""
+    case = next(c for c in CASES if c.name.startswith("Llama 2 7B FP8 x1024"))
+    plan = predict(case.run, case.hardware)
+    assert not plan.fits and plan.memory.total_bytes > 85 * 2**30

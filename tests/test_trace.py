@@ -217,3 +217,20 @@ def test_trace_refuses_a_moe_model_outside_bf16_with_the_reason():
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=HERE.parent, timeout=600)
     assert proc.returncode == 2
     assert "bf16" in proc.stderr and "torch._grouped_mm" in proc.stderr
+
+
+def test_pipelined_context_parallel_stages_send_the_local_sequence():
+    """pp 2 x cp 2 under ZeRO-3: rank 0 (the first stage) sends each micro-batch's part of the
+    residual stream, s/cp tokens (b x s/cp x d, bf16), to the next stage and receives as much
+    back, and its cp group's K/V bytes are the planner's. Mutation: the stages' p2p metadata at
+    the whole sequence -> the first stage's backward receives a (b, s, d) gradient for its
+    (b, s/cp, d) output and the step fails."""
+    out = plan_trace(["--zero", "3", "--gpus", "4", "--cp", "2", "--pp", "2", "--grad-accum", "2"])
+    assert (out["layout"]["pp"], out["layout"]["cp"], out["layout"]["dp"]) == (2, 2, 1)
+    b, m, s = out["batch"]["micro_batch"], out["batch"]["grad_accum"], out["batch"]["seq_len"]
+    for kind in ("send", "recv"):
+        p2p = next(c for c in out["collectives"] if c["kind"] == kind and c["group"] == "pp")
+        assert (p2p["count"], p2p["payload_bytes"]) == (m, m * b * (s // 2) * 64 * 2), p2p
+    traffic = out["cp_traffic"]
+    assert traffic["traced"] > 0
+    assert abs(traffic["planned"] - traffic["traced"]) <= COLLECTIVE_TOLERANCE * traffic["traced"], traffic

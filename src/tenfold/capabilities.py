@@ -51,7 +51,6 @@ class Capabilities:
     nf4_offload: bool  # QLoRA's NF4 base with ZeRO-Offload
     context_parallel_models: tuple[str, ...] = ("tenfold", "hf")  # model kinds --cp splits (a cp attention)
     context_parallel_hf_types: tuple[str, ...] = ("llama",)  # Hugging Face model_types --cp splits
-    context_parallel_with_pp: bool = False  # --cp with pipeline stages
     context_parallel_with_compile: bool = False  # --cp with torch.compile
 
 
@@ -121,7 +120,7 @@ def problems(run, caps: Capabilities = ENGINE) -> list[str]:
     elif run.pp > 1 and run.pp_schedule in caps.pipeline_schedules:
         try:
             validate_pipeline(pp_size=run.pp, schedule=run.pp_schedule, n_microbatches=run.grad_accum,
-                              dp_size=run.dp, zero_stage=run.zero_stage)
+                              dp_size=run.grad_ranks, zero_stage=run.zero_stage)
         except UserError as e:
             out.append(str(e))
     out += expert_parallel_problems(run)
@@ -225,8 +224,8 @@ def _sharding_problems(run, caps: Capabilities) -> list[str]:
 
 def _context_parallel_problems(run, caps: Capabilities) -> list[str]:
     """Context parallelism swaps the blocks' attention for one across the cp ranks
-    (techniques/context_parallel.py): models with a cp attention, the plain (non-pipelined)
-    step, eager blocks."""
+    (techniques/context_parallel.py): models with a cp attention, eager blocks. Pipeline stages
+    run it too (each cp rank's micro-batches are cut before the schedule, engine/step.py)."""
     cp = getattr(run, "cp", 1)
     if cp <= 1:
         return []
@@ -238,9 +237,6 @@ def _context_parallel_problems(run, caps: Capabilities) -> list[str]:
     elif run.model_kind == "hf" and run.hf_model_type not in caps.context_parallel_hf_types:
         out.append(f"parallel.cp_degree {cp} (--cp): Hugging Face model_type {run.hf_model_type!r} has no cp attention; "
                    f"built in: {', '.join(caps.context_parallel_hf_types)} (and tenfold's own models); use --cp 1")
-    if run.pp > 1 and not caps.context_parallel_with_pp:
-        out.append(f"parallel.cp_degree {cp} (--cp) with pipeline stages (pp {run.pp}): the pipeline schedule does "
-                   "not split sequences; use --pp 1 with --cp, or --cp 1")
     if run.compile and not caps.context_parallel_with_compile:
         out.append(f"parallel.cp_degree {cp} (--cp) with train.compile (--compile): the cp attention's collectives "
                    "run eagerly; drop --compile or use --cp 1")
@@ -333,8 +329,9 @@ def _check_microbatches(schedule: str, pp_size: int, n_microbatches: int, dp_siz
     # pass that DDP's reducer takes as the last backward: DDP all-reduces before the last
     # W passes have accumulated (measured: the loss drifts 5e-3 from one process by step 2
     # on tiny, torch 2.13). FSDP2 reduces in the schedule's explicit REDUCE_GRAD action.
+    # `dp_size`: the ranks that reduce gradients together, dp x cp under context parallelism.
     if schedule == "zero-bubble" and dp_size > 1 and zero_stage <= 1:
         raise UserError(
             f"the zero-bubble schedule with data parallelism needs parallel.zero_stage 2 or 3 "
-            f"(FSDP2), got {zero_stage} (DDP); use --zero 2/3 or --pp-schedule interleaved"
+            f"(FSDP2), got {zero_stage} (DDP over {dp_size} ranks, dp x cp); use --zero 2/3 or --pp-schedule interleaved"
         )

@@ -10,10 +10,11 @@ sequence in this process, and its loss sum(out * w) backpropagated. Each rank th
 differences of the gathered outputs and q/k/v gradients from the reference.
 
 MODE `train-N` (N ranks; N = 1 gives the reference): the Trainer on learnable token rows of
-length SEQ, each case of CASES that fits N ranks (its cp / dp / tp layout, or one process),
-3 steps; rank 0 writes every step's loss and the first step's gradients (whole tensors, as the
-optimizer sees them) of each case to OUT.json and OUT.pt, and for case cp2 the activations of
-its last step, measured and predicted.
+length SEQ, each case of CASES that fits N ranks (its cp / dp / tp / pp layout, or one process),
+3 steps; rank 0 writes every step's loss, the validation loss after them (pipelined cases) and
+the first step's gradients (whole tensors, as the optimizer sees them, every pipeline stage's)
+of each case to OUT.json and OUT.pt, and for case cp2 the activations of its last step,
+measured and predicted.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import torch.nn.functional as F
 from tenfold.techniques.context_parallel import context_attention, shard_sequence, unshard_sequence
 
 SEQ, ROWS, STEPS = 512, 16, 3
+VAL_ROWS = 4  # held-out rows after the ROWS training rows (pipelined cases)
 
 
 def long_llama() -> str:
@@ -46,7 +48,8 @@ MODEL = {"name": "tiny", "n_layers": 2, "d_model": 64, "n_heads": 4, "n_kv_heads
          "max_seq_len": SEQ}
 LEARNED = {**MODEL, "pos": "learned", "norm": "layernorm", "mlp": "gelu", "bias": True, "tie_embeddings": True}
 # name -> (ranks, model, parallel section, micro-batch per dp rank); one process runs each
-# case's reference with the micro-batch of all its dp ranks
+# case's reference with the micro-batch of all its dp ranks and the same micro-batches per step
+# (ACCUM: 1 unless named)
 CASES = {
     "cp2": (2, MODEL, {"cp_degree": 2}, 2),
     "cp2-learned": (2, LEARNED, {"cp_degree": 2}, 2),
@@ -54,7 +57,13 @@ CASES = {
     "cp2-dp2-zero3": (4, MODEL, {"cp_degree": 2, "zero_stage": 3}, 1),
     "cp2-tp2": (4, MODEL, {"cp_degree": 2, "tp_degree": 2}, 2),
     "cp2-hf-llama": (2, {"hf_config": long_llama()}, {"cp_degree": 2}, 2),
+    "cp2-pp2": (4, MODEL, {"cp_degree": 2, "pp_degree": 2}, 1),
+    "cp2-pp2-learned": (4, LEARNED, {"cp_degree": 2, "pp_degree": 2, "pp_schedule": "gpipe"}, 1),
+    "cp2-pp2-hf-llama": (4, {"hf_config": long_llama()}, {"cp_degree": 2, "pp_degree": 2}, 1),
+    "cp2-pp2-zero-bubble": (4, {**MODEL, "n_layers": 4}, {"cp_degree": 2, "pp_degree": 2, "pp_schedule": "zero-bubble",
+                                                          "virtual_stages": 2, "zero_stage": 2}, 1),
 }
+ACCUM = {name: 2 for name in CASES if "-pp2" in name}  # a pipeline step streams micro-batches through its stages
 
 
 def attention(out_path: str) -> None:
@@ -91,22 +100,28 @@ def attention(out_path: str) -> None:
     dist.destroy_process_group()
 
 
-def token_rows() -> "np.ndarray":
+def token_rows(rows: int = ROWS) -> "np.ndarray":
     """Learnable rows (an arithmetic progression mod 50 from a random start): the loss falls."""
     import numpy as np
 
-    starts = np.random.default_rng(0).integers(0, 50, size=(ROWS, 1))
+    starts = np.random.default_rng(0).integers(0, 50, size=(rows, 1))
     return ((starts + 3 * np.arange(SEQ + 1)) % 50).astype(np.int64)
+
+
+def held_out(name: str) -> bool:
+    return "-pp2" in name
 
 
 def case_config(name: str, world: int, out: str) -> dict:
     ranks, model, parallel, micro = CASES[name]
     one = world == 1
-    dp = ranks // (parallel.get("cp_degree", 1) * parallel.get("tp_degree", 1))
+    dp = ranks // (parallel.get("cp_degree", 1) * parallel.get("tp_degree", 1) * parallel.get("pp_degree", 1))
     return {
         "model": dict(model),
-        "data": {"seq_len": SEQ, "val_fraction": 0.0},
-        "train": {"steps": STEPS, "micro_batch": micro * dp if one else micro, "lr": 1e-2, "warmup_steps": 0,
+        # the pipelined cases also score held-out rows (each cp rank its part, through the stages)
+        "data": {"seq_len": SEQ, "val_fraction": VAL_ROWS / (ROWS + VAL_ROWS) if held_out(name) else 0.0},
+        "train": {"steps": STEPS, "micro_batch": micro * dp if one else micro, "grad_accum": ACCUM.get(name, 1),
+                  "lr": 1e-2, "warmup_steps": 0,
                   "eval_every": 0, "seed": 7, "grad_clip": 0.0},
         "precision": {"dtype": "fp32"},
         "recompute": {"policy": "full" if name.endswith("recompute") else "none"},
@@ -147,7 +162,8 @@ def train(world: int, out_path: str) -> None:
     for name, (ranks, *_rest) in CASES.items():
         if world not in (1, ranks):
             continue
-        t = Trainer(case_config(name, world, os.path.dirname(out_path)), dataset=token_rows())
+        rows = token_rows(ROWS + VAL_ROWS if held_out(name) else ROWS)
+        t = Trainer(case_config(name, world, os.path.dirname(out_path)), dataset=rows)
         t.setup()
         first: dict = {}
 
@@ -163,7 +179,11 @@ def train(world: int, out_path: str) -> None:
                 memory = step_memory(t, lambda: losses.append(t.train_step(mbs).loss))
             else:
                 losses.append(t.train_step(mbs).loss)
-        results[name] = {"losses": losses, "memory": memory}
+        if t.dist.pp_size > 1:  # each rank holds its stages' gradients: every stage's, by name
+            every: list = [None] * dist.get_world_size()
+            dist.all_gather_object(every, first)
+            first = {k: v for part in every for k, v in part.items()}
+        results[name] = {"losses": losses, "memory": memory, "val_loss": t.evaluate()}
         grads[name] = first
     info = init_distributed()
     if info.is_main:

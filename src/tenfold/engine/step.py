@@ -37,10 +37,10 @@ def accumulate_gradients(p: Parts, micro_batches: list[dict]) -> tuple[float, in
     global target tokens). Gradients are left in `.grad`, scaled by the loss scale."""
     dist, scaler = p.dist, p.precision.scaler
     dp_group = dist.mesh["dp"].get_group() if dist.mesh is not None else None
+    micro_batches = cp_parts(p, micro_batches)
     if dist.pp_size > 1:  # the pipeline schedule runs all micro-batches (techniques/pipeline_runner.py)
         result = p.model.train_step(micro_batches, scaler.scale, dp_group)
         return result.loss, result.global_tokens
-    micro_batches = cp_parts(p, micro_batches)
     global_tokens = int(acc.all_reduce_sum(acc.count_targets(micro_batches), dp_group))
     loss_sum = torch.zeros((), dtype=torch.float64, device=dist.device)
     for i, mb in enumerate(micro_batches):
@@ -108,8 +108,8 @@ def evaluate(p: Parts) -> float | None:
     count = sum(acc.count_targets([b]) for b in batches)
     p.model.eval()
     try:
-        if p.dist.pp_size > 1:  # forward through the stages, loss on the last
-            return p.model.eval_loss_sum(batches) / max(count, 1)
+        if p.dist.pp_size > 1:  # forward through the stages, loss on the last (summed over cp ranks)
+            return p.model.eval_loss_sum(cp_parts(p, batches)) / max(count, 1)
         total = 0.0
         for batch in cp_parts(p, batches):
             with p.precision.autocast(), loss_context(p.dist.tp_size):

@@ -31,7 +31,7 @@ class PublishedRun:
     metric: str  # "tokens_per_s_per_gpu" | "tflops_per_gpu" | "reserved_gib"
     published: float
     tolerance: float | None  # |predicted / published - 1| allowed; None: shown for contrast only
-    group: str  # "zero3-scaling" | "llama-h100" | "memory"
+    group: str  # "zero3-scaling" | "llama-h100" | "memory" | "fsdp-hsdp" | "context-parallel"
     assumed: str = ""
     known_miss: str = ""  # why the planner misses this case (the test expects the miss)
 
@@ -156,6 +156,73 @@ def _titan_memory(gpus: int, seq: int, mb: int, ac: str, gib: float, style: str 
     )
 
 
+TITAN_CP = ("torchtitan, benchmarks/llama3_h100_202412_torchtitan.md (Dec 2024), Tables 2 and 6; the same runs are "
+            "Tables 5 and 6 of the torchtitan paper (Liang et al., arXiv 2410.06511)")
+_TITAN_CP_STACK = ("torch.compile, which the planner does not model (eager kernels priced); Float8 linears priced "
+                   "at the H100's FP8 peak (--fp8); torchtitan's CP is PyTorch's ring attention, priced as "
+                   "tenfold's all-gather")
+
+
+def _titan_cp(cp: int, seq: int, tps: float, gib: float) -> list[PublishedRun]:
+    """torchtitan's Llama 3.1 8B on 8 GPUs, FSDP x CP = 8, one sequence per rank, full AC, Float8 and
+    torch.compile: throughput, and the reserved memory (`RESERVED`)."""
+    model = LLAMA3_8B if seq <= LLAMA3_8B.max_seq_len else replace(LLAMA3_8B, max_seq_len=seq)
+    run = resolve(model, 8, precision="bf16", zero_stage=3, recompute="full", seq_len=seq, micro_batch=1,
+                  grad_accum=1, cp=cp, fp8=True, check=False)
+    name = f"Llama 3.1 8B FSDP {8 // cp} x CP {cp}, seq {seq}, full AC, float8 (torchtitan)"
+    return [
+        PublishedRun(name, f"{TITAN_CP}, Table 2", run, GRAND_TETON, "tokens_per_s_per_gpu", tps, 0.25,
+                     "context-parallel", assumed=_TITAN_CP_STACK),
+        PublishedRun(name, f"{TITAN_CP}, Table 2", run, GRAND_TETON, "reserved_gib", gib, 0.20, "context-parallel",
+                     assumed=RESERVED + "; " + _TITAN_CP_STACK),
+    ]
+
+
+def _titan_405_cp(cp: int, seq: int, tps: float, gib: float) -> list[PublishedRun]:
+    """torchtitan's Llama 3.1 405B on 512 GPUs: TP 8, PP 8 (1F1B), FSDP x CP = 8, local batch 8, full AC,
+    Float8, async TP and torch.compile."""
+    model = replace(LLAMA3_405B, max_seq_len=max(seq, LLAMA3_405B.max_seq_len))
+    run = resolve(model, 512, precision="bf16", zero_stage=3, recompute="full", tp=8, sequence_parallel=True, pp=8,
+                  cp=cp, pp_schedule="1f1b", seq_len=seq, micro_batch=1, grad_accum=8, fp8=True, check=False)
+    name = f"Llama 3.1 405B TP 8 PP 8 FSDP {8 // cp} x CP {cp}, seq {seq}, float8 (torchtitan)"
+    assumed = ("local batch 8 = 8 micro-batches of one sequence (torchtitan's default pipeline micro-batch size); "
+               "async TP priced as plain TP (never overlapped); " + _TITAN_CP_STACK)
+    return [
+        PublishedRun(name, f"{TITAN_CP}, Table 6", run, GRAND_TETON, "tokens_per_s_per_gpu", tps, 0.25,
+                     "context-parallel", assumed=assumed),
+        PublishedRun(name, f"{TITAN_CP}, Table 6", run, GRAND_TETON, "reserved_gib", gib, 0.20, "context-parallel",
+                     assumed=RESERVED + " (the largest over the pipeline ranks, as the source takes it); " + assumed),
+    ]
+
+
+NEMO_CP = ("NVIDIA NeMo, docs/source/performance/performance_long_sequence.md at 9421f21 ('LLAMA2-7B (FP8) - H100', "
+           "NeMo 24.03.01 container on DGX-H100: Megatron-Core's context parallelism)")
+_NEMO_RING_MISS = (
+    "Megatron-Core's CP passes K/V blocks around a ring (point-to-point, each transfer overlapped with the attention "
+    "of the block before it); the planner prices tenfold's K/V all-gather and its reduce-scatter, exposed before and "
+    "after the attention, and never overlaps TP: at tp 8 x cp {cp} (a cp group across {nodes} nodes) the exposed tp + "
+    "cp traffic is {exposed:.1f} s of the {step:.1f} s step (1.8 s at 256K, tp 4 x cp 8){extra}"
+)
+
+
+def _nemo_cp(k: int, gbs: int, tp: int, dp: int, cp: int, tflops: float, known_miss: str = "") -> PublishedRun:
+    """NeMo's Llama 2 7B at `k`K tokens on k GPUs (TP x DP x CP, no PP), FP8 (Transformer Engine), global batch
+    `gbs` sequences."""
+    seq = k * 1024
+    model = replace(LLAMA2["7b"], max_seq_len=max(seq, LLAMA2["7b"].max_seq_len))
+    run = resolve(model, tp * dp * cp, precision="bf16", zero_stage=1, recompute="none", tp=tp,
+                  sequence_parallel=tp > 1, cp=cp, seq_len=seq, micro_batch=1, global_batch=gbs, fp8=True,
+                  stack=Stack(master_weights=True, grads_fp32=True, activation_style="megatron"), check=False)
+    return PublishedRun(
+        f"Llama 2 7B FP8 x{run.world_size} (TP {tp}, DP {dp}, CP {cp}), seq {k}K (NeMo)", NEMO_CP, run,
+        CATALOG["h100-sxm"], "tflops_per_gpu", tflops, 0.25, "context-parallel",
+        assumed="micro-batch 1 and no activation recompute (NeMo's Llama config defaults; the page states neither); "
+                "the distributed optimizer (ZeRO-1) with fp32 main grads; sequence parallelism with TP; model FLOPs "
+                "with attention counted in full (the page does not say how it counts them)",
+        known_miss=known_miss,
+    )
+
+
 IBM = "Team PyTorch at IBM and at Meta, 'Maximizing training throughput using PyTorch FSDP', PyTorch blog (2024-03-13), Table 1"
 ZEROPP = ("Wang et al. 2023, 'ZeRO++: Extremely Efficient Collective Communication for Giant Model Training' "
           "(arXiv 2306.10209); DeepSpeed blog figures eval1-3 (ZeRO-3 baseline bars)")
@@ -250,6 +317,20 @@ CASES: list[PublishedRun] = [
     _titan_memory(8, 8192, 2, "op", 82.4), _titan_memory(128, 8192, 2, "op", 67.0),
     _titan_memory(8, 32768, 1, "full", 83.9, note="with torch.compile and float8, which the planner does not model"),
     _titan_memory(8, 32768, 1, "full", 83.9, style="megatron"),
+    # Context parallelism at 32K-1M tokens: torchtitan (FSDP x CP; 4D with TP and PP) and NeMo on
+    # Megatron-Core (TP x DP x CP).
+    *_titan_cp(1, 32768, 3890, 83.9), *_titan_cp(2, 65536, 2540, 84.2), *_titan_cp(4, 131072, 1071, 84.0),
+    *_titan_cp(8, 262144, 548, 84.5),
+    *_titan_405_cp(1, 32768, 76, 75.3), *_titan_405_cp(2, 65536, 47, 75.9), *_titan_405_cp(4, 131072, 31, 77.1),
+    *_titan_405_cp(8, 262144, 16, 84.9),
+    _nemo_cp(32, 128, 2, 8, 2, 610), _nemo_cp(64, 64, 4, 8, 2, 574), _nemo_cp(128, 32, 4, 8, 4, 555),
+    _nemo_cp(256, 16, 4, 8, 8, 549),
+    _nemo_cp(512, 8, 8, 4, 16, 549, known_miss=_NEMO_RING_MISS.format(cp=16, nodes=16, exposed=3.6, step=17.8, extra="")),
+    _nemo_cp(1024, 4, 8, 4, 32, 536, known_miss=_NEMO_RING_MISS.format(
+        cp=32, nodes=32, exposed=3.5, step=17.4,
+        extra="; and the all-gather keeps every layer's gathered K/V for backward (no GQA in Llama 2 7B: 2 GiB a "
+              "layer at 1M tokens), so the planner prices this run at 90 GiB, over the card, where a ring re-sends "
+              "the blocks in backward")),
 ]
 
 

@@ -93,10 +93,17 @@ class GPTStage(nn.Module):
     def blocks(self) -> list[nn.Module]:
         return list(self.layers.values())
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = GPT.embed(self, x) if self.is_first else x  # type: ignore[arg-type]
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """`position_ids` (b, s): where the micro-batch's tokens sit in their sequences, the same
+        in every row (context parallelism hands each rank two chunks of every sequence,
+        techniques/context_parallel.py `local_batch`); None: 0..s-1, as `GPT.forward`."""
+        positions = position_ids[0] if position_ids is not None else None
+        h = GPT.embed(self, x, positions) if self.is_first else x  # type: ignore[arg-type]
+        cos, sin = self.rope_cos, self.rope_sin
+        if positions is not None and cos is not None:
+            cos, sin = cos[positions], sin[positions]
         for block in self.layers.values():
-            h = block(h, self.rope_cos, self.rope_sin)
+            h = block(h, cos, sin)
         return GPT.head(self, h) if self.is_last else h  # type: ignore[arg-type]
 
 

@@ -111,6 +111,7 @@ class PipelineRunner:
         tp_size: int = 1,
         seq_len: int | None = None,
         with_positions: bool = False,
+        cp_size: int = 1,
     ):
         self.schedule_name = schedule
         self.n_microbatches = n_microbatches
@@ -118,11 +119,15 @@ class PipelineRunner:
         self.n_stages = n_stages
         self.dp_size = dp_size
         self.tp_size = tp_size  # the tp ranks of a last stage each hold the whole (replicated) loss
+        # context parallelism: dp_size counts dp x cp ranks; the cp ranks of one dp rank each
+        # score their part of the same rows
+        self.cp_size = cp_size
         self.device = device
         self.pp_group = pp_group
         self.loss_scale = 1.0  # fp16: the trainer passes the dynamic scale to each step
         self.global_tokens = 1
-        # Hugging Face stages take the micro-batch's position ids (techniques/pipeline_hf.py)
+        # Hugging Face stages take the micro-batch's position ids (techniques/pipeline_hf.py), and
+        # so do tenfold's GPT stages under context parallelism (`GPTStage.forward`)
         self.with_positions = with_positions
         self.modules = list(stage_modules)
         # stage_io: (input, output) example per local stage (stage_io_examples) -> static
@@ -244,9 +249,10 @@ class PipelineRunner:
                 total += float(sum(l.double() for l in losses)) if losses else 0.0
         finally:
             self.dp_size = dp
-        # Every dp group scores the same rows (Trainer.evaluate), and every tp rank of a last
-        # stage holds the whole loss, so the world sum counts them dp x tp times.
-        return self._sum_over_world(total) / (dp * self.tp_size)
+        # Every dp group scores the same rows (Trainer.evaluate), its cp ranks a part of each,
+        # and every tp rank of a last stage holds the whole loss, so the world sum counts them
+        # (dp x cp) / cp x tp times.
+        return self._sum_over_world(total) / (dp // self.cp_size * self.tp_size)
 
     def _sum_over_world(self, value) -> float:
         """Only the last stage has the loss; an all_reduce over every rank (other stages add
@@ -396,15 +402,18 @@ def build_pipelined_model(split: PipelineSplit, parts: Sequence[nn.Module], run,
     io = None
     if split.dtypes is not None:
         # Under sequence parallelism a stage hands on its (b, s/tp, d) slice of the residual
-        # stream: Narayanan et al. 2021's scatter/gather of p2p traffic, section 4.1.
+        # stream: Narayanan et al. 2021's scatter/gather of p2p traffic, section 4.1. Under
+        # context parallelism a stage holds this cp rank's s/cp tokens of every sequence
+        # (`run.local_seq_len`), and so do its p2p buffers and the last stage's logits.
         seq_split = run.tp if run.sequence_parallel else 1
-        io = [stage_io_examples(sid, split.n_stages, (micro_batch, run.seq_len), split.d_model,
+        io = [stage_io_examples(sid, split.n_stages, (micro_batch, run.local_seq_len), split.d_model,
                                 split.vocab_size, split.dtypes, seq_split) for sid in split.stage_ids]
     runner = PipelineRunner(
         parts, split.stage_ids, split.n_stages, run.pp_schedule, run.grad_accum, device=dist_info.device,
         pp_group=dist_info.mesh["pp"].get_group(), dp_size=dist_info.dp_size,
-        autocast_dtype=compute_dtype or torch.float32, stage_io=io, tp_size=dist_info.tp_size, seq_len=run.seq_len,
-        with_positions=split.kind == "hf",
+        autocast_dtype=compute_dtype or torch.float32, stage_io=io, tp_size=dist_info.tp_size,
+        seq_len=run.local_seq_len, with_positions=split.kind == "hf" or dist_info.cp_size > 1,
+        cp_size=dist_info.cp_size,
     )
     return PipelinedModel(split, parts, runner, dist_info, tied)
 
