@@ -325,6 +325,23 @@ def test_validation_covers_zero3_scaling_and_llama_h100():
     assert abs(mem["tenfold"]) < 0.20 and mem["megatron"] < -0.30
 
 
+def test_validation_covers_moe_runs_with_expert_parallelism():
+    """The MoE rows are expert-parallel runs of MoE models, at least one within its tolerance,
+    and their stand-in models are the published sizes as far as docs/planner.md says."""
+    from tenfold.models.presets import active_param_count
+    from tenfold.plan.validation import DEEPSEEK_V3, QWEN3_30B_A3B
+
+    rows = check_all([c for c in CASES if c.group == "moe"])
+    assert len(rows) >= 4 and all(r.case.run.model.is_moe and r.case.run.ep > 1 for r in rows)
+    assert any(not r.case.known_miss and abs(r.error) <= r.case.tolerance for r in rows)
+    # DeepSeek-V3 (671B / 37B) with MLA as multi-head attention and every block MoE; Qwen3-30B-A3B
+    # (30.5B / 3.3B) with the query width tied to d_model.
+    assert param_count(DEEPSEEK_V3) / 671e9 == pytest.approx(1.05, abs=0.01)
+    assert active_param_count(DEEPSEEK_V3) / 37e9 == pytest.approx(1.045, abs=0.01)
+    assert param_count(QWEN3_30B_A3B) / 30.5e9 == pytest.approx(0.986, abs=0.01)
+    assert active_param_count(QWEN3_30B_A3B) / 3.3e9 == pytest.approx(0.879, abs=0.01)
+
+
 # --------------------------------------------------------------------------- runs that ran fit
 def test_published_runs_that_ran_are_priced_as_fitting():
     """A run that trained on its cards is not 'does not fit': MosaicML's MPT rows on 80 GB
@@ -335,7 +352,7 @@ def test_published_runs_that_ran_are_priced_as_fitting():
     from tenfold.plan.validation import LLAMA2, TITAN_A100  # noqa: F401  (the source of the boundary)
 
     for case in CASES:
-        if case.group in ("zero3-scaling", "fsdp-hsdp", "memory") and case.name not in MEMORY_MISSES:
+        if case.group in ("zero3-scaling", "fsdp-hsdp", "memory", "moe") and case.name not in MEMORY_MISSES:
             assert predict(case.run, case.hardware).fits, case.name
     a100 = CATALOG["a100-80gb"]
     run = lambda mb, ac: planned(LLAMA2["70b"], 64, precision="bf16", zero_stage=3, recompute=ac,  # noqa: E731
