@@ -302,8 +302,9 @@ def test_time_model_calibration_reproduces_constant_and_table1():
 
 # --------------------------------------------------------------------------- published runs
 # tenfold.plan.validation: data-parallel ZeRO-3/FSDP runs at growing GPU counts (MosaicML),
-# Llama-style runs on H100s (torchtitan, Llama 3), a 32k-token FSDP run's memory. None of them
-# calibrated anything; docs/planner.md shows each error.
+# Llama-style runs on H100s (torchtitan, Llama 3), a 32k-token FSDP run's memory, expert-parallel
+# MoE runs (Megatron-Core, DeepSeek-V3, torchtitan). None of them calibrated anything;
+# docs/planner.md shows each error.
 @pytest.mark.parametrize("case", [
     pytest.param(c, marks=pytest.mark.xfail(strict=True, reason=c.known_miss)) if c.known_miss else c
     for c in CASES if c.tolerance is not None
@@ -348,7 +349,8 @@ def test_published_runs_that_ran_are_priced_as_fitting():
     cards (no memory published, but they ran), torchtitan's Llama 3.1 8B with per-op
     selective recompute (82.4 GiB reserved on 96 GB cards), and torchtitan's published boundary
     for Llama 2 70B on 64 A100-80GB: per-op recompute fits at one sequence of 4096, runs out of
-    memory at two, full recompute fits at two (docs/performance.md, footnote 1)."""
+    memory at two, full recompute fits at two (docs/performance.md, footnote 1); and the MoE runs
+    (Mixtral 8x7B on 64 H100, DeepSeek-V3 on 2048 H800, Qwen3-30B-A3B on 8 B200)."""
     from tenfold.plan.validation import LLAMA2, TITAN_A100  # noqa: F401  (the source of the boundary)
 
     for case in CASES:

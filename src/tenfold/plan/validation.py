@@ -263,15 +263,18 @@ _TITAN_QWEN3_MISS = (
 
 def _mcore_mixtral() -> PublishedRun:
     run = resolve(PRESETS["mixtral-8x7b"], 64, precision="bf16", zero_stage=1, tp=1, pp=4, ep=8,
-                  pp_schedule="interleaved", virtual_stages=8, micro_batch=1, global_batch=256, seq_len=4096,
-                  recompute="none", stack=Stack(master_weights=True, grads_fp32=True, activation_style="megatron"),
+                  pp_schedule="interleaved", virtual_stages=8, pp_split=(1,) * 32, micro_batch=1, global_batch=256,
+                  seq_len=4096, recompute="none", stack=Stack(master_weights=True, grads_fp32=True, activation_style="megatron"),
                   check=False)
     return PublishedRun(
         "Mixtral 8x7B x64 (TP 1, EP 8, PP 4, VP 8, Megatron-Core)", MCORE_MOE, run, CATALOG["h100-sxm"],
         "tflops_per_gpu", 468, 0.25, "moe",
         assumed="the README's 468 TFLOP/s (MCore v0.9) priced on its reference mapping (listed for MCore v0.8): "
-                "seq 4096, micro-batch 1, global batch 256, dropless all-to-all dispatcher, distributed optimizer "
-                "(ZeRO-1) with fp32 gradients, no recompute (the README's example enables none); balanced routing",
+                "seq 4096, micro-batch 1, global batch 256, one block per virtual stage (Megatron's even split; "
+                "tenfold's default, which weighs the embedding and head as a block each, gives 447.5), dropless "
+                "all-to-all dispatcher, distributed optimizer (ZeRO-1) with fp32 gradients, no recompute (the "
+                "README's example enables none); balanced routing. tenfold train does not combine ep with pp or "
+                "ZeRO-1: the planner prices the layout (check=False)",
     )
 
 
