@@ -302,8 +302,9 @@ def test_time_model_calibration_reproduces_constant_and_table1():
 
 # --------------------------------------------------------------------------- published runs
 # tenfold.plan.validation: data-parallel ZeRO-3/FSDP runs at growing GPU counts (MosaicML),
-# Llama-style runs on H100s (torchtitan, Llama 3), a 32k-token FSDP run's memory. None of them
-# calibrated anything; docs/planner.md shows each error.
+# Llama-style runs on H100s (torchtitan, Llama 3), a 32k-token FSDP run's memory, expert-parallel
+# MoE runs (Megatron-Core, DeepSeek-V3, torchtitan). None of them calibrated anything;
+# docs/planner.md shows each error.
 @pytest.mark.parametrize("case", [
     pytest.param(c, marks=pytest.mark.xfail(strict=True, reason=c.known_miss)) if c.known_miss else c
     for c in CASES if c.tolerance is not None
@@ -325,17 +326,35 @@ def test_validation_covers_zero3_scaling_and_llama_h100():
     assert abs(mem["tenfold"]) < 0.20 and mem["megatron"] < -0.30
 
 
+def test_validation_covers_moe_runs_with_expert_parallelism():
+    """The MoE rows are expert-parallel runs of MoE models, at least one within its tolerance,
+    and their stand-in models are the published sizes as far as docs/planner.md says."""
+    from tenfold.models.presets import active_param_count
+    from tenfold.plan.validation import DEEPSEEK_V3, QWEN3_30B_A3B
+
+    rows = check_all([c for c in CASES if c.group == "moe"])
+    assert len(rows) >= 4 and all(r.case.run.model.is_moe and r.case.run.ep > 1 for r in rows)
+    assert any(not r.case.known_miss and abs(r.error) <= r.case.tolerance for r in rows)
+    # DeepSeek-V3 (671B / 37B) with MLA as multi-head attention and every block MoE; Qwen3-30B-A3B
+    # (30.5B / 3.3B) with the query width tied to d_model.
+    assert param_count(DEEPSEEK_V3) / 671e9 == pytest.approx(1.05, abs=0.01)
+    assert active_param_count(DEEPSEEK_V3) / 37e9 == pytest.approx(1.045, abs=0.01)
+    assert param_count(QWEN3_30B_A3B) / 30.5e9 == pytest.approx(0.986, abs=0.01)
+    assert active_param_count(QWEN3_30B_A3B) / 3.3e9 == pytest.approx(0.879, abs=0.01)
+
+
 # --------------------------------------------------------------------------- runs that ran fit
 def test_published_runs_that_ran_are_priced_as_fitting():
     """A run that trained on its cards is not 'does not fit': MosaicML's MPT rows on 80 GB
     cards (no memory published, but they ran), torchtitan's Llama 3.1 8B with per-op
     selective recompute (82.4 GiB reserved on 96 GB cards), and torchtitan's published boundary
     for Llama 2 70B on 64 A100-80GB: per-op recompute fits at one sequence of 4096, runs out of
-    memory at two, full recompute fits at two (docs/performance.md, footnote 1)."""
+    memory at two, full recompute fits at two (docs/performance.md, footnote 1); and the MoE runs
+    (Mixtral 8x7B on 64 H100, DeepSeek-V3 on 2048 H800, Qwen3-30B-A3B on 8 B200)."""
     from tenfold.plan.validation import LLAMA2, TITAN_A100  # noqa: F401  (the source of the boundary)
 
     for case in CASES:
-        if case.group in ("zero3-scaling", "fsdp-hsdp", "memory") and case.name not in MEMORY_MISSES:
+        if case.group in ("zero3-scaling", "fsdp-hsdp", "memory", "moe") and case.name not in MEMORY_MISSES:
             assert predict(case.run, case.hardware).fits, case.name
     a100 = CATALOG["a100-80gb"]
     run = lambda mb, ac: planned(LLAMA2["70b"], 64, precision="bf16", zero_stage=3, recompute=ac,  # noqa: E731

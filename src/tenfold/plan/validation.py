@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from tenfold.models.presets import ModelConfig
+from tenfold.models.presets import PRESETS, ModelConfig
 from tenfold.plan.hardware import CATALOG, GB, Hardware
 from tenfold.run import ResolvedRun, Stack, resolve
 
@@ -28,10 +28,10 @@ class PublishedRun:
     source: str
     run: ResolvedRun  # the published configuration, priced with the stack its source describes
     hardware: Hardware
-    metric: str  # "tokens_per_s_per_gpu" | "tflops_per_gpu" | "reserved_gib"
+    metric: str  # "tokens_per_s_per_gpu" | "tflops_per_gpu" | "reserved_gib" | "gpu_hours_per_trillion_tokens"
     published: float
     tolerance: float | None  # |predicted / published - 1| allowed; None: shown for contrast only
-    group: str  # "zero3-scaling" | "llama-h100" | "memory" | "fsdp-hsdp" | "context-parallel"
+    group: str  # "zero3-scaling" | "llama-h100" | "memory" | "fsdp-hsdp" | "context-parallel" | "moe"
     assumed: str = ""
     known_miss: str = ""  # why the planner misses this case (the test expects the miss)
 
@@ -283,6 +283,95 @@ def _zeropp(node_gbits: float, tokens: int, hw_tflops: float) -> PublishedRun:
     )
 
 
+# --------------------------------------------------------------------------- mixture of experts
+MCORE_MOE = ("NVIDIA Megatron-LM, megatron/core/transformer/moe/README.md (https://github.com/NVIDIA/Megatron-LM): "
+             "'468 TFLOPS for Mixtral 8X7B bf16 training' (MCore v0.9) and its 'Reference Best Parallel Mapping' "
+             "(64 H100 80GB, 8 x 400 Gb/s InfiniBand per node)")
+DEEPSEEK_V3_REPORT = ("DeepSeek-AI, 'DeepSeek-V3 Technical Report' (arXiv 2412.19437, https://arxiv.org/abs/2412.19437), "
+                      "sections 1 and 3.2: 180K H800 GPU hours per trillion tokens of pre-training (2,664K for 14.8T)")
+TITAN_DEEPEP = ("torchtitan, torchtitan/distributed/deepep/README.md (https://github.com/pytorch/torchtitan): "
+                "Qwen3-30B-A3B on 8 B200, '14,796 vs 9,930 tok/s/GPU at EP=8' (DeepEP vs torchtitan's default "
+                "expert parallelism); its config torchtitan/models/qwen3/train_configs/qwen3_30b_a3b_with_deepep.toml")
+
+# DeepSeek-V3 (report section 4.2, HF config.json): 61 blocks of d_model 7168 and 128 heads, 256 routed
+# experts of width 2048 plus 1 shared, top-8, vocab 129280. Approximated: multi-head latent attention
+# (MLA) as tenfold's multi-head attention (4 d^2 per block: 205M against MLA's 187M), every block MoE
+# (the published model's first 3 are dense FFNs of width 18432), no multi-token-prediction module; so
+# 705B total / 38.7B active against the published 671B / 37B.
+DEEPSEEK_V3 = ModelConfig(n_layers=61, d_model=7168, n_heads=128, d_ff=18432, vocab_size=129280, max_seq_len=4096,
+                          n_experts=256, experts_per_token=8, d_expert=2048, n_shared_experts=1,
+                          router_aux_loss_coef=0.0001)
+# Qwen3-30B-A3B (Qwen team 2025, HF config.json): 48 blocks of d_model 2048, 32 query / 4 kv heads, 128
+# experts of width 768, top-8, no shared expert, vocab 151936. tenfold ties the query width to d_model
+# (2048, not 32 x 128), so its attention is narrower: 30.1B total / 2.9B active against 30.5B / 3.3B.
+QWEN3_30B_A3B = ModelConfig(n_layers=48, d_model=2048, n_heads=32, n_kv_heads=4, d_ff=6144, vocab_size=151936,
+                            max_seq_len=40960, rope_theta=1e6, n_experts=128, experts_per_token=8, d_expert=768,
+                            router_aux_loss_coef=0.001)
+# H800: an H100 SXM with NVLink cut down; the report gives 160 GB/s NVLink and 50 GB/s InfiniBand per GPU
+# (section 3.2.2), the H100's compute and memory otherwise.
+H800 = replace(CATALOG["h100-sxm"], name="h800 (160 GB/s NVLink, 50 GB/s IB)", intra_node_bw=160 * GB,
+               sources={**CATALOG["h100-sxm"].sources, "intra": DEEPSEEK_V3_REPORT + ", section 3.2.2"})
+
+_DEEPSEEK_V3_MISS = (
+    "priced at 440K GPU-hours per trillion tokens: a 48.7 s step (120 sequences per pipeline) of 20.6 s compute at "
+    "the FP8 rate, 19.8 s of all-to-all, 5.4 s of 1F1B bubble and 2.5 s of recompute, where the published rate "
+    "implies 19.9 s. The report's DualPipe overlaps the all-to-all with computation and shrinks the bubble, its "
+    "node-limited routing sends a token to at most 4 nodes (the planner: 7/8 of its 8 copies cross the NIC), it "
+    "dispatches in FP8, and its FP8 GEMMs use fine-grained scaling without the casts of torchao's tensorwise "
+    "float8 that the planner prices; none of these is in the planner's model")
+_TITAN_QWEN3_MISS = (
+    "priced at 19,310 tokens/s/GPU, a 1.70 s step of 1.00 s compute, 0.30 s recompute and 0.38 s all-to-all, where "
+    "the published rates imply 2.21 s (DeepEP) and 3.30 s (torchtitan's default all-to-all), so the planner misses "
+    "at least 0.5 s a step in either. It prices the experts' grouped GEMMs at the dense GEMM ceiling and does not "
+    "price the routing work around them (the router's top-k, the token permutation and the combine's scatter-add, "
+    "memory-bound at d_model 2048 and 8 copies per token), nor any difference between dispatchers (both rows get "
+    "the same figure); which of these the gap is has not been measured")
+
+
+def _mcore_mixtral() -> PublishedRun:
+    run = resolve(PRESETS["mixtral-8x7b"], 64, precision="bf16", zero_stage=1, tp=1, pp=4, ep=8,
+                  pp_schedule="interleaved", virtual_stages=8, pp_split=(1,) * 32, micro_batch=1, global_batch=256,
+                  seq_len=4096, recompute="none", stack=Stack(master_weights=True, grads_fp32=True, activation_style="megatron"),
+                  check=False)
+    return PublishedRun(
+        "Mixtral 8x7B x64 (TP 1, EP 8, PP 4, VP 8, Megatron-Core)", MCORE_MOE, run, CATALOG["h100-sxm"],
+        "tflops_per_gpu", 468, 0.25, "moe",
+        assumed="the README's 468 TFLOP/s (MCore v0.9) priced on its reference mapping (listed for MCore v0.8): "
+                "seq 4096, micro-batch 1, global batch 256, one block per virtual stage (Megatron's even split; "
+                "tenfold's default, which weighs the embedding and head as a block each, gives 447.5), dropless "
+                "all-to-all dispatcher, distributed optimizer (ZeRO-1) with fp32 gradients, no recompute (the "
+                "README's example enables none); balanced routing. tenfold train does not combine ep with pp or "
+                "ZeRO-1: the planner prices the layout (check=False)",
+    )
+
+
+def _deepseek_v3() -> PublishedRun:
+    run = resolve(DEEPSEEK_V3, 2048, precision="bf16", fp8=True, zero_stage=1, pp=16, ep=64, micro_batch=1,
+                  global_batch=15360, seq_len=4096, recompute="op",
+                  stack=Stack(master_weights=True, grads_fp32=True, activation_style="megatron"), check=False)
+    return PublishedRun(
+        "DeepSeek-V3 x2048 H800 (PP 16, EP 64 over 8 nodes, ZeRO-1 DP)", DEEPSEEK_V3_REPORT, run, H800,
+        "gpu_hours_per_trillion_tokens", 180e3, 0.25, "moe",
+        assumed="FP8 GEMMs (priced as tenfold's --fp8), seq 4096, the report's final batch of 15360 sequences, "
+                "micro-batch 1 (not stated), 1F1B for DualPipe, per-op recompute for its RMSNorm / MLA up-projection "
+                "recompute; MLA as multi-head attention and all 61 blocks MoE (DEEPSEEK_V3); balanced routing",
+        known_miss=_DEEPSEEK_V3_MISS,
+    )
+
+
+def _titan_qwen3(tps: float, dispatcher: str) -> PublishedRun:
+    run = resolve(QWEN3_30B_A3B, 8, precision="bf16", zero_stage=3, ep=8, micro_batch=8, grad_accum=1, seq_len=4096,
+                  recompute="full", check=False)
+    return PublishedRun(
+        f"Qwen3-30B-A3B FSDP x8 b200, EP 8, {dispatcher} (torchtitan)", TITAN_DEEPEP, run, CATALOG["b200"],
+        "tokens_per_s_per_gpu", tps, 0.25, "moe",
+        assumed="the config's local batch 8 of 4096 tokens, full activation checkpointing, FSDP over the 8 GPUs, "
+                "forced load balance (as the config sets); torch.compile, which the planner does not model; the "
+                "catalog's B200 (180 GB; the README's 167.93 GiB = 94.15% implies 192 GB cards)",
+        known_miss=_TITAN_QWEN3_MISS,
+    )
+
+
 CASES: list[PublishedRun] = [
     # ZeRO-3 / FSDP, data parallel only, at growing GPU counts (T/s/GPU column).
     _mosaic("7b", "a100-40gb", 16, 16, 1, 3645), _mosaic("7b", "a100-40gb", 32, 18, 1, 3725),
@@ -331,6 +420,8 @@ CASES: list[PublishedRun] = [
         extra="; and the all-gather keeps every layer's gathered K/V for backward (no GQA in Llama 2 7B: 2 GiB a "
               "layer at 1M tokens), so the planner prices this run at 90 GiB, over the card, where a ring re-sends "
               "the blocks in backward")),
+    # Mixture of experts: Megatron-Core's Mixtral 8x7B, DeepSeek-V3's pre-training, torchtitan's Qwen3-30B-A3B.
+    _mcore_mixtral(), _deepseek_v3(), _titan_qwen3(9930, "all-to-all"), _titan_qwen3(14796, "DeepEP"),
 ]
 
 
@@ -344,6 +435,8 @@ def predicted_value(case: PublishedRun) -> float:
         return plan.tflops_per_gpu
     if case.metric == "hardware_tflops_per_gpu":
         return plan.hardware_tflops_per_gpu
+    if case.metric == "gpu_hours_per_trillion_tokens":
+        return case.run.world_size * 1e12 / plan.tokens_per_s / 3600
     if case.metric == "reserved_gib":
         return (plan.memory.total_bytes - plan.memory.runtime_overhead_bytes) / 2**30
     raise ValueError(case.metric)
@@ -355,7 +448,8 @@ def check_all(cases: list[PublishedRun] | None = None) -> list[Checked]:
 
 def markdown_table(rows: list[Checked]) -> str:
     unit = {"tokens_per_s_per_gpu": "tokens/s/GPU", "tflops_per_gpu": "TFLOP/s/GPU", "reserved_gib": "GiB",
-            "hardware_tflops_per_gpu": "TFLOP/s/GPU (with recompute)"}
+            "hardware_tflops_per_gpu": "TFLOP/s/GPU (with recompute)",
+            "gpu_hours_per_trillion_tokens": "GPU-hours per 1T tokens"}
     lines = ["| Case | Metric | Published | Predicted | Error | Tolerance |", "|---|---|---|---|---|---|"]
     for r in rows:
         c = r.case
