@@ -5,8 +5,9 @@ Each case runs `tenfold plan ... --trace --json` as a user types it (one process
 pipeline stage, two at a time) and reports the wall time, the CPU time of the children, and per
 memory term the planned and traced bytes of the stage the plan describes:
 
-  * GPT-3 175B on 1,024 ranks: pp 16 x dp 64, ZeRO-2, full recompute (tp 8 is refused by the
-    engine: GPT-3's vocabulary of 50,257 does not split over 8 ranks);
+  * GPT-3 175B on 1,024 ranks as the recipe lays it out: 8 pipeline stages x tp 8 x dp 16,
+    ZeRO-2, full recompute, micro-batches of 4 (24 per step; the vocabulary padded to
+    50,304 splits over tp);
   * Llama 2 70B on 64 ranks: pp 4 x dp 4 x tp 4, ZeRO-3 with hybrid sharding (groups of 2);
   * Llama 3 405B on 16,384 ranks: pp 16 x dp 128 x tp 8, ZeRO-3, full recompute (the paper's
     shape, section 3.1: 126 layers, width 16,384, 128 heads, 8 KV heads, FFN 53,248, vocab 128,256).
@@ -26,8 +27,8 @@ import sys
 import time
 
 CASES = {
-    "gpt3-175b x1024": ["--model", "gpt3-175b", "--gpus", "1024", "--pp", "16", "--zero", "2", "--ac", "full",
-                        "--seq-len", "2048", "--micro-batch", "1", "--global-batch", "1536", "--gpu", "a100-80gb"],
+    "gpt3-175b x1024": ["--model", "gpt3-175b", "--gpus", "1024", "--pp", "8", "--tp", "8", "--zero", "2", "--ac", "full",
+                        "--seq-len", "2048", "--micro-batch", "4", "--global-batch", "1536", "--gpu", "a100-80gb"],
     "llama2-70b x64": ["--model", "llama-70b", "--gpus", "64", "--pp", "4", "--tp", "4", "--zero", "3",
                        "--shard-group", "2", "--ac", "full", "--seq-len", "4096", "--micro-batch", "1",
                        "--global-batch", "32", "--gpu", "h100-sxm"],
