@@ -139,7 +139,9 @@ def expert_parallel_problems(run) -> list[str]:
     flag = f"parallel.ep_degree (--ep) {run.ep}"
     out = []
     if run.model_kind != "tenfold":
-        out.append(f"{flag}: expert parallelism runs tenfold's MoE blocks (--model tiny-moe, mixtral-8x7b, ...)")
+        out.append(f"{flag}: expert parallelism runs tenfold's MoE blocks (--model tiny-moe, mixtral-8x7b, ...); "
+                   "a Hugging Face model (mixtral, qwen2_moe, qwen3_moe included) trains with --ep 1, its experts "
+                   "sharded like any parameter by --zero 2/3")
     others = {"--pp": run.pp > 1, "--tp": run.tp > 1, "--zero 1": run.zero_stage == 1, "--offload": run.offload != "none",
               "--shard-group": bool(run.shard_group), "--lora/--qlora": run.lora is not None, "--fp8": run.fp8,
               "--compile": run.compile}
