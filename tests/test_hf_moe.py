@@ -119,34 +119,58 @@ def test_export_loads_strictly_in_transformers_with_the_trained_logits(tmp_path,
     torch.testing.assert_close(logits(again.model), logits(trainer.model), rtol=1e-5, atol=1e-5)
 
 
-def test_expert_parallel_is_refused_for_hf_models():
+def test_expert_parallel_needs_an_hf_moe_family():
     from tenfold.config import build_config
     from tenfold.run import resolve_run
 
-    cfg = build_config({"model": {"hf_config": str(MIXTRAL)}, "parallel": {"ep_degree": 2}})
-    with pytest.raises(UserError, match=r"--ep\) 2: expert parallelism runs tenfold's MoE blocks.*"
-                                        r"Hugging Face model \(mixtral, qwen2_moe, qwen3_moe included\) trains with --ep 1"):
-        resolve_run(cfg, 2)
-    resolve_run(cfg, 2, check=False)  # the planner still prices it
+    resolve_run(build_config({"model": {"hf_config": str(MIXTRAL)}, "parallel": {"ep_degree": 2}}), 2)
+    dense = build_config({"model": {"hf_config": str(DATA / "llama-tiny" / "config.json")}, "parallel": {"ep_degree": 2}})
+    with pytest.raises(UserError, match=r"--ep\) 2 needs a mixture-of-experts model.*model_type mixtral, qwen2_moe or qwen3_moe"):
+        resolve_run(dense, 2)
+
+
+def _two_ranks(out: Path, steps: int, *flags: str) -> dict:
+    r = cli("train", "--hf-config", str(MIXTRAL), "--nproc", "2", *flags,
+            "--steps", str(steps), "--micro-batch", "2", "--precision", "fp32", "--seq-len", "32", "--lr", "3e-3",
+            "--eval-every", "0", "--no-progress", "--out", str(out),
+            "--set", "data.max_bytes=200000", "--set", "train.warmup_steps=0", "--set", "train.eval_batches=1",
+            "--set", "log.tensorboard=false", "--set", "parallel.param_persistence_threshold=0", timeout=400)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return json.loads((out / "summary.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    """The one-process reference of the two-rank runs: the same micro-batches (micro 2 x accum 2,
+    rank r's rows being micro-batch r), fp32."""
+    torch.set_num_threads(1)
+    trainer, summary = train(tmp_path_factory.mktemp("one"), MIXTRAL, train={"steps": 5, "micro_batch": 2, "grad_accum": 2})
+    return trainer, summary
 
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
-def test_two_ranks_zero3_match_one_process(tmp_path):
-    """`tenfold train --hf-config mixtral-tiny --nproc 2 --zero 3`: every step's loss equals the
-    one-process run over the same micro-batches (micro 2 x accum 2 here, rank r's rows being
-    micro-batch r), fp32 to 1e-6; persistence threshold 0 so every block, experts and router
-    included, is resharded after forward."""
-    steps = 5
-    ref = train(tmp_path / "one", MIXTRAL, train={"steps": steps, "micro_batch": 2, "grad_accum": 2})[1]
-    out = tmp_path / "two"
-    r = cli("train", "--hf-config", str(MIXTRAL), "--nproc", "2", "--zero", "3",
-            "--steps", str(steps), "--micro-batch", "2", "--precision", "fp32", "--seq-len", "32", "--lr", "3e-3",
-            "--eval-every", "0", "--no-progress", "--out", str(out),
-            "--set", "data.max_bytes=200000", "--set", "train.warmup_steps=0", "--set", "train.eval_batches=1",
-            "--set", "log.tensorboard=false", "--set", "parallel.param_persistence_threshold=0")
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    two = json.loads((out / "summary.json").read_text())
+@pytest.mark.parametrize("flags", [("--zero", "3"), ("--ep", "2"), ("--ep", "2", "--zero", "3", "--ac", "full")],
+                         ids=["zero3", "ep2", "ep2-zero3-full"])
+def test_two_ranks_match_one_process(tmp_path, one_process, flags):
+    """`tenfold train --hf-config mixtral-tiny --nproc 2` with ZeRO-3 (persistence threshold 0:
+    every block, experts and router included, resharded after forward) or with the experts split
+    over ep 2 (two per rank, tokens exchanged by all-to-all): every step's loss equals the one
+    process's to 1e-6, and the export (each expert gathered once) has its logits."""
+    from transformers import AutoModelForCausalLM
+
+    trainer, ref = one_process
+    two = _two_ranks(tmp_path / "two", 5, *flags)
     assert two["hardware"]["world_size"] == 2 and two["batch"]["global_batch"] == ref["batch"]["global_batch"]
     np.testing.assert_allclose(two["losses"], ref["losses"], rtol=1e-6)
     assert ref["losses"][-1] < ref["losses"][0]
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "two" / "hf", local_files_only=True)
+    torch.testing.assert_close(logits(loaded), logits(trainer.model), rtol=1e-5, atol=1e-5)
+    if flags[:2] == ("--ep", "2"):  # the checkpoint holds each rank's two experts as one chunk of four
+        from torch.distributed.checkpoint import FileSystemReader
+
+        meta = FileSystemReader(str(tmp_path / "two" / "checkpoints" / "step_5")).read_metadata().state_dict_metadata
+        experts = meta["model.model.layers.0.mlp.experts.gate_up_proj"]
+        assert experts.size[0] == 4 and sorted(c.offsets[0] for c in experts.chunks) == [0, 2]
+        if "--zero" not in flags:  # attention stays whole on every rank (DDP)
+            assert len(meta["model.model.layers.0.self_attn.q_proj.weight"].chunks) == 1

@@ -138,10 +138,14 @@ def expert_parallel_problems(run) -> list[str]:
         return []
     flag = f"parallel.ep_degree (--ep) {run.ep}"
     out = []
-    if run.model_kind != "tenfold":
-        out.append(f"{flag}: expert parallelism runs tenfold's MoE blocks (--model tiny-moe, mixtral-8x7b, ...); "
-                   "a Hugging Face model (mixtral, qwen2_moe, qwen3_moe included) trains with --ep 1, its experts "
-                   "sharded like any parameter by --zero 2/3")
+    from tenfold.models.hf_config import MOE_FAMILIES
+
+    if not (run.model_kind == "tenfold" or (run.model_kind == "hf" and run.hf_model_type in MOE_FAMILIES)):
+        what = (f"Hugging Face model_type {run.hf_model_type!r}" if run.model_kind == "hf"
+                else f"{_KIND_NAMES[run.model_kind]} model")
+        out.append(f"{flag}: expert parallelism runs tenfold's MoE blocks (--model tiny-moe, mixtral-8x7b, ...) and "
+                   f"the Hugging Face model_types {', '.join(MOE_FAMILIES)} (--hf-config / --hf-pretrained); "
+                   f"a {what} trains with --ep 1")
     others = {"--pp": run.pp > 1, "--tp": run.tp > 1, "--zero 1": run.zero_stage == 1, "--offload": run.offload != "none",
               "--shard-group": bool(run.shard_group), "--lora/--qlora": run.lora is not None, "--fp8": run.fp8,
               "--compile": run.compile}
