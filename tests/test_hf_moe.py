@@ -78,11 +78,57 @@ def test_hf_moe_learns(tmp_path, family):
     assert np.mean(losses[-5:]) < losses[0] - 0.5, losses  # byte-level: ~5.55 at the start
 
 
-def test_every_recompute_policy_matches_none(tmp_path):
-    ref = train(tmp_path / "none", MIXTRAL, train={"steps": 3})[1]["losses"]
+def test_output_router_logits_adds_the_balance_loss_gradient_at_its_coefficient():
+    """With output_router_logits the gradient is that of transformers' own objective, the mean
+    token loss + router_aux_loss_coef x aux_loss; the returned value stays the token loss sum."""
+    import torch.nn.functional as F
+
+    from tenfold.models.adapter import adapt
+    from tenfold.models.hf import build_hf_model, load_hf_config
+
+    config = load_hf_config(MIXTRAL)
+    config.output_router_logits = True
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).float().train()
+    assert type(model) is type(build_hf_model(hf_config=str(MIXTRAL)))
+    seq = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(1))
+    batch = {"input_ids": seq[:, :-1], "labels": seq[:, 1:]}
+    n = batch["labels"].numel()
+    ours = adapt(model, 16).loss_sum(model, batch)
+    (ours / n).backward()
+    got = {k: p.grad.clone() for k, p in model.named_parameters()}
+    model.zero_grad()
+    out = model(input_ids=batch["input_ids"], use_cache=False)
+    token_mean = F.cross_entropy(out.logits.flatten(0, 1).float(), batch["labels"].flatten())
+    torch.testing.assert_close(ours / n, token_mean.detach(), rtol=1e-6, atol=1e-6)
+    assert out.aux_loss is not None and config.router_aux_loss_coef > 0
+    (token_mean + config.router_aux_loss_coef * out.aux_loss).backward()
+    router = "model.layers.0.mlp.gate.weight"
+    assert got[router].abs().sum() > 0
+    for k, p in model.named_parameters():
+        torch.testing.assert_close(got[k], p.grad, rtol=1e-5, atol=1e-7, msg=k)
+    model.zero_grad()
+    token_mean2 = F.cross_entropy(model(input_ids=batch["input_ids"], use_cache=False).logits.flatten(0, 1).float(),
+                                  batch["labels"].flatten())
+    token_mean2.backward()
+    assert not torch.allclose(model.get_parameter(router).grad, got[router], rtol=1e-3, atol=0)  # the aux term is there
+
+
+@pytest.mark.parametrize("aux", [False, True], ids=["no-aux", "router-aux"])
+def test_every_recompute_policy_matches_none(tmp_path, aux):
+    config = MIXTRAL
+    if aux:  # transformers' balance loss on: its router logits leave the recomputed blocks
+        config = tmp_path / "config.json"
+        config.write_text(json.dumps({**json.loads(MIXTRAL.read_text()), "output_router_logits": True, "router_aux_loss_coef": 0.5}))
+    ref = train(tmp_path / "none", config, train={"steps": 3})[1]["losses"]
     for policy in ("full", "every:2", "selective:mlp", "op"):
-        losses = train(tmp_path / policy.replace(":", "_"), MIXTRAL, train={"steps": 3}, recompute={"policy": policy})[1]["losses"]
+        losses = train(tmp_path / policy.replace(":", "_"), config, train={"steps": 3}, recompute={"policy": policy})[1]["losses"]
         np.testing.assert_allclose(losses, ref, rtol=1e-6, err_msg=policy)
+    if aux:  # and it changes the training
+        plain = train(tmp_path / "plain", MIXTRAL, train={"steps": 3})[1]["losses"]
+        assert plain[0] == ref[0] and abs(plain[-1] - ref[-1]) > 1e-4
 
 
 # The published checkpoints' layout of the routed experts (one tensor per expert and

@@ -41,7 +41,7 @@ import torch.nn as nn
 from tenfold.errors import TenfoldNote, UserError
 from tenfold.models.gpt import GPT
 from tenfold.models.loss import replicated_value, token_loss_sum
-from tenfold.models.moe import with_router_aux_loss
+from tenfold.models.moe import with_hf_router_aux_loss, with_router_aux_loss
 from tenfold.models.presets import flops_per_token as preset_flops_per_token
 from tenfold.terms import IGNORE_INDEX
 
@@ -79,7 +79,11 @@ class ModelAdapter:
             out = model(batch["input_ids"])
         loss_sum = token_loss_sum(logits_of(out), batch["labels"])
         # Mixture-of-experts layers' balance losses join the gradient, weighted per target token.
-        return with_router_aux_loss(loss_sum, model, int((batch["labels"] != IGNORE_INDEX).sum()))
+        n_targets = int((batch["labels"] != IGNORE_INDEX).sum())
+        if self.kind == "hf":
+            coef = getattr(getattr(getattr(model, "module", model), "config", None), "router_aux_loss_coef", 0.0)
+            return with_hf_router_aux_loss(loss_sum, getattr(out, "aux_loss", None), coef or 0.0, n_targets)
+        return with_router_aux_loss(loss_sum, model, n_targets)
 
     # ------------------------------------------------------------------ checks
 
