@@ -175,6 +175,19 @@ def test_expert_parallel_needs_an_hf_moe_family():
         resolve_run(dense, 2)
 
 
+def test_trace_of_hf_expert_parallelism_is_refused():
+    from tenfold.config import build_config
+    from tenfold.engine.trace import check_traceable
+    from tenfold.run import resolve_run
+
+    run = resolve_run(build_config({"model": {"hf_config": str(MIXTRAL)}, "parallel": {"ep_degree": 2, "zero_stage": 3},
+                                    "precision": {"dtype": "bf16"}}), 2)
+    with pytest.raises(UserError, match=r"--trace runs expert parallelism on tenfold's MoE blocks.*mixtral.*--ep 1"):
+        check_traceable(run, 2)
+    check_traceable(resolve_run(build_config({"model": {"hf_config": str(MIXTRAL)}, "parallel": {"zero_stage": 3},
+                                              "precision": {"dtype": "bf16"}}), 2), 2)
+
+
 def _two_ranks(out: Path, steps: int, *flags: str) -> dict:
     r = cli("train", "--hf-config", str(MIXTRAL), "--nproc", "2", *flags,
             "--steps", str(steps), "--micro-batch", "2", "--precision", "fp32", "--seq-len", "32", "--lr", "3e-3",
