@@ -233,3 +233,15 @@ def test_two_ranks_match_one_process(tmp_path, one_process, flags):
         assert experts.size[0] == 4 and sorted(c.offsets[0] for c in experts.chunks) == [0, 2]
         if "--zero" not in flags:  # attention stays whole on every rank (DDP)
             assert len(meta["model.model.layers.0.self_attn.q_proj.weight"].chunks) == 1
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_an_ep2_checkpoint_resumes_on_one_process(tmp_path):
+    """Saved at step 2 by two ranks holding two experts each, resumed by one process holding all
+    four: step 3 gives the two-rank run's loss (DCP holds each expert once)."""
+    two = _two_ranks(tmp_path / "two", 3, "--ep", "2", "--checkpoint-every", "2")
+    resumed = train(tmp_path / "one", MIXTRAL, train={"steps": 3, "micro_batch": 2, "grad_accum": 2},
+                    checkpoint={"resume": str(tmp_path / "two" / "checkpoints" / "step_2")})[1]
+    np.testing.assert_allclose(resumed["losses"][-1], two["losses"][2], rtol=1e-6)
+    assert two["losses"][2] != two["losses"][1]
