@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from tenfold.errors import UserError
 from tenfold.layout import shard_group_problem
 from tenfold.lora_terms import nf4_shards, nf4_unshardable
+from tenfold.models.hf_config import MOE_FAMILIES
 from tenfold.terms import MULTI_STAGE_SCHEDULES, OFFLOADS, PIPELINE_SCHEDULES, PRECISIONS, ZERO_STAGES
 
 # Model kinds: tenfold's own GPT (a preset or a shape), a Hugging Face causal LM through the
@@ -138,8 +139,6 @@ def expert_parallel_problems(run) -> list[str]:
         return []
     flag = f"parallel.ep_degree (--ep) {run.ep}"
     out = []
-    from tenfold.models.hf_config import MOE_FAMILIES
-
     if not (run.model_kind == "tenfold" or (run.model_kind == "hf" and run.hf_model_type in MOE_FAMILIES)):
         what = (f"Hugging Face model_type {run.hf_model_type!r}" if run.model_kind == "hf"
                 else f"{_KIND_NAMES[run.model_kind]} model")
