@@ -188,8 +188,8 @@ def test_trace_of_hf_expert_parallelism_is_refused():
                                               "precision": {"dtype": "bf16"}}), 2), 2)
 
 
-def _two_ranks(out: Path, steps: int, *flags: str) -> dict:
-    r = cli("train", "--hf-config", str(MIXTRAL), "--nproc", "2", *flags,
+def _two_ranks(out: Path, steps: int, *flags: str, config: Path = MIXTRAL) -> dict:
+    r = cli("train", "--hf-config", str(config), "--nproc", "2", *flags,
             "--steps", str(steps), "--micro-batch", "2", "--precision", "fp32", "--seq-len", "32", "--lr", "3e-3",
             "--eval-every", "0", "--no-progress", "--out", str(out),
             "--set", "data.max_bytes=200000", "--set", "train.warmup_steps=0", "--set", "train.eval_batches=1",
@@ -233,6 +233,22 @@ def test_two_ranks_match_one_process(tmp_path, one_process, flags):
         assert experts.size[0] == 4 and sorted(c.offsets[0] for c in experts.chunks) == [0, 2]
         if "--zero" not in flags:  # attention stays whole on every rank (DDP)
             assert len(meta["model.model.layers.0.self_attn.q_proj.weight"].chunks) == 1
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen2_moe", "qwen3_moe"])
+def test_qwen_moe_ep2_matches_one_process(tmp_path, family):
+    """The Qwen families under ep 2: Qwen2-MoE's shared expert and its gate stay data-parallel
+    beside the split routed experts; Qwen3-MoE's q/k norms likewise."""
+    ref = train(tmp_path / "one", FAMILIES[family], train={"steps": 4, "micro_batch": 2, "grad_accum": 2})[1]
+    two = _two_ranks(tmp_path / "two", 4, "--ep", "2", config=FAMILIES[family])
+    np.testing.assert_allclose(two["losses"], ref["losses"], rtol=1e-6)
+    meta_dir = tmp_path / "two" / "checkpoints" / "step_4"
+    from torch.distributed.checkpoint import FileSystemReader
+
+    experts = FileSystemReader(str(meta_dir)).read_metadata().state_dict_metadata["model.model.layers.1.mlp.experts.down_proj"]
+    assert sorted(c.offsets[0] for c in experts.chunks) == [0, 2]
 
 
 @pytest.mark.multiprocess
