@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from tenfold.errors import UserError
 from tenfold.layout import shard_group_problem
 from tenfold.lora_terms import nf4_shards, nf4_unshardable
+from tenfold.models.hf_config import MOE_FAMILIES
 from tenfold.terms import MULTI_STAGE_SCHEDULES, OFFLOADS, PIPELINE_SCHEDULES, PRECISIONS, ZERO_STAGES
 
 # Model kinds: tenfold's own GPT (a preset or a shape), a Hugging Face causal LM through the
@@ -137,8 +138,12 @@ def expert_parallel_problems(run) -> list[str]:
         return []
     flag = f"parallel.ep_degree (--ep) {run.ep}"
     out = []
-    if run.model_kind != "tenfold":
-        out.append(f"{flag}: expert parallelism runs tenfold's MoE blocks (--model tiny-moe, mixtral-8x7b, ...)")
+    if not (run.model_kind == "tenfold" or (run.model_kind == "hf" and run.hf_model_type in MOE_FAMILIES)):
+        what = (f"Hugging Face model_type {run.hf_model_type!r}" if run.model_kind == "hf"
+                else f"{_KIND_NAMES[run.model_kind]} model")
+        out.append(f"{flag}: expert parallelism runs tenfold's MoE blocks (--model tiny-moe, mixtral-8x7b, ...) and "
+                   f"the Hugging Face model_types {', '.join(MOE_FAMILIES)} (--hf-config / --hf-pretrained); "
+                   f"a {what} trains with --ep 1")
     others = {"--pp": run.pp > 1, "--tp": run.tp > 1, "--zero 1": run.zero_stage == 1, "--offload": run.offload != "none",
               "--shard-group": bool(run.shard_group), "--lora/--qlora": run.lora is not None, "--fp8": run.fp8,
               "--compile": run.compile}

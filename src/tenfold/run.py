@@ -330,7 +330,8 @@ def check_expert_parallel(ep: int, model: ModelConfig | None) -> None:
         return
     flag = f"{BY_NAME['ep'].key} ({BY_NAME['ep'].flag}) {ep}"
     if not model.is_moe:
-        raise UserError(f"{flag} needs a mixture-of-experts model (model.n_experts > 0)")
+        raise UserError(f"{flag} needs a mixture-of-experts model: model.n_experts > 0 (--model tiny-moe, "
+                        "mixtral-8x7b, ...) or a Hugging Face config of model_type mixtral, qwen2_moe or qwen3_moe")
     if model.n_experts % ep:
         allowed = ", ".join(str(d) for d in range(1, model.n_experts + 1) if model.n_experts % d == 0)
         raise UserError(f"{flag} must divide model.n_experts ({model.n_experts}); allowed: {allowed}")

@@ -396,7 +396,8 @@ def check_traceable(run, dp: int) -> None:
     on several data-parallel ranks, `dp`: the dp x cp ranks that reduce gradients) keeps its
     buckets in C++ and reads their host memory before every forward (`Reducer._rebuild_buckets`),
     which fake tensors have none of; a mixture-of-experts model in another precision than bf16
-    (torch._grouped_mm's fake kernel)."""
+    (torch._grouped_mm's fake kernel); expert parallelism over a Hugging Face model's experts
+    (its split sizes come from the router's real choices)."""
     from tenfold.errors import UserError
 
     from tenfold.terms import MULTI_STAGE_SCHEDULES
@@ -404,6 +405,10 @@ def check_traceable(run, dp: int) -> None:
     if run.pp > 1 and run.pp_schedule in MULTI_STAGE_SCHEDULES:
         raise UserError(f"--trace runs single-stage pipeline schedules (1f1b, gpipe); the tensor tracker's module hooks "
                         f"break the stage backward of the {run.pp_schedule} schedule (torch 2.13)")
+    if run.ep > 1 and run.model_kind == "hf":
+        raise UserError(f"--trace runs expert parallelism on tenfold's MoE blocks, whose routing it balances; a Hugging "
+                        f"Face {run.hf_model_type} model's router picks experts from values fake tensors lack: trace it "
+                        f"with --ep 1 (its experts then sharded by --zero 2/3)")
     if run.model is not None and run.model.is_moe and run.precision != "bf16":
         raise UserError(f"--trace runs mixture-of-experts models in bf16 (--precision bf16); torch's fake-tensor "
                         f"kernel of the experts' grouped GEMM (torch._grouped_mm) takes bf16 only, not {run.precision}")

@@ -41,7 +41,7 @@ import torch.nn as nn
 from tenfold.errors import TenfoldNote, UserError
 from tenfold.models.gpt import GPT
 from tenfold.models.loss import replicated_value, token_loss_sum
-from tenfold.models.moe import with_router_aux_loss
+from tenfold.models.moe import with_hf_router_aux_loss, with_router_aux_loss
 from tenfold.models.presets import flops_per_token as preset_flops_per_token
 from tenfold.terms import IGNORE_INDEX
 
@@ -79,7 +79,11 @@ class ModelAdapter:
             out = model(batch["input_ids"])
         loss_sum = token_loss_sum(logits_of(out), batch["labels"])
         # Mixture-of-experts layers' balance losses join the gradient, weighted per target token.
-        return with_router_aux_loss(loss_sum, model, int((batch["labels"] != IGNORE_INDEX).sum()))
+        n_targets = int((batch["labels"] != IGNORE_INDEX).sum())
+        if self.kind == "hf":
+            coef = getattr(getattr(getattr(model, "module", model), "config", None), "router_aux_loss_coef", 0.0)
+            return with_hf_router_aux_loss(loss_sum, getattr(out, "aux_loss", None), coef or 0.0, n_targets)
+        return with_router_aux_loss(loss_sum, model, n_targets)
 
     # ------------------------------------------------------------------ checks
 
@@ -275,12 +279,25 @@ def adapt(
     )
     if kind == "tenfold" and model.cfg.is_moe:  # a token runs k of the E experts: active parameters
         flops, formula = preset_flops_per_token(model.cfg, seq_len), "6 x active params + 12 L s d"
+    elif kind == "hf" and hf_moe_shape(model) is not None:  # Mixtral, Qwen2-MoE, Qwen3-MoE: the same rule
+        flops, formula = preset_flops_per_token(hf_moe_shape(model), seq_len), "6 x active params + 12 L s d"
     return ModelAdapter(
         kind=kind, blocks=found, block_class=type(found[0]).__name__ if found else None,
         embedding=embedding, output=output, param_count=n_params, flops_per_token=flops,
         flops_formula=formula, user_loss_fn=loss_fn,
         hf_model_type=str(getattr(model.config, "model_type", "")).lower() if kind == "hf" else "",
     )
+
+
+def hf_moe_shape(model: nn.Module):
+    """The ModelConfig of a Hugging Face mixture-of-experts model (tenfold.models.hf_config's
+    MOE_FAMILIES), read from its config; None for any other model."""
+    from tenfold.models.hf_config import MOE_FAMILIES, model_from_hf_dict
+
+    config = getattr(model, "config", None)
+    if str(getattr(config, "model_type", "")).lower() not in MOE_FAMILIES:
+        return None
+    return model_from_hf_dict(config.to_dict(), type(model).__name__, "the model's config")
 
 
 def _check_against_no_split_modules(model: nn.Module, found: list[nn.Module]) -> None:

@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from tenfold.errors import UserError
 from tenfold.models.moe import MoE
 from tenfold.models.presets import ModelConfig
 
@@ -157,6 +158,9 @@ class GPT(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
+        if cfg.hf_only_fields():
+            raise UserError(f"tenfold's GPT does not build model.{', model.'.join(cfg.hf_only_fields())} "
+                            "(shapes of Hugging Face families): train such a model with --hf-config")
         self.cfg = cfg
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos_emb = nn.Embedding(cfg.max_seq_len, cfg.d_model) if cfg.pos == "learned" else None

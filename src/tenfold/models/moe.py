@@ -215,6 +215,15 @@ class _AddAuxGrad(torch.autograd.Function):
         return grad, grad * ctx.weight, None
 
 
+def with_hf_router_aux_loss(loss_sum: torch.Tensor, aux: torch.Tensor | None, coef: float, n_targets: int) -> torch.Tensor:
+    """A Hugging Face MoE model's balance loss (its output's `aux_loss`, present when the config
+    sets output_router_logits) joining the gradient at `coef` (router_aux_loss_coef) per target
+    token, as `with_router_aux_loss` does for tenfold's MoE layers; the value stays the LM loss."""
+    if aux is None or not coef or not torch.is_grad_enabled():
+        return loss_sum
+    return _AddAuxGrad.apply(loss_sum, coef * aux, float(n_targets))
+
+
 def with_router_aux_loss(loss_sum: torch.Tensor, model: nn.Module, n_targets: int) -> torch.Tensor:
     """`loss_sum` (a micro-batch's summed token losses) carrying the balance losses' gradients of the
     model's MoE layers at coef per target token: the token-weighted mean over the global batch."""

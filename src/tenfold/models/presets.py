@@ -40,12 +40,19 @@ class ModelConfig:
     router_bias_rate: float = 0.0  # DeepSeek-V3 aux-loss-free bias update speed; 0 = off
     router_norm_topk: bool = True  # renormalise the k chosen weights to sum to 1 (Mixtral)
     capacity_factor: float = 0.0  # 0 = dropless; c > 0: each expert keeps ceil(c T k / E) tokens
+    # Shapes of Hugging Face families that tenfold's GPT does not build (set only by
+    # tenfold.models.hf_config from a config.json; GPT(cfg) refuses them, `hf_only_fields`).
+    d_head: int | None = None  # per-head width; None = d_model / n_heads (Qwen3 sets head_dim)
+    qkv_bias: bool = False  # biases on the q, k and v projections only (Qwen2, Qwen2-MoE)
+    qk_norm: bool = False  # RMSNorm over each head's q and k (Qwen3, Qwen3-MoE)
+    d_shared: int | None = None  # the shared experts' total width; None = n_shared_experts * expert_dim
+    shared_expert_gate: bool = False  # a sigmoid gate d_model -> 1 on the shared expert (Qwen2-MoE)
 
     def __post_init__(self) -> None:
         for name in ("n_layers", "d_model", "n_heads", "vocab_size", "max_seq_len"):
             if getattr(self, name) <= 0:
                 raise UserError(f"model.{name} must be a positive integer, got {getattr(self, name)}")
-        if self.d_model % self.n_heads:
+        if self.d_head is None and self.d_model % self.n_heads:
             raise UserError(
                 f"model.d_model ({self.d_model}) must be divisible by model.n_heads ({self.n_heads})"
             )
@@ -81,7 +88,22 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+        return self.d_head if self.d_head is not None else self.d_model // self.n_heads
+
+    @property
+    def q_dim(self) -> int:
+        """Width of the query projection's output (n_heads x head_dim; d_model unless d_head is set)."""
+        return self.n_heads * self.head_dim
+
+    @property
+    def shared_dim(self) -> int:
+        """The shared experts' total hidden width (0 without shared experts)."""
+        return self.d_shared if self.d_shared is not None else self.n_shared_experts * self.expert_dim
+
+    def hf_only_fields(self) -> list[str]:
+        """The fields set here that only Hugging Face families have (tenfold's GPT builds none)."""
+        return [f for f in ("d_head", "qkv_bias", "qk_norm", "d_shared", "shared_expert_gate")
+                if getattr(self, f) not in (None, False)]
 
     @property
     def kv_heads(self) -> int:
@@ -107,7 +129,7 @@ class ModelConfig:
         plus the shared experts' (what its FLOPs and saved activations scale with)."""
         if not self.is_moe:
             return self.ffn_dim
-        return (self.experts_per_token + self.n_shared_experts) * self.expert_dim
+        return self.experts_per_token * self.expert_dim + self.shared_dim
 
     @property
     def router_dim(self) -> int:
@@ -231,10 +253,14 @@ def _norm_params(cfg: ModelConfig) -> int:
 
 def block_param_count(cfg: ModelConfig) -> int:
     """Parameters of one transformer block."""
-    d, kv = cfg.d_model, cfg.kv_heads * cfg.head_dim
-    attn = d * d + 2 * d * kv + d * d  # q, k, v, out projections
+    d, kv, q = cfg.d_model, cfg.kv_heads * cfg.head_dim, cfg.q_dim
+    attn = d * q + 2 * d * kv + q * d  # q, k, v, out projections
     if cfg.bias:
-        attn += d + 2 * kv + d
+        attn += q + 2 * kv + d
+    elif cfg.qkv_bias:
+        attn += q + 2 * kv
+    if cfg.qk_norm:
+        attn += 2 * cfg.head_dim
     return attn + _ffn_param_count(cfg, active=False) + 2 * _norm_params(cfg)
 
 
@@ -244,7 +270,8 @@ def _ffn_param_count(cfg: ModelConfig, active: bool) -> int:
     d = cfg.d_model
     if cfg.is_moe:
         routed = cfg.experts_per_token if active else cfg.n_experts
-        return d * cfg.n_experts + (routed + cfg.n_shared_experts) * 3 * d * cfg.expert_dim
+        gate = d if cfg.shared_expert_gate else 0
+        return d * cfg.n_experts + routed * 3 * d * cfg.expert_dim + 3 * d * cfg.shared_dim + gate
     ff = cfg.ffn_dim
     if cfg.mlp == "swiglu":
         return 3 * d * ff + ((2 * ff + d) if cfg.bias else 0)

@@ -47,8 +47,8 @@ def moe_gemms(cfg: ModelConfig, tokens: int) -> list[Gemm]:
     h, de, e = cfg.d_model, cfg.expert_dim, cfg.n_experts
     rows = max(1, -(-tokens * cfg.experts_per_token // e))
     out = [Gemm("router", tokens, e, h), Gemm("experts-in", rows, 2 * de, h, e), Gemm("experts-out", rows, h, de, e)]
-    if cfg.n_shared_experts:
-        ds = cfg.n_shared_experts * de
+    if cfg.shared_dim:
+        ds = cfg.shared_dim
         out += [Gemm("shared-in", tokens, 2 * ds, h), Gemm("shared-out", tokens, h, ds)]
     return out
 

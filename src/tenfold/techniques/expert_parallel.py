@@ -17,6 +17,13 @@ experts and average their gradients.
     the same experts and divides by dp: each rank's loss is already scaled by dp / global tokens
     (tenfold.techniques.accumulation), and an expert's gradient on one rank holds the tokens of
     its whole ep group, so the sum over the dp / ep replicas holds every token once, dp times.
+
+Hugging Face MoE families (Mixtral, Qwen2-MoE, Qwen3-MoE: `hf_expert_modules`) hold their routed
+experts as one module with 3-D `gate_up_proj` (E, 2I, d) and `down_proj` (E, d, I) parameters,
+called with the router's (tokens, k) choices and weights; under ep those two become Shard(0)
+DTensors and the module's forward is `HFExpertParallelForward`: the same exchange, each local
+expert's two matmuls as transformers' own loop runs them, each token's k outputs summed in
+expert order as that loop sums them.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from tenfold.models.moe import MoE, moe_layers, sort_by_expert
@@ -81,24 +89,78 @@ class ExpertParallelDispatch:
         return torch.zeros(h.shape, dtype=y.dtype, device=h.device).index_add(0, token, y)
 
 
+HF_EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
+
+
+def hf_expert_modules(model: nn.Module) -> list[nn.Module]:
+    """A Hugging Face model's routed-expert modules (MixtralExperts, Qwen2MoeExperts,
+    Qwen3MoeExperts: `num_experts` and the 3-D weights of HF_EXPERT_WEIGHTS); [] for other models."""
+    return [m for m in model.modules()
+            if isinstance(getattr(m, "num_experts", None), int) and not isinstance(m, MoE)
+            and all(isinstance(getattr(m, n, None), nn.Parameter) and getattr(m, n).dim() == 3 for n in HF_EXPERT_WEIGHTS)]
+
+
+class HFExpertParallelForward:
+    """The forward of a Hugging Face experts module whose weights expert parallelism split:
+    (tokens, d) rows, the router's (tokens, k) expert indices and weights -> (tokens, d)."""
+
+    def __init__(self, module: nn.Module, group, size: int):
+        self.module, self.group, self.size = module, group, size
+
+    def __call__(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        m, size = self.module, self.size
+        local, k = m.num_experts // size, top_k_index.shape[-1]
+        chosen = top_k_index.reshape(-1)
+        counts = torch.bincount(chosen, minlength=m.num_experts)
+        order = torch.argsort(chosen, stable=True)  # by expert, then token: transformers' per-token order
+        token = order // k
+        send_counts = counts.reshape(size, local)
+        recv_counts = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv_counts, send_counts.contiguous(), group=self.group)
+        send_splits, recv_splits = send_counts.sum(1).tolist(), recv_counts.sum(1).tolist()
+        received = all_to_all(hidden_states[token], recv_splits, send_splits, self.group)
+        regroup = torch.argsort(torch.repeat_interleave(recv_counts.reshape(-1)) % local, stable=True)
+        rows = received[regroup]
+        gate_up, down = (getattr(m, n).to_local() for n in HF_EXPERT_WEIGHTS)
+        outs, start = [], 0
+        for e, n in enumerate(recv_counts.sum(0).tolist()):
+            gate, up = F.linear(rows[start:start + n], gate_up[e]).chunk(2, dim=-1)
+            outs.append(F.linear(m.act_fn(gate) * up, down[e]))
+            start += n
+        y = torch.cat(outs)[torch.argsort(regroup)]
+        y = all_to_all(y, send_splits, recv_splits, self.group)
+        y = y * top_k_weights.reshape(-1)[order, None]
+        return torch.zeros_like(hidden_states).index_add(0, token, y.to(hidden_states.dtype))
+
+
 def expert_params(model: nn.Module) -> list[nn.Parameter]:
     """The routed experts' weights that expert parallelism split (`apply_expert_parallel`): what
     the dp wrappers skip and `reduce_expert_gradients` reduces. None without ep: there the
     experts are data-parallel weights like any other (DDP reduces them, FSDP2 shards them)."""
-    return [p for m in moe_layers(model) if isinstance(m.dispatch, ExpertParallelDispatch) for p in m.experts.parameters()]
+    ours = [p for m in moe_layers(model) if isinstance(m.dispatch, ExpertParallelDispatch) for p in m.experts.parameters()]
+    return ours + [getattr(m, n) for m in hf_expert_modules(model)
+                   if isinstance(m.__dict__.get("forward"), HFExpertParallelForward) for n in HF_EXPERT_WEIGHTS]
+
+
+def _shard_experts(module: nn.Module, names, ep_mesh) -> None:
+    for name in names:
+        param = getattr(module, name)
+        sharded = distribute_tensor(param.data, ep_mesh, [Shard(0)], src_data_rank=0)
+        module.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
 
 
 def apply_expert_parallel(model: nn.Module, ep_mesh) -> None:
     """Split every MoE layer's experts over `ep_mesh` (1-D): each weight a DTensor Shard(0) made
     from global rank-0's full tensor (so the split model is the one a single process builds),
-    the layer's dispatch over the ep group."""
+    the layer's dispatch over the ep group (a Hugging Face experts module: its forward)."""
     size = ep_mesh.size()
     dispatch = ExpertParallelDispatch(ep_mesh.get_group(), size)
     for moe in moe_layers(model):
-        for name, param in list(moe.experts.named_parameters(recurse=False)):
-            sharded = distribute_tensor(param.data, ep_mesh, [Shard(0)], src_data_rank=0)
-            moe.experts.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+        _shard_experts(moe.experts, [n for n, _ in moe.experts.named_parameters(recurse=False)], ep_mesh)
         moe.dispatch = dispatch
+    for module in hf_expert_modules(model):
+        _shard_experts(module, HF_EXPERT_WEIGHTS, ep_mesh)
+        module.forward = HFExpertParallelForward(module, ep_mesh.get_group(), size)
 
 
 @torch.no_grad()
