@@ -19,7 +19,7 @@ from tenfold.engine.fit import Fit, TrainState
 from tenfold.engine.memory import run_memory_report
 from tenfold.engine.parts import Parts, build_parts
 from tenfold.engine.run_folder import RunFolder
-from tenfold.engine.run_outputs import console, device_peak, model_label
+from tenfold.engine.run_outputs import console, model_label
 from tenfold.errors import UserError
 from tenfold.techniques.precision import StepResult
 
@@ -59,7 +59,7 @@ class Trainer:
         """Validate everything and build model, data, optimizer. Writes nothing to disk."""
         self.parts = build_parts(self.cfg, self.user_model, self.user_dataset, self.loss_fn, self.tp_plan)
 
-    # The parts and the run's resolved values under the names the rest of the engine reads.
+    # Shorthands for `trainer.parts` after setup() (the engine itself takes the parts, not the trainer).
     run = property(lambda self: self._parts.run)
     dist = property(lambda self: self._parts.dist)
     precision = property(lambda self: self._parts.precision)
@@ -67,31 +67,18 @@ class Trainer:
     adapter = property(lambda self: self._parts.adapter)
     model = property(lambda self: self._parts.model)
     optimizer = property(lambda self: self._parts.optimizer)
-    scheduler = property(lambda self: self._parts.scheduler)
     loader = property(lambda self: self._parts.loader)
-    lora = property(lambda self: self._parts.lora)  # a LoRA run's base identity and adapters, else None
     micro_batch = property(lambda self: self.run.micro_batch)
     grad_accum = property(lambda self: self.run.grad_accum)
     global_batch = property(lambda self: self.run.global_batch)
-    seq_len = property(lambda self: self.run.seq_len)
     dtype_name = property(lambda self: self.precision.name)
     scaler = property(lambda self: self.precision.scaler)
-    param_count = property(lambda self: self.adapter.param_count)
-    flops_per_token = property(lambda self: self.adapter.flops_per_token)
 
     @property
     def _parts(self) -> Parts:
         if self.parts is None:
             raise AttributeError("the trainer is not set up: call setup() or fit() first")
         return self.parts
-
-    def mfu_peak(self, measure: bool = True) -> tuple[float | None, str | None]:
-        """(dense peak FLOP/s of one device for this dtype, MFU's denominator; or None and
-        why no MFU is reported); engine/run_outputs.device_peak."""
-        return device_peak(self.dist, self.dtype_name, measure)
-
-    def peak_flops_per_device(self) -> float | None:
-        return self.mfu_peak()[0]
 
     # ------------------------------------------------------------------ one step (engine/step.py)
 
