@@ -135,10 +135,10 @@ def exports(fit: Fit) -> dict:
         out["export"] = exported["safetensors"] if exported else str(out_dir / "model.safetensors")
     if t.lora is not None:  # the adapters as a PEFT folder; the base stays where it came from
         m = fit.cfg.model
-        path = save_adapter_at_end(t.model, t.lora, out_dir, is_main=fit.dist.is_main, hf=t.adapter.kind == "hf",
+        path = save_adapter_at_end(t.model, t.lora, out_dir, is_main=fit.dist.is_main, hf=t.adapter.spec.hugging_face,
                                    base_path=m.hf_pretrained or m.hf_config)
         out["adapter_export"] = str(path or out_dir / ADAPTER_FOLDER)
-    elif t.adapter.kind == "hf":
+    elif t.adapter.spec.hugging_face:
         save_hf_pretrained(t.model, out_dir / "hf", fit.dist.is_main)
         out["hf_export"] = str(out_dir / "hf")
     return out

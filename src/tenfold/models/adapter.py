@@ -41,6 +41,7 @@ import torch.nn as nn
 from tenfold.errors import TenfoldNote, UserError
 from tenfold.models.gpt import GPT
 from tenfold.models.loss import replicated_value, token_loss_sum
+from tenfold.models.specs import ModelSpec, spec_for
 
 LossFn = Callable[[nn.Module, dict], Any]
 
@@ -58,6 +59,11 @@ class ModelAdapter:
     user_loss_fn: LossFn | None = None
     hf_model_type: str = ""  # a Hugging Face model's config.model_type ("llama", ...)
 
+    @property
+    def spec(self) -> ModelSpec:
+        """What differs for this model's family (tenfold.models.specs)."""
+        return spec_for(self.kind)
+
     # ------------------------------------------------------------------ loss
 
     def loss_sum(self, model: nn.Module, batch: dict) -> torch.Tensor:
@@ -67,7 +73,7 @@ class ModelAdapter:
             out = self.user_loss_fn(model, batch)
             loss_sum = out[0] if isinstance(out, (tuple, list)) else out
             return replicated_value(loss_sum).float()
-        if self.kind == "hf":  # position_ids: packed fine-tuning rows (tenfold.data.examples)
+        if self.spec.hugging_face:  # position_ids: packed fine-tuning rows (tenfold.data.examples)
             extra = {"position_ids": batch["position_ids"]} if "position_ids" in batch else {}
             out = model(input_ids=batch["input_ids"], use_cache=False, **extra)
         elif "positions" in batch:  # context parallelism: this rank's tokens and where they sit
@@ -256,23 +262,24 @@ def adapt(
 ) -> ModelAdapter:
     """Inspect `model` once; see the module docstring. `blocks` names the block class."""
     kind = model_kind(model)
-    if kind == "tenfold" and not blocks:
-        found = list(model.layers.values())  # GPT.forward calls them in this order
+    spec = spec_for(kind)
+    if spec.block_path and not blocks:
+        found = list(model.get_submodule(spec.block_path).values())  # GPT.forward calls them in this order
     else:
         found = find_blocks(model, blocks)
-    if kind == "hf" and not blocks:
+    if spec.hugging_face and not blocks:
         _check_against_no_split_modules(model, found)
     embedding, output = _embedding_and_output(model)
     n_params = sum(p.numel() for p in model.parameters())  # parameters() yields tied ones once
     flops, formula = estimate_flops_per_token(
         found, output, n_params, embedding, seq_len, _hidden_size(model, embedding),
-        attention=kind in ("tenfold", "hf"),
+        attention=spec.architecture_known,
     )
     return ModelAdapter(
         kind=kind, blocks=found, block_class=type(found[0]).__name__ if found else None,
         embedding=embedding, output=output, param_count=n_params, flops_per_token=flops,
         flops_formula=formula, user_loss_fn=loss_fn,
-        hf_model_type=str(getattr(model.config, "model_type", "")).lower() if kind == "hf" else "",
+        hf_model_type=str(getattr(model.config, "model_type", "")).lower() if spec.hugging_face else "",
     )
 
 
