@@ -257,7 +257,7 @@ def _lora_problems(run, caps: Capabilities) -> list[str]:
     if run.fp8 and not caps.lora_with_fp8:
         out.append(f"lora.rank ({flag}) with precision.fp8 (--fp8): PEFT's adapters wrap nn.Linear, not torchao's "
                    "Float8Linear; train adapters without --fp8")
-    known_shape = run.model is not None and run.model_kind != "user"
+    known_shape = run.model is not None and spec_for(run.model_kind).architecture_known
     cut = nf4_unshardable(run.model, lora, nf4_shards(run)) if known_shape else []
     if cut:
         out.append(f"lora.base nf4 (--qlora) under ZeRO-2/3 over {nf4_shards(run)} ranks: FSDP2 would cut the "
