@@ -38,6 +38,18 @@ def _unknown_linear_names(hf_model_type: str, mlp: str) -> None:
     return None
 
 
+@dataclass(frozen=True)
+class StageNames:
+    """A family's module names for the pipeline split (tenfold.pipeline_layout): what the first
+    stage holds before the blocks, the prefix of block i's name, and what the last stage holds
+    after them."""
+
+    embedding: tuple[str, ...]
+    block_prefix: str
+    head: tuple[str, ...]
+    learned_positions: tuple[str, ...] = ()  # on the first stage too, when the model has them
+
+
 def _gpt_shape(model: Any) -> tuple[int, bool, int, int]:
     cfg = model.cfg
     return cfg.n_layers, model.pos_emb is not None, cfg.d_model, cfg.vocab_size
@@ -63,17 +75,21 @@ class ModelSpec:
     builtin_tp_plan: bool  # techniques/tensor_parallel.py has its plan (a user's module brings its own)
     # (blocks, learned positions, d_model, vocab) of a model the pipeline split can cut; None: it cannot
     pipeline_shape: Callable[[Any], tuple[int, bool, int, int]] | None
+    stage_names: StageNames | None  # the module names the pipeline split cuts it by
     # {module name: roles} of one block's Linears, from (config.model_type, mlp); None: unknown names
     linear_names: Callable[[str, str], LinearNames | None]
 
 
 SPECS = {
     "tenfold": ModelSpec("tenfold", "tenfold GPT", hugging_face=False, block_path="layers", architecture_known=True,
-                         builtin_tp_plan=True, pipeline_shape=_gpt_shape, linear_names=_gpt_linear_names),
+                         builtin_tp_plan=True, pipeline_shape=_gpt_shape, linear_names=_gpt_linear_names,
+                         stage_names=StageNames(("tok_emb",), "layers.", ("norm", "output"), learned_positions=("pos_emb",))),
+    # stage names: transformers' LlamaForCausalLM and the families sharing its layout (Mistral, Qwen2)
     "hf": ModelSpec("hf", "Hugging Face", hugging_face=True, block_path=None, architecture_known=True,
-                    builtin_tp_plan=True, pipeline_shape=_hf_shape, linear_names=_hf_linear_names),
+                    builtin_tp_plan=True, pipeline_shape=_hf_shape, linear_names=_hf_linear_names,
+                    stage_names=StageNames(("model.embed_tokens",), "model.layers.", ("model.norm", "lm_head"))),
     "user": ModelSpec("user", "user's own", hugging_face=False, block_path=None, architecture_known=False,
-                      builtin_tp_plan=False, pipeline_shape=None, linear_names=_unknown_linear_names),
+                      builtin_tp_plan=False, pipeline_shape=None, linear_names=_unknown_linear_names, stage_names=None),
 }
 
 

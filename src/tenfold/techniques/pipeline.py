@@ -46,7 +46,7 @@ from tenfold.errors import UserError
 from tenfold.models.adapter import model_kind
 from tenfold.models.gpt import GPT
 from tenfold.models.specs import spec_for
-from tenfold.pipeline_layout import STAGE_NAMES, block_index, stage_layout  # torch-free, shared with the planner
+from tenfold.pipeline_layout import block_index, stage_layout  # torch-free, shared with the planner
 from tenfold.techniques.pipeline_hf import HFStage
 from tenfold.techniques.tied_embeddings import TiedPair, find_tied_pair, untie_on_rank
 from tenfold.terms import local_stage_ids, runs_on_fsdp2
@@ -159,7 +159,7 @@ class PipelineSplit:
     counts: list[int]  # blocks per stage, all stages
     fqns: list[list[str]]  # module names per stage, all stages
     params: list[int]  # parameters per stage, all stages
-    kind: str = "tenfold"  # the model kind (tenfold.pipeline_layout.STAGE_NAMES)
+    kind: str = "tenfold"  # the model kind (tenfold.models.specs)
     d_model: int = 0  # width of the residual stream sent between stages
     vocab_size: int = 0  # width of the last stage's logits
     dtypes: list[torch.dtype] | None = None  # each stage's output dtype (boundary_dtypes)
@@ -185,7 +185,7 @@ def split_model(model: nn.Module, pp_rank: int, pp_size: int, counts: Sequence[i
     n = len(layout.counts)
     stage_cls = HFStage if spec_for(kind).hugging_face else GPTStage
     every = [stage_cls(model, layout.fqns[s], s, n) for s in range(n)]
-    tied = find_tied_pair(every, STAGE_NAMES[kind])  # tied embeddings: the first and the last stage each keep a copy
+    tied = find_tied_pair(every, spec_for(kind).stage_names)  # tied embeddings: the first and the last stage each keep a copy
     ids = local_stage_ids(pp_rank, pp_size, n)
     params = [sum(p.numel() for p in m.parameters()) for m in every]
     dtypes = boundary_dtypes(every, autocast_dtype)  # on the full model, before any copy is untied
