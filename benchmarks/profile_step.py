@@ -114,7 +114,7 @@ def main() -> None:
     step = wall / a.steps
     tokens = trainer.run.tokens_per_step
     peak = a.peak_gflops * 1e9 if a.peak_gflops else (
-        device_peak(trainer.dist, trainer.dtype_name)[0] or float("nan"))
+        device_peak(trainer.dist, trainer.parts.precision.name)[0] or float("nan"))
     mfu = trainer.adapter.flops_per_token * tokens / step / peak
     matmul_eff = 6 * trainer.adapter.param_count * tokens / (seconds["matmul"] / a.steps) / peak
     print(f"# {a.model} {a.precision} micro {a.micro_batch} seq {a.seq_len}, {'compiled' if a.compile else 'eager'}, "

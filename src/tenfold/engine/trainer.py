@@ -62,17 +62,12 @@ class Trainer:
     # Shorthands for `trainer.parts` after setup() (the engine itself takes the parts, not the trainer).
     run = property(lambda self: self._parts.run)
     dist = property(lambda self: self._parts.dist)
-    precision = property(lambda self: self._parts.precision)
     data = property(lambda self: self._parts.data)
     adapter = property(lambda self: self._parts.adapter)
     model = property(lambda self: self._parts.model)
     optimizer = property(lambda self: self._parts.optimizer)
     loader = property(lambda self: self._parts.loader)
-    micro_batch = property(lambda self: self.run.micro_batch)
-    grad_accum = property(lambda self: self.run.grad_accum)
-    global_batch = property(lambda self: self.run.global_batch)
-    dtype_name = property(lambda self: self.precision.name)
-    scaler = property(lambda self: self.precision.scaler)
+    scaler = property(lambda self: self._parts.precision.scaler)
 
     @property
     def _parts(self) -> Parts:
