@@ -115,8 +115,8 @@ def main() -> None:
     tokens = trainer.run.tokens_per_step
     peak = a.peak_gflops * 1e9 if a.peak_gflops else (
         device_peak(trainer.dist, trainer.parts.precision.name)[0] or float("nan"))
-    mfu = trainer.adapter.flops_per_token * tokens / step / peak
-    matmul_eff = 6 * trainer.adapter.param_count * tokens / (seconds["matmul"] / a.steps) / peak
+    mfu = trainer.parts.adapter.flops_per_token * tokens / step / peak
+    matmul_eff = 6 * trainer.parts.adapter.param_count * tokens / (seconds["matmul"] / a.steps) / peak
     print(f"# {a.model} {a.precision} micro {a.micro_batch} seq {a.seq_len}, {'compiled' if a.compile else 'eager'}, "
           f"{torch.get_num_threads()} threads, {a.steps} steps profiled after {a.warmup}; load {os.getloadavg()[0]:.2f}")
     print(f"step {step:.3f} s under the profiler, {tokens / step:,.0f} tok/s, MFU {mfu:.1%} of {peak / 1e9:,.0f} GFLOP/s; "

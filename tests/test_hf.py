@@ -219,7 +219,7 @@ def test_an_hf_model_object_through_the_python_api(tmp_path):
     del cfg["model"]
     trainer = Trainer(cfg, model=model)
     summary = trainer.fit()
-    assert trainer.adapter.kind == "hf" and len(trainer.adapter.blocks) == 3
+    assert trainer.parts.adapter.kind == "hf" and len(trainer.parts.adapter.blocks) == 3
     assert summary["model"]["name"] == "LlamaForCausalLM" and all(np.isfinite(summary["losses"]))
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "api" / "hf", local_files_only=True)
     torch.testing.assert_close(logits(loaded), logits(model), rtol=0, atol=0)

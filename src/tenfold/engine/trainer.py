@@ -62,8 +62,6 @@ class Trainer:
     # Shorthands for `trainer.parts` after setup() (the engine itself takes the parts, not the trainer).
     run = property(lambda self: self._parts.run)
     dist = property(lambda self: self._parts.dist)
-    data = property(lambda self: self._parts.data)
-    adapter = property(lambda self: self._parts.adapter)
     model = property(lambda self: self._parts.model)
     optimizer = property(lambda self: self._parts.optimizer)
     loader = property(lambda self: self._parts.loader)
