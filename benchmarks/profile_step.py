@@ -112,7 +112,7 @@ def main() -> None:
         wall = time.perf_counter() - t0
     seconds = shares(prof, wall)
     step = wall / a.steps
-    tokens = trainer.run.tokens_per_step
+    tokens = trainer.parts.run.tokens_per_step
     peak = a.peak_gflops * 1e9 if a.peak_gflops else (
         device_peak(trainer.dist, trainer.parts.precision.name)[0] or float("nan"))
     mfu = trainer.parts.adapter.flops_per_token * tokens / step / peak

@@ -60,7 +60,6 @@ class Trainer:
         self.parts = build_parts(self.cfg, self.user_model, self.user_dataset, self.loss_fn, self.tp_plan)
 
     # Shorthands for `trainer.parts` after setup() (the engine itself takes the parts, not the trainer).
-    run = property(lambda self: self._parts.run)
     dist = property(lambda self: self._parts.dist)
     model = property(lambda self: self._parts.model)
     optimizer = property(lambda self: self._parts.optimizer)
