@@ -156,7 +156,7 @@ def test_export_loads_strictly_in_transformers_with_the_trained_logits(tmp_path,
         assert PUBLISHED_EXPERT_KEY[family] in keys
         loaded, info = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, output_loading_info=True)
         assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
-        assert sum(p.numel() for p in loaded.parameters()) == trainer.adapter.param_count
+        assert sum(p.numel() for p in loaded.parameters()) == trainer.parts.adapter.param_count
         torch.testing.assert_close(logits(loaded), logits(trainer.model), rtol=1e-5, atol=1e-5)
 
     # --hf-pretrained: the exported folder starts a new run with the trained weights
