@@ -38,7 +38,7 @@ import torch.multiprocessing as mp
 
 def _run_parts(model_name: str, rank: int, world: int, seq_len: int, micro_batch: int) -> SimpleNamespace:
     from tenfold.config import TrainSection, build_config
-    from tenfold.engine.schedule import build_scheduler
+    from tenfold.engine.loop.schedule import build_scheduler
     from tenfold.models.gpt import GPT
 
     cfg = build_config({"model": {"name": model_name}, "data": {"seq_len": seq_len}})
@@ -76,7 +76,7 @@ def _barrier() -> None:
 
 
 def measure(model_name: str, rank: int, world: int, out: Path, steps: int, seq_len: int, micro_batch: int) -> dict:
-    from tenfold.engine import checkpoint as ck
+    from tenfold.engine.outputs import checkpoint as ck
     from tenfold.models.presets import param_count
 
     quiet = lambda msg: None  # noqa: E731

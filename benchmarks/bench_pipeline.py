@@ -4,7 +4,7 @@ measured pipeline bubble vs the planner's (P-1)/m.
 For each m in --ms, with the same global batch of m x micro-batch sequences per step:
   pp=2 (dp=1): one pipeline of 2 stages, m micro-batches per step (--schedule, default 1f1b);
   dp=2 (pp=1): DDP (ZeRO-0) on both processes, m/2 micro-batches per rank per step.
-Both run through `tenfold.engine.trainer.Trainer` (the real step, loss normalisation, clipping,
+Both run through `tenfold.engine.loop.trainer.Trainer` (the real step, loss normalisation, clipping,
 AdamW) on random tokens, in one 2-process gloo job (torch.multiprocessing, 1 thread per rank).
 
     python benchmarks/bench_pipeline.py [--model tiny] [--seq-len 128] [--micro-batch 1]
@@ -54,7 +54,7 @@ def random_tokens(args, vocab: int) -> np.ndarray:
 
 
 def run_one(args, pp: int, m: int, data: np.ndarray) -> dict | None:
-    from tenfold.engine.trainer import Trainer
+    from tenfold.engine.loop.trainer import Trainer
 
     grad_accum = m if pp == 2 else m // 2
     with tempfile.TemporaryDirectory() as out:

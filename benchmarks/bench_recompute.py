@@ -2,7 +2,7 @@
 
 One run, one model, one batch; every policy is timed in interleaved rounds (so drift on a
 shared machine hits all policies alike) and measured once with the tensor tracker
-(tenfold.engine.memory.measure_step_memory). Printed next to the published claims:
+(tenfold.engine.memory.measure.measure_step_memory). Printed next to the published claims:
 the recipe (+30% time for "one checkpoint every 12 layers", +40% for "every 24") and
 Korthikanti et al. 2022 (full recompute +33-39%, selective +2-7%).
 
@@ -23,7 +23,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from tenfold.engine.memory import fmt_bytes, measure_step_memory
+from tenfold.engine.memory.measure import fmt_bytes, measure_step_memory
 from tenfold.models.gpt import GPT
 from tenfold.models.presets import get_preset
 from tenfold.techniques.recompute import apply_recompute

@@ -5,7 +5,7 @@ With the same global batch of --global-batch sequences per step:
   tp=2 (dp=1): every layer's matrices split over both processes (sequence parallel unless
                --no-sp), both see the whole batch;
   dp=2 (tp=1): DDP (ZeRO-0), each process half of the batch.
-Both run through `tenfold.engine.trainer.Trainer` (the real step, loss normalisation, clipping,
+Both run through `tenfold.engine.loop.trainer.Trainer` (the real step, loss normalisation, clipping,
 AdamW) on random tokens, in one 2-process gloo job (torch.multiprocessing, 1 thread per rank),
 the layouts interleaved --repeats times; the best tokens/s of each layout is reported (the
 least disturbed by other jobs on a shared machine), with every repeat in --json.
@@ -14,7 +14,7 @@ least disturbed by other jobs on a shared machine), with every repeat in --json.
                                   [--repeats 3] [--precision fp32] [--no-sp] [--json out.json]
 
 tokens/s: tokens per step over the median step time of steps WARMUP+1..N. Bytes: one further
-step of the tp=2 run under `tenfold.engine.comm_bytes.CollectiveBytes` (ring bytes per rank on
+step of the tp=2 run under `tenfold.engine.observe.comm_bytes.CollectiveBytes` (ring bytes per rank on
 the tp group) beside `Plan.tp_bytes_per_step` for the same run (tenfold.plan.tp_traffic).
 """
 
@@ -49,8 +49,8 @@ def trainer_config(args, tp: int) -> dict:
 
 def run_one(args, tp: int, data: np.ndarray) -> dict:
     """`--steps` timed steps, then (tp=2) one step under the byte counter."""
-    from tenfold.engine.comm_bytes import CollectiveBytes
-    from tenfold.engine.trainer import Trainer
+    from tenfold.engine.observe.comm_bytes import CollectiveBytes
+    from tenfold.engine.loop.trainer import Trainer
 
     t = Trainer(trainer_config(args, tp), dataset=data)
     t.setup()
@@ -87,7 +87,7 @@ def worker(rank: int, port: int, args, result_file: str) -> None:
             rows.append({**run_one(args, tp, data), "repeat": repeat})
     if rank == 0:
         Path(result_file).write_text(json.dumps(rows))
-    from tenfold.engine.distributed import shutdown
+    from tenfold.engine.parallel.distributed import shutdown
 
     shutdown()
 

@@ -3,7 +3,7 @@
 Measures tokens/s of both in this one run (alternating repeats, so drift on a shared machine
 hits both) and prints the ratio tenfold / plain per precision (target >= 0.98), plus the MFU
 that `tiny` and `small` reach here (model FLOPs 6N + 12*L*s*d per token, the CPU's measured
-GEMM peak for the dtype; tenfold/models/presets.py::flops_per_token, engine/peak.py).
+GEMM peak for the dtype; tenfold/models/presets.py::flops_per_token, engine/observe/peak.py).
 
     python benchmarks/bench_train.py [--model tiny] [--steps 30] [--repeats 3] [--precisions fp32,bf16]
     python benchmarks/bench_train.py --model small --micro-batch 8 --seq-len 256 --precisions bf16   # the MFU figure
@@ -26,8 +26,8 @@ import torch
 
 from tenfold.config import build_config
 from tenfold.data import GlobalBatchLoader, build_data
-from tenfold.engine.peak import cpu_peak_flops
-from tenfold.engine.trainer import Trainer
+from tenfold.engine.observe.peak import cpu_peak_flops
+from tenfold.engine.loop.trainer import Trainer
 from tenfold.models.gpt import GPT
 from tenfold.models.presets import flops_per_token, get_preset
 

@@ -112,7 +112,7 @@ def _tenfold_config(args) -> dict:
 
 def tenfold_stepper(args, data):
     """A function that runs one tenfold optimizer step and returns (seconds, loss)."""
-    from tenfold.engine.trainer import Trainer
+    from tenfold.engine.loop.trainer import Trainer
 
     t = Trainer(_tenfold_config(args), dataset=data)
     t.setup()
@@ -218,7 +218,7 @@ def profile_steps(step, n: int) -> dict[str, float]:
 def rank_main(args) -> None:
     import torch  # noqa: F401  (imports before the RSS baseline)
 
-    import tenfold.engine.trainer  # noqa: F401
+    import tenfold.engine.loop.trainer  # noqa: F401
 
     import deepspeed  # noqa: F401  (every launch imports it: the same RSS baseline)
     import torch.distributed as dist

@@ -16,7 +16,7 @@ inside the operator that started them):
                 apply-gradients phase, every operator included)
   overhead      framework: autograd engine bookkeeping, views/reshapes/allocations, dispatcher
                 and Python time between operators (the step's wall time minus the above)
-MFU is model FLOPs/s over the measured bf16/fp32 GEMM peak (tenfold.engine.peak); "matmul
+MFU is model FLOPs/s over the measured bf16/fp32 GEMM peak (tenfold.engine.observe.peak); "matmul
 efficiency" divides the matmul FLOPs (6N per token, the parameter matmuls) by the matmul
 bucket's time: how close the GEMMs themselves come to the peak.
 """
@@ -34,7 +34,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from bench_compile import add_shape_arguments  # benchmarks/ is the script's own folder on sys.path
-from tenfold.engine.run_outputs import device_peak
+from tenfold.engine.outputs.records import device_peak
 
 OPT_SCOPE = "tenfold: apply gradients"
 BUCKETS = ("matmul", "attention", "elementwise", "optimizer", "overhead")
@@ -60,7 +60,7 @@ def bucket(name: str) -> str:
 
 
 def trainer_for(a) -> "object":
-    from tenfold.engine.trainer import Trainer
+    from tenfold.engine.loop.trainer import Trainer
 
     cfg = {"model": {"name": a.model}, "data": {"seq_len": a.seq_len, "val_fraction": 0.0},
            "precision": {"dtype": a.precision},
@@ -99,7 +99,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=4, help="steps before profiling (compile and warm-up)")
     p.add_argument("--steps", type=int, default=3, help="steps profiled")
     p.add_argument("--compile", action="store_true")
-    p.add_argument("--peak-gflops", type=float, help="the GEMM peak for MFU (default: tenfold.engine.peak's cached "
+    p.add_argument("--peak-gflops", type=float, help="the GEMM peak for MFU (default: tenfold.engine.observe.peak's cached "
                    "measurement, which is wrong if it was taken on a busy machine)")
     a = p.parse_args()
     trainer = trainer_for(a)

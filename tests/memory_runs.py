@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tenfold.engine.memory import measure_step_memory
+from tenfold.engine.memory.measure import measure_step_memory
 from tenfold.models.gpt import GPT
 from tenfold.models.presets import get_preset
 from tenfold.techniques.recompute import apply_recompute

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from tenfold.engine.distributed import shutdown
+from tenfold.engine.parallel.distributed import shutdown
 from tenfold.models.gpt import GPT
 from tenfold.models.presets import get_preset
 from tenfold.techniques import pipeline_runner
@@ -109,7 +109,7 @@ def _worker(rank: int, world: int, port: int, cases: list[dict], out: str) -> No
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
-    from tenfold.engine.distributed import init_distributed
+    from tenfold.engine.parallel.distributed import init_distributed
 
     results = []
     try:
@@ -128,7 +128,7 @@ def run_case(d, case: dict, out: str | None = None) -> dict:
     (engine.parallelize: split -> tp -> recompute -> ZeRO on the dp axis -> stages + schedule).
     The first step's gradients go to OUT/grads-case{i}-rank{r}.pt (full tensors by FQN, from the
     first dp and tp rank of each stage)."""
-    from tenfold.engine.parallelize import parallelize
+    from tenfold.engine.parallel.parallelize import parallelize
     from tenfold.run import resolve_run
     from tenfold.techniques import zero
     from tenfold.techniques.precision import LossScaler, build_precision

@@ -16,8 +16,8 @@ import torch.distributed as torch_dist
 
 from tenfold.config import TrainSection, build_config
 from tenfold.data import GlobalBatchLoader
-from tenfold.engine import checkpoint as ck
-from tenfold.engine.schedule import build_scheduler
+from tenfold.engine.outputs import checkpoint as ck
+from tenfold.engine.loop.schedule import build_scheduler
 from tenfold.models.gpt import GPT
 from tenfold.models.loss import token_loss_sum
 from tenfold.terms import IGNORE_INDEX

@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 
 from tenfold.errors import UserError
-from tenfold.engine.parallelize import check_techniques
+from tenfold.engine.parallel.parallelize import check_techniques
 from tenfold.models.adapter import adapt, find_blocks, logits_of
 from tenfold.models.gpt import GPT
 from tenfold.models.presets import ModelConfig, flops_per_token, param_count

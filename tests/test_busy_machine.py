@@ -94,7 +94,7 @@ class FakeMachine:
 
 
 def test_the_peak_is_a_fixed_number_of_timed_gemms_with_the_best_kept():
-    from tenfold.engine import peak
+    from tenfold.engine.observe import peak
 
     fast = FakeMachine(rate=1e12)
     assert peak.measure_peak("fp32", gemms=fast.gemms, clock=fast.clock) == pytest.approx(1e12)
@@ -107,7 +107,7 @@ def test_a_busy_machine_lowers_the_peak_but_cannot_stretch_the_measurement():
     take too long left out. The cores taken in the middle of the measurement, each GEMM then
     taking 1 s: it still ends at its budget, one GEMM past it at most. A slow dtype stops
     growing its size."""
-    from tenfold.engine import peak
+    from tenfold.engine.observe import peak
 
     slow = FakeMachine(rate=1e12 / 50)
     assert peak.measure_peak("fp32", gemms=slow.gemms, clock=slow.clock) == pytest.approx(1e12 / 50)
@@ -123,10 +123,10 @@ def test_a_busy_machine_lowers_the_peak_but_cannot_stretch_the_measurement():
 def test_a_run_measures_only_its_dtype_and_only_after_its_timings(tmp_path, empty_cache, monkeypatch):
     """Empty cache: the run starts without a figure (no MFU in its step rows, none waited for),
     measures fp32 alone once its last step is done and its wall time taken, and reports MFU."""
-    from tenfold.engine import peak
-    from tenfold.engine.trainer import Trainer
+    from tenfold.engine.observe import peak
+    from tenfold.engine.loop.trainer import Trainer
 
-    from tenfold.engine import run_outputs
+    from tenfold.engine.outputs import records as run_outputs
 
     calls, events = [], []
     trainer = Trainer(small_config(tmp_path, train={"steps": 3}))
@@ -226,7 +226,7 @@ def tiny_host(monkeypatch, gib: float = 2**-10):
 def test_a_run_that_cannot_fit_is_refused_before_torch_builds_anything(tmp_path, monkeypatch, capsys):
     """A 10,000,000-layer Hugging Face config: one line naming both figures and the flag, exit 2,
     and neither the Trainer nor the model is ever constructed."""
-    import tenfold.engine.trainer as trainer_module
+    import tenfold.engine.loop.trainer as trainer_module
 
     config = json.loads(LLAMA_TINY.read_text()) | {"num_hidden_layers": 10_000_000}
     path = tmp_path / "config.json"
@@ -247,8 +247,8 @@ def test_a_run_that_cannot_fit_is_refused_before_torch_builds_anything(tmp_path,
 def test_the_trainer_checks_the_fit_before_the_data_and_the_model(tmp_path, monkeypatch):
     """The same check where the Trainer is used as a library (and on a GPU, where the command
     line cannot see the device's memory): nothing built; train.fit_check = false starts it."""
-    from tenfold.engine import parts
-    from tenfold.engine.trainer import Trainer
+    from tenfold.engine.loop import parts
+    from tenfold.engine.loop.trainer import Trainer
 
     tiny_host(monkeypatch)
     monkeypatch.setattr(parts, "build_data", lambda *a, **k: (_ for _ in ()).throw(AssertionError("data built")))

@@ -24,9 +24,9 @@ import torch
 
 from plain_loop import GLOBAL_BATCH, MODEL, SEQ, STEPS, fresh_run_with_checkpoints, make_run, manager, train, train_step
 from tenfold.config import build_config
-from tenfold.engine import checkpoint as ck
-from tenfold.engine.checkpoint import manager as manager_module
-from tenfold.engine.checkpoint import states as states_module
+from tenfold.engine.outputs import checkpoint as ck
+from tenfold.engine.outputs.checkpoint import manager as manager_module
+from tenfold.engine.outputs.checkpoint import states as states_module
 from tenfold.errors import RunError, UserError
 from tenfold.models.gpt import GPT
 from tenfold.models.presets import ModelConfig

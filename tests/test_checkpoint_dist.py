@@ -19,7 +19,7 @@ import torch.distributed as torch_dist
 import torch.multiprocessing as mp
 
 import plain_loop as t
-from tenfold.engine.distributed import shutdown
+from tenfold.engine.parallel.distributed import shutdown
 
 WORLD = 2
 
@@ -131,7 +131,7 @@ def test_export_consolidates_two_rank_zero3_checkpoint(two_rank_results):
     weights the 2-rank run held at step 3 (as resumed on one process)."""
     from safetensors.torch import load_file
 
-    from tenfold.engine import export
+    from tenfold.engine.outputs import export
 
     src = two_rank_results["tmp"] / "from2"
     out = src / "zero3.safetensors"

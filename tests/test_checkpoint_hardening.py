@@ -35,7 +35,7 @@ import torch
 
 import plain_loop as t
 from conftest import cli_train, copy_of_run, one_line, private_mount_prefix, text_corpus
-from tenfold.engine import checkpoint as ck
+from tenfold.engine.outputs import checkpoint as ck
 from tenfold.errors import UserError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -114,7 +114,7 @@ def test_manifest_entry_outside_the_folder_is_refused_fast(run_copy, entry, caps
     elif entry.startswith(".."):  # enough '..' to reach / from this folder
         entry = "../" * len(ckpt.parts) + "dev/zero"
     reseal(ckpt, {entry: {"bytes": 0, "sha256": hashlib.sha256(b"").hexdigest()}})
-    from tenfold.engine import export  # noqa: F401 - imported before the clock starts
+    from tenfold.engine.outputs import export  # noqa: F401 - imported before the clock starts
 
     capsys.readouterr()
     rc, seconds = _export_within(5.0, ckpt, out / "x.safetensors")

@@ -25,7 +25,7 @@ import torch
 import torch.multiprocessing as mp
 
 from conftest import CLI_MODEL_SHAPE, cli_train, text_corpus
-from tenfold.engine import checkpoint as ck
+from tenfold.engine.outputs import checkpoint as ck
 
 MODEL = {"name": "tiny", "n_layers": 2, "d_model": 32, "n_heads": 2, "d_ff": 64, "vocab_size": 64, "max_seq_len": 16}
 CLI_MODEL = [f"--set=model.{k}={v}" for k, v in CLI_MODEL_SHAPE.items()]
@@ -88,7 +88,7 @@ def test_export_16bit_at_end_of_training(tmp_path):
 SIGTERM_SCRIPT = """
 import sys, time
 from tenfold import cli
-import tenfold.engine.checkpoint as ck
+import tenfold.engine.outputs.checkpoint as ck
 real = ck.CheckpointManager.after_step
 def slow_after_step(self, step, last=False):
     if step == 2:
@@ -141,7 +141,7 @@ def _dataset() -> np.ndarray:
 
 
 def _fit(config: dict) -> list[float]:
-    from tenfold.engine.trainer import Trainer
+    from tenfold.engine.loop.trainer import Trainer
 
     return Trainer(config, dataset=_dataset()).fit()["losses"]
 
@@ -233,13 +233,13 @@ def _nan_config(out: Path, on_nan: str) -> dict:
 
 
 def _all_finite(ckpt: Path) -> bool:
-    from tenfold.engine.export import consolidated_model_state
+    from tenfold.engine.outputs.export import consolidated_model_state
 
     return all(bool(torch.isfinite(t).all()) for t in consolidated_model_state(ckpt).values())
 
 
 def test_on_nan_skip_keeps_nan_out_of_checkpoints(tmp_path):
-    from tenfold.engine.trainer import Trainer
+    from tenfold.engine.loop.trainer import Trainer
 
     summary = Trainer(_nan_config(tmp_path, "skip"), dataset=_dataset(), loss_fn=_nan_at(2)).fit()
     assert summary["final"]["skipped_steps"] == 1 and summary["final"]["steps"] == 4
@@ -250,7 +250,7 @@ def test_on_nan_skip_keeps_nan_out_of_checkpoints(tmp_path):
 
 
 def test_on_nan_stop_names_the_step_and_keeps_last_good_checkpoint(tmp_path):
-    from tenfold.engine.trainer import Trainer
+    from tenfold.engine.loop.trainer import Trainer
     from tenfold.errors import RunError
 
     with pytest.raises(RunError, match="at step 3"):

@@ -152,7 +152,7 @@ def test_dry_run_needs_no_torch_and_no_time(tmp_path):
 
 
 def test_anything_that_escapes_validation_is_one_line_and_debug_shows_it(tmp_path, capsys, monkeypatch):
-    import tenfold.engine.run_shape as run_shape
+    import tenfold.engine.preview.dry_run as run_shape
 
     def boom(cfg):
         raise ValueError("a bug\nwith two lines")

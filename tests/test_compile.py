@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from conftest import SMALL_FLAGS, table_text, tenfold_child
-from tenfold.engine.steady import StepTime, steady_state
+from tenfold.engine.observe.steady import StepTime, steady_state
 from tenfold.errors import UserError
 from tenfold.techniques import compile as tc
 
@@ -54,7 +54,7 @@ def assert_same_curve(a: list[float], b: list[float], rel: float) -> None:
 
 def small_trainer(tmp_path: Path, compile: bool = True, **sections):
     from conftest import small_config
-    from tenfold.engine.trainer import Trainer
+    from tenfold.engine.loop.trainer import Trainer
 
     trainer = Trainer(small_config(tmp_path, train={"compile": compile}, **sections))
     trainer.setup()  # builds and parallelizes; torch.compile is lazy, nothing compiles yet

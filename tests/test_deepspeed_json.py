@@ -300,7 +300,7 @@ def test_the_seeds_config_trains_through_the_trainer_and_overflows_skip_cleanly(
     follow DeepSpeed's hysteresis-then-halve rule, and neither weights nor lr may move."""
     torch = pytest.importorskip("torch", reason="the trainer needs torch (make test-py310 runs without it)")
     from conftest import read_metrics, small_config
-    from tenfold.engine.trainer import Trainer
+    from tenfold.engine.loop.trainer import Trainer
 
     layer, _, _ = load_deepspeed_json(SEED)
     cfg = build_config(layer, small_config(tmp_path, precision={"dtype": "fp16", "initial_scale_power": 40},

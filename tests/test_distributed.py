@@ -1,5 +1,5 @@
-"""`tenfold train --nproc N` (engine/launch.py) and the failure handling of
-engine/distributed.py: the real CLI under torchrun's agent on gloo.
+"""`tenfold train --nproc N` (engine/parallel/launch.py) and the failure handling of
+engine/parallel/distributed.py: the real CLI under torchrun's agent on gloo.
 
 * a DeepSpeed JSON (tests/data/ds_seed.json: ZeRO-3 + fp16 + clipping) runs unchanged on 2
   ranks and gives the one-process loss curve (fp16: rel 5e-3, the loss is computed from fp16 matmuls whose
@@ -131,7 +131,7 @@ def test_tightened_timeout_bounds_a_hung_rank(tmp_path):
 
 
 def test_rank_argv_replaces_nproc_which_torchrun_rejects():
-    from tenfold.engine.launch import rank_argv, torchrun_argv
+    from tenfold.engine.parallel.launch import rank_argv, torchrun_argv
 
     assert rank_argv(["train", "--nproc", "2", "--zero", "3"], 2) == ["train", "--zero", "3", "--set", "parallel.nproc=2"]
     assert rank_argv(["train", "--nproc=4"], 4) == ["train", "--set", "parallel.nproc=4"]
@@ -162,7 +162,7 @@ class _ChildFailed:
 def test_report_failure_names_ranks_and_keeps_user_error_status():
     import io
 
-    from tenfold.engine.launch import report_failure
+    from tenfold.engine.parallel.launch import report_failure
 
     buf = io.StringIO()
     err = _ChildFailed({0: _Failure(-15, sig="SIGTERM"), 1: _Failure(-9, sig="SIGKILL")}, first=1)
@@ -177,7 +177,7 @@ def test_report_failure_names_ranks_and_keeps_user_error_status():
 def test_the_same_line_from_every_rank_is_printed_once_and_different_ones_per_rank():
     import io
 
-    from tenfold.engine.launch import report_failure
+    from tenfold.engine.parallel.launch import report_failure
 
     same = "tenfold: error: data.path: file or directory not found: x.txt"
     buf = io.StringIO()
@@ -193,7 +193,7 @@ def test_the_same_line_from_every_rank_is_printed_once_and_different_ones_per_ra
 
 def test_a_rank_the_launcher_started_hands_its_line_over_instead_of_printing_it(tmp_path, monkeypatch, capsys):
     from tenfold.cli import main
-    from tenfold.engine.launch import LAUNCHED_ENV
+    from tenfold.engine.parallel.launch import LAUNCHED_ENV
 
     error_file = tmp_path / "error.json"
     monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
@@ -210,7 +210,7 @@ def test_a_rank_the_launcher_started_hands_its_line_over_instead_of_printing_it(
 def test_stderr_lines_are_prefixed_with_the_rank():
     import io
 
-    from tenfold.engine.distributed import _RankPrefixed
+    from tenfold.engine.parallel.distributed import _RankPrefixed
 
     buf = io.StringIO()
     s = _RankPrefixed(buf, "[rank 1] ", already="[rank1]:")
@@ -220,7 +220,7 @@ def test_stderr_lines_are_prefixed_with_the_rank():
 
 
 def test_tightened_timeout_is_bounded():
-    from tenfold.engine.distributed import tightened_timeout_s
+    from tenfold.engine.parallel.distributed import tightened_timeout_s
 
     assert tightened_timeout_s(1.0, 600.0) == 120.0  # the floor
     assert tightened_timeout_s(10.0, 600.0) == 200.0  # 20 x the first step
@@ -229,7 +229,7 @@ def test_tightened_timeout_is_bounded():
 
 def test_preflight_checks_the_triplet_with_the_launch_size():
     from tenfold.config import build_config
-    from tenfold.engine.launch import preflight
+    from tenfold.engine.parallel.launch import preflight
     from tenfold.errors import UserError
 
     cfg = build_config({"train": {"global_batch": 5, "micro_batch": 1, "grad_accum": 2}})

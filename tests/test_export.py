@@ -16,8 +16,8 @@ import plain_loop as t
 pytestmark = pytest.mark.usefixtures("one_thread")
 from tenfold import cli
 from tenfold.config import TrainSection, build_config
-from tenfold.engine import export
-from tenfold.engine.schedule import build_scheduler
+from tenfold.engine.outputs import export
+from tenfold.engine.loop.schedule import build_scheduler
 from tenfold.models.gpt import GPT
 from tenfold.models.presets import ModelConfig
 
@@ -90,7 +90,7 @@ def test_export_tied_embeddings(tmp_path):
 def test_tied_copies_that_differ_are_a_damaged_checkpoint(tmp_path):
     """A pipelined tied model checkpoints two copies (first and last stage), which training keeps
     equal: copies that differ are not exported as either."""
-    from tenfold.engine.checkpoint.layout import CheckpointError
+    from tenfold.engine.outputs.checkpoint.layout import CheckpointError
 
     emb = torch.ones(4, 2)
     weights = {"tok_emb.weight": emb, "output.weight": emb.clone(), "norm.weight": torch.ones(2)}
@@ -121,7 +121,7 @@ def test_an_fp16_runs_own_export_is_fp16(small_cfg):
     """checkpoint.export_16bit writes the run's own 16-bit dtype: fp16 stays fp16."""
     from safetensors import safe_open
 
-    from tenfold.engine.trainer import Trainer
+    from tenfold.engine.loop.trainer import Trainer
 
     cfg = small_cfg(precision={"dtype": "fp16"}, checkpoint={"export_16bit": True}, train={"steps": 1})
     summary = Trainer(cfg).fit()

@@ -13,11 +13,11 @@ import pytest
 from conftest import read_metrics, small_config, table_text
 from tenfold.cli import main
 from tenfold.config import build_config
-from tenfold.engine import peak as peak_mod
-from tenfold.engine.memory_notes import row_notes
-from tenfold.engine.steady import StepTime, steady_state
-from tenfold.engine.summary import mfu
-from tenfold.engine.trainer import Trainer
+from tenfold.engine.observe import peak as peak_mod
+from tenfold.engine.memory.notes import row_notes
+from tenfold.engine.observe.steady import StepTime, steady_state
+from tenfold.engine.observe.summary import mfu
+from tenfold.engine.loop.trainer import Trainer
 from tenfold.plan.for_run import fmt_bytes
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -290,7 +290,7 @@ def test_summary_has_the_notes_and_the_table_shows_them(tmp_path, capsys):
 
 
 def test_without_torchs_tensor_tracker_the_run_trains_and_says_so(tmp_path, monkeypatch, caplog):
-    from tenfold.engine import tracker_probe
+    from tenfold.engine.memory import tracker_probe
 
     monkeypatch.setattr(tracker_probe, "_TRACKER_PROBE", None)
     monkeypatch.setitem(__import__("sys").modules, "torch.distributed._tools.mem_tracker", None)
@@ -368,8 +368,8 @@ def test_resume_with_another_global_batch_warns(tmp_path, caplog):
 def test_a_checkpoint_saved_before_the_batch_was_recorded_still_loads():
     """trainer_state.json from a tenfold without `global_batch` validates against a fresh run's
     counters (0: unknown, so no warning); once known, the batch is saved."""
-    from tenfold.engine.checkpoint.states import JsonState
-    from tenfold.engine.trainer import TrainState
+    from tenfold.engine.outputs.checkpoint.states import JsonState
+    from tenfold.engine.loop.trainer import TrainState
 
     fresh = TrainState()
     JsonState(fresh, "state").validate({"step": 3, "tokens": 96, "skipped": 0, "history": [[1, 5.0]]})

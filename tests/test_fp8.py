@@ -108,7 +108,7 @@ def test_blocks_are_converted_and_the_first_and_last_layers_stay_bf16(tmp_path):
     """The training path (Trainer.setup -> parallelize): the attention projections (64 x 64)
     run in float8, the MLP (d_ff 72, not a multiple of 16) cannot and stays nn.Linear, and so
     do the token embedding and the output head."""
-    from tenfold.engine.trainer import Trainer
+    from tenfold.engine.loop.trainer import Trainer
 
     cfg = small_config(tmp_path, model={"d_ff": 72}, precision={"dtype": "bf16", "fp8": True, "fp8_emulate": True})
     t = Trainer(cfg)
@@ -180,7 +180,7 @@ def test_tiny_trains_within_2_percent_of_bf16_after_50_steps(tmp_path):
     equal to bf16's bit for bit."""
     from torchao.float8.float8_linear import Float8Linear
 
-    from tenfold.engine.trainer import Trainer
+    from tenfold.engine.loop.trainer import Trainer
 
     def trained(fp8_on: bool) -> tuple[Trainer, list[float]]:
         cfg = small_config(tmp_path / str(fp8_on), model={"name": "tiny"}, data={"seq_len": 32},

@@ -99,7 +99,7 @@ def test_mixed_precision_trains(tmp_path, dtype, name):
 
 def test_pipeline_and_unknown_blocks_are_user_errors(tmp_path):
     from tenfold.config import build_config
-    from tenfold.engine.parallelize import check_techniques
+    from tenfold.engine.parallel.parallelize import check_techniques
     from tenfold.models.adapter import adapt
     from tenfold.models.hf import build_hf_model
     from tenfold.run import resolve_run
@@ -179,8 +179,8 @@ def test_checkpoint_resume_and_tenfold_export_of_an_hf_run(tmp_path):
     restores the exact weights into a fresh trainer, and `tenfold export` writes it as a
     save_pretrained folder (bf16 here) that transformers loads with the trained logits."""
     from tenfold.cli import main
-    from tenfold.engine.checkpoint import CheckpointManager
-    from tenfold.engine.fit import checkpoint_states
+    from tenfold.engine.outputs.checkpoint import CheckpointManager
+    from tenfold.engine.loop.fit import checkpoint_states
 
     trainer, _ = train(tmp_path / "run", LLAMA, train={"steps": 2})
     manager = CheckpointManager(tmp_path / "run", checkpoint_states(trainer.parts, trainer.state), config=trainer.cfg)

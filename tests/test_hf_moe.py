@@ -177,7 +177,7 @@ def test_expert_parallel_needs_an_hf_moe_family():
 
 def test_trace_of_hf_expert_parallelism_is_refused():
     from tenfold.config import build_config
-    from tenfold.engine.trace import check_traceable
+    from tenfold.engine.preview.trace import check_traceable
     from tenfold.run import resolve_run
 
     run = resolve_run(build_config({"model": {"hf_config": str(MIXTRAL)}, "parallel": {"ep_degree": 2, "zero_stage": 3},

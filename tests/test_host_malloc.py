@@ -1,4 +1,4 @@
-"""glibc malloc kept from returning freed memory to the kernel (engine/host_malloc.py): a
+"""glibc malloc kept from returning freed memory to the kernel (engine/memory/host_malloc.py): a
 buffer freed and allocated again is not faulted in again. Each case runs in a fresh process
 (the setting is process-wide and lasts until exit)."""
 
@@ -14,7 +14,7 @@ import pytest
 PROBE = r"""
 import json, resource, sys
 import torch
-from tenfold.engine import host_malloc
+from tenfold.engine.memory import host_malloc
 applied = host_malloc.tune_malloc()
 def faults():
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -61,8 +61,8 @@ def test_tenfold_malloc_default_leaves_glibc_alone():
 
 @glibc_only
 def test_the_trainer_tunes_malloc_on_cpu(small_cfg):
-    from tenfold.engine import host_malloc
-    from tenfold.engine.trainer import Trainer
+    from tenfold.engine.memory import host_malloc
+    from tenfold.engine.loop.trainer import Trainer
 
     Trainer(small_cfg()).setup()
     if os.environ.get("TENFOLD_MALLOC", "").lower() != "default":

@@ -203,7 +203,7 @@ def test_the_mesh_splits_dp_into_replicate_x_shard():
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from tenfold.engine.distributed import DistInfo
+    from tenfold.engine.parallel.distributed import DistInfo
     from tenfold.layout import build_hybrid_mesh, build_layout, build_mesh
 
     assert not dist.is_initialized()

@@ -28,7 +28,7 @@ FORBIDDEN = {
 # The one crossing allowed: `tenfold plan --trace` runs the engine in child processes; the
 # planner's command line imports only the trace's launcher and report, which load without torch
 # (test_planner_and_resolved_run_load_without_torch).
-ALLOWED = {"plan/cli.py": ("tenfold.engine.trace", "tenfold.engine.trace_report")}
+ALLOWED = {"plan/cli.py": ("tenfold.engine.preview.trace", "tenfold.engine.preview.trace_report")}
 # single modules every layer may import: they must stay torch-free and import no layer above
 TORCH_FREE = ("terms.py", "choices.py", "run.py", "run_args.py", "config.py", "errors.py", "capabilities.py", "pipeline_layout.py",
               "lora_terms.py", "quiet.py")
@@ -81,9 +81,9 @@ def test_shared_modules_are_torch_free(name):
 
 def test_the_rule_catches_a_violation(tmp_path):
     bad = tmp_path / "bad.py"
-    bad.write_text("def f():\n    from tenfold.engine.trainer import Trainer\n    import torch.nn\n"
+    bad.write_text("def f():\n    from tenfold.engine.loop.trainer import Trainer\n    import torch.nn\n"
                    "    from tenfold.cli import main\n")
-    assert _hits(bad, FORBIDDEN["plan"]) == ["tenfold.engine.trainer", "torch.nn", "tenfold.cli"]
+    assert _hits(bad, FORBIDDEN["plan"]) == ["tenfold.engine.loop.trainer", "torch.nn", "tenfold.cli"]
     assert _hits(bad, FORBIDDEN["tune"]) == ["tenfold.cli"]
 
 
@@ -91,20 +91,20 @@ def test_the_rule_sees_relative_and_type_checking_imports(tmp_path):
     pkg = tmp_path / "tenfold"
     (pkg / "engine").mkdir(parents=True)
     (pkg / "plan").mkdir()
-    for f in ("__init__.py", "cli.py", "engine/__init__.py", "engine/trainer.py", "plan/__init__.py"):
+    for f in ("__init__.py", "cli.py", "engine/__init__.py", "engine/loop/trainer.py", "plan/__init__.py"):
         (pkg / f).write_text("")
     bad = pkg / "plan" / "bad.py"
     bad.write_text("from typing import TYPE_CHECKING\nfrom .. import cli\nfrom ..engine.trainer import Trainer\n"
                    "if TYPE_CHECKING:\n    from ..engine import trainer\nfrom . import other_name\n")
-    assert _hits(bad, FORBIDDEN["plan"], pkg) == ["tenfold.cli", "tenfold.engine.trainer", "tenfold.engine.trainer"]
+    assert _hits(bad, FORBIDDEN["plan"], pkg) == ["tenfold.cli", "tenfold.engine.loop.trainer", "tenfold.engine.loop.trainer"]
     assert "tenfold.plan" in imports_of(bad, pkg)  # a name of the package itself
-    assert _trainer_importers(pkg) == {"plan/bad.py": ["tenfold.engine.trainer", "tenfold.engine.trainer"]}
+    assert _trainer_importers(pkg) == {"plan/bad.py": ["tenfold.engine.loop.trainer", "tenfold.engine.loop.trainer"]}
 
 
 # The Trainer is the front of the Python API: the command line and the package root build it;
 # every part below (fit, outputs, memory, techniques) takes the parts and config it uses.
-TRAINER = "tenfold.engine.trainer"
-TRAINER_IMPORTERS = ("__init__.py", "cli.py", "engine/trainer.py")
+TRAINER = "tenfold.engine.loop.trainer"
+TRAINER_IMPORTERS = ("__init__.py", "cli.py", "engine/loop/trainer.py")
 
 
 def _trainer_importers(root: Path = SRC) -> dict[str, list[str]]:

@@ -220,7 +220,7 @@ def test_the_engine_maps_every_reduce_dtype_and_offload_the_resolver_allows():
 
 def test_the_engine_refuses_a_layout_that_does_not_span_the_job(monkeypatch):
     """engine.distributed.join_layout: the layout's world is the job's (one process here)."""
-    from tenfold.engine.distributed import join_layout
+    from tenfold.engine.parallel.distributed import join_layout
 
     monkeypatch.delenv("RANK", raising=False)
     with pytest.raises(UserError, match="the layout pp 2 x dp_replicate 1 x dp_shard 1 x cp 1 x tp 1 spans 2 processes, "

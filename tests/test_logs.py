@@ -17,9 +17,9 @@ import pytest
 from conftest import SMALL_FLAGS, read_metrics, small_config
 from tenfold.cli import main
 from tenfold.config import build_config
-from tenfold.engine.metrics import STEP_TAGS, VAL_LOSS_TAG
-from tenfold.engine.step_log import StepLog, plain_line, process_peak_label
-from tenfold.engine.trainer import Trainer
+from tenfold.engine.observe.metrics import STEP_TAGS, VAL_LOSS_TAG
+from tenfold.engine.observe.step_log import StepLog, plain_line, process_peak_label
+from tenfold.engine.loop.trainer import Trainer
 from tenfold.errors import UserError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -128,7 +128,7 @@ def test_a_resumed_run_repeats_no_step_in_metrics_or_tensorboard(tmp_path):
 
 
 def test_a_fresh_run_in_a_used_folder_keeps_only_its_own_rows(tmp_path):
-    """A fresh run into a folder that holds a run is refused (engine/run_folder.py); replacing
+    """A fresh run into a folder that holds a run is refused (engine/outputs/folder.py); replacing
     it with log.overwrite leaves only the new run's rows."""
     cfg = small_config(tmp_path, train={"steps": 2})
     Trainer(build_config(cfg)).fit()

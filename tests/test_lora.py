@@ -1,4 +1,4 @@
-"""LoRA and QLoRA (techniques/lora.py, techniques/nf4.py, engine/lora_run.py, engine/adapter_export.py):
+"""LoRA and QLoRA (techniques/lora.py, techniques/nf4.py, engine/loop/lora_run.py, engine/outputs/adapter_export.py):
 only the adapters train and the base stays bit-identical; the adapters compute W x + (alpha / r)
 B A x; the loss falls on the bundled SFT sample; ZeRO-3 on two ranks and a two-stage pipeline
 equal one process; resume is exact and refuses another base; the PEFT folder loads in PEFT and
@@ -21,8 +21,8 @@ from conftest import SMALL_FLAGS, one_line, small_config, tenfold_child  # noqa:
 
 from tenfold import Trainer  # noqa: E402
 from tenfold.config import build_config  # noqa: E402
-from tenfold.engine.checkpoint import CheckpointError  # noqa: E402
-from tenfold.engine.export import export_checkpoint  # noqa: E402
+from tenfold.engine.outputs.checkpoint import CheckpointError  # noqa: E402
+from tenfold.engine.outputs.export import export_checkpoint  # noqa: E402
 from tenfold.errors import UserError  # noqa: E402
 from tenfold.lora_terms import LoraSpec, nf4_bytes_per_param  # noqa: E402
 from tenfold.models.gpt import GPT  # noqa: E402
@@ -125,7 +125,7 @@ def test_resume_is_exact_and_holds_only_the_adapters(tmp_path):
         assert torch.equal(p, ours[name]), name
     saved = json.loads((cut / "checkpoints" / "step_2" / "trainer_state.json").read_text())["lora"]
     assert saved["rank"] == 4 and len(saved["base_sha256"]) == 64
-    from tenfold.engine.checkpoint import read_safe_metadata
+    from tenfold.engine.outputs.checkpoint import read_safe_metadata
 
     keys = read_safe_metadata(cut / "checkpoints" / "step_2").state_dict_metadata
     model_keys = [k for k in keys if k.startswith("model.")]

@@ -10,7 +10,7 @@ import torch
 
 from memory_runs import measure, step_fn
 from tenfold.config import build_config
-from tenfold.engine.memory import (
+from tenfold.engine.memory.measure import (
     MEMORY_KEYS,
     measure_step_memory,
     memory_report,
@@ -144,7 +144,7 @@ def test_memory_report_lists_blocks_and_categories():
 
 
 def test_trainer_summary_carries_predicted_and_measured(small_cfg, tmp_path):
-    from tenfold.engine.trainer import Trainer
+    from tenfold.engine.loop.trainer import Trainer
 
     summary = Trainer(small_cfg(recompute={"policy": "full"})).fit()
     mem = json.loads((tmp_path / "run" / "summary.json").read_text())["memory"]

@@ -261,7 +261,7 @@ def test_host_adamw_is_adamw_with_its_states_on_the_host():
 
 
 def test_cuda_ranks_reduce_host_tensors_over_gloo_when_offloading():
-    from tenfold.engine.distributed import backend_for
+    from tenfold.engine.parallel.distributed import backend_for
 
     assert backend_for(torch.device("cuda", 0)) == "nccl"
     assert backend_for(torch.device("cuda", 0), True) == "cuda:nccl,cpu:gloo"

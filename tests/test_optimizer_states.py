@@ -68,7 +68,7 @@ def test_other_optimizers_are_not_stepped():
 
 
 def test_the_trainer_allocates_them_at_setup(small_cfg):
-    from tenfold.engine.trainer import Trainer
+    from tenfold.engine.loop.trainer import Trainer
 
     t = Trainer(small_cfg())
     t.setup()
@@ -80,7 +80,7 @@ def test_the_trainer_allocates_them_at_setup(small_cfg):
 def test_the_trainer_decays_matmul_weights_and_embeddings_only(small_cfg, shape):
     """Named by role, not by the shape rule under test: norm gains and biases get no weight
     decay, the matmul weights and the embeddings get train.weight_decay."""
-    from tenfold.engine.trainer import Trainer
+    from tenfold.engine.loop.trainer import Trainer
 
     t = Trainer(small_cfg(model={"name": "tiny", "n_layers": 2, "d_model": 64, "n_heads": 4, "d_ff": 128,
                                  "max_seq_len": 64, **shape}, train={"weight_decay": 0.07}))

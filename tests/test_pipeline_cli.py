@@ -95,7 +95,7 @@ def test_tied_embeddings_pipelined_resume_exactly_reshard_to_and_from_one_proces
     import torch
     from safetensors.torch import load_file
 
-    from tenfold.engine.export import consolidated_model_state
+    from tenfold.engine.outputs.export import consolidated_model_state
     from tenfold.models.gpt import GPT
     from tenfold.models.presets import get_preset
 

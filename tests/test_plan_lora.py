@@ -69,7 +69,7 @@ def test_zero3_shards_the_frozen_base_and_the_adapters():
 def test_model_flops_count_no_weight_gradient_for_the_frozen_base():
     torch = pytest.importorskip("torch")
     pytest.importorskip("peft")
-    from tenfold.engine.lora_run import LoraRun, adapted
+    from tenfold.engine.loop.lora_run import LoraRun, adapted
     from tenfold.models.adapter import adapt
     from tenfold.models.gpt import GPT
     from tenfold.models.presets import get_preset

@@ -17,7 +17,7 @@ from tenfold import capabilities
 from tenfold.cli import build_parser, main
 from tenfold.run_args import config_from_args, train_argv
 from tenfold.config import ParallelSection, PrecisionSection, TrainSection, build_config, config_toml
-from tenfold.engine.memory import predicted_memory
+from tenfold.engine.memory.measure import predicted_memory
 from tenfold.errors import UserError
 from tenfold.plan import advice
 from tenfold.plan.for_run import memory_line

@@ -17,11 +17,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from tenfold.engine.distributed import shutdown
+from tenfold.engine.parallel.distributed import shutdown
 from tenfold import terms
 from tenfold.config import build_config
 from tenfold.techniques.optimizer import build_optimizer, clip_grad_norm
-from tenfold.engine.schedule import build_scheduler
+from tenfold.engine.loop.schedule import build_scheduler
 from tenfold.errors import UserError
 from tenfold.models.gpt import GPT
 from tenfold.models.presets import ModelConfig
@@ -195,7 +195,7 @@ def test_auto_precision_is_bf16_on_gpus_and_fast_cpus_else_fp32(monkeypatch, fas
 def test_the_trainer_computes_in_the_precision_auto_picks(small_cfg, monkeypatch, fast_bf16):
     """The default config (`auto`) on this CPU: the Trainer's autocast dtype and the layout it
     reports follow the CPU's bf16 instructions; a named precision is not touched."""
-    from tenfold.engine.trainer import Trainer
+    from tenfold.engine.loop.trainer import Trainer
 
     monkeypatch.setattr(terms, "cpu_has_bf16_matmul", lambda: fast_bf16)
     assert build_config({}).precision.dtype == "auto"  # the default
@@ -426,7 +426,7 @@ def test_overflow_vote_is_global_over_two_gloo_ranks_and_clip_norm_is_global_und
 @pytest.mark.usefixtures("one_thread")
 def test_an_overflow_on_the_training_path_logs_deepspeeds_message(small_cfg, caplog):
     """fp16 from a start scale of 2**40 overflows: the trainer's own step skips and says so."""
-    from tenfold.engine.trainer import Trainer
+    from tenfold.engine.loop.trainer import Trainer
 
     cfg = small_cfg(precision={"dtype": "fp16", "initial_scale_power": 40}, train={"steps": 2})
     with caplog.at_level(logging.WARNING, logger="tenfold"):
@@ -442,7 +442,7 @@ def test_fp16_gradients_are_unscaled_before_the_norm_and_the_step(small_cfg):
     the same run at scale 1 gives the same norms and losses (clip far above the norm, so
     clipping cannot hide a scaled gradient; AdamW's scale invariance would hide it from the
     loss alone, the norm cannot hide it)."""
-    from tenfold.engine.trainer import Trainer
+    from tenfold.engine.loop.trainer import Trainer
 
     def run(scale: float, name: str) -> list[dict]:
         cfg = small_cfg(precision={"dtype": "fp16", "loss_scale": scale}, train={"steps": 3, "grad_clip": 1e6},
@@ -482,7 +482,7 @@ def test_a_trainer_step_clips_to_train_grad_clip(small_cfg, clip):
     """On the Trainer's own step: the gradients AdamW steps with have the global norm
     train.grad_clip when they were larger (0: DeepSpeed's "no clipping", the norm as computed);
     the row reports the norm before clipping."""
-    from tenfold.engine.trainer import Trainer
+    from tenfold.engine.loop.trainer import Trainer
 
     t = Trainer(small_cfg(train={"grad_clip": clip}))
     t.setup()

@@ -1,5 +1,5 @@
 """The run folder (`--out`) belongs to one run, is checked before any work, and is written
-without following links (engine/run_folder.py), through `tenfold train` / `tenfold export`:
+without following links (engine/outputs/folder.py), through `tenfold train` / `tenfold export`:
 
 * a fresh run into an --out that holds an earlier run exits 2 naming --resume auto and
   --overwrite, before data or model are built, and changes nothing (no metrics appended, no
@@ -30,10 +30,10 @@ import pytest
 
 from conftest import cli_train, copy_of_run, one_line, private_mount_prefix, text_corpus
 from tenfold import cli
-from tenfold.engine import checkpoint as ck
+from tenfold.engine.outputs import checkpoint as ck
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-ASIDE_PREFIX = ".tenfold-replaced-"  # engine/run_folder.py: where --overwrite puts the earlier run
+ASIDE_PREFIX = ".tenfold-replaced-"  # engine/outputs/folder.py: where --overwrite puts the earlier run
 
 
 @pytest.fixture(autouse=True)
@@ -103,7 +103,7 @@ def test_a_fresh_run_into_an_earlier_run_is_refused_and_changes_nothing(run_copy
 
 
 def test_overwrite_keeps_the_earlier_run_aside_until_the_first_checkpoint(run_copy, monkeypatch, capsys):
-    from tenfold.engine.trainer import Trainer
+    from tenfold.engine.loop.trainer import Trainer
 
     out, data = run_copy
     real, seen = Trainer.train_step, []
@@ -127,7 +127,7 @@ def test_overwrite_that_fails_before_its_first_checkpoint_keeps_the_earlier_run_
         run_copy, monkeypatch, capsys):
     """The new run fails at step 2 (a non-finite loss, say), before any checkpoint: the earlier
     run is still there, whole, and the note names the folder it is in."""
-    from tenfold.engine.trainer import Trainer
+    from tenfold.engine.loop.trainer import Trainer
     from tenfold.errors import RunError
 
     out, data = run_copy
@@ -152,7 +152,7 @@ def test_overwrite_that_fails_before_its_first_checkpoint_keeps_the_earlier_run_
 
 
 def test_overwrite_without_checkpoints_replaces_the_earlier_run_once_finished(run_copy, monkeypatch):
-    from tenfold.engine.trainer import Trainer
+    from tenfold.engine.loop.trainer import Trainer
 
     out, data = run_copy
     real, seen = Trainer.train_step, []
@@ -168,7 +168,7 @@ def test_overwrite_without_checkpoints_replaces_the_earlier_run_once_finished(ru
 
 
 def test_overwrite_that_fails_before_its_first_step_puts_the_earlier_run_back(run_copy, monkeypatch, capsys):
-    from tenfold.engine.trainer import Trainer
+    from tenfold.engine.loop.trainer import Trainer
 
     out, data = run_copy
     before = snapshot(out)
@@ -182,7 +182,7 @@ def test_overwrite_that_fails_before_its_first_step_puts_the_earlier_run_back(ru
 
 
 def test_a_new_run_that_fails_before_its_first_step_leaves_no_folder(tmp_path, monkeypatch):
-    from tenfold.engine.trainer import Trainer
+    from tenfold.engine.loop.trainer import Trainer
 
     data = text_corpus(tmp_path)
 
@@ -356,7 +356,7 @@ def test_data_that_is_a_device_or_fifo_is_one_line(tmp_path, capsys, kind):
     ("/proc/x.safetensors", "export --out {out}: its folder /proc cannot be written"),
 ])
 def test_export_out_is_checked_before_any_work(earlier, tmp_path, monkeypatch, capsys, where, expected):
-    from tenfold.engine.checkpoint import layout
+    from tenfold.engine.outputs.checkpoint import layout
 
     def verified(*args, **kwargs):
         raise AssertionError("the checkpoint was hashed before --out was checked")
@@ -441,8 +441,8 @@ def test_overwrite_never_deletes_through_a_link(run_copy, tmp_path):
 
 def test_the_metrics_writer_itself_never_writes_through_a_link(tmp_path):
     """Behind the up-front refusal: a link planted after the check is not followed either."""
-    from tenfold.engine.metrics import MetricsWriter
-    from tenfold.engine.safe_files import UnsafeFileError
+    from tenfold.engine.observe.metrics import MetricsWriter
+    from tenfold.engine.outputs.safe_files import UnsafeFileError
 
     victim_file, victim_dir = _victims(tmp_path)
     out = tmp_path / "out"
@@ -460,7 +460,7 @@ def test_the_metrics_writer_itself_never_writes_through_a_link(tmp_path):
 def test_overwrite_keeps_a_checkpoints_link_and_replaces_what_is_behind_it(run_copy, tmp_path, monkeypatch):
     """OUT/checkpoints may be your link to a scratch disk: it stays, the old checkpoints behind
     it go (and come back if the new run fails before its first step)."""
-    from tenfold.engine.trainer import Trainer
+    from tenfold.engine.loop.trainer import Trainer
 
     out, data = run_copy
     scratch = tmp_path / "scratch"

@@ -13,7 +13,7 @@ import threading
 
 import pytest
 
-from tenfold.engine.safe_files import Folder, UnsafeFileError, check_plain_name
+from tenfold.engine.outputs.safe_files import Folder, UnsafeFileError, check_plain_name
 from tenfold.errors import UserError
 
 

@@ -13,7 +13,7 @@ import torch
 
 from tenfold.config import build_config
 from tenfold.techniques.optimizer import build_optimizer, clip_grad_norm, param_groups
-from tenfold.engine.schedule import build_scheduler, validate_schedule_params
+from tenfold.engine.loop.schedule import build_scheduler, validate_schedule_params
 from tenfold.errors import UserError
 
 

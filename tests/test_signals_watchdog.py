@@ -1,5 +1,5 @@
-"""Signals, the per-step watchdog and the first failure of a `--nproc` job (engine/launch.py,
-engine/watchdog.py), through the real CLI under torchrun's agent on gloo:
+"""Signals, the per-step watchdog and the first failure of a `--nproc` job (engine/parallel/launch.py,
+engine/observe/watchdog.py), through the real CLI under torchrun's agent on gloo:
 
 * SIGTERM to the launcher, or to one rank, saves at the next step boundary and ends every
   process with exit status 0, as docs/checkpoints.md promises (the launcher does not exit 143);
@@ -64,7 +64,7 @@ def _running(pid: int) -> bool:
 
 
 def _saved_at_the_last_step(out: Path) -> int:
-    from tenfold.engine import checkpoint as ck
+    from tenfold.engine.outputs import checkpoint as ck
 
     rows = _rows(out)
     assert rows == list(range(1, len(rows) + 1))  # every step once
@@ -139,7 +139,7 @@ def test_a_stopped_rank_stops_the_job_through_the_watchdog(tmp_path):
     assert "rank 1 stopped responding (no heartbeat for 3 s); stopping" in lines[1] and "watchdog: " in lines[1]
     stopped = json.loads((out / "summary.json").read_text())["stopped"]
     assert "rank 1 stopped responding" in stopped["reason"]
-    from tenfold.engine import checkpoint as ck
+    from tenfold.engine.outputs import checkpoint as ck
 
     assert stopped["resume_from"] == str(ck.read_latest(out / "checkpoints"))
     assert _rows(out) == list(range(1, stopped["at_step"]))  # every finished step, once
@@ -162,7 +162,7 @@ def _failure(tmp_path: Path, rank: int, exitcode: int, message: str | None = Non
 def test_the_rank_that_died_is_named_before_the_one_that_noticed(tmp_path, capsys):
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    from tenfold.engine.launch import report_failure
+    from tenfold.engine.parallel.launch import report_failure
 
     noticed = int(time.time()) - 1  # rank 0's collective failed; the agent reaped rank 1 a second later
     failures = {
@@ -179,7 +179,7 @@ def test_the_rank_that_died_is_named_before_the_one_that_noticed(tmp_path, capsy
 
 
 def test_first_failure_orders_cause_then_time_then_rank(tmp_path):
-    from tenfold.engine.launch import first_failure
+    from tenfold.engine.parallel.launch import first_failure
 
     t = int(time.time())
     own = _failure(tmp_path, 3, 1, "ValueError: a bug", t + 5)
@@ -213,7 +213,7 @@ class _Store:
 
 
 def _watchdog(store: _Store, stalls: list, exits: list, **kw):
-    from tenfold.engine.watchdog import StepWatchdog
+    from tenfold.engine.observe.watchdog import StepWatchdog
 
     kw = {"factor": 4.0, "min_s": 0.3, "rank": 0, "world": 3, "heartbeat_s": 0.05, **kw}
     return StepWatchdog(store=store, on_stall=stalls.append, exit=exits.append, **kw)

@@ -109,7 +109,7 @@ def test_tp2_with_dp2_or_pp2_gives_the_one_process_curve(tp2dp2, case):
 
 @pytest.mark.slow
 def test_user_module_with_its_own_plan_matches_one_process(tp2, tmp_path):
-    from tenfold.engine.trainer import Trainer
+    from tenfold.engine.loop.trainer import Trainer
 
     cfg = worker.reference_config(worker.tp_config(), 2)
     t = Trainer(cfg, model=worker.user_model(), dataset=token_array())
@@ -125,7 +125,7 @@ def test_user_module_with_its_own_plan_matches_one_process(tp2, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(worker.COMM_CASES))
 def test_collective_bytes_equal_the_planners(tp2, case):
-    """Every byte on the tp group in one step (measured by engine/comm_bytes.py) is in the
+    """Every byte on the tp group in one step (measured by engine/observe/comm_bytes.py) is in the
     planner's TP traffic (Plan.tp_bytes_per_step), and no more."""
     from tenfold.plan.for_run import predict_run
 

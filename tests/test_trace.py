@@ -1,5 +1,5 @@
 """The planner held to the run: `tenfold plan --trace` runs the engine's set-up and one optimizer
-step on fake tensors over a fake world (tenfold.engine.trace), and each per-rank memory term the
+step on fake tensors over a fake world (tenfold.engine.preview.trace), and each per-rank memory term the
 planner predicts must match the traced one within MEMORY_TOLERANCE. A term that misses and
 could not be closed is listed in KNOWN_MISSES with the reason (strict xfail: it must still miss;
 when it is fixed, the entry goes)."""

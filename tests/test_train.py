@@ -12,8 +12,8 @@ import torch
 from conftest import SMALL_FLAGS, read_metrics, small_config
 from tenfold.cli import main
 from tenfold.config import build_config
-from tenfold.engine.metrics import REQUIRED_KEYS
-from tenfold.engine.trainer import Trainer
+from tenfold.engine.observe.metrics import REQUIRED_KEYS
+from tenfold.engine.loop.trainer import Trainer
 
 
 def _grads_for_split(tmp_path, rows: torch.Tensor, labels: torch.Tensor, micro: int) -> tuple[float, dict]:

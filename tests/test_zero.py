@@ -116,7 +116,7 @@ def test_full_recompute_under_fsdp2_matches_one_process(two_ranks, reference, st
 
 
 def test_unmapped_deepspeed_knobs_are_named_in_one_warning():
-    from tenfold.engine.distributed import DistInfo as Dist  # rank 0 of one process
+    from tenfold.engine.parallel.distributed import DistInfo as Dist  # rank 0 of one process
     from tenfold.techniques.zero import _warn_unmapped_knobs
 
     cfg = _Cfg(reduce_bucket_size=5e8, overlap_comm=False, contiguous_gradients=False)
@@ -246,7 +246,7 @@ def test_gathered_parameters_are_measured_and_planned_as_their_own_term(two_rank
     within 2% at ZeRO-2 and 15% at ZeRO-3 (measured: exact, -10%).
     Mutation: the tracker not filing FSDP2's gathered storages apart -> 0 at ZeRO-2."""
     from tenfold.config import build_config
-    from tenfold.engine.memory import predicted_memory
+    from tenfold.engine.memory.measure import predicted_memory
     from tenfold.run import resolve_run
 
     for rank in ("0", "1"):
@@ -301,7 +301,7 @@ class _Cfg:
 
 
 def test_one_process_is_the_plain_model_for_every_stage():
-    from tenfold.engine.distributed import DistInfo
+    from tenfold.engine.parallel.distributed import DistInfo
     from tenfold.models.gpt import GPT
     from tenfold.techniques import zero
 
@@ -314,7 +314,7 @@ def test_one_process_is_the_plain_model_for_every_stage():
 
 
 def test_bad_stage_is_a_user_error():
-    from tenfold.engine.distributed import DistInfo
+    from tenfold.engine.parallel.distributed import DistInfo
     from tenfold.errors import UserError
     from tenfold.techniques import zero
 

@@ -11,7 +11,7 @@ __all__ = ["Trainer", "TenfoldConfig", "__version__"]
 
 def __getattr__(name: str):
     if name == "Trainer":
-        from tenfold.engine.trainer import Trainer
+        from tenfold.engine.loop.trainer import Trainer
 
         return Trainer
     if name == "TenfoldConfig":

@@ -230,7 +230,7 @@ def _sharding_problems(run, caps: Capabilities) -> list[str]:
 def _context_parallel_problems(run, caps: Capabilities) -> list[str]:
     """Context parallelism swaps the blocks' attention for one across the cp ranks
     (techniques/context_parallel.py): models with a cp attention, eager blocks. Pipeline stages
-    run it too (each cp rank's micro-batches are cut before the schedule, engine/step.py)."""
+    run it too (each cp rank's micro-batches are cut before the schedule, engine/loop/step.py)."""
     cp = getattr(run, "cp", 1)
     if cp <= 1:
         return []

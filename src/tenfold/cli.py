@@ -23,7 +23,7 @@ SUBCOMMANDS: dict[str, tuple[str | None, str]] = {
     "plan": ("tenfold.plan.cli", "predict memory and time per GPU for a model, fleet and strategy; search strategies"),
     "ladder": ("tenfold.ladder", "measure the optimization ladder (fp32 to ZeRO and pipeline) rung by rung on this machine"),
     "tune": ("tenfold.tune", "measure the planner's best strategies here, calibrate the planner, keep the fastest"),
-    "export": ("tenfold.engine.export", "write a checkpoint's weights as one safetensors file (+ model config)"),
+    "export": ("tenfold.engine.outputs.export", "write a checkpoint's weights as one safetensors file (+ model config)"),
     "data": ("tenfold.data.prepare", "prepare data: tokenize once into a memory-mapped .bin"),
 }
 
@@ -79,20 +79,20 @@ def _add_train_parser(subparsers) -> None:
 def run_train(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     if args.dry_run:
-        from tenfold.engine.run_shape import dry_run
+        from tenfold.engine.preview.dry_run import dry_run
 
         return dry_run(cfg)
-    from tenfold.engine.run_shape import check_fit, world_size  # torch-free
-    from tenfold.engine.torchrun_env import launched_by_torchrun
+    from tenfold.engine.preview.dry_run import check_fit, world_size  # torch-free
+    from tenfold.engine.parallel.torchrun_env import launched_by_torchrun
 
     if cfg.parallel.nnodes > 1 and not launched_by_torchrun():
         raise UserError(multinode_refusal(cfg, args.argv))
     check_fit(cfg, world_size(cfg))  # before torch is imported: a run too large for this machine is one line
     if cfg.parallel.nproc > 1 and not launched_by_torchrun():
-        from tenfold.engine.launch import run_under_torchrun
+        from tenfold.engine.parallel.launch import run_under_torchrun
 
         return run_under_torchrun(args.argv, cfg.parallel.nproc, cfg)
-    from tenfold.engine.trainer import Trainer
+    from tenfold.engine.loop.trainer import Trainer
 
     trainer = Trainer(cfg)
     if args.memory_report:
@@ -195,7 +195,7 @@ def warnings_as_lines() -> None:
     """Python warnings as one line each: tenfold's own advice (`TenfoldNote`) as `tenfold: note:
     ...`, a library's as `tenfold: warning: ... (Category, file:line)`; never Python's two-line
     format with the source line (--debug keeps it). Library warnings a user cannot act on are
-    filtered where they arise (engine/memory.py, engine/checkpoint/manager.py)."""
+    filtered where they arise (engine/memory/measure.py, engine/outputs/checkpoint/manager.py)."""
     import os
     import warnings
 
@@ -212,7 +212,7 @@ def warnings_as_lines() -> None:
 def _one_line(e: BaseException) -> int:
     """Every failure ends as one line on stderr and an exit status: 2 for the user's input,
     1 for a run that failed; --debug shows the traceback instead. A rank started by `--nproc`
-    hands its line to the launcher, which prints it once for all the ranks (engine/launch.py)."""
+    hands its line to the launcher, which prints it once for all the ranks (engine/parallel/launch.py)."""
     if isinstance(e, UserError):
         kind, text, code = "error", str(e), 2
     elif isinstance(e, RunError):
@@ -223,7 +223,7 @@ def _one_line(e: BaseException) -> int:
         detail = " ".join(str(e).split())[:300] or "(no message)"
         kind, text, code = "error", f"unexpected {type(e).__name__}: {detail} (rerun with --debug for the traceback)", 1
     line = f"tenfold: {kind}: {escaped(text)}"
-    from tenfold.engine.launch import told_the_launcher  # torch-free
+    from tenfold.engine.parallel.launch import told_the_launcher  # torch-free
 
     if not told_the_launcher(line):
         print(line, file=sys.stderr)

@@ -234,7 +234,7 @@ class ParallelSection(_Section):
     reduce_dtype: Literal[REDUCE_DTYPES] = "fp32"  # type: ignore[valid-type]
     timeout_s: float = Field(600.0, gt=0)
     # A rank whose step runs past max(watchdog x median step, watchdog_min_s) stops the job
-    # (engine/watchdog.py); 0 turns the watchdog off. Multi-process runs only.
+    # (engine/observe/watchdog.py); 0 turns the watchdog off. Multi-process runs only.
     watchdog: float = Field(10.0, ge=0)
     watchdog_min_s: float = Field(30.0, gt=0)
 
@@ -269,7 +269,7 @@ class LoraSection(_Section):
 
 class LogSection(_Section):
     out: str = "runs/tenfold"
-    overwrite: bool = False  # replace an earlier run in `out` (engine/run_folder.py)
+    overwrite: bool = False  # replace an earlier run in `out` (engine/outputs/folder.py)
     log_every: int = Field(1, gt=0)  # metrics rows and plain console lines every N steps
     tensorboard: bool = True
     progress: bool = True  # the live bar on a terminal (plain lines otherwise)

@@ -1,6 +1,6 @@
 """The parallel layout of a run: how many ranks each mesh dimension has, the rules those
 degrees obey, and the torch device mesh made from them (torchtitan's `ParallelDims` plays the
-same part). The resolver (tenfold.run), the engine (tenfold.engine.distributed) and the
+same part). The resolver (tenfold.run), the engine (tenfold.engine.parallel.distributed) and the
 planner's search (tenfold.plan.search) all take their degrees from here.
 
 Dimensions, outermost first (`MESH_ORDER`): pipeline stages, data-parallel replicas of a shard
@@ -209,7 +209,7 @@ def build_context_parallel_mesh(layout: Layout, mesh):
     attention's K/V all-gather stays among close ranks (torchtitan's order: dp_replicate,
     dp_shard, cp, tp); None without context parallelism. The gradient reduction, the loss and
     the token count keep reading "dp" (every rank that trains the same parameters); the data
-    order reads dp_rank // cp (tenfold.engine.distributed.DistInfo.data_rank). Returns the 1-D
+    order reads dp_rank // cp (tenfold.engine.parallel.distributed.DistInfo.data_rank). Returns the 1-D
     "cp" mesh."""
     if layout.cp <= 1:
         return None

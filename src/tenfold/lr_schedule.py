@@ -1,7 +1,7 @@
 """Learning-rate schedule names and DeepSpeed's scheduler parameters: their names, code
 defaults and validation (`deepspeed/runtime/lr_schedules.py`). Torch-free, so that the
 config, the DeepSpeed reader and `tenfold train --dry-run` check them before anything is
-built; the formulas and the torch scheduler are `tenfold.engine.schedule`.
+built; the formulas and the torch scheduler are `tenfold.engine.loop.schedule`.
 """
 
 from __future__ import annotations

@@ -147,7 +147,7 @@ def whole_grads(model) -> dict:
 
 def step_memory(t, run_step) -> dict:
     """Activations of one step: measured by the tensor tracker, predicted by the planner."""
-    from tenfold.engine.memory import measure_step_memory, predicted_memory
+    from tenfold.engine.memory.measure import measure_step_memory, predicted_memory
 
     measured = measure_step_memory(t.model, t.optimizer, run_step, t.dist.device)
     predicted = predicted_memory(t.parts.run, t.dist.device, "fp32")
@@ -155,8 +155,8 @@ def step_memory(t, run_step) -> dict:
 
 
 def train(world: int, out_path: str) -> None:
-    from tenfold.engine.distributed import init_distributed, shutdown
-    from tenfold.engine.trainer import Trainer
+    from tenfold.engine.parallel.distributed import init_distributed, shutdown
+    from tenfold.engine.loop.trainer import Trainer
 
     results, grads = {}, {}
     for name, (ranks, *_rest) in CASES.items():

@@ -53,7 +53,7 @@ def mode_zero(out_dir: str) -> dict:
 
 def main() -> None:
     mode, out = sys.argv[1], sys.argv[2]
-    from tenfold.engine.distributed import init_distributed, shutdown
+    from tenfold.engine.parallel.distributed import init_distributed, shutdown
 
     info = init_distributed()
     results = {"zero": mode_zero}[mode](os.path.dirname(out))

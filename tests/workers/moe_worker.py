@@ -41,7 +41,7 @@ def full(t: torch.Tensor) -> torch.Tensor:
 def run_steps(cfg: dict) -> dict:
     """Losses and gradient norms of STEPS steps, the expert load of each, and every parameter's
     whole gradient at the first optimizer step (before clipping scales it)."""
-    from tenfold.engine.trainer import Trainer
+    from tenfold.engine.loop.trainer import Trainer
     from tenfold.techniques import zero
 
     t = Trainer(cfg, dataset=token_array())

@@ -41,8 +41,8 @@ def full_grad(p: torch.Tensor) -> torch.Tensor | None:
 
 def run(layout: dict, policy: str, out_dir: str) -> dict:
     """Losses, per-step gradients (by name) and step 2's measured memory of one policy."""
-    from tenfold.engine.memory import measure_step_memory
-    from tenfold.engine.trainer import Trainer
+    from tenfold.engine.memory.measure import measure_step_memory
+    from tenfold.engine.loop.trainer import Trainer
     from tenfold.techniques.recompute import describe
 
     layout = dict(layout)

@@ -35,7 +35,7 @@ def fixed_batch(cfg: dict, steps: int | None = None, **parallel) -> dict:
 def first_step_grads(cfg: dict) -> dict[str, torch.Tensor]:
     """The full (all-gathered) gradient of every parameter after the first step's backward,
     unscaled, before clipping and the optimizer step: what the data-parallel reduction left."""
-    from tenfold.engine.trainer import Trainer
+    from tenfold.engine.loop.trainer import Trainer
 
     t = Trainer(cfg, dataset=token_array())
     t.setup()
@@ -51,7 +51,7 @@ def layout_of(cfg: dict) -> dict:
     """How FSDP2 placed one block parameter: its DTensor mesh (rank layout and dim names),
     placements and the local shard's share of the whole tensor; and whether the offload
     policy was applied (read back from FSDP2's own state)."""
-    from tenfold.engine.trainer import Trainer
+    from tenfold.engine.loop.trainer import Trainer
     from tenfold.techniques.offload import offloaded
 
     t = Trainer(cfg, dataset=token_array())
@@ -93,7 +93,7 @@ def mode_hsdp(out_dir: str) -> dict:
 
 
 def _fit(cfg: dict) -> list[float]:
-    from tenfold.engine.trainer import Trainer
+    from tenfold.engine.loop.trainer import Trainer
 
     return Trainer(cfg, dataset=token_array()).fit()["losses"]
 

@@ -92,7 +92,7 @@ def user_model() -> UserLM:
 
 
 def run_user(cfg: dict, plan: dict | None) -> dict:
-    from tenfold.engine.trainer import Trainer
+    from tenfold.engine.loop.trainer import Trainer
 
     t = Trainer(cfg, model=user_model(), dataset=token_array(), tp_plan=plan)
     t.setup()
@@ -100,9 +100,9 @@ def run_user(cfg: dict, plan: dict | None) -> dict:
 
 
 def comm_bytes(cfg: dict) -> dict:
-    """Bytes on the tp group in step 2, measured (engine/comm_bytes.py)."""
-    from tenfold.engine.comm_bytes import CollectiveBytes
-    from tenfold.engine.trainer import Trainer
+    """Bytes on the tp group in step 2, measured (engine/observe/comm_bytes.py)."""
+    from tenfold.engine.observe.comm_bytes import CollectiveBytes
+    from tenfold.engine.loop.trainer import Trainer
 
     t = Trainer(cfg, dataset=token_array())
     t.setup()
@@ -116,7 +116,7 @@ def comm_bytes(cfg: dict) -> dict:
 
 def tp_rng_draws() -> list[float]:
     """What torch's random stream gives after setup (dropout inside a TP region draws here)."""
-    from tenfold.engine.trainer import Trainer
+    from tenfold.engine.loop.trainer import Trainer
 
     t = Trainer(tp_config(), dataset=token_array())
     t.setup()
@@ -125,7 +125,7 @@ def tp_rng_draws() -> list[float]:
 
 def fp16_overflow() -> list[dict]:
     """fp16 under tp 2: rank 1 alone gets an inf in its gradient shard at step 2."""
-    from tenfold.engine.trainer import Trainer
+    from tenfold.engine.loop.trainer import Trainer
 
     t = Trainer(tp_config("fp16", 1, 2), dataset=token_array())
     t.setup()
@@ -192,7 +192,7 @@ TP2DP2_CASES = {
 def main() -> None:
     mode, out_path = sys.argv[1], sys.argv[2]
     result = {"tp2": mode_tp2, "tp2dp2": mode_tp2dp2}[mode]()
-    from tenfold.engine.distributed import gather_to_main, init_distributed, shutdown
+    from tenfold.engine.parallel.distributed import gather_to_main, init_distributed, shutdown
 
     info = init_distributed()
     per_rank = gather_to_main(result, info)

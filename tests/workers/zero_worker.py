@@ -46,8 +46,8 @@ def run_steps(cfg, measure_at: int | None = 1, steps: int = STEPS):
     """Losses of STEPS steps, plus this rank's model-state bytes at the optimizer step, the
     memory engineer's `measure_step_memory` of step `measure_at` (0-based), the collectives
     of the last step counted, and its reductions as the backend ran them (`reductions`)."""
-    from tenfold.engine.memory import measure_step_memory
-    from tenfold.engine.trainer import Trainer
+    from tenfold.engine.memory.measure import measure_step_memory
+    from tenfold.engine.loop.trainer import Trainer
     from tenfold.techniques import zero
 
     t = Trainer(cfg, dataset=token_array())
@@ -152,7 +152,7 @@ def init_sync() -> dict:
     """Ranks that initialise DIFFERENTLY (seeded by rank) must all train rank 0's weights
     after apply_zero: DDP broadcasts them, for FSDP2 apply_zero does."""
     from tenfold.config import ParallelSection
-    from tenfold.engine.distributed import init_distributed
+    from tenfold.engine.parallel.distributed import init_distributed
     from tenfold.models.gpt import GPT
     from tenfold.models.presets import get_preset
     from tenfold.techniques import zero
@@ -218,7 +218,7 @@ def mode_memory(out_dir: str) -> dict:
 
 def mode_fp16_overflow(out_dir: str) -> dict:
     """fp16 at stage 0 and 3: rank 1 alone gets an inf gradient at step 2 (index 1)."""
-    from tenfold.engine.trainer import Trainer
+    from tenfold.engine.loop.trainer import Trainer
 
     results = {}
     for stage in (0, 3):
@@ -244,7 +244,7 @@ def mode_timeout(out_dir: str) -> dict:
     other within the bound instead of hanging for `parallel.timeout_s`."""
     import torch.distributed as dist
 
-    from tenfold.engine.distributed import init_distributed, tighten_timeouts
+    from tenfold.engine.parallel.distributed import init_distributed, tighten_timeouts
 
     info = init_distributed(1, 600.0)
     tighten_timeouts(info, 3.0)
@@ -274,7 +274,7 @@ def main() -> None:
 
 def write_per_rank(result: dict, out_path: str) -> None:
     """Rank 0 writes every rank's `result` as {rank: result} (a collective: every rank calls it)."""
-    from tenfold.engine.distributed import gather_to_main, init_distributed
+    from tenfold.engine.parallel.distributed import gather_to_main, init_distributed
 
     info = init_distributed()
     per_rank = gather_to_main(result, info)

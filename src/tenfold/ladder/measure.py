@@ -133,7 +133,7 @@ def add_repeat(result: RungResult, again: RungResult) -> None:
     """Fold a repeated run of the same rung into `result`: its tokens/s joins
     `tokens_per_s_runs` and the rung counts its best run. Other work on a shared machine only
     ever slows a run, so the best of a few is the estimate of the undisturbed speed (the rule
-    `engine/peak.py` uses for the GEMM peak); every rung, the baseline included, gets the same
+    `engine/observe/peak.py` uses for the GEMM peak); every rung, the baseline included, gets the same
     number of runs. Memory, losses and the command stay those of the first run (same config)."""
     if result.status != "measured" or not result.tokens_per_s:
         return
@@ -339,7 +339,7 @@ def _read_outputs(result: RungResult, summary_path: Path, metrics_path: Path) ->
 
 
 def _read_memory(result: RungResult, memory: dict, records: list[dict]) -> None:
-    """Measured memory by category from summary.json (`memory.measured`, engine/memory.py;
+    """Measured memory by category from summary.json (`memory.measured`, engine/memory/measure.py;
     with several ranks `memory.measured_per_rank`, and the most loaded rank is the one shown:
     pipeline stages differ); without it, the process's peak resident set (not by category)."""
     per_rank = memory.get("measured_per_rank")

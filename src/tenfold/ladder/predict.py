@@ -3,7 +3,7 @@
 The prediction uses the same config the rung trains with: `build_config(user layers, rung
 overrides)` -> `tenfold.run.resolve_run` (the run the engine builds: fp32
 parameters under autocast, eager activations) -> `tenfold.plan.api.predict` on the planner's
-hardware entry for this device (`cpu`: peak FLOP/s measured by `tenfold.engine.peak`).
+hardware entry for this device (`cpu`: peak FLOP/s measured by `tenfold.engine.observe.peak`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from tenfold.ladder.rungs import LadderSetup, RungSpec, divisors, recompute_rung
 class Prediction:
     tokens_per_s: float | None = None
     peak_bytes: float | None = None
-    memory: dict[str, int] = field(default_factory=dict)  # the measurement's keys (engine/memory.py)
+    memory: dict[str, int] = field(default_factory=dict)  # the measurement's keys (engine/memory/measure.py)
     step_time_s: float | None = None
     mfu: float | None = None
     error: str | None = None
@@ -40,7 +40,7 @@ def predict_rung(spec: RungSpec, user_layers: list[dict], device_type: str = "cp
     try:
         import torch
 
-        from tenfold.engine.memory import planner_hardware_name, predicted_memory
+        from tenfold.engine.memory.measure import planner_hardware_name, predicted_memory
         from tenfold.plan.for_run import predict_run
         from tenfold.run import resolve_run
 

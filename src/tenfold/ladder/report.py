@@ -12,7 +12,7 @@ from tenfold.ladder.measure import RungResult
 from tenfold.ladder.rungs import SEED_CLAIMS
 
 MiB = 2**20
-MEMORY_PARTS = (  # measured categories, stacked in the chart (engine/memory.py's keys)
+MEMORY_PARTS = (  # measured categories, stacked in the chart (engine/memory/measure.py's keys)
     ("params_bytes", "params"), ("grads_bytes", "grads"), ("optimizer_bytes", "optimizer"),
     ("gathered_params_bytes", "gathered params"), ("activations_bytes", "activations"),
 )

@@ -213,7 +213,7 @@ def _now() -> str:
 def hardware_info(device: str) -> dict[str, Any]:
     import torch
 
-    from tenfold.engine.memory import planner_hardware_name
+    from tenfold.engine.memory.measure import planner_hardware_name
     from tenfold.plan.hardware import cpu_model_name
 
     info: dict[str, Any] = {"device": device, "cpu": cpu_model_name(), "cores": os.cpu_count(),
@@ -224,7 +224,7 @@ def hardware_info(device: str) -> dict[str, Any]:
         info["gpus"] = torch.cuda.device_count()
         info["description"] = f"{torch.cuda.device_count()} x {info['gpu']}"
     else:
-        from tenfold.engine.peak import cpu_peak_flops
+        from tenfold.engine.observe.peak import cpu_peak_flops
 
         info["peak_flops"] = {d: cpu_peak_flops(d) for d in ("fp32", "bf16")}
         info["description"] = f"{info['cpu']}, {info['cores']} cores"

@@ -193,7 +193,7 @@ def ties_word_embeddings(source: str | Path) -> bool:
 
 
 def export_checkpoint_to_hf(weights: dict, saved_model: dict, out_dir: str | Path, info: dict) -> dict:
-    """`tenfold export` of a Hugging Face run's checkpoint (called by engine/export.py): the
+    """`tenfold export` of a Hugging Face run's checkpoint (called by engine/outputs/export.py): the
     consolidated `model.*` tensors -> a save_pretrained folder in `info["dtype"]`. The config
     comes from the run's own model.hf_pretrained / model.hf_config path."""
     source = saved_model.get("hf_pretrained") or saved_model.get("hf_config")

@@ -283,16 +283,16 @@ def _run_plan(args, t: Target, hw) -> int:
     report.print_plan(plan, hw, explain=args.explain)
     report.print_run(_run_section(t, plan, advice))
     if traced is not None:
-        from tenfold.engine.trace_report import print_comparison
+        from tenfold.engine.preview.trace_report import print_comparison
 
         print_comparison(traced)
     return 0
 
 
 def _trace(args, t: Target, plan, advice) -> dict:
-    """`--trace`: the run train would do, traced (tenfold.engine.trace), beside this plan."""
-    from tenfold.engine.trace import check_traceable, trace_run
-    from tenfold.engine.trace_report import compare, planned_stage
+    """`--trace`: the run train would do, traced (tenfold.engine.preview.trace), beside this plan."""
+    from tenfold.engine.preview.trace import check_traceable, trace_run
+    from tenfold.engine.preview.trace_report import compare, planned_stage
     from tenfold.plan.for_run import memory_by_category
     from tenfold.run_args import train_argv
 

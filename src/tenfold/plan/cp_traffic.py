@@ -39,7 +39,7 @@ def kv_bytes(cfg: ModelConfig, run: ResolvedRun) -> float:
 
 
 def cp_group(run: ResolvedRun, hw: Hardware) -> comm.Group:
-    """The cp ranks: neighbours in the dp dimension, tp apart (engine/distributed.py)."""
+    """The cp ranks: neighbours in the dp dimension, tp apart (engine/parallel/distributed.py)."""
     return comm.group_layout(run.cp, run.tp, hw.gpus_per_node)
 
 

@@ -1,6 +1,6 @@
 """This machine's measured GEMM peak, as the planner reads it (the MFU denominator on a CPU).
 
-`tenfold.engine.peak` measures it (with torch) and keeps it in `cpu_peak.json` in the cache
+`tenfold.engine.observe.peak` measures it (with torch) and keeps it in `cpu_peak.json` in the cache
 folder (`tenfold.terms.cache_dir`: $TENFOLD_CACHE_DIR, else ~/.cache/tenfold). An entry's key
 names what the figure depends on: the CPU model and core count, the torch version and the
 thread count it was measured with (`cache_key`); when one of them changes, so does the key,
@@ -8,7 +8,7 @@ and the figure is measured again. Each entry holds one figure per dtype, measure
 run or a plan needs that dtype.
 
 The planner never imports torch: where the cache has no figure for the dtype a plan prices,
-`measured_peak` runs `python -m tenfold.engine.peak --dtype D --threads N` in a subprocess,
+`measured_peak` runs `python -m tenfold.engine.observe.peak --dtype D --threads N` in a subprocess,
 whose measurement takes a bounded time (a few seconds) however busy the machine is.
 """
 
@@ -30,7 +30,7 @@ METHOD = "bounded-mm-linear-v3"
 MEASURED_DTYPES = ("fp32", "bf16", "fp16")
 MAX_CACHE_BYTES = 2**20
 # The subprocess imports torch (seconds on a busy machine) and measures for at most
-# tenfold.engine.peak.BUDGET_S; this only guards against a child that never answers.
+# tenfold.engine.observe.peak.BUDGET_S; this only guards against a child that never answers.
 SUBPROCESS_TIMEOUT_S = 60
 
 
@@ -98,10 +98,10 @@ def measured_peak(dtype: str) -> float:
         raise UserError(f"--gpu cpu: this CPU's {dtype} peak is measured with torch, which is not "
                         "installed here; install torch, or name a GPU from the catalog (--gpu a100-80gb), "
                         "or give the rate (--achieved-tflops)")
-    cmd = [sys.executable, "-m", "tenfold.engine.peak", "--dtype", dtype, "--threads", str(threads)]
+    cmd = [sys.executable, "-m", "tenfold.engine.observe.peak", "--dtype", dtype, "--threads", str(threads)]
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S, check=True)
         return float(json.loads(out.stdout.strip().splitlines()[-1])[dtype])
     except (OSError, subprocess.SubprocessError, ValueError, IndexError, KeyError, TypeError) as exc:
         raise UserError(f"--gpu cpu: could not measure this CPU's {dtype} peak with "
-                        f"`python -m tenfold.engine.peak --dtype {dtype}` ({exc})") from None
+                        f"`python -m tenfold.engine.observe.peak --dtype {dtype}` ({exc})") from None

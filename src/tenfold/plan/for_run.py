@@ -41,7 +41,7 @@ MEMORY_LINE_NAMES = {"gathered_params_bytes": "gathered params"}
 
 def memory_by_category(m: MemoryBreakdown) -> dict[str, int]:
     """The planner's per-rank memory under the engine's measured keys (summary.json's
-    `memory.predicted`; tenfold.engine.memory.MEMORY_KEYS).
+    `memory.predicted`; tenfold.engine.memory.measure.MEMORY_KEYS).
 
     gathered_params_bytes: the unsharded working copies of parameters beside the rank's own
     (FSDP2's all-gathered units, torch.amp's 16-bit weight casts: `memory.gathered_params_bytes`

@@ -270,7 +270,7 @@ def cpu_hardware() -> Hardware:
         gemm_efficiency=1.0, matmul_fraction=1.0,  # the peak is itself a measured large GEMM
         runtime_overhead_bytes=0.0, shared_compute=True, host_memory_bytes=_ram_bytes(),
         sources={
-            "peak": f"measured by `python -m tenfold.engine.peak` on {cpu_model_name()}, {machine_threads()} threads "
+            "peak": f"measured by `python -m tenfold.engine.observe.peak` on {cpu_model_name()}, {machine_threads()} threads "
                     f"(cached in {cpu_peak_path()})",
             "memory": "MemTotal from /proc/meminfo",
             "intra": "rough constant: gloo over loopback ~2 GB/s, 50 us per message",

@@ -410,7 +410,7 @@ def stage_activations(cfg: ModelConfig, run: ResolvedRun, modules: tuple[int, ..
                       last: bool, rank: int | None = None) -> StageActivations:
     """Activations of one pipeline rank at its peak. `modules`: the blocks of each stage module
     the rank holds (one entry without interleaving); recompute wraps each module's blocks on its
-    own, as the engine applies it per stage (engine/parallelize.py). `rank`: the pipeline rank
+    own, as the engine applies it per stage (engine/parallel/parallelize.py). `rank`: the pipeline rank
     (default 0 when `first`, else the last)."""
     policy = run.recompute
     full = activation_bytes_per_layer(cfg, run)

@@ -58,7 +58,7 @@ class MicroBatch:
 
 def compute_share(hw: Hardware, gpus: int) -> float:
     """Ranks on one CPU share its cores: the measured peak is the whole machine's, and each of
-    `gpus` ranks gets its share of it (as `tenfold train` divides it, tenfold.engine.peak)."""
+    `gpus` ranks gets its share of it (as `tenfold train` divides it, tenfold.engine.observe.peak)."""
     return 1.0 / gpus if hw.shared_compute else 1.0
 
 

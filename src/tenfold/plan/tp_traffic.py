@@ -2,7 +2,7 @@
 
 Unit: the bytes one rank sends in a ring implementation (nccl-tests' bus-bandwidth factors):
 an all-reduce of S bytes over t ranks moves 2 (t-1)/t S, a reduce-scatter or all-gather of S
-bytes (t-1)/t S. `tenfold.engine.comm_bytes` measures the same quantity, and a test holds the
+bytes (t-1)/t S. `tenfold.engine.observe.comm_bytes` measures the same quantity, and a test holds the
 two equal for tenfold's GPT (tests/test_tensor_parallel.py).
 
 Per micro-batch (b sequences of s tokens, hidden h, t tp ranks, L layers on this stage):

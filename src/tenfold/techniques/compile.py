@@ -5,7 +5,7 @@ Each block's forward is compiled on its own, as torchtitan's `apply_compile` doe
 shapes, so one compiled graph serves all of them (torch.compile's inlined nn.Module guards
 compile `Block.forward` once, not once per block), compile time does not grow with depth, and
 the embedding, the head and the loss stay eager. The order is torchtitan's too
-(engine/parallelize.py): after tensor parallelism and activation recompute (the
+(engine/parallel/parallelize.py): after tensor parallelism and activation recompute (the
 `torch.utils.checkpoint` call is traced as a higher-order op whose recompute the compiled
 backward keeps), before FSDP2's `fully_shard` (its all-gather and reduce-scatter hooks run
 eagerly around the compiled forward). Tensor-parallel blocks are not compiled: on torch 2.13

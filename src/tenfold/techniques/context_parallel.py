@@ -35,7 +35,7 @@ Two block kernels compute the same thing:
 The cp ranks hold the same parameters and compute gradients on different tokens of the same
 rows, so they join the data-parallel gradient reduction (FSDP2 / DDP over dp x cp, as
 torchtitan shards over dp_shard x cp), count their own targets in the global token count and
-load the same rows (tenfold.engine.distributed builds the groups; the step splits each
+load the same rows (tenfold.engine.parallel.distributed builds the groups; the step splits each
 micro-batch with `local_batch`).
 """
 

@@ -19,7 +19,7 @@ instead of 2, and after every optimizer step `precompute_float8_dynamic_scale_fo
 computes all weight scales in one all-reduce instead of one per weight (torchao's
 float8 README, torchtitan's `Float8Converter.post_optimizer_hook`).
 
-Order (engine/parallelize.py, torchtitan's): conversion comes first, before tensor
+Order (engine/parallel/parallelize.py, torchtitan's): conversion comes first, before tensor
 parallelism, recompute, compile and FSDP2, which then wrap the converted modules. State-dict
 keys are those of nn.Linear, so checkpoints and exports do not change.
 

@@ -15,11 +15,11 @@ default, `autocast_adapter_dtype=True`). PEFT casts an adapter's input to the ad
 that is switched off (`cast_input_dtype_enabled`), so under autocast A reads the 16-bit input
 the base reads, instead of keeping an fp32 copy of it for backward.
 
-Order (engine/parallelize.py): first, on the whole model on every rank (the adapters' random
+Order (engine/parallel/parallelize.py): first, on the whole model on every rank (the adapters' random
 init then draws what one process draws), before the pipeline split, the NF4 base
 (techniques/nf4.py), recompute, compile and ZeRO, which wrap the converted model as any other.
 PEFT's names stay: `...wq.base_layer.weight` (frozen), `...wq.lora_A.default.weight`; checkpoints
-hold only the adapters (engine/checkpoint/model_state.py) and the base's identity (`base_identity`).
+hold only the adapters (engine/outputs/checkpoint/model_state.py) and the base's identity (`base_identity`).
 """
 
 from __future__ import annotations

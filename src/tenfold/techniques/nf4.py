@@ -17,7 +17,7 @@ adapters train in the compute dtype over the 4-bit base. FSDP2 shards NF4 weight
 torchtune's QLoRA recipes do. torchao's NF4 runs on CPUs too (bitsandbytes' 4-bit kernels need
 CUDA for most paths).
 
-Order (engine/parallelize.py): after the adapters (techniques/lora.py) and the pipeline split,
+Order (engine/parallel/parallelize.py): after the adapters (techniques/lora.py) and the pipeline split,
 on each stage's own blocks, before recompute, compile and ZeRO.
 """
 

@@ -17,7 +17,7 @@ Everything that schedules, sends and receives is `torch.distributed.pipelining`
    across pp degrees. `GPTStage.forward` runs embed (first stage), its blocks, head (last
    stage); `HFStage` (techniques/pipeline_hf.py) does the same for transformers' modules.
 3. Recompute and ZeRO (FSDP2) are applied to each stage afterwards by
-   `tenfold.engine.parallelize` (order: pipeline split -> recompute -> ZeRO).
+   `tenfold.engine.parallel.parallelize` (order: pipeline split -> recompute -> ZeRO).
 4. The schedule is built with `scale_grads=False` and a loss that is already
    `sum(token CE) / global_tokens * dp_size` (torchtitan normalises by the global number of
    valid tokens in its trainer): the schedule must not divide by the

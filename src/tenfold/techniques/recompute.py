@@ -14,7 +14,7 @@ instance attribute), instead of wrapping the module in a new parent. Parameter n
 (state_dict keys, named_parameters FQNs) therefore stay exactly as they were, checkpoints stay
 portable, and FSDP2's `fully_shard` can still be applied to each block afterwards (its hooks
 run around the checkpointed forward, so the all-gathered parameters are re-gathered inside
-the recompute; engine/parallelize.py applies recompute before ZeRO for that reason).
+the recompute; engine/parallel/parallelize.py applies recompute before ZeRO for that reason).
 
 """
 

@@ -80,7 +80,7 @@ class ZeroChoices(Protocol):
 
 
 class DataParallelRanks(Protocol):
-    """This rank's place in the layout (tenfold.engine.distributed.DistInfo has it)."""
+    """This rank's place in the layout (tenfold.engine.parallel.distributed.DistInfo has it)."""
 
     @property
     def device(self) -> torch.device: ...
@@ -177,7 +177,7 @@ def _broadcast_from_dp_rank0(model: nn.Module, dist: DataParallelRanks) -> None:
             continue
         # a tensor-parallel DTensor: its local part (the dp peers hold the same part)
         local = t.to_local() if hasattr(t, "to_local") else t.data
-        if is_nf4(local):  # QLoRA's frozen 4-bit base: every rank checked it built the same (engine/lora_run.py)
+        if is_nf4(local):  # QLoRA's frozen 4-bit base: every rank checked it built the same (engine/loop/lora_run.py)
             continue
         torch_dist.broadcast(local, src=src, group=group)
 

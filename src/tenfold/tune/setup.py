@@ -87,7 +87,7 @@ def _precisions(device: str) -> tuple[list[str], bool]:
 def _prior_hardware(args: argparse.Namespace, device: str, nproc: int) -> Hardware:
     import torch
 
-    from tenfold.engine.memory import planner_hardware_name
+    from tenfold.engine.memory.measure import planner_hardware_name
     from tenfold.plan.hardware import get_hardware, load_hardware_toml
 
     hw = load_hardware_toml(args.hardware_file) if args.hardware_file else get_hardware(

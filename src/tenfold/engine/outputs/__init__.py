@@ -1,0 +1,1 @@
+"""What a run writes: the run folder, checkpoints, exports, safe file writes."""
