@@ -399,11 +399,6 @@ def check_traceable(run, dp: int) -> None:
     (torch._grouped_mm's fake kernel)."""
     from tenfold.errors import UserError
 
-    from tenfold.terms import MULTI_STAGE_SCHEDULES
-
-    if run.pp > 1 and run.pp_schedule in MULTI_STAGE_SCHEDULES:
-        raise UserError(f"--trace runs single-stage pipeline schedules (1f1b, gpipe); the tensor tracker's module hooks "
-                        f"break the stage backward of the {run.pp_schedule} schedule (torch 2.13)")
     if run.model is not None and run.model.is_moe and run.precision != "bf16":
         raise UserError(f"--trace runs mixture-of-experts models in bf16 (--precision bf16); torch's fake-tensor "
                         f"kernel of the experts' grouped GEMM (torch._grouped_mm) takes bf16 only, not {run.precision}")
