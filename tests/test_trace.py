@@ -29,6 +29,11 @@ CASES = {
     "tp2_zero1": ["--zero", "1", "--gpus", "8", "--tp", "2"],
     "tp2_sequence_parallel": ["--zero", "3", "--gpus", "8", "--tp", "2", "--sequence-parallel"],
     "pp2_zero3": ["--zero", "3", "--gpus", "8", "--pp", "2", "--grad-accum", "4"],
+    # multi-stage schedules: 4 stages on 2 pipeline ranks (rank 0 holds stages 0 and 2)
+    "pp2_interleaved_zero3": ["--zero", "3", "--gpus", "8", "--pp", "2", "--pp-schedule", "interleaved",
+                              "--virtual-stages", "2", "--grad-accum", "4"],
+    "pp2_zero_bubble_zero3": ["--zero", "3", "--gpus", "8", "--pp", "2", "--pp-schedule", "zero-bubble",
+                              "--virtual-stages", "2", "--grad-accum", "4"],
     "recompute_full": ["--zero", "3", "--gpus", "8", "--ac", "full"],
     "fp32": ["--zero", "3", "--gpus", "8", "--precision", "fp32"],
     "one_process": ["--gpus", "1"],
@@ -61,6 +66,21 @@ KNOWN_MISSES = {
         "16 KiB more (a unit's gradient beside them while it is added in), -4%",
     ("pp2_zero3", "activations_bytes"): _ACTIVATIONS + "; pipelined: -8%",
     ("pp2_zero3", "gathered_params_bytes"): "under pipelining the plan holds the whole stage gathered, the trace less",
+    ("pp2_interleaved_zero3", "grads_bytes"):
+        "as pp2_zero3: the traced high-water mark holds 16 KiB more than the unsharded fp32 gradients, -4.1%",
+    ("pp2_interleaved_zero3", "gathered_params_bytes"):
+        "under pipelining the plan holds both local stages gathered, the trace less: +19.9%",
+    ("pp2_interleaved_zero3", "activations_bytes"): _ACTIVATIONS + "; interleaved, v 2: -11.8%",
+    ("pp2_interleaved_zero3", "peak_bytes"): "follows the activation miss: -4.6%",
+    ("pp2_zero_bubble_zero3", "grads_bytes"):
+        "the traced high-water mark holds 96.5 KiB more than the unsharded fp32 gradients (interleaved: 16 KiB): "
+        "-20.0%, not yet explained",
+    ("pp2_zero_bubble_zero3", "gathered_params_bytes"):
+        "under pipelining the plan holds both local stages gathered, the trace less: +19.9%",
+    ("pp2_zero_bubble_zero3", "activations_bytes"):
+        _ACTIVATIONS + "; the plan prices zero-bubble's micro-batches in flight as interleaved 1F1B's, the trace "
+        "holds 20% more than interleaved: -26.6%",
+    ("pp2_zero_bubble_zero3", "peak_bytes"): "follows the gradient and activation misses: -19.2%",
     ("recompute_full", "activations_bytes"): _ACTIVATIONS + "; full recompute: the plan +35%",
     ("recompute_full", "peak_bytes"): "follows the activation miss",
     ("fp32", "peak_bytes"): "the plan's peak adds every term at its own high plus one unsharded gradient unit: +3.6%",
@@ -234,3 +254,17 @@ def test_pipelined_context_parallel_stages_send_the_local_sequence():
     traffic = out["cp_traffic"]
     assert traffic["traced"] > 0
     assert abs(traffic["planned"] - traffic["traced"]) <= COLLECTIVE_TOLERANCE * traffic["traced"], traffic
+
+
+@pytest.mark.parametrize("case", ["pp2_interleaved_zero3", "pp2_zero_bubble_zero3"])
+def test_multi_stage_rank_runs_both_of_its_stages(case):
+    """pp 2 with 2 stages per rank (4 stages): rank 0 holds stages 0 and 2, so its parameters are
+    both stages' (the plan's, exactly), and per micro-batch it sends stage 0's output and stage
+    2's output forward and stage 2's input gradient back (3 sends of b x s x d bf16; stage 0 sends
+    no gradient), receiving as many."""
+    out = traced(case)
+    assert out["memory"]["params_bytes"]["traced"] == out["memory"]["params_bytes"]["planned"]
+    b, m, s = out["batch"]["micro_batch"], out["batch"]["grad_accum"], out["batch"]["seq_len"]
+    for kind in ("send", "recv"):
+        p2p = next(c for c in out["collectives"] if c["kind"] == kind and c["group"] == "pp")
+        assert (p2p["count"], p2p["payload_bytes"]) == (3 * m, 3 * m * b * s * 64 * 2), p2p

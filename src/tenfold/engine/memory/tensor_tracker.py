@@ -12,6 +12,7 @@ why memory was not measured).
 from __future__ import annotations
 
 import warnings
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -87,6 +88,39 @@ def _follow_category_peaks(tracker: Any, current: dict) -> None:
 
 def _make_tracker_class():
     from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _RefType
+    from torch.distributed._tools.mod_tracker import ModTracker
+    from torch.autograd.graph import register_multi_grad_hook
+    from torch.utils._pytree import tree_flatten
+
+    class StageModTracker(ModTracker):
+        """ModTracker whose end-of-module-backward marker skips inputs that are autograd leaves.
+
+        ModTracker marks the end of a module's backward with a multi-grad hook on every input
+        that requires a gradient; the hook asks the autograd engine whether each input's node
+        will run, which the engine refuses for a leaf inside `torch.autograd.grad` ("A leaf node
+        was passed to _will_engine_execute_node", torch 2.13). A pipeline stage's input is such
+        a leaf (the received activation), and the zero-bubble schedule runs the stage's input
+        backward with `torch.autograd.grad`. A module whose every such input is a leaf gets the
+        end-of-backward marker ModTracker gives a module without one (the engine's callback at
+        the end of the backward). The markers only time the per-module snapshots; the step's
+        categories and peak do not depend on them.
+        """
+
+        def _fw_pre_hook(self, mod, input):
+            if torch._dynamo.eval_frame._is_in_optimized_module():
+                return
+            name = self._get_mod_name(mod)
+            w_mod = weakref.ref(mod)
+            self._get_append_fn(w_mod, name, False)()
+            if self._user_pre_fw_hook is not None:
+                self._user_pre_fw_hook(mod, input)
+            args, _ = tree_flatten(input)
+            tensors = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad and a.grad_fn is not None]
+            if not self.is_bw:
+                if tensors:
+                    register_multi_grad_hook(tensors, self._get_pop_fn(w_mod, name, True))
+                else:
+                    self._post_bw_callbacks_to_enqueue.append(self._get_pop_fn(w_mod, name, True))
 
     # A str enum: each member equals MemTracker's own member of the same name and value.
     step_ref_type = _RefType("StepRefType", {**{m.name: m.value for m in _MemRefType}, "GATHERED": GATHERED})
@@ -106,6 +140,7 @@ def _make_tracker_class():
         def __init__(self, per_module: bool = True, gathered: set[int] = frozenset(),
                      params: set[int] = frozenset()) -> None:
             super().__init__()
+            self._mod_tracker = StageModTracker()
             self._ref_class = step_ref_type
             self.per_module = per_module  # False: only the step's totals (much less overhead)
             self.act_peak: dict = {}  # per device: (highest Activation + Temp, the snapshot then)
@@ -138,7 +173,13 @@ def _make_tracker_class():
             if module in self.memory_tracking and not self._mod_tracker.is_bw:
                 name = self._mod_tracker.get_known_fqn(module)
                 if set(self._mod_tracker.parents) - {name} == {"Global"}:
-                    self.reset_mod_stats()
+                    # A root's next forward restarts the statistics of that root's modules
+                    # only: a multi-stage pipeline schedule runs several roots on one rank (its
+                    # stages), and a stage's backward may still be due when another stage's
+                    # next forward starts (its modules' backward hooks look their stats up).
+                    # With one root, that is every module tracked.
+                    for sub in module.modules():
+                        self.memory_tracking.pop(sub, None)
             super()._pre_fw_hook(module, inputs)
 
     return StepMemTracker
