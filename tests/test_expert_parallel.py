@@ -62,6 +62,54 @@ def test_ep_layouts_match_one_process_losses_and_first_step_gradients(two_ranks,
     assert reference["losses"][-1] < reference["losses"][0] - 0.3  # it learns
 
 
+@pytest.fixture(scope="module")
+def pipeline_ranks(tmp_path_factory):
+    return torchrun("pipeline", tmp_path_factory.mktemp("pp2ep2"), nproc=4, worker="moe_worker.py", timeout=900)
+
+
+@pytest.fixture(scope="module")
+def tensor_ranks(tmp_path_factory):
+    return torchrun("tensor", tmp_path_factory.mktemp("tp2ep2"), nproc=4, worker="moe_worker.py", timeout=900)
+
+
+def _assert_matches(got: dict, reference: dict) -> None:
+    """Losses of every step, the first step's gradients of the parameters this rank holds (all
+    of them, unless a pipeline stage holds some) and the expert load of its MoE layers."""
+    assert rel_err(got["losses"], reference["losses"]) < RTOL, (got["losses"], reference["losses"])
+    assert rel_err(got["grad_norms"], reference["grad_norms"]) < 10 * RTOL
+    assert got["grads"] and set(got["grads"]) <= set(reference["grads"])
+    for name, values in got["grads"].items():
+        ref = reference["grads"][name]
+        scale = max(abs(v) for v in ref)
+        worst = max(abs(a - b) for a, b in zip(values, ref))
+        assert worst <= RTOL * scale + 1e-9, (name, worst, scale)
+    assert [[step[i] for i in got["layers"]] for step in reference["loads"]] == got["loads"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("run", ["pp2-0", "pp2-3"])
+def test_ep_under_a_1f1b_pipeline_matches_one_process(pipeline_ranks, reference_micro1, run):
+    """pp 2 x dp 2, ep 2 over each stage's dp ranks, micro 1 x accum 2: the one process's micro 1 x
+    accum 4. Each stage's ranks hold half the parameters; together they hold every one."""
+    held = set()
+    for rank in ("0", "1", "2", "3"):
+        got = pipeline_ranks[rank][run]
+        _assert_matches(got, reference_micro1)
+        assert len(got["layers"]) == 1  # one MoE layer a stage
+        held |= set(got["grads"])
+    assert held == set(reference_micro1["grads"])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("run", ["tp2-0", "tp2-3"])
+def test_ep_beside_tensor_parallel_attention_matches_one_process(tensor_ranks, reference, run):
+    """tp 2 x dp 2, ep 2 over the dp ranks of each tp rank, micro 2 x accum 1."""
+    for rank in ("0", "1", "2", "3"):
+        got = tensor_ranks[rank][run]
+        _assert_matches(got, reference)
+        assert got["grads"].keys() == reference["grads"].keys()
+
+
 def _train(out: Path, *flags: str) -> list[dict]:
     from conftest import RUN_FLAGS, read_metrics, tenfold_child
 

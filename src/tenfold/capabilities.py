@@ -144,7 +144,10 @@ def expert_parallel_problems(run) -> list[str]:
         out.append(f"{flag}: expert parallelism runs tenfold's MoE blocks (--model tiny-moe, mixtral-8x7b, ...) and "
                    f"the Hugging Face model_types {', '.join(MOE_FAMILIES)} (--hf-config / --hf-pretrained); "
                    f"a {what} trains with --ep 1")
-    others = {"--pp": run.pp > 1, "--tp": run.tp > 1, "--zero 1": run.zero_stage == 1, "--offload": run.offload != "none",
+    if run.pp > 1 and (run.model_kind != "tenfold" or run.pp_schedule != "1f1b" or run.zero_stage not in (0, 3)):
+        out.append(f"{flag} with --pp {run.pp}: the pipeline runs expert parallelism on tenfold's MoE blocks with "
+                   f"--pp-schedule 1f1b and --zero 0 or 3")
+    others = {"--tp": run.tp > 1, "--zero 1": run.zero_stage == 1, "--offload": run.offload != "none",
               "--shard-group": bool(run.shard_group), "--lora/--qlora": run.lora is not None, "--fp8": run.fp8,
               "--compile": run.compile}
     refused = [name for name, on in others.items() if on]
