@@ -147,7 +147,11 @@ def expert_parallel_problems(run) -> list[str]:
     if run.pp > 1 and (run.model_kind != "tenfold" or run.pp_schedule != "1f1b" or run.zero_stage not in (0, 3)):
         out.append(f"{flag} with --pp {run.pp}: the pipeline runs expert parallelism on tenfold's MoE blocks with "
                    f"--pp-schedule 1f1b and --zero 0 or 3")
-    others = {"--tp": run.tp > 1, "--zero 1": run.zero_stage == 1, "--offload": run.offload != "none",
+    if run.tp > 1 and (run.model_kind != "tenfold" or run.sequence_parallel):
+        out.append(f"{flag} with --tp {run.tp}: tensor parallelism splits attention and the dense layers of tenfold's "
+                   "MoE models while each tp rank runs the MoE layers on the same tokens, which needs "
+                   "--no-sequence-parallel")
+    others = { "--zero 1": run.zero_stage == 1, "--offload": run.offload != "none",
               "--shard-group": bool(run.shard_group), "--lora/--qlora": run.lora is not None, "--fp8": run.fp8,
               "--compile": run.compile}
     refused = [name for name, on in others.items() if on]
