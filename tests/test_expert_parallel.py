@@ -87,7 +87,7 @@ def _assert_matches(got: dict, reference: dict) -> None:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("run", ["pp2-0", "pp2-3"])
+@pytest.mark.parametrize("run", ["pp2-0", "pp2-3", "pp2-3-recompute", "pp2-ep1-0"])
 def test_ep_under_a_1f1b_pipeline_matches_one_process(pipeline_ranks, reference_micro1, run):
     """pp 2 x dp 2, ep 2 over each stage's dp ranks, micro 1 x accum 2: the one process's micro 1 x
     accum 4. Each stage's ranks hold half the parameters; together they hold every one."""
@@ -101,7 +101,7 @@ def test_ep_under_a_1f1b_pipeline_matches_one_process(pipeline_ranks, reference_
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("run", ["tp2-0", "tp2-3"])
+@pytest.mark.parametrize("run", ["tp2-0", "tp2-3", "tp2-3-recompute", "tp2-ep1-3"])
 def test_ep_beside_tensor_parallel_attention_matches_one_process(tensor_ranks, reference, run):
     """tp 2 x dp 2, ep 2 over the dp ranks of each tp rank, micro 2 x accum 1."""
     for rank in ("0", "1", "2", "3"):

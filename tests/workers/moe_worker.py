@@ -88,19 +88,30 @@ def mode_equivalence(out_dir: str) -> dict:
 
 def mode_pipeline(out_dir: str) -> dict:
     """4 ranks: pp 2 x dp 2 with ep 2 over the dp ranks of each stage (one MoE layer a stage),
-    micro 1 x accum 2 x dp 2 under 1F1B, ZeRO-0 and ZeRO-3."""
-    return {f"pp2-{stage}": run_steps(config(stage, 1, 2, os.path.join(out_dir, f"pp-{stage}"), ep=2, pp=2))
+    micro 1 x accum 2 x dp 2 under 1F1B, ZeRO-0 and ZeRO-3 (and ZeRO-3 with full recompute);
+    the same without ep."""
+    runs = {f"pp2-{stage}": run_steps(config(stage, 1, 2, os.path.join(out_dir, f"pp-{stage}"), ep=2, pp=2))
             for stage in (0, 3)}
+    # full recompute: the all-to-alls replayed in backward, the balance losses counted once
+    recomputed = config(3, 1, 2, os.path.join(out_dir, "pp-ac"), ep=2, pp=2)
+    recomputed["recompute"] = {"policy": "full"}
+    runs["pp2-3-recompute"] = run_steps(recomputed)
+    # no ep: the MoE layers' balance losses under the pipeline alone
+    runs["pp2-ep1-0"] = run_steps(config(0, 1, 2, os.path.join(out_dir, "pp-ep1"), ep=1, pp=2))
+    return runs
 
 
 def mode_tensor(out_dir: str) -> dict:
     """4 ranks: tp 2 x dp 2 with ep 2 over the dp ranks, micro 2 x accum 1 x dp 2 (no sequence
-    parallelism: the tp ranks route the same tokens), ZeRO-0 and ZeRO-3."""
+    parallelism: the tp ranks route the same tokens), ZeRO-0 and ZeRO-3 (and ZeRO-3 with full
+    recompute); ZeRO-3 without ep (the experts then sharded by FSDP2 over dp, whole on each tp rank)."""
     runs = {}
-    for stage in (0, 3):
-        cfg = config(stage, 2, 1, os.path.join(out_dir, f"tp-{stage}"), ep=2, tp=2)
+    for name, stage, ep, policy in (("tp2-0", 0, 2, "none"), ("tp2-3", 3, 2, "none"),
+                                    ("tp2-3-recompute", 3, 2, "full"), ("tp2-ep1-3", 3, 1, "none")):
+        cfg = config(stage, 2, 1, os.path.join(out_dir, name), ep=ep, tp=2)
         cfg["parallel"]["sequence_parallel"] = False
-        runs[f"tp2-{stage}"] = run_steps(cfg)
+        cfg["recompute"] = {"policy": policy}
+        runs[name] = run_steps(cfg)
     return runs
 
 
