@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tenfold.errors import UserError
+
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 from conftest import FP32_RTOL, rel_err, torchrun  # noqa: E402
@@ -108,6 +110,39 @@ def test_ep_beside_tensor_parallel_attention_matches_one_process(tensor_ranks, r
         got = tensor_ranks[rank][run]
         _assert_matches(got, reference)
         assert got["grads"].keys() == reference["grads"].keys()
+
+
+def _resolve(world: int, parallel: dict, **sections):
+    from tenfold.config import build_config
+    from tenfold.run import resolve_run
+
+    cfg = {"model": {"name": "tiny-moe"}, "parallel": parallel, "train": {"grad_accum": 2}, **sections}
+    return resolve_run(build_config(cfg), world)
+
+
+@pytest.mark.parametrize("world, parallel, sections, message", [
+    (4, {"pp_degree": 2, "ep_degree": 2, "pp_schedule": "gpipe"}, {},
+     r"--ep\) 2 with --pp needs --pp-schedule 1f1b \(got gpipe\)"),
+    (4, {"pp_degree": 2, "ep_degree": 2, "zero_stage": 2}, {}, r"--ep\) 2 with --pp needs --zero 0 or 3 \(got 2\)"),
+    (4, {"tp_degree": 2, "ep_degree": 2, "zero_stage": 2, "sequence_parallel": False}, {},
+     r"--ep\) 2 with --tp needs --zero 0 or 3 \(got 2\)"),
+    (4, {"tp_degree": 2, "ep_degree": 2}, {}, r"--tp\) 2 on a mixture-of-experts model .* pass --no-sequence-parallel"),
+    (4, {"tp_degree": 2, "sequence_parallel": True}, {},
+     r"--tp\) 2 on a mixture-of-experts model .* pass --no-sequence-parallel"),
+    (8, {"pp_degree": 2, "tp_degree": 2, "ep_degree": 2, "sequence_parallel": False}, {},
+     r"--tp\) 2 on a mixture-of-experts model runs without --pp \(got --pp 2\)"),
+    (4, {"pp_degree": 2, "ep_degree": 2}, {"recompute": {"policy": "full"}, "precision": {"fp8": True}},
+     r"--ep\) 2 does not combine with --fp8"),
+])
+def test_ep_beside_pp_or_tp_refuses_what_is_not_run(world, parallel, sections, message):
+    with pytest.raises(UserError, match=message):
+        _resolve(world, parallel, **sections)
+
+
+def test_ep_beside_a_1f1b_pipeline_or_tp_without_sequence_parallelism_resolves():
+    for zero in (0, 3):
+        assert _resolve(4, {"pp_degree": 2, "ep_degree": 2, "zero_stage": zero}).ep == 2
+        assert _resolve(4, {"tp_degree": 2, "ep_degree": 2, "zero_stage": zero, "sequence_parallel": False}).ep == 2
 
 
 def _train(out: Path, *flags: str) -> list[dict]:
