@@ -5,7 +5,10 @@ The ranks run tests/workers/moe_worker.py under torchrun (the Trainer, micro 2 x
 the reference runs here with the same global batch in the same micro-batches (micro 2 x accum 2:
 rank r's rows are the one process's micro-batch r, tenfold.data.loader's order rule), so each
 micro-batch's router balance loss is computed over the same tokens. fp32: only the order of the
-floating-point sums differs (the all-to-all regroups rows; the dp average)."""
+floating-point sums differs (the all-to-all regroups rows; the dp average).
+
+On 4 ranks the same comparison holds ep 2 beside a 1F1B pipeline (pp 2 x dp 2, mode "pipeline")
+and beside tensor parallelism (tp 2 x dp 2 without sequence parallelism, mode "tensor")."""
 
 from __future__ import annotations
 

@@ -3,6 +3,8 @@ tests/test_expert_parallel.py, never by pytest itself (no test functions).
 
     python -m torch.distributed.run --standalone --nproc-per-node N tests/workers/moe_worker.py MODE OUT.json
 
+MODE: equivalence (2 ranks), pipeline or tensor (4 ranks).
+
 Every rank builds the `Trainer` on the same token array (zero_worker's) with the tiny MoE model,
 runs steps and records its losses and the first step's gradients (whole tensors, gathered);
 rank 0 writes what every rank saw.
