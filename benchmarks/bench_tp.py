@@ -61,7 +61,7 @@ def run_one(args, tp: int, data: np.ndarray) -> dict:
         losses.append(t.train_step(batches).loss)
         times.append(time.perf_counter() - t0)
     row = {"tp": tp, "dp": 2 // tp, "losses": losses, "step_s": times,
-           "tokens_per_s": t.run.tokens_per_step / float(np.median(times[WARMUP:]))}
+           "tokens_per_s": t.parts.run.tokens_per_step / float(np.median(times[WARMUP:]))}
     if tp > 1:
         from tenfold.plan.for_run import predict_run
 
@@ -70,7 +70,7 @@ def run_one(args, tp: int, data: np.ndarray) -> dict:
             t.train_step(batches)
         row["bytes_measured"] = counter.ring_bytes(t.dist.mesh["tp"].get_group().group_name)
         row["bytes_by_kind"] = counter.by_kind(t.dist.mesh["tp"].get_group().group_name)
-        row["bytes_planned"] = predict_run(t.run, "cpu").tp_bytes_per_step
+        row["bytes_planned"] = predict_run(t.parts.run, "cpu").tp_bytes_per_step
     return row
 
 

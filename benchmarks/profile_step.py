@@ -34,6 +34,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from bench_compile import add_shape_arguments  # benchmarks/ is the script's own folder on sys.path
+from tenfold.engine.run_outputs import device_peak
 
 OPT_SCOPE = "tenfold: apply gradients"
 BUCKETS = ("matmul", "attention", "elementwise", "optimizer", "overhead")
@@ -111,10 +112,11 @@ def main() -> None:
         wall = time.perf_counter() - t0
     seconds = shares(prof, wall)
     step = wall / a.steps
-    tokens = trainer.run.tokens_per_step
-    peak = a.peak_gflops * 1e9 if a.peak_gflops else (trainer.peak_flops_per_device() or float("nan"))
-    mfu = trainer.flops_per_token * tokens / step / peak
-    matmul_eff = 6 * trainer.param_count * tokens / (seconds["matmul"] / a.steps) / peak
+    tokens = trainer.parts.run.tokens_per_step
+    peak = a.peak_gflops * 1e9 if a.peak_gflops else (
+        device_peak(trainer.dist, trainer.parts.precision.name)[0] or float("nan"))
+    mfu = trainer.parts.adapter.flops_per_token * tokens / step / peak
+    matmul_eff = 6 * trainer.parts.adapter.param_count * tokens / (seconds["matmul"] / a.steps) / peak
     print(f"# {a.model} {a.precision} micro {a.micro_batch} seq {a.seq_len}, {'compiled' if a.compile else 'eager'}, "
           f"{torch.get_num_threads()} threads, {a.steps} steps profiled after {a.warmup}; load {os.getloadavg()[0]:.2f}")
     print(f"step {step:.3f} s under the profiler, {tokens / step:,.0f} tok/s, MFU {mfu:.1%} of {peak / 1e9:,.0f} GFLOP/s; "

@@ -226,7 +226,7 @@ def _run_worker(out: Path) -> None:
     summary = trainer.fit()
     facts = {
         "losses": summary["losses"],
-        "fsdp_blocks": [isinstance(b, FSDPModule) for b in trainer.adapter.blocks],
+        "fsdp_blocks": [isinstance(b, FSDPModule) for b in trainer.parts.adapter.blocks],
         "fsdp_root": isinstance(trainer.model, FSDPModule),
         "recomputed": sorted(describe(trainer.model)),
         "world": trainer.dist.world_size,

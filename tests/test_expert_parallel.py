@@ -142,6 +142,17 @@ def test_ep_beside_pp_or_tp_refuses_what_is_not_run(world, parallel, sections, m
         _resolve(world, parallel, **sections)
 
 
+def test_ep_beside_tp_on_a_hugging_face_moe_model_is_refused():
+    from tenfold.config import build_config
+    from tenfold.run import resolve_run
+
+    cfg = {"model": {"hf_config": str(HERE / "data" / "mixtral-tiny" / "config.json")},
+           "parallel": {"tp_degree": 2, "ep_degree": 2, "sequence_parallel": False}}
+    with pytest.raises(UserError, match=r"--ep\) 2 with --tp needs tenfold's MoE blocks \(got a Hugging Face model "
+                                        r"of model_type 'mixtral'\)"):
+        resolve_run(build_config(cfg), 4)
+
+
 def test_ep_beside_a_1f1b_pipeline_or_tp_without_sequence_parallelism_resolves():
     for zero in (0, 3):
         assert _resolve(4, {"pp_degree": 2, "ep_degree": 2, "zero_stage": zero}).ep == 2

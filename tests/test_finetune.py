@@ -85,8 +85,8 @@ def test_labels_are_the_completions_and_a_prompt_only_batch_has_zero_gradient(tm
     tok = Tokenizer.from_file(str(hf_dir / "tokenizer.json"))
     trainer = Trainer(ft_config(tmp_path / "run", hf_dir, pc_file))
     trainer.setup()
-    assert trainer.data.format == "prompt-completion" and trainer.data.tokenizer.name == str(hf_dir.resolve())
-    batch = trainer.data.train[[0]].to_batch()  # what the loader hands the trainer (to_batch of rows)
+    assert trainer.parts.data.format == "prompt-completion" and trainer.parts.data.tokenizer.name == str(hf_dir.resolve())
+    batch = trainer.parts.data.train[[0]].to_batch()  # what the loader hands the trainer (to_batch of rows)
     ids, labels = batch["input_ids"][0], batch["labels"][0]
     examples = _rows_examples(tok, _records(pc_file), ids)
     assert len(examples) >= 3  # packed: several examples in one row
@@ -124,8 +124,8 @@ def test_packed_examples_attend_only_to_themselves(tmp_path, hf_dir, pc_file):
     tok = Tokenizer.from_file(str(hf_dir / "tokenizer.json"))
     trainer = Trainer(ft_config(tmp_path / "run", hf_dir, pc_file))
     trainer.setup()
-    assert "attention masked per example" in trainer.data.describe()
-    batch = trainer.data.train[[0]].to_batch()
+    assert "attention masked per example" in trainer.parts.data.describe()
+    batch = trainer.parts.data.train[[0]].to_batch()
     ids, positions = batch["input_ids"][0], batch["position_ids"][0]
     spans = [(start, min(start + len(prompt) + len(completion), len(ids)))
              for start, prompt, completion in _rows_examples(tok, _records(pc_file), ids)]
@@ -142,8 +142,8 @@ def test_packed_examples_attend_only_to_themselves(tmp_path, hf_dir, pc_file):
     gpt = Trainer({**ft_config(tmp_path / "gpt", hf_dir, pc_file), "model": {"name": "tiny", "n_layers": 1, "d_model": 32,
                                                                                  "n_heads": 2, "d_ff": 64, "vocab_size": 512}})
     gpt.setup()
-    assert "attention crosses example boundaries" in gpt.data.describe()
-    assert "position_ids" not in gpt.data.train[[0]].to_batch()
+    assert "attention crosses example boundaries" in gpt.parts.data.describe()
+    assert "position_ids" not in gpt.parts.data.train[[0]].to_batch()
 
 
 def test_finetune_records_the_tokenizer_and_exports_a_folder_that_generates(tmp_path, hf_dir, pc_file):

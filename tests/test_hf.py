@@ -180,16 +180,17 @@ def test_checkpoint_resume_and_tenfold_export_of_an_hf_run(tmp_path):
     save_pretrained folder (bf16 here) that transformers loads with the trained logits."""
     from tenfold.cli import main
     from tenfold.engine.checkpoint import CheckpointManager
+    from tenfold.engine.fit import checkpoint_states
 
     trainer, _ = train(tmp_path / "run", LLAMA, train={"steps": 2})
-    manager = CheckpointManager(tmp_path / "run", trainer._checkpoint_states(), config=trainer.cfg)
+    manager = CheckpointManager(tmp_path / "run", checkpoint_states(trainer.parts, trainer.state), config=trainer.cfg)
     saved = manager.save(2, wait=True)
     manager.close()
 
     fresh = Trainer(hf_config(tmp_path / "run2", LLAMA))  # untrained: the initial weights
     fresh.setup()
     assert not torch.equal(logits(fresh.model), logits(trainer.model))
-    CheckpointManager(tmp_path / "run2", fresh._checkpoint_states(), config=fresh.cfg).load(Path(saved.path))
+    CheckpointManager(tmp_path / "run2", checkpoint_states(fresh.parts, fresh.state), config=fresh.cfg).load(Path(saved.path))
     torch.testing.assert_close(logits(fresh.model), logits(trainer.model), rtol=0, atol=0)
 
     assert main(["export", str(tmp_path / "run"), "--dtype", "bf16", "--out", str(tmp_path / "exported")]) == 0
@@ -218,7 +219,7 @@ def test_an_hf_model_object_through_the_python_api(tmp_path):
     del cfg["model"]
     trainer = Trainer(cfg, model=model)
     summary = trainer.fit()
-    assert trainer.adapter.kind == "hf" and len(trainer.adapter.blocks) == 3
+    assert trainer.parts.adapter.kind == "hf" and len(trainer.parts.adapter.blocks) == 3
     assert summary["model"]["name"] == "LlamaForCausalLM" and all(np.isfinite(summary["losses"]))
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "api" / "hf", local_files_only=True)
     torch.testing.assert_close(logits(loaded), logits(model), rtol=0, atol=0)

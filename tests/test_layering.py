@@ -34,18 +34,35 @@ TORCH_FREE = ("terms.py", "choices.py", "run.py", "run_args.py", "config.py", "e
               "lora_terms.py", "quiet.py")
 
 
-def imports_of(path: Path) -> list[str]:
+def imports_of(path: Path, root: Path = SRC) -> list[str]:
+    """Every module `path` imports: module level, inside functions and under `if TYPE_CHECKING:`
+    (an import for annotations still ties the two modules together). A relative import is
+    resolved against the package of `path` below `root` (`from . import x` in tenfold/engine/a.py
+    names tenfold.engine.x; `from .x import y` names tenfold.engine.x.y where that is a module)."""
     names: list[str] = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             names += [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             names.append(node.module)
+        elif isinstance(node, ast.ImportFrom):
+            names += relative_import(path, node, root)
     return names
 
 
-def _hits(path: Path, forbidden: tuple[str, ...]) -> list[str]:
-    return [n for n in imports_of(path) if any(n == f or n.startswith(f + ".") for f in forbidden)]
+def relative_import(path: Path, node: ast.ImportFrom, root: Path) -> list[str]:
+    """The absolute names of `from .x import y` (or `from . import y`) in `path`: the base
+    package, and base.y for each name that is a module or package below `root`."""
+    package = path.parent.relative_to(root.parent).parts
+    base = ".".join(package[: len(package) - node.level + 1] + ((node.module,) if node.module else ()))
+    folder = root.parent.joinpath(*base.split("."))
+    subs = [f"{base}.{a.name}" for a in node.names
+            if (folder / f"{a.name}.py").is_file() or (folder / a.name / "__init__.py").is_file()]
+    return subs or [base]
+
+
+def _hits(path: Path, forbidden: tuple[str, ...], root: Path = SRC) -> list[str]:
+    return [n for n in imports_of(path, root) if any(n == f or n.startswith(f + ".") for f in forbidden)]
 
 
 @pytest.mark.parametrize("package", sorted(FORBIDDEN))
@@ -68,6 +85,35 @@ def test_the_rule_catches_a_violation(tmp_path):
                    "    from tenfold.cli import main\n")
     assert _hits(bad, FORBIDDEN["plan"]) == ["tenfold.engine.trainer", "torch.nn", "tenfold.cli"]
     assert _hits(bad, FORBIDDEN["tune"]) == ["tenfold.cli"]
+
+
+def test_the_rule_sees_relative_and_type_checking_imports(tmp_path):
+    pkg = tmp_path / "tenfold"
+    (pkg / "engine").mkdir(parents=True)
+    (pkg / "plan").mkdir()
+    for f in ("__init__.py", "cli.py", "engine/__init__.py", "engine/trainer.py", "plan/__init__.py"):
+        (pkg / f).write_text("")
+    bad = pkg / "plan" / "bad.py"
+    bad.write_text("from typing import TYPE_CHECKING\nfrom .. import cli\nfrom ..engine.trainer import Trainer\n"
+                   "if TYPE_CHECKING:\n    from ..engine import trainer\nfrom . import other_name\n")
+    assert _hits(bad, FORBIDDEN["plan"], pkg) == ["tenfold.cli", "tenfold.engine.trainer", "tenfold.engine.trainer"]
+    assert "tenfold.plan" in imports_of(bad, pkg)  # a name of the package itself
+    assert _trainer_importers(pkg) == {"plan/bad.py": ["tenfold.engine.trainer", "tenfold.engine.trainer"]}
+
+
+# The Trainer is the front of the Python API: the command line and the package root build it;
+# every part below (fit, outputs, memory, techniques) takes the parts and config it uses.
+TRAINER = "tenfold.engine.trainer"
+TRAINER_IMPORTERS = ("__init__.py", "cli.py", "engine/trainer.py")
+
+
+def _trainer_importers(root: Path = SRC) -> dict[str, list[str]]:
+    found = {str(p.relative_to(root)): _hits(p, (TRAINER,), root) for p in root.rglob("*.py")}
+    return {k: v for k, v in found.items() if v and k not in TRAINER_IMPORTERS}
+
+
+def test_only_the_command_line_and_the_package_root_import_the_trainer():
+    assert not _trainer_importers()
 
 
 def test_only_the_command_line_imports_the_command_line():

@@ -202,11 +202,11 @@ def test_the_trainer_computes_in_the_precision_auto_picks(small_cfg, monkeypatch
     t = Trainer(small_cfg(precision={"dtype": "auto"}))
     t.setup()
     expected = "bf16" if fast_bf16 else "fp32"
-    assert t.dtype_name == expected and t.run.precision == expected
-    assert (t.precision.compute_dtype is torch.bfloat16) == fast_bf16
+    assert t.parts.precision.name == expected and t.parts.run.precision == expected
+    assert (t.parts.precision.compute_dtype is torch.bfloat16) == fast_bf16
     named = Trainer(small_cfg(precision={"dtype": "bf16"}))
     named.setup()
-    assert named.dtype_name == "bf16"
+    assert named.parts.precision.name == "bf16"
 
 
 def test_autocast_keeps_fp32_master_weights():

@@ -192,7 +192,7 @@ def test_the_validation_loss_is_the_mean_over_the_target_tokens_of_the_eval_batc
                                        "val_fraction": 0.3}, train={"eval_batches": 3, "micro_batch": 2})
     t = Trainer(build_config(cfg))
     t.setup()
-    batches = list(iter_eval(t.data.val, 2, 3))
+    batches = list(iter_eval(t.parts.data.val, 2, 3))
     counts = [int((b["labels"] != -100).sum()) for b in batches]
     assert len(batches) == 3 and len(set(counts)) > 1, counts
     with torch.no_grad():

@@ -19,12 +19,12 @@ from tenfold.errors import UserError
 from tenfold.layout import shard_group_problem
 from tenfold.lora_terms import nf4_shards, nf4_unshardable
 from tenfold.models.hf_config import MOE_FAMILIES
+from tenfold.models.specs import SPECS, spec_for  # torch-free
 from tenfold.terms import MULTI_STAGE_SCHEDULES, OFFLOADS, PIPELINE_SCHEDULES, PRECISIONS, ZERO_STAGES
 
 # Model kinds: tenfold's own GPT (a preset or a shape), a Hugging Face causal LM through the
 # adapter (tenfold.models.hf), or a user's own module (Python API only).
-MODEL_KINDS = ("tenfold", "hf", "user")
-_KIND_NAMES = {"tenfold": "tenfold GPT", "hf": "Hugging Face", "user": "user's own"}
+MODEL_KINDS = tuple(SPECS)  # "tenfold", "hf", "user"
 
 
 @dataclass(frozen=True)
@@ -138,9 +138,9 @@ def expert_parallel_problems(run) -> list[str]:
         return []
     flag = f"parallel.ep_degree (--ep) {run.ep}"
     out = []
-    if not (run.model_kind == "tenfold" or (run.model_kind == "hf" and run.hf_model_type in MOE_FAMILIES)):
-        what = (f"Hugging Face model_type {run.hf_model_type!r}" if run.model_kind == "hf"
-                else f"{_KIND_NAMES[run.model_kind]} model")
+    spec = spec_for(run.model_kind)
+    if not (spec.own_moe_blocks or (spec.hugging_face and run.hf_model_type in MOE_FAMILIES)):
+        what = f"Hugging Face model_type {run.hf_model_type!r}" if spec.hugging_face else f"{spec.label} model"
         out.append(f"{flag}: expert parallelism runs tenfold's MoE blocks (--model tiny-moe, mixtral-8x7b, ...) and "
                    f"the Hugging Face model_types {', '.join(MOE_FAMILIES)} (--hf-config / --hf-pretrained); "
                    f"a {what} trains with --ep 1")
@@ -149,8 +149,9 @@ def expert_parallel_problems(run) -> list[str]:
     if run.pp > 1 or run.tp > 1:
         other = " and ".join(f for f, n in (("--pp", run.pp), ("--tp", run.tp)) if n > 1)
         needs = []
-        if run.tp > 1 and run.model_kind != "tenfold":
-            needs.append(f"tenfold's MoE blocks (got Hugging Face model_type {run.hf_model_type!r})")
+        if run.tp > 1 and not spec.own_moe_blocks:
+            needs.append(f"tenfold's MoE blocks (got a {spec.label} model"
+                         f"{f' of model_type {run.hf_model_type!r}' if spec.hugging_face else ''})")
         if run.pp > 1 and run.pp_schedule != "1f1b":
             needs.append(f"--pp-schedule 1f1b (got {run.pp_schedule})")
         if run.zero_stage not in (0, 3):
@@ -171,7 +172,7 @@ def moe_tensor_parallel_problems(run) -> list[str]:
     """Tensor parallelism on tenfold's MoE models: attention and the dense layers split over the
     tp ranks, each MoE layer whole on every tp rank (its routed experts split by --ep, if any),
     which therefore must see the same tokens: no sequence parallelism; no pipeline beside it."""
-    if run.tp <= 1 or run.model_kind != "tenfold" or run.model is None or not run.model.is_moe:
+    if run.tp <= 1 or not spec_for(run.model_kind).own_moe_blocks or run.model is None or not run.model.is_moe:
         return []
     out = []
     if run.sequence_parallel:
@@ -190,11 +191,11 @@ def pipeline_model_problem(pp: int, kind: str, hf_model_type: str = "", caps: Ca
         return None
     allowed = (f"tenfold's GPT and Hugging Face model_types {', '.join(caps.pipeline_hf_types)} "
                "(model.embed_tokens, model.layers.N, model.norm, lm_head)")
-    if kind == "hf" and kind in caps.pipeline_models and hf_model_type not in caps.pipeline_hf_types:
+    if spec_for(kind).hugging_face and kind in caps.pipeline_models and hf_model_type not in caps.pipeline_hf_types:
         return (f"parallel.pp_degree {pp} (--pp): the pipeline split cuts {allowed}; Hugging Face model_type "
                 f"{hf_model_type or '(none)'!r} cannot be split. Use --pp 1 with --zero 0-3 and --ac")
     if kind not in caps.pipeline_models:
-        return (f"parallel.pp_degree {pp} (--pp): the pipeline split cuts {allowed}; a {_KIND_NAMES[kind]} "
+        return (f"parallel.pp_degree {pp} (--pp): the pipeline split cuts {allowed}; a {spec_for(kind).label} "
                 "model cannot be split. Use --pp 1 with --zero 0-3 and --ac")
     return None
 
@@ -211,7 +212,7 @@ def _technique_problems(run, caps: Capabilities) -> list[str]:
     if policy.kind == "selective" and policy.target == "attention" and run.model_kind not in caps.attention_core_models:
         out.append(
             "recompute.policy selective:attention (--ac) needs tenfold's attention core module (attn.core); "
-            f"a {_KIND_NAMES[run.model_kind]} model's blocks compute attention in a function: use selective:mlp, full, "
+            f"a {spec_for(run.model_kind).label} model's blocks compute attention in a function: use selective:mlp, full, "
             "every:N or segments:K"
         )
     if run.compile and run.tp > 1 and not caps.compile_with_tp:
@@ -222,7 +223,7 @@ def _technique_problems(run, caps: Capabilities) -> list[str]:
     out += _fp8_problems(run, caps) + _lora_problems(run, caps)
     if run.tp > 1 and not caps.tensor_parallel:
         out.append(f"tensor parallelism (tp {run.tp}): tenfold train has no tensor parallelism")
-    elif run.tp > 1 and run.model_kind == "hf" and run.hf_model_type not in caps.tensor_parallel_hf_types:
+    elif run.tp > 1 and spec_for(run.model_kind).hugging_face and run.hf_model_type not in caps.tensor_parallel_hf_types:
         out.append(
             f"parallel.tp_degree (--tp) {run.tp}: Hugging Face model_type {run.hf_model_type!r} has no "
             f"tensor-parallel plan; built in: {', '.join(caps.tensor_parallel_hf_types)} (and tenfold's own "
@@ -265,10 +266,10 @@ def _context_parallel_problems(run, caps: Capabilities) -> list[str]:
         return []
     out = []
     if run.model_kind not in caps.context_parallel_models:
-        names = " and ".join(_KIND_NAMES[k] for k in caps.context_parallel_models)
+        names = " and ".join(spec_for(k).label for k in caps.context_parallel_models)
         out.append(f"parallel.cp_degree {cp} (--cp): context parallelism runs {names} models, not a "
-                   f"{_KIND_NAMES[run.model_kind]} one; use --cp 1")
-    elif run.model_kind == "hf" and run.hf_model_type not in caps.context_parallel_hf_types:
+                   f"{spec_for(run.model_kind).label} one; use --cp 1")
+    elif spec_for(run.model_kind).hugging_face and run.hf_model_type not in caps.context_parallel_hf_types:
         out.append(f"parallel.cp_degree {cp} (--cp): Hugging Face model_type {run.hf_model_type!r} has no cp attention; "
                    f"built in: {', '.join(caps.context_parallel_hf_types)} (and tenfold's own models); use --cp 1")
     if run.compile and not caps.context_parallel_with_compile:
@@ -306,7 +307,7 @@ def _lora_problems(run, caps: Capabilities) -> list[str]:
     if run.fp8 and not caps.lora_with_fp8:
         out.append(f"lora.rank ({flag}) with precision.fp8 (--fp8): PEFT's adapters wrap nn.Linear, not torchao's "
                    "Float8Linear; train adapters without --fp8")
-    known_shape = run.model is not None and run.model_kind != "user"
+    known_shape = run.model is not None and spec_for(run.model_kind).architecture_known
     cut = nf4_unshardable(run.model, lora, nf4_shards(run)) if known_shape else []
     if cut:
         out.append(f"lora.base nf4 (--qlora) under ZeRO-2/3 over {nf4_shards(run)} ranks: FSDP2 would cut the "

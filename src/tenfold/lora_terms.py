@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tenfold.errors import UserError
+from tenfold.models.specs import spec_for  # torch-free
 from tenfold.terms import runs_on_fsdp2
 
 LORA_BASES = ("compute", "nf4")  # the frozen base: in the run's compute dtype, or 4-bit NormalFloat
@@ -62,24 +63,11 @@ def lora_spec(section) -> LoraSpec | None:
 
 # --------------------------------------------------------------------------- a block's Linears
 
-# Each family's block Linears by role. q/o: d -> d, k/v: d -> kv width, gate/up: d -> ffn,
-# down: ffn -> d; GPT-2's fused c_attn is q, k and v in one matrix (a Conv1D, which PEFT adapts
-# too), and its `c_proj` names both the attention's and the MLP's output projection.
-_LLAMA = {"q_proj": ("q",), "k_proj": ("k",), "v_proj": ("v",), "o_proj": ("o",), "gate_proj": ("gate",),
-          "up_proj": ("up",), "down_proj": ("down",)}
-_GPT2 = {"c_attn": ("q", "k", "v"), "c_proj": ("o", "down"), "c_fc": ("up",)}
-HF_LINEAR_NAMES = {"llama": _LLAMA, "mistral": _LLAMA, "qwen2": _LLAMA, "gpt2": _GPT2}
-
 
 def block_linear_names(kind: str, hf_model_type: str = "", mlp: str = "swiglu") -> dict[str, tuple[str, ...]] | None:
     """{module name: roles} of one block's Linears for a model family; None when tenfold does not
-    know the family's names (a user's own module, another Hugging Face family)."""
-    if kind == "tenfold":
-        mlp_names = {"w1": ("gate",), "w3": ("up",), "w2": ("down",)} if mlp == "swiglu" else {"w1": ("up",), "w2": ("down",)}
-        return {"wq": ("q",), "wk": ("k",), "wv": ("v",), "wo": ("o",), **mlp_names}
-    if kind == "hf":
-        return HF_LINEAR_NAMES.get(hf_model_type)
-    return None
+    know the family's names (a user's own module, another Hugging Face family): tenfold.models.specs."""
+    return spec_for(kind).linear_names(hf_model_type, mlp)
 
 
 def check_targets(spec: LoraSpec, kind: str, hf_model_type: str = "", mlp: str = "swiglu") -> None:

@@ -5,7 +5,7 @@ How many blocks each stage gets is the resolved run's `stage_layers` (tenfold.te
 .stage_layer_counts: the embedding and the head weighted as a layer each, or --pp-split), the split
 the planner prices too; `stage_layout` turns it into the names the engine cuts the model by
 (`tenfold.techniques.pipeline.split_model`). The two model kinds differ only in their module
-names (`STAGE_NAMES`).
+names (`STAGE_NAMES`: each family's `stage_names`, tenfold.models.specs).
 """
 
 from __future__ import annotations
@@ -13,25 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+from tenfold.models.specs import SPECS, StageNames  # torch-free
 from tenfold.terms import stage_layer_counts
 
-
-@dataclass(frozen=True)
-class StageNames:
-    """A model kind's module names: what the first stage holds before the blocks, the prefix of
-    block i's name, and what the last stage holds after them."""
-
-    embedding: tuple[str, ...]
-    block_prefix: str
-    head: tuple[str, ...]
-    learned_positions: tuple[str, ...] = ()  # on the first stage too, when the model has them
-
-
-STAGE_NAMES = {
-    "tenfold": StageNames(("tok_emb",), "layers.", ("norm", "output"), learned_positions=("pos_emb",)),
-    # transformers' LlamaForCausalLM and the families that share its layout (Mistral, Qwen2)
-    "hf": StageNames(("model.embed_tokens",), "model.layers.", ("model.norm", "lm_head")),
-}
+STAGE_NAMES: dict[str, StageNames] = {kind: s.stage_names for kind, s in SPECS.items() if s.stage_names}
 
 
 @dataclass(frozen=True)

@@ -150,7 +150,7 @@ def step_memory(t, run_step) -> dict:
     from tenfold.engine.memory import measure_step_memory, predicted_memory
 
     measured = measure_step_memory(t.model, t.optimizer, run_step, t.dist.device)
-    predicted = predicted_memory(t.run, t.dist.device, "fp32")
+    predicted = predicted_memory(t.parts.run, t.dist.device, "fp32")
     return {"measured": measured["activations_bytes"], "predicted": predicted["activations_bytes"]}
 
 

@@ -10,6 +10,7 @@ from typing import Any
 
 from tenfold.data.examples import ExampleRows, PackStats, model_masks_packed_examples
 from tenfold.data.records import FINETUNE_FORMATS
+from tenfold.models.specs import spec_for
 
 
 @dataclass
@@ -67,7 +68,7 @@ class DataBundle:
         them (checked on the model itself), and the run header says which applies."""
         if not self.fine_tuning:
             return
-        masks = self.packing and kind == "hf" and model_masks_packed_examples(model, self.vocab_size, device)
+        masks = self.packing and spec_for(kind).hugging_face and model_masks_packed_examples(model, self.vocab_size, device)
         self.use_positions(bool(masks))
         self.notes = [self.packing_note(bool(masks))]
 

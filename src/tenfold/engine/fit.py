@@ -1,21 +1,27 @@
 """The run around the steps (`Trainer.fit`): open the outputs (folder, header, resume, metrics,
 progress, signals, watchdog), step until done or preempted (evaluate, log, checkpoint), then
 the summary and exports (engine/run_outputs.py). Reads the run's layout from the resolved run;
-the loop's own settings (steps, logging, checkpoints) from its config.
+the loop's own settings (steps, logging, checkpoints) from its config. Works on the run's parts
+(engine/parts.py) and its counters (`TrainState`); one step is the callable it is given.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Callable
 
 from tenfold.engine import run_outputs
 from tenfold.engine import summary as run_summary
-from tenfold.engine.checkpoint import CheckpointManager, read_latest
+from tenfold.config import TenfoldConfig
+from tenfold.engine import step
+from tenfold.engine.checkpoint import CheckpointManager, read_latest, training_states
+from tenfold.engine.lora_run import LoraCheckpointState
 from tenfold.engine.memory import RunMemory
 from tenfold.engine.metrics import MetricsWriter, peak_memory_bytes
+from tenfold.engine.parts import Parts
 from tenfold.engine.run_folder import RunFolder
 from tenfold.engine.steady import StepTime
 from tenfold.engine.step_log import StepLog, process_peak_label
@@ -23,18 +29,52 @@ from tenfold.engine.watchdog import start_watchdog
 from tenfold.techniques.compile import CompileClock, compile_failures
 from tenfold.techniques.precision import StepResult
 
-if TYPE_CHECKING:  # the trainer builds a Fit; typing only
-    from tenfold.engine.trainer import Trainer
-
 log = logging.getLogger("tenfold")
 
 
-class Fit:
-    """One `Trainer.fit()` over the trainer's parts and counters (`trainer.state`)."""
+@dataclass
+class TrainState:
+    """Counters that a checkpoint must carry for an exact resume."""
 
-    def __init__(self, trainer: Trainer, folder: RunFolder):
-        self.trainer, self.folder = trainer, folder
-        self.cfg, self.run, self.dist, self.state = trainer.cfg, trainer.run, trainer.dist, trainer.state
+    step: int = 0  # optimizer steps attempted (taken + skipped)
+    tokens: int = 0  # tokens consumed (inputs, whole global batch)
+    skipped: int = 0  # steps skipped for overflow / non-finite loss
+    history: list = field(default_factory=list)  # (step, loss) of every step, for the summary
+    global_batch: int = 0  # sequences per step of the run that saved it (0: not recorded)
+
+    def state_dict(self) -> dict:
+        """The counters as JSON data. global_batch only once known, so that a checkpoint from
+        before it was recorded still validates against a fresh run's state (0: unknown)."""
+        state = asdict(self)
+        if not self.global_batch:
+            del state["global_batch"]
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        for key, value in state.items():
+            setattr(self, key, value)
+
+
+def checkpoint_states(parts: Parts, state: TrainState) -> dict:
+    """What a checkpoint holds, by name (engine/checkpoint: Stateful objects)."""
+    p = parts
+    return training_states(p.model, p.optimizer, scheduler=p.scheduler, scaler=p.precision.scaler,
+                           loader=p.loader, counters=state,
+                           lora=LoraCheckpointState(p.lora) if p.lora else None)
+
+
+class Fit:
+    """One `Trainer.fit()` over the run's parts and counters.
+
+    `cfg`: the run's config (the loop's settings, the outputs); `train_step(micro_batches)`: one
+    optimizer step; `model_label`: the model's name in the header and summary.json;
+    `own_model`: the model is a user's module (the memory prediction takes its parameter count)."""
+
+    def __init__(self, parts: Parts, cfg: TenfoldConfig, state: TrainState, folder: RunFolder, *,
+                 train_step: Callable[[list[dict]], StepResult], model_label: str, own_model: bool):
+        self.parts, self.folder, self.train_step = parts, folder, train_step
+        self.model_label, self.own_model = model_label, own_model
+        self.cfg, self.run, self.dist, self.state = cfg, parts.run, parts.dist, state
         self.out_dir = Path(self.cfg.log.out)
         self.writer: MetricsWriter | None = None  # none until the outputs are open
         self.watchdog = None  # engine/watchdog.StepWatchdog while a multi-process fit() runs
@@ -59,21 +99,21 @@ class Fit:
 
     def _open_outputs(self) -> None:
         """Output folder, header, memory prediction, resume, metrics writer, progress bar."""
-        t, main = self.trainer, self.dist.is_main
+        t, main = self.parts, self.dist.is_main
         if main:
             self.folder.open()  # creates OUT; --overwrite moves the earlier run aside
         self.tokenizer_dir = run_outputs.save_tokenizer(t.data, self.out_dir) if main else None  # OUT/tokenizer
-        self.console = t.console = run_outputs.console(main)
-        self.facts = run_outputs.facts(t)
+        self.console = run_outputs.console(main)
+        self.facts = run_outputs.facts(t, self.cfg, self.model_label)
         if self.console is not None:
             self.console.print(run_summary.header_line(self.facts, self.cfg.train.steps, self.dist.data_size,
                                                        self.dist.device.type, self.dist.tp_size))
             self.console.print(f"data: {t.data.describe()}")
             if t.lora is not None:
                 self.console.print(t.lora.summary.line(t.lora.spec))
-        self.checkpoints = CheckpointManager.from_config(self.cfg, t._checkpoint_states(), self.dist, self.say)
+        self.checkpoints = CheckpointManager.from_config(self.cfg, checkpoint_states(t, self.state), self.dist, self.say)
         saved = self.checkpoints.resume()
-        self.run_memory = RunMemory(t)  # after the resume: it measures this run's second step
+        self.run_memory = RunMemory(t, self.state.step, self.own_model)  # after the resume: it measures this run's second step
         self.run_memory.announce(self.console)
         self._check_resumed_batch(saved)
         self.checkpoints.install_signal_handlers()
@@ -154,12 +194,12 @@ class Fit:
     def _step_and_log(self, wall_start: float) -> dict:
         """One optimizer step: run it, update the counters, evaluate when due, write the
         metrics row and the progress bar. Returns the row."""
-        t, s = self.trainer, self.state
+        t, s = self.parts, self.state
         micro_batches = t.loader.next_step()
         if self.watchdog is not None:
             self.watchdog.step_started(s.step + 1)
         c0, t0 = self.compile_clock.seconds(), time.perf_counter()
-        result = self.run_memory.step(s.step + 1, lambda: t.train_step(micro_batches))
+        result = self.run_memory.step(s.step + 1, lambda: self.train_step(micro_batches))
         step_time = time.perf_counter() - t0
         if self.watchdog is not None:
             self.watchdog.step_finished(step_time)
@@ -173,7 +213,7 @@ class Fit:
         row = self._metrics_row(result, step_time, time.perf_counter() - wall_start)
         every = self.cfg.train.eval_every
         if (every and s.step % every == 0) or self.is_last_step():
-            self.val_loss = row["val_loss"] = t.evaluate()
+            self.val_loss = row["val_loss"] = step.evaluate(t)
             if self.val_loss is not None:
                 self.writer.log_eval(s.step, self.val_loss)
         if s.step % self.cfg.log.log_every == 0 or self.is_last_step():
@@ -182,13 +222,13 @@ class Fit:
         return row
 
     def _metrics_row(self, result: StepResult, step_time: float, elapsed: float) -> dict:
-        t = self.trainer
+        t = self.parts
         tps = self.run.tokens_per_step / step_time
         row = {
             "step": self.state.step, "loss": result.loss, "lr": t.optimizer.param_groups[0]["lr"],
             "grad_norm": result.grad_norm, "tokens_per_s": tps,
-            "mfu": run_summary.mfu(t.flops_per_token, tps, self.facts.peak_flops_per_device, self.dist.world_size)[0],
-            "loss_scale": t.scaler.scale, "skipped": self.state.skipped,
+            "mfu": run_summary.mfu(t.adapter.flops_per_token, tps, self.facts.peak_flops_per_device, self.dist.world_size)[0],
+            "loss_scale": t.precision.scaler.scale, "skipped": self.state.skipped,
             "peak_mem_bytes": peak_memory_bytes(self.dist.device), "step_time_s": step_time,
             "tokens": self.state.tokens, "elapsed_s": elapsed,
         }

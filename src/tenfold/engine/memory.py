@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import logging
 import re
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.nn as nn
@@ -59,6 +59,9 @@ from tenfold.errors import RunError
 from tenfold.plan.for_run import MEMORY_LINE_NAMES, fmt_bytes, memory_by_category, memory_line, predict_run_memory
 from tenfold.plan.hardware import CATALOG
 from tenfold.terms import MULTI_STAGE_SCHEDULES
+
+if TYPE_CHECKING:  # typing only: engine/parts.py asks this module for the planner's hardware name
+    from tenfold.engine.parts import Parts
 
 # One import stays inside a function (`_ModState` in `module_rows`): private PyTorch API, loaded
 # only once a tracker has run, so a torch without it still trains (tenfold.engine.tracker_probe).
@@ -300,7 +303,7 @@ def predicted_memory(run, device: torch.device | None = None, dtype: str | None 
 
 
 class RunMemory:
-    """Predicted vs measured memory of one `tenfold train` run (used by engine/trainer.py).
+    """Predicted vs measured memory of one `tenfold train` run (engine/fit.py builds it).
 
     At start: the planner's per-rank prediction, printed. At step `measure_at` (this run's
     second step, also after a resume: the optimizer states exist by then, as in every later
@@ -309,20 +312,21 @@ class RunMemory:
     and `add_summary_rows()` for the summary table.
     """
 
-    def __init__(self, trainer):
-        self.trainer = trainer
+    def __init__(self, parts: Parts, start_step: int, own_model: bool):
+        """`parts`: the run's parts; `start_step`: the counters' step (> 0 after a resume);
+        `own_model`: the model is a user's module (its parameter count feeds the prediction)."""
+        self.parts, self.own_model = parts, own_model
         self.predicted: dict | None = None
         self.measured: dict | None = None
         self.measured_step: int | None = None
         self.note: str | None = None
-        start = trainer.state.step  # > 0 after a resume
-        self.measure_at = start + 2 if trainer.cfg.train.steps >= start + 2 else start + 1
+        self.measure_at = start_step + 2 if parts.train.steps >= start_step + 2 else start_step + 1
 
     def predict(self) -> dict | None:
-        t = self.trainer
-        params = float(t.param_count) if t.user_model is not None else None
+        p = self.parts
+        params = float(p.adapter.param_count) if self.own_model else None
         try:
-            self.predicted = predicted_memory(t.run, t.dist.device, t.dtype_name, params=params)
+            self.predicted = predicted_memory(p.run, p.dist.device, p.precision.name, params=params)
         except Exception as exc:  # noqa: BLE001 - the prediction must never stop a training run
             self.predicted, self.note = None, f"no prediction: {type(exc).__name__}: {exc}"
         return self.predicted
@@ -340,14 +344,14 @@ class RunMemory:
         """Run `run_step()` (one optimizer step); measured when it is the representative step."""
         if step_number != self.measure_at or self.measured is not None:
             return run_step()
-        run = self.trainer.run
-        if run.pp > 1 and run.pp_schedule in MULTI_STAGE_SCHEDULES and self.trainer.dist.device.type != "cuda":
+        t = self.parts
+        run = t.run
+        if run.pp > 1 and run.pp_schedule in MULTI_STAGE_SCHEDULES and t.dist.device.type != "cuda":
             # The tensor tracker's module hooks break a multi-stage schedule's stage backward
             # ("Failed to run stage backward ... Output gradient grad=False", torch 2.13): the
             # per-rank figure is then the process's peak resident set (summary's measured_per_rank).
             self.note = f"not measured by category: the tensor tracker cannot follow the {run.pp_schedule} schedule"
             return run_step()
-        t = self.trainer
         usable, why = tracker_available() if t.dist.device.type != "cuda" else (True, None)
         if not usable:
             self.note = f"memory was not measured: {why}"
@@ -362,7 +366,7 @@ class RunMemory:
     def summary(self) -> dict:
         method = None
         if self.measured is not None:
-            method = "cuda allocator" if self.trainer.dist.device.type == "cuda" else "tensor tracker (MemTracker)"
+            method = "cuda allocator" if self.parts.dist.device.type == "cuda" else "tensor tracker (MemTracker)"
         out = {
             "predicted": self.predicted, "measured": self.measured,
             "diff_percent": percent_diff(self.measured, self.predicted) if self.measured and self.predicted else None,
@@ -370,10 +374,10 @@ class RunMemory:
         }
         if self.note:
             out["note"] = self.note
-        t = self.trainer
+        t = self.parts
         out["notes"] = row_notes(self.predicted, self.measured, t.run.zero_stage, t.dist.dp_size,
-                                 t.user_model is not None, t.run.offload, t.dist.device.type == "cpu")
-        dist = self.trainer.dist
+                                 self.own_model, t.run.offload, t.dist.device.type == "cpu")
+        dist = t.dist
         if dist.world_size > 1:  # every rank's measured step (memory.measured's keys), on rank 0
             mine = self.measured or {"peak_bytes": peak_memory_bytes(dist.device)}
             out["measured_per_rank"] = gather_to_main(mine, dist)
@@ -401,19 +405,18 @@ def add_summary_rows(table, memory: dict) -> None:
         table.add_row(f"memory: {label}", f"{p}{fmt_bytes(meas[key])} measured{d}{note}")
 
 
-def run_memory_report(trainer, depth: int = 4):
+def run_memory_report(parts: Parts, train_step: Callable[[list[dict]], Any], own_model: bool, depth: int = 4):
     """`tenfold train --memory-report`: one warm-up step (creates the optimizer states), then
-    one step under the tracker; returns the `MemoryReport` (predicted beside measured)."""
-    if not getattr(trainer, "_setup_done", False):
-        trainer.setup()
+    one step under the tracker; returns the `MemoryReport` (predicted beside measured).
+    `train_step(micro_batches)`: one optimizer step on the set-up `parts`."""
     usable, why = tracker_available()
     if not usable:
         raise RunError(f"--memory-report needs PyTorch's tensor tracker: {why}")
-    trainer.train_step(trainer.loader.next_step())
-    batches = trainer.loader.next_step()
-    rm = RunMemory(trainer)
+    train_step(parts.loader.next_step())
+    batches = parts.loader.next_step()
+    rm = RunMemory(parts, 0, own_model)
     predicted = rm.predict()
-    report = memory_report(trainer.model, trainer.optimizer, lambda: trainer.train_step(batches),
-                           trainer.dist.device, depth=depth, predicted=predicted)
+    report = memory_report(parts.model, parts.optimizer, lambda: train_step(batches),
+                           parts.dist.device, depth=depth, predicted=predicted)
     report.note = rm.note
     return report

@@ -70,6 +70,21 @@ class _GatheredCopies:
         return super()._update_and_maybe_create_winfos(t, self._category(t, reftype), update_existing)
 
 
+def _follow_category_peaks(tracker: Any, current: dict) -> None:
+    """The high-water marks a step's report needs besides the total peak, per device:
+    activations + temporaries (with the snapshot then), gathered parameter copies, gradients."""
+    for dev, snap in current.items():
+        by_name: dict[str, int] = {}
+        for k, v in snap.items():
+            name = getattr(k, "value", k)
+            by_name[name] = by_name.get(name, 0) + v
+        act = by_name.get("Activation", 0) + by_name.get("Temp", 0)
+        if act > tracker.act_peak.get(dev, (-1, None))[0]:
+            tracker.act_peak = {**tracker.act_peak, dev: (act, dict(snap))}
+        tracker.gathered_peak[dev] = max(tracker.gathered_peak.get(dev, 0), by_name.get(GATHERED, 0))
+        tracker.grad_peak[dev] = max(tracker.grad_peak.get(dev, 0), by_name.get("Gradient", 0))
+
+
 def _make_tracker_class():
     from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _RefType
 
@@ -109,14 +124,7 @@ def _make_tracker_class():
                     if self._peak_mem.get(dev, 0) < snap["Total"]:
                         self._peak_mem[dev] = snap["Total"]
                         self._peak_mem_snap[dev] = dict(snap)
-            for dev, snap in self._curr_mem_snap.items():
-                act = sum(v for k, v in snap.items() if getattr(k, "value", k) in ("Activation", "Temp"))
-                if act > self.act_peak.get(dev, (-1, None))[0]:
-                    self.act_peak = {**self.act_peak, dev: (act, dict(snap))}
-                copies = sum(v for k, v in snap.items() if getattr(k, "value", k) == GATHERED)
-                self.gathered_peak[dev] = max(self.gathered_peak.get(dev, 0), copies)
-                grads = sum(v for k, v in snap.items() if getattr(k, "value", k) == "Gradient")
-                self.grad_peak[dev] = max(self.grad_peak.get(dev, 0), grads)
+            _follow_category_peaks(self, self._curr_mem_snap)
 
         def _track_module_params_and_buffers(self, module: nn.Module, install_grad_hooks: bool = True):
             # MemTracker hooks every parameter's gradient, and torch refuses a hook on a tensor

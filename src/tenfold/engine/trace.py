@@ -399,13 +399,13 @@ def check_traceable(run, dp: int) -> None:
     (torch._grouped_mm's fake kernel); expert parallelism over a Hugging Face model's experts
     (its split sizes come from the router's real choices)."""
     from tenfold.errors import UserError
-
+    from tenfold.models.specs import spec_for
     from tenfold.terms import MULTI_STAGE_SCHEDULES
 
     if run.pp > 1 and run.pp_schedule in MULTI_STAGE_SCHEDULES:
         raise UserError(f"--trace runs single-stage pipeline schedules (1f1b, gpipe); the tensor tracker's module hooks "
                         f"break the stage backward of the {run.pp_schedule} schedule (torch 2.13)")
-    if run.ep > 1 and run.model_kind == "hf":
+    if run.ep > 1 and spec_for(run.model_kind).hugging_face:
         raise UserError(f"--trace runs expert parallelism on tenfold's MoE blocks, whose routing it balances; a Hugging "
                         f"Face {run.hf_model_type} model's router picks experts from values fake tensors lack: trace it "
                         f"with --ep 1 (its experts then sharded by --zero 2/3)")

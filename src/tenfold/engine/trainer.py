@@ -7,7 +7,6 @@ the run's loop, outputs and checkpoints (engine/fit.py, engine/run_outputs.py).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -15,41 +14,16 @@ import torch.nn as nn
 
 from tenfold.config import TenfoldConfig, build_config
 from tenfold.engine import step
-from tenfold.engine.checkpoint import training_states
 from tenfold.engine.distributed import on_every_rank
-from tenfold.engine.fit import Fit
-from tenfold.engine.lora_run import LoraCheckpointState
+from tenfold.engine.fit import Fit, TrainState
 from tenfold.engine.memory import run_memory_report
 from tenfold.engine.parts import Parts, build_parts
-from tenfold.engine.peak import mfu_peak
 from tenfold.engine.run_folder import RunFolder
-from tenfold.engine.run_outputs import console
+from tenfold.engine.run_outputs import console, model_label
 from tenfold.errors import UserError
-from tenfold.plan.hardware import gpu_peak_flops_for_device  # the planner's catalog
 from tenfold.techniques.precision import StepResult
 
-
-@dataclass
-class TrainState:
-    """Counters that a checkpoint must carry for an exact resume."""
-
-    step: int = 0  # optimizer steps attempted (taken + skipped)
-    tokens: int = 0  # tokens consumed (inputs, whole global batch)
-    skipped: int = 0  # steps skipped for overflow / non-finite loss
-    history: list = field(default_factory=list)  # (step, loss) of every step, for the summary
-    global_batch: int = 0  # sequences per step of the run that saved it (0: not recorded)
-
-    def state_dict(self) -> dict:
-        """The counters as JSON data. global_batch only once known, so that a checkpoint from
-        before it was recorded still validates against a fresh run's state (0: unknown)."""
-        state = asdict(self)
-        if not self.global_batch:
-            del state["global_batch"]
-        return state
-
-    def load_state_dict(self, state: dict) -> None:
-        for key, value in state.items():
-            setattr(self, key, value)
+__all__ = ["Trainer", "TrainState"]
 
 
 class Trainer:
@@ -79,51 +53,24 @@ class Trainer:
         self.user_model, self.user_dataset, self.loss_fn = model, dataset, loss_fn
         self.tp_plan = tp_plan
         self.state = TrainState()
-        self.console = None
         self.parts: Parts | None = None
 
     def setup(self) -> None:
         """Validate everything and build model, data, optimizer. Writes nothing to disk."""
         self.parts = build_parts(self.cfg, self.user_model, self.user_dataset, self.loss_fn, self.tp_plan)
 
-    # The parts and the run's resolved values under the names the rest of the engine reads.
-    run = property(lambda self: self._parts.run)
+    # Shorthands for `trainer.parts` after setup() (the engine itself takes the parts, not the trainer).
     dist = property(lambda self: self._parts.dist)
-    precision = property(lambda self: self._parts.precision)
-    data = property(lambda self: self._parts.data)
-    adapter = property(lambda self: self._parts.adapter)
     model = property(lambda self: self._parts.model)
     optimizer = property(lambda self: self._parts.optimizer)
-    scheduler = property(lambda self: self._parts.scheduler)
     loader = property(lambda self: self._parts.loader)
-    lora = property(lambda self: self._parts.lora)  # a LoRA run's base identity and adapters, else None
-    micro_batch = property(lambda self: self.run.micro_batch)
-    grad_accum = property(lambda self: self.run.grad_accum)
-    global_batch = property(lambda self: self.run.global_batch)
-    seq_len = property(lambda self: self.run.seq_len)
-    dtype_name = property(lambda self: self.precision.name)
-    scaler = property(lambda self: self.precision.scaler)
-    param_count = property(lambda self: self.adapter.param_count)
-    flops_per_token = property(lambda self: self.adapter.flops_per_token)
-
-    _setup_done = property(lambda self: self.parts is not None)  # engine/memory.py asks
+    scaler = property(lambda self: self._parts.precision.scaler)
 
     @property
     def _parts(self) -> Parts:
         if self.parts is None:
             raise AttributeError("the trainer is not set up: call setup() or fit() first")
         return self.parts
-
-    def mfu_peak(self, measure: bool = True) -> tuple[float | None, str | None]:
-        """(dense peak FLOP/s of one device for this dtype, MFU's denominator; or None and
-        why no MFU is reported). On a CPU the measured peak: `measure=False` takes the cached
-        figure only (a run's start never waits on a measurement, engine/peak.py)."""
-        if self.dist.device.type == "cpu":  # the ranks share this machine's cores
-            return mfu_peak(self.dtype_name, ranks=self.dist.world_size, measure=measure)
-        return gpu_peak_flops_for_device(torch.cuda.get_device_name(self.dist.device), self.dtype_name), None
-
-    def peak_flops_per_device(self) -> float | None:
-        return self.mfu_peak()[0]
 
     # ------------------------------------------------------------------ one step (engine/step.py)
 
@@ -150,18 +97,15 @@ class Trainer:
         folder = on_every_rank(lambda: RunFolder.check(self.cfg), peer_error=UserError)
         if self.parts is None:
             self.setup()
-        return Fit(self, folder)()
-
-    def _checkpoint_states(self) -> dict:
-        """What a checkpoint holds, by name (engine/checkpoint: Stateful objects)."""
-        return training_states(self.model, self.optimizer, scheduler=self.scheduler, scaler=self.scaler,
-                               loader=self.loader, counters=self.state,
-                               lora=LoraCheckpointState(self.lora) if self.lora else None)
+        return Fit(self.parts, self.cfg, self.state, folder, train_step=self.train_step,
+                   model_label=model_label(self.cfg.model, self.user_model), own_model=self.user_model is not None)()
 
     def memory_report(self) -> int:
         """`tenfold train --memory-report`: one warm-up step, then one step measured by module
         and category (beside the planner's prediction), printed; nothing is written."""
-        report = run_memory_report(self)
+        if self.parts is None:
+            self.setup()
+        report = run_memory_report(self.parts, self.train_step, own_model=self.user_model is not None)
         if self.dist.is_main:
             console(True).print(report)
         return 0

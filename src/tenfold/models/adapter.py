@@ -43,6 +43,7 @@ from tenfold.models.gpt import GPT
 from tenfold.models.loss import replicated_value, token_loss_sum
 from tenfold.models.moe import with_hf_router_aux_loss, with_router_aux_loss
 from tenfold.models.presets import flops_per_token as preset_flops_per_token
+from tenfold.models.specs import ModelSpec, spec_for
 from tenfold.terms import IGNORE_INDEX
 
 LossFn = Callable[[nn.Module, dict], Any]
@@ -61,6 +62,11 @@ class ModelAdapter:
     user_loss_fn: LossFn | None = None
     hf_model_type: str = ""  # a Hugging Face model's config.model_type ("llama", ...)
 
+    @property
+    def spec(self) -> ModelSpec:
+        """What differs for this model's family (tenfold.models.specs)."""
+        return spec_for(self.kind)
+
     # ------------------------------------------------------------------ loss
 
     def loss_sum(self, model: nn.Module, batch: dict) -> torch.Tensor:
@@ -70,7 +76,7 @@ class ModelAdapter:
             out = self.user_loss_fn(model, batch)
             loss_sum = out[0] if isinstance(out, (tuple, list)) else out
             return replicated_value(loss_sum).float()
-        if self.kind == "hf":  # position_ids: packed fine-tuning rows (tenfold.data.examples)
+        if self.spec.hugging_face:  # position_ids: packed fine-tuning rows (tenfold.data.examples)
             extra = {"position_ids": batch["position_ids"]} if "position_ids" in batch else {}
             out = model(input_ids=batch["input_ids"], use_cache=False, **extra)
         elif "positions" in batch:  # context parallelism: this rank's tokens and where they sit
@@ -80,7 +86,7 @@ class ModelAdapter:
         loss_sum = token_loss_sum(logits_of(out), batch["labels"])
         # Mixture-of-experts layers' balance losses join the gradient, weighted per target token.
         n_targets = int((batch["labels"] != IGNORE_INDEX).sum())
-        if self.kind == "hf":
+        if spec_for(self.kind).hugging_face:
             coef = getattr(getattr(getattr(model, "module", model), "config", None), "router_aux_loss_coef", 0.0)
             return with_hf_router_aux_loss(loss_sum, getattr(out, "aux_loss", None), coef or 0.0, n_targets)
         return with_router_aux_loss(loss_sum, model, n_targets)
@@ -265,28 +271,36 @@ def adapt(
 ) -> ModelAdapter:
     """Inspect `model` once; see the module docstring. `blocks` names the block class."""
     kind = model_kind(model)
-    if kind == "tenfold" and not blocks:
-        found = list(model.layers.values())  # GPT.forward calls them in this order
+    spec = spec_for(kind)
+    if spec.block_path and not blocks:
+        found = list(model.get_submodule(spec.block_path).values())  # GPT.forward calls them in this order
     else:
         found = find_blocks(model, blocks)
-    if kind == "hf" and not blocks:
+    if spec.hugging_face and not blocks:
         _check_against_no_split_modules(model, found)
     embedding, output = _embedding_and_output(model)
     n_params = sum(p.numel() for p in model.parameters())  # parameters() yields tied ones once
     flops, formula = estimate_flops_per_token(
         found, output, n_params, embedding, seq_len, _hidden_size(model, embedding),
-        attention=kind in ("tenfold", "hf"),
+        attention=spec.architecture_known,
     )
-    if kind == "tenfold" and model.cfg.is_moe:  # a token runs k of the E experts: active parameters
-        flops, formula = preset_flops_per_token(model.cfg, seq_len), "6 x active params + 12 L s d"
-    elif kind == "hf" and hf_moe_shape(model) is not None:  # Mixtral, Qwen2-MoE, Qwen3-MoE: the same rule
-        flops, formula = preset_flops_per_token(hf_moe_shape(model), seq_len), "6 x active params + 12 L s d"
+    moe = moe_shape(model, spec)
+    if moe is not None:  # a token runs k of the E experts: active parameters
+        flops, formula = preset_flops_per_token(moe, seq_len), "6 x active params + 12 L s d"
     return ModelAdapter(
         kind=kind, blocks=found, block_class=type(found[0]).__name__ if found else None,
         embedding=embedding, output=output, param_count=n_params, flops_per_token=flops,
         flops_formula=formula, user_loss_fn=loss_fn,
-        hf_model_type=str(getattr(model.config, "model_type", "")).lower() if kind == "hf" else "",
+        hf_model_type=str(getattr(model.config, "model_type", "")).lower() if spec.hugging_face else "",
     )
+
+
+def moe_shape(model: nn.Module, spec: ModelSpec):
+    """The ModelConfig of a mixture-of-experts model (tenfold's MoE GPT, or a Hugging Face MoE
+    family: Mixtral, Qwen2-MoE, Qwen3-MoE), else None."""
+    if spec.own_moe_blocks:
+        return model.cfg if model.cfg.is_moe else None
+    return hf_moe_shape(model) if spec.hugging_face else None
 
 
 def hf_moe_shape(model: nn.Module):

@@ -181,19 +181,7 @@ def _predict(run: ResolvedRun, hardware, gpus_per_node=None, trace: bool = True,
             raise UserError(f"--tokens must be positive, got {tokens}")
         days = tr("train_days", tokens / tps / 86400, "tokens / tokens_per_s / 86400", "definition")
         hours = days * 24 * gpus
-    tp_bytes = _tp_bytes_per_step(shape, run)
-    if tp_bytes:
-        tr("tp_bytes_per_step", tp_bytes, "per layer 8 (t-1)/t b s h x m, + embedding, head, loss, norm gradients, "
-           "clip (docs/tensor_parallel.md)", "Narayanan et al. 2021 §3.2; Korthikanti et al. 2022 §4.2.2")
-    cp_bytes = cp_traffic.bytes_per_step(shape.cfg, run) if shape.cfg is not None else 0.0
-    if cp_bytes:
-        tr("cp_bytes_per_step", cp_bytes, "per layer and micro-batch: the K/V all-gather (again per recomputed layer) "
-           "and reduce-scatter of b s 2 kv/t elements, (cp-1)/cp of them sent by each rank",
-           "Llama 3 (arXiv:2407.21783) §3.3.2 all-gather CP; nccl-tests bus bandwidth")
-    ep_bytes = moe_plan.ep_bytes_per_step(shape.cfg, run) if shape.known else 0.0
-    if ep_bytes:
-        tr("ep_bytes_per_step", ep_bytes, "(4 per MoE layer + 2 per recomputed one) all-to-alls of b s k d x m, "
-           "(ep-1)/ep of each leaving the rank", "GShard (Lepikhin et al. 2020) §2.2")
+    tp_bytes, cp_bytes, ep_bytes = _model_parallel_bytes(shape, run, tr)
     fits = _fits(mem, hw, gpus)
     if not fits and hw.shared_compute:
         notes.append(f"does not fit: {min(gpus, hw.gpus_per_node)} ranks x {(mem.total_bytes + mem.cpu_bytes) / 2**30:.1f} GiB "
@@ -216,6 +204,24 @@ def _predict(run: ResolvedRun, hardware, gpus_per_node=None, trace: bool = True,
         tp_bytes_per_step=tp_bytes, cp_bytes_per_step=cp_bytes, ep_bytes_per_step=ep_bytes, run=run,
         active_params=float(active_param_count(shape.cfg)) if shape.known else shape.params,
     )
+
+
+def _model_parallel_bytes(shape: ModelShape, run: ResolvedRun, tr) -> tuple[float, float, float]:
+    """Bytes one rank sends per step on its tensor-, context- and expert-parallel groups."""
+    tp_bytes = _tp_bytes_per_step(shape, run)
+    if tp_bytes:
+        tr("tp_bytes_per_step", tp_bytes, "per layer 8 (t-1)/t b s h x m, + embedding, head, loss, norm gradients, "
+           "clip (docs/tensor_parallel.md)", "Narayanan et al. 2021 §3.2; Korthikanti et al. 2022 §4.2.2")
+    cp_bytes = cp_traffic.bytes_per_step(shape.cfg, run) if shape.cfg is not None else 0.0
+    if cp_bytes:
+        tr("cp_bytes_per_step", cp_bytes, "per layer and micro-batch: the K/V all-gather (again per recomputed layer) "
+           "and reduce-scatter of b s 2 kv/t elements, (cp-1)/cp of them sent by each rank",
+           "Llama 3 (arXiv:2407.21783) §3.3.2 all-gather CP; nccl-tests bus bandwidth")
+    ep_bytes = moe_plan.ep_bytes_per_step(shape.cfg, run) if shape.known else 0.0
+    if ep_bytes:
+        tr("ep_bytes_per_step", ep_bytes, "(4 per MoE layer + 2 per recomputed one) all-to-alls of b s k d x m, "
+           "(ep-1)/ep of each leaving the rank", "GShard (Lepikhin et al. 2020) §2.2")
+    return tp_bytes, cp_bytes, ep_bytes
 
 
 def _tp_bytes_per_step(shape: ModelShape, run: ResolvedRun) -> float:

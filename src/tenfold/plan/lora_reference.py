@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from tenfold.lora_terms import LoraSpec, nf4_bytes_per_param
 from tenfold.models.presets import ModelConfig
+from tenfold.models.specs import spec_for
 from tenfold.plan import lora as lora_plan
 from tenfold.plan.api import predict_memory
 from tenfold.run import ResolvedRun, resolve
@@ -114,7 +115,7 @@ def cases() -> list[Case]:
 def paper_note(run: ResolvedRun, hardware) -> str | None:
     """For a QLoRA plan of a known shape: the paper's headline, and this model in the paper's
     setting on this hardware."""
-    if run.lora is None or run.lora.base != "nf4" or run.model is None or run.model_kind == "user":
+    if run.lora is None or run.lora.base != "nf4" or run.model is None or not spec_for(run.model_kind).architecture_known:
         return None
     m = predict_memory(paper_run(run.model, run.precision), hardware)
     fits = "fits" if m.total_bytes <= m.capacity_bytes else "does not fit"

@@ -45,7 +45,8 @@ import torch.nn as nn
 from tenfold.errors import UserError
 from tenfold.models.adapter import model_kind
 from tenfold.models.gpt import GPT
-from tenfold.pipeline_layout import STAGE_NAMES, block_index, stage_layout  # torch-free, shared with the planner
+from tenfold.models.specs import spec_for
+from tenfold.pipeline_layout import block_index, stage_layout  # torch-free, shared with the planner
 from tenfold.techniques.pipeline_hf import HFStage
 from tenfold.techniques.tied_embeddings import TiedPair, find_tied_pair, untie_on_rank
 from tenfold.terms import local_stage_ids, runs_on_fsdp2
@@ -165,7 +166,7 @@ class PipelineSplit:
     counts: list[int]  # blocks per stage, all stages
     fqns: list[list[str]]  # module names per stage, all stages
     params: list[int]  # parameters per stage, all stages
-    kind: str = "tenfold"  # the model kind (tenfold.pipeline_layout.STAGE_NAMES)
+    kind: str = "tenfold"  # the model kind (tenfold.models.specs)
     d_model: int = 0  # width of the residual stream sent between stages
     vocab_size: int = 0  # width of the last stage's logits
     dtypes: list[torch.dtype] | None = None  # each stage's output dtype (boundary_dtypes)
@@ -189,9 +190,9 @@ def split_model(model: nn.Module, pp_rank: int, pp_size: int, counts: Sequence[i
     kind, n_layers, has_pos_emb, d_model, vocab = _model_facts(model)
     layout = stage_layout(n_layers, len(counts) if counts is not None else pp_size, counts, kind, has_pos_emb)
     n = len(layout.counts)
-    stage_cls = GPTStage if kind == "tenfold" else HFStage
+    stage_cls = HFStage if spec_for(kind).hugging_face else GPTStage
     every = [stage_cls(model, layout.fqns[s], s, n) for s in range(n)]
-    tied = find_tied_pair(every, STAGE_NAMES[kind])  # tied embeddings: the first and the last stage each keep a copy
+    tied = find_tied_pair(every, spec_for(kind).stage_names)  # tied embeddings: the first and the last stage each keep a copy
     ids = local_stage_ids(pp_rank, pp_size, n)
     params = [sum(p.numel() for p in m.parameters()) for m in every]
     dtypes = boundary_dtypes(every, autocast_dtype)  # on the full model, before any copy is untied
@@ -206,12 +207,9 @@ def _model_facts(model: nn.Module) -> tuple[str, int, bool, int, int]:
     """(kind, layers, learned positions, d_model, vocab) of a model the split can cut."""
 
     kind = model_kind(model)
-    if kind == "tenfold":
-        cfg = model.cfg
-        return kind, cfg.n_layers, model.pos_emb is not None, cfg.d_model, cfg.vocab_size
-    if kind == "hf":
-        c = model.config
-        return kind, c.num_hidden_layers, False, c.hidden_size, c.vocab_size
+    shape = spec_for(kind).pipeline_shape
+    if shape is not None:
+        return (kind, *shape(model))
     raise UserError(
         f"parallel.pp_degree > 1 splits tenfold's GPT or a Hugging Face Llama-family model into stages; "
         f"{type(model).__name__} is neither (use --pp 1, or pipeline it with torch.distributed.pipelining directly)"

@@ -20,6 +20,7 @@ from torch.distributed.pipelining import PipelineStage
 from tenfold.errors import UserError
 from tenfold.models.loss import replicated_value
 from tenfold.models.moe import _in_backward, moe_layers, with_stage_aux_loss
+from tenfold.models.specs import spec_for
 from tenfold.techniques.accumulation import all_reduce_sum, count_targets
 from tenfold.techniques.pipeline import PipelineSplit, stage_io_examples
 from tenfold.techniques.tensor_parallel import loss_context
@@ -439,8 +440,9 @@ def build_pipelined_model(split: PipelineSplit, parts: Sequence[nn.Module], run,
         parts, split.stage_ids, split.n_stages, run.pp_schedule, run.grad_accum, device=dist_info.device,
         pp_group=dist_info.mesh["pp"].get_group(), dp_size=dist_info.dp_size,
         autocast_dtype=compute_dtype or torch.float32, stage_io=io, tp_size=dist_info.tp_size,
-        seq_len=run.local_seq_len, with_positions=split.kind == "hf" or dist_info.cp_size > 1,
-        cp_size=dist_info.cp_size,
+        seq_len=run.local_seq_len, cp_size=dist_info.cp_size,
+        # a Hugging Face stage takes position ids; under cp every stage does (its tokens' own positions)
+        with_positions=spec_for(split.kind).hugging_face or dist_info.cp_size > 1,
     )
     return PipelinedModel(split, parts, runner, dist_info, tied)
 

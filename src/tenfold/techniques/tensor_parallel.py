@@ -49,6 +49,7 @@ from torch.distributed.tensor.parallel import (
 
 from tenfold.errors import UserError
 from tenfold.models.moe import MoE
+from tenfold.models.specs import spec_for
 
 TP_FLAG = "parallel.tp_degree (--tp)"
 KNOWN_MODELS = ("tenfold's GPT and Hugging Face Llama, Qwen2 or Mistral models (q/k/v/o_proj, gate/up/down_proj, "
@@ -180,10 +181,9 @@ def plan_for(model: nn.Module, kind: str, sequence_parallel: bool, user_plan: di
     """The plan for a model of `kind` (tenfold.models.adapter: "tenfold" | "hf" | "user")."""
     if user_plan is not None:
         return dict(user_plan)
-    if kind == "tenfold":
-        return gpt_plan(model, sequence_parallel)
-    if kind == "hf":
-        return hf_plan(model, sequence_parallel)
+    spec = spec_for(kind)
+    if spec.builtin_tp_plan:
+        return (hf_plan if spec.hugging_face else gpt_plan)(model, sequence_parallel)
     raise UserError(
         f"{TP_FLAG}: {type(model).__name__} is the user's own module and has no tensor-parallel plan; "
         "pass Trainer(model, tp_plan={'layers.*.attn.wq': ColwiseParallel(), ...}) or use --tp 1"

@@ -61,7 +61,7 @@ def find_tied_pair(stages: Sequence[nn.Module], names: StageNames) -> TiedPair |
     embeddings), None if none. Every stage is built on the same full model, so a tie shows as one
     Parameter in two stages. A Parameter shared any other way is refused: only the
     embedding/head tie has a synchronisation (two copies, summed gradients). `names`: the model
-    kind's module names (tenfold.pipeline_layout.STAGE_NAMES)."""
+    kind's module names (tenfold.models.specs: its stage_names)."""
     owner: dict[int, tuple[int, str]] = {}
     pair = None
     last = len(stages) - 1
