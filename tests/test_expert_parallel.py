@@ -5,7 +5,10 @@ The ranks run tests/workers/moe_worker.py under torchrun (the Trainer, micro 2 x
 the reference runs here with the same global batch in the same micro-batches (micro 2 x accum 2:
 rank r's rows are the one process's micro-batch r, tenfold.data.loader's order rule), so each
 micro-batch's router balance loss is computed over the same tokens. fp32: only the order of the
-floating-point sums differs (the all-to-all regroups rows; the dp average)."""
+floating-point sums differs (the all-to-all regroups rows; the dp average).
+
+On 4 ranks the same comparison holds ep 2 beside a 1F1B pipeline (pp 2 x dp 2, mode "pipeline")
+and beside tensor parallelism (tp 2 x dp 2 without sequence parallelism, mode "tensor")."""
 
 from __future__ import annotations
 
@@ -13,6 +16,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from tenfold.errors import UserError
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
@@ -60,6 +65,98 @@ def test_ep_layouts_match_one_process_losses_and_first_step_gradients(two_ranks,
             assert worst <= RTOL * scale + 1e-9, (name, worst, scale)
         assert got["loads"] == reference["loads"]  # every rank logs the global assignments
     assert reference["losses"][-1] < reference["losses"][0] - 0.3  # it learns
+
+
+@pytest.fixture(scope="module")
+def pipeline_ranks(tmp_path_factory):
+    return torchrun("pipeline", tmp_path_factory.mktemp("pp2ep2"), nproc=4, worker="moe_worker.py", timeout=900)
+
+
+@pytest.fixture(scope="module")
+def tensor_ranks(tmp_path_factory):
+    return torchrun("tensor", tmp_path_factory.mktemp("tp2ep2"), nproc=4, worker="moe_worker.py", timeout=900)
+
+
+def _assert_matches(got: dict, reference: dict) -> None:
+    """Losses of every step, the first step's gradients of the parameters this rank holds (all
+    of them, unless a pipeline stage holds some) and the expert load of its MoE layers."""
+    assert rel_err(got["losses"], reference["losses"]) < RTOL, (got["losses"], reference["losses"])
+    assert rel_err(got["grad_norms"], reference["grad_norms"]) < 10 * RTOL
+    assert got["grads"] and set(got["grads"]) <= set(reference["grads"])
+    for name, values in got["grads"].items():
+        ref = reference["grads"][name]
+        scale = max(abs(v) for v in ref)
+        worst = max(abs(a - b) for a, b in zip(values, ref))
+        assert worst <= RTOL * scale + 1e-9, (name, worst, scale)
+    assert [[step[i] for i in got["layers"]] for step in reference["loads"]] == got["loads"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("run", ["pp2-0", "pp2-3", "pp2-3-recompute", "pp2-ep1-0"])
+def test_ep_under_a_1f1b_pipeline_matches_one_process(pipeline_ranks, reference_micro1, run):
+    """pp 2 x dp 2, ep 2 over each stage's dp ranks, micro 1 x accum 2: the one process's micro 1 x
+    accum 4. Each stage's ranks hold half the parameters; together they hold every one."""
+    held = set()
+    for rank in ("0", "1", "2", "3"):
+        got = pipeline_ranks[rank][run]
+        _assert_matches(got, reference_micro1)
+        assert len(got["layers"]) == 1  # one MoE layer a stage
+        held |= set(got["grads"])
+    assert held == set(reference_micro1["grads"])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("run", ["tp2-0", "tp2-3", "tp2-3-recompute", "tp2-ep1-3"])
+def test_ep_beside_tensor_parallel_attention_matches_one_process(tensor_ranks, reference, run):
+    """tp 2 x dp 2, ep 2 over the dp ranks of each tp rank, micro 2 x accum 1."""
+    for rank in ("0", "1", "2", "3"):
+        got = tensor_ranks[rank][run]
+        _assert_matches(got, reference)
+        assert got["grads"].keys() == reference["grads"].keys()
+
+
+def _resolve(world: int, parallel: dict, **sections):
+    from tenfold.config import build_config
+    from tenfold.run import resolve_run
+
+    cfg = {"model": {"name": "tiny-moe"}, "parallel": parallel, "train": {"grad_accum": 2}, **sections}
+    return resolve_run(build_config(cfg), world)
+
+
+@pytest.mark.parametrize("world, parallel, sections, message", [
+    (4, {"pp_degree": 2, "ep_degree": 2, "pp_schedule": "gpipe"}, {},
+     r"--ep\) 2 with --pp needs --pp-schedule 1f1b \(got gpipe\)"),
+    (4, {"pp_degree": 2, "ep_degree": 2, "zero_stage": 2}, {}, r"--ep\) 2 with --pp needs --zero 0 or 3 \(got 2\)"),
+    (4, {"tp_degree": 2, "ep_degree": 2, "zero_stage": 2, "sequence_parallel": False}, {},
+     r"--ep\) 2 with --tp needs --zero 0 or 3 \(got 2\)"),
+    (4, {"tp_degree": 2, "ep_degree": 2}, {}, r"--tp\) 2 on a mixture-of-experts model .* pass --no-sequence-parallel"),
+    (4, {"tp_degree": 2, "sequence_parallel": True}, {},
+     r"--tp\) 2 on a mixture-of-experts model .* pass --no-sequence-parallel"),
+    (8, {"pp_degree": 2, "tp_degree": 2, "ep_degree": 2, "sequence_parallel": False}, {},
+     r"--tp\) 2 on a mixture-of-experts model runs without --pp \(got --pp 2\)"),
+    (4, {"pp_degree": 2, "ep_degree": 2}, {"recompute": {"policy": "full"}, "precision": {"fp8": True}},
+     r"--ep\) 2 does not combine with --fp8"),
+])
+def test_ep_beside_pp_or_tp_refuses_what_is_not_run(world, parallel, sections, message):
+    with pytest.raises(UserError, match=message):
+        _resolve(world, parallel, **sections)
+
+
+def test_ep_beside_tp_on_a_hugging_face_moe_model_is_refused():
+    from tenfold.config import build_config
+    from tenfold.run import resolve_run
+
+    cfg = {"model": {"hf_config": str(HERE / "data" / "mixtral-tiny" / "config.json")},
+           "parallel": {"tp_degree": 2, "ep_degree": 2, "sequence_parallel": False}}
+    with pytest.raises(UserError, match=r"--ep\) 2 with --tp needs tenfold's MoE blocks \(got a Hugging Face model "
+                                        r"of model_type 'mixtral'\)"):
+        resolve_run(build_config(cfg), 4)
+
+
+def test_ep_beside_a_1f1b_pipeline_or_tp_without_sequence_parallelism_resolves():
+    for zero in (0, 3):
+        assert _resolve(4, {"pp_degree": 2, "ep_degree": 2, "zero_stage": zero}).ep == 2
+        assert _resolve(4, {"tp_degree": 2, "ep_degree": 2, "zero_stage": zero, "sequence_parallel": False}).ep == 2
 
 
 def _train(out: Path, *flags: str) -> list[dict]:

@@ -124,7 +124,7 @@ def problems(run, caps: Capabilities = ENGINE) -> list[str]:
                               dp_size=run.grad_ranks, zero_stage=run.zero_stage)
         except UserError as e:
             out.append(str(e))
-    out += expert_parallel_problems(run)
+    out += expert_parallel_problems(run) + moe_tensor_parallel_problems(run)
     departures = run.stack.departures()
     if departures:
         out.append(f"priced as another training stack ({', '.join(departures)}); tenfold train runs its own "
@@ -144,13 +144,43 @@ def expert_parallel_problems(run) -> list[str]:
         out.append(f"{flag}: expert parallelism runs tenfold's MoE blocks (--model tiny-moe, mixtral-8x7b, ...) and "
                    f"the Hugging Face model_types {', '.join(MOE_FAMILIES)} (--hf-config / --hf-pretrained); "
                    f"a {what} trains with --ep 1")
-    others = {"--pp": run.pp > 1, "--tp": run.tp > 1, "--zero 1": run.zero_stage == 1, "--offload": run.offload != "none",
+    # beside a pipeline or tensor parallelism: tenfold's MoE blocks under ZeRO-0 or 3 (tests/test_expert_parallel.py);
+    # both at once: moe_tensor_parallel_problems; a Hugging Face model under --pp: pipeline_model_problem
+    if run.pp > 1 or run.tp > 1:
+        other = " and ".join(f for f, n in (("--pp", run.pp), ("--tp", run.tp)) if n > 1)
+        needs = []
+        if run.tp > 1 and not spec.own_moe_blocks:
+            needs.append(f"tenfold's MoE blocks (got a {spec.label} model"
+                         f"{f' of model_type {run.hf_model_type!r}' if spec.hugging_face else ''})")
+        if run.pp > 1 and run.pp_schedule != "1f1b":
+            needs.append(f"--pp-schedule 1f1b (got {run.pp_schedule})")
+        if run.zero_stage not in (0, 3):
+            needs.append(f"--zero 0 or 3 (got {run.zero_stage})")
+        if needs:
+            out.append(f"{flag} with {other} needs {', '.join(needs)}")
+    others = {"--zero 1": run.zero_stage == 1, "--offload": run.offload != "none",
               "--shard-group": bool(run.shard_group), "--lora/--qlora": run.lora is not None, "--fp8": run.fp8,
               "--compile": run.compile}
     refused = [name for name, on in others.items() if on]
     if refused:
         out.append(f"{flag} does not combine with {', '.join(refused)} in tenfold train; "
-                   "it runs with --zero 0, 2 or 3 and any --ac")
+                   "it runs with --zero 0, 2 or 3 and any --ac (--zero 0 or 3 beside --pp or --tp)")
+    return out
+
+
+def moe_tensor_parallel_problems(run) -> list[str]:
+    """Tensor parallelism on tenfold's MoE models: attention and the dense layers split over the
+    tp ranks, each MoE layer whole on every tp rank (its routed experts split by --ep, if any),
+    which therefore must see the same tokens: no sequence parallelism; no pipeline beside it."""
+    if run.tp <= 1 or not spec_for(run.model_kind).own_moe_blocks or run.model is None or not run.model.is_moe:
+        return []
+    out = []
+    if run.sequence_parallel:
+        out.append(f"parallel.tp_degree (--tp) {run.tp} on a mixture-of-experts model runs each MoE layer whole on "
+                   "every tp rank, on the same tokens: pass --no-sequence-parallel")
+    if run.pp > 1:
+        out.append(f"parallel.tp_degree (--tp) {run.tp} on a mixture-of-experts model runs without --pp "
+                   f"(got --pp {run.pp})")
     return out
 
 

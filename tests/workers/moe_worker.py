@@ -3,6 +3,8 @@ tests/test_expert_parallel.py, never by pytest itself (no test functions).
 
     python -m torch.distributed.run --standalone --nproc-per-node N tests/workers/moe_worker.py MODE OUT.json
 
+MODE: equivalence (2 ranks), pipeline or tensor (4 ranks).
+
 Every rank builds the `Trainer` on the same token array (zero_worker's) with the tiny MoE model,
 runs steps and records its losses and the first step's gradients (whole tensors, gathered);
 rank 0 writes what every rank saw.
@@ -22,14 +24,15 @@ MODEL = {"name": "tiny-moe", "n_layers": 2, "d_model": 32, "n_heads": 4, "d_ff":
          "d_expert": 32, "n_experts": 4, "experts_per_token": 2, "n_shared_experts": 1}
 
 
-def config(stage: int, micro: int, accum: int, out: str, ep: int = 1, **model) -> dict:
+def config(stage: int, micro: int, accum: int, out: str, ep: int = 1, pp: int = 1, tp: int = 1, **model) -> dict:
     return {
         "model": {**MODEL, **model},
         "data": {"seq_len": SEQ, "val_fraction": 0.0},
         "train": {"steps": STEPS, "micro_batch": micro, "grad_accum": accum, "lr": 1e-2,
                   "warmup_steps": 0, "eval_every": 0, "seed": 7, "grad_clip": 1.0},
         "precision": {"dtype": "fp32"},
-        "parallel": {"zero_stage": stage, "param_persistence_threshold": 0, "ep_degree": ep},
+        "parallel": {"zero_stage": stage, "param_persistence_threshold": 0, "ep_degree": ep, "pp_degree": pp,
+                     "pp_schedule": "1f1b", "tp_degree": tp},
         "log": {"out": out, "progress": False, "tensorboard": False},
     }
 
@@ -42,6 +45,7 @@ def run_steps(cfg: dict) -> dict:
     """Losses and gradient norms of STEPS steps, the expert load of each, and every parameter's
     whole gradient at the first optimizer step (before clipping scales it)."""
     from tenfold.engine.loop.trainer import Trainer
+    from tenfold.models.moe import MoE
     from tenfold.techniques import zero
 
     t = Trainer(cfg, dataset=token_array())
@@ -55,13 +59,15 @@ def run_steps(cfg: dict) -> dict:
                     grads[name.replace("_fsdp_wrapped_module.", "")] = full(p.grad).flatten()[:64].tolist()
 
     t.optimizer.register_step_pre_hook(capture)
+    # a pipeline stage holds some of the MoE layers: its rows of the expert load are theirs
+    layers = [int(name.split(".")[1]) for name, m in zero.unwrap(t.model).named_modules() if isinstance(m, MoE)]
     losses, norms, loads = [], [], []
     for _ in range(STEPS):
         result = t.train_step(t.loader.next_step())
         losses.append(result.loss)
         norms.append(result.grad_norm)
         loads.append(result.expert_load)
-    return {"losses": losses, "grad_norms": norms, "grads": grads, "loads": loads}
+    return {"losses": losses, "grad_norms": norms, "grads": grads, "loads": loads, "layers": layers}
 
 
 def mode_equivalence(out_dir: str) -> dict:
@@ -82,9 +88,39 @@ def mode_equivalence(out_dir: str) -> dict:
     return runs
 
 
+def mode_pipeline(out_dir: str) -> dict:
+    """4 ranks: pp 2 x dp 2 with ep 2 over the dp ranks of each stage (one MoE layer a stage),
+    micro 1 x accum 2 x dp 2 under 1F1B, ZeRO-0 and ZeRO-3 (and ZeRO-3 with full recompute);
+    the same without ep."""
+    runs = {f"pp2-{stage}": run_steps(config(stage, 1, 2, os.path.join(out_dir, f"pp-{stage}"), ep=2, pp=2))
+            for stage in (0, 3)}
+    # full recompute: the all-to-alls replayed in backward, the balance losses counted once
+    recomputed = config(3, 1, 2, os.path.join(out_dir, "pp-ac"), ep=2, pp=2)
+    recomputed["recompute"] = {"policy": "full"}
+    runs["pp2-3-recompute"] = run_steps(recomputed)
+    # no ep: the MoE layers' balance losses under the pipeline alone
+    runs["pp2-ep1-0"] = run_steps(config(0, 1, 2, os.path.join(out_dir, "pp-ep1"), ep=1, pp=2))
+    return runs
+
+
+def mode_tensor(out_dir: str) -> dict:
+    """4 ranks: tp 2 x dp 2 with ep 2 over the dp ranks, micro 2 x accum 1 x dp 2 (no sequence
+    parallelism: the tp ranks route the same tokens), ZeRO-0 and ZeRO-3 (and ZeRO-3 with full
+    recompute); ZeRO-3 without ep (the experts then sharded by FSDP2 over dp, whole on each tp rank)."""
+    runs = {}
+    for name, stage, ep, policy in (("tp2-0", 0, 2, "none"), ("tp2-3", 3, 2, "none"),
+                                    ("tp2-3-recompute", 3, 2, "full"), ("tp2-ep1-3", 3, 1, "none")):
+        cfg = config(stage, 2, 1, os.path.join(out_dir, name), ep=ep, tp=2)
+        cfg["parallel"]["sequence_parallel"] = False
+        cfg["recompute"] = {"policy": policy}
+        runs[name] = run_steps(cfg)
+    return runs
+
+
 def main() -> None:
     mode, out_path = sys.argv[1], sys.argv[2]
-    result = {"equivalence": mode_equivalence}[mode](os.path.dirname(out_path))
+    modes = {"equivalence": mode_equivalence, "pipeline": mode_pipeline, "tensor": mode_tensor}
+    result = modes[mode](os.path.dirname(out_path))
     write_per_rank(result, out_path)
 
 

@@ -215,6 +215,35 @@ class _AddAuxGrad(torch.autograd.Function):
         return grad, grad * ctx.weight, None
 
 
+class _StageAuxGrad(torch.autograd.Function):
+    """Returns a pipeline stage's output unchanged; in backward, the stage's balance losses receive
+    `weight`, the constant gradient `_AddAuxGrad` hands them outside a pipeline (the micro-batch's
+    target tokens times the gradient of its summed token loss): a stage before the last has no loss
+    to carry them."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, aux: torch.Tensor, weight: float) -> torch.Tensor:
+        ctx.weight, ctx.aux_dtype = weight, aux.dtype
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, torch.full((), ctx.weight, dtype=ctx.aux_dtype, device=grad.device), None
+
+
+def with_stage_aux_loss(out: torch.Tensor, module: nn.Module, weight: float) -> torch.Tensor:
+    """A pipeline stage's output carrying the balance losses of the stage's MoE layers (at their
+    coef) with gradient `weight` (techniques/pipeline_runner.py: the micro-batch's target tokens
+    x dp x loss scale / global tokens); `out` itself when no layer holds one."""
+    layers = [m for m in moe_layers(module) if m.aux_loss is not None]
+    if not layers:
+        return out
+    aux = sum(m.aux_coef * m.aux_loss for m in layers)
+    for m in layers:
+        m.aux_loss = None
+    return _StageAuxGrad.apply(out, aux, float(weight))
+
+
 def with_hf_router_aux_loss(loss_sum: torch.Tensor, aux: torch.Tensor | None, coef: float, n_targets: int) -> torch.Tensor:
     """A Hugging Face MoE model's balance loss (its output's `aux_loss`, present when the config
     sets output_router_logits) joining the gradient at `coef` (router_aux_loss_coef) per target

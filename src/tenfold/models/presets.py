@@ -283,6 +283,11 @@ def active_block_param_count(cfg: ModelConfig) -> int:
     return block_param_count(cfg) - _ffn_param_count(cfg, active=False) + _ffn_param_count(cfg, active=True)
 
 
+def moe_layer_param_count(cfg: ModelConfig) -> int:
+    """One block's MoE layer (router, routed and shared experts); 0 for a dense model."""
+    return _ffn_param_count(cfg, active=False) if cfg.is_moe else 0
+
+
 def expert_param_count(cfg: ModelConfig) -> int:
     """Routed-expert parameters of the whole model (what expert parallelism splits)."""
     return cfg.n_layers * cfg.n_experts * 3 * cfg.d_model * cfg.expert_dim if cfg.is_moe else 0

@@ -274,11 +274,13 @@ def _tenfold_terms(cfg: ModelConfig, h: int, f: int, a: int, B: float, half: boo
         add(ActTerm("attention probabilities", B * a, "shard", "attn_core", per_seq=True, source="math SDPA: softmax output as^2b"))
     add(ActTerm("wo input (transposed copy)", B * h, "shard", "keep", source=f"{T}: y.transpose(1, 2).reshape copies"))
     add(ActTerm("norm2 (+ mlp input casts)", mlp_in * h, "replicated", "keep", source=norm_src))
+    # an MoE layer is whole on every tp rank (tenfold.techniques.tensor_parallel.gpt_plan)
+    mlp_tp = "replicated" if cfg.is_moe else "shard"
     if cfg.mlp == "swiglu":
-        add(ActTerm("w1 x, silu(w1 x), w3 x, product", 4 * B * f, "shard", "mlp",
+        add(ActTerm("w1 x, silu(w1 x), w3 x, product", 4 * B * f, mlp_tp, "mlp",
                     source=f"{T}: silu saves its input, mul both operands, w2 its input"))
     else:
-        add(ActTerm("w1 x, gelu(w1 x)", 2 * B * f, "shard", "mlp", source=f"{T}: gelu saves its input, w2 its input"))
+        add(ActTerm("w1 x, gelu(w1 x)", 2 * B * f, mlp_tp, "mlp", source=f"{T}: gelu saves its input, w2 its input"))
     return tuple(terms)
 
 

@@ -14,6 +14,7 @@ from tenfold.models.presets import (
     get_preset,
     expert_param_count,
     head_param_count,
+    moe_layer_param_count,
     param_count,
 )
 
@@ -74,13 +75,15 @@ def run_rank_params(shape: ModelShape, run, pp_rank: int) -> float:
 
 def layer_params(shape: ModelShape, tp: int, ep: int = 1) -> float:
     """One transformer block's parameters on one TP rank: matmul weights / t, norms whole; an MoE
-    block's routed experts / ep when expert parallelism splits them (and / tp only without it)."""
+    layer whole on every tp rank (tenfold.techniques.tensor_parallel.gpt_plan leaves it unsplit),
+    its routed experts / ep when expert parallelism splits them."""
     if not shape.known:
         return 0.0
     cfg = shape.cfg
     norm = cfg.d_model * (2 if cfg.norm == "layernorm" else 1)
-    experts = _block_experts(cfg) if ep > 1 else 0.0
-    return (_block_params(cfg) - 2 * norm - experts) / tp + experts / ep + 2 * norm
+    moe = _block_moe(cfg)
+    experts = _block_experts(cfg)
+    return (_block_params(cfg) - 2 * norm - moe) / tp + moe - experts + experts / ep + 2 * norm
 
 
 @functools.lru_cache(maxsize=1024)
@@ -92,11 +95,19 @@ def largest_unit_params(shape: ModelShape, tp: int, ep: int = 1) -> float:
         return 0.0
     cfg = shape.cfg
     experts = _block_experts(cfg) if ep > 1 else 0.0
-    return max((_block_params(cfg) - experts) / tp, embedding_param_count(cfg) / tp)
+    moe = _block_moe(cfg)
+    return max((_block_params(cfg) - moe) / tp + moe - experts, embedding_param_count(cfg) / tp)
 
 
 def _block_experts(cfg: ModelConfig) -> float:
     return expert_param_count(cfg) / cfg.n_layers
+
+
+def _block_moe(cfg: ModelConfig) -> float:
+    """One block's MoE layer (router, shared experts, routed experts): not split by tp; 0 when dense."""
+    if not cfg.is_moe:
+        return 0.0
+    return float(moe_layer_param_count(cfg))
 
 
 @functools.lru_cache(maxsize=256)

@@ -6,7 +6,8 @@ bytes (t-1)/t S. `tenfold.engine.observe.comm_bytes` measures the same quantity,
 two equal for tenfold's GPT (tests/test_tensor_parallel.py).
 
 Per micro-batch (b sequences of s tokens, hidden h, t tp ranks, L layers on this stage):
-  blocks      Megatron-LM's 4 all-reduces of b s h per layer (2 forward, 2 backward;
+  blocks      Megatron-LM's 4 all-reduces of b s h per layer (2 forward, 2 backward; an MoE
+              layer, whole on every tp rank, drops the MLP's two;
               Narayanan et al. 2021 section 3.2: 8 b s h (t-1)/t elements); sequence
               parallelism replaces each by a reduce-scatter + all-gather of the same volume
               (Korthikanti et al. 2022 section 4.2.2). In the compute dtype (2 bytes under
@@ -69,8 +70,15 @@ def tp_traffic(cfg: ModelConfig, *, tp: int, sequence_parallel: bool, precision:
     h, m = cfg.d_model, grad_accum
     act = micro_batch * seq_len * h * (2.0 if precision in ("bf16", "fp16") else 4.0)
     step = ring("reduce_scatter", tp)  # = (t-1)/t; an all-reduce is two of these
-    blocks = m * layers * 8 * step * act
-    per_group = (lambda n: 4 * n - 1) if sequence_parallel else (lambda n: 2 * (2 * n - 1))
+    if cfg.is_moe:
+        # an MoE layer is whole on every tp rank (tensor_parallel.gpt_plan; no sequence
+        # parallelism): the attention's two all-reduces per layer only, and a recompute replays
+        # each of them (the MoE layer after it saves the all-reduced output)
+        blocks = m * layers * 4 * step * act
+        per_group = lambda n: 2 * n  # noqa: E731
+    else:
+        blocks = m * layers * 8 * step * act
+        per_group = (lambda n: 4 * n - 1) if sequence_parallel else (lambda n: 2 * (2 * n - 1))
     recompute = m * sum(per_group(len(g)) for g in recompute_groups) * step * act
     embedding = head = loss = 0.0
     if first:
@@ -92,7 +100,7 @@ def dtensor_count(cfg: ModelConfig, layers: int, first: bool, last: bool, sequen
     """Parameter tensors the plan makes DTensors: every matmul weight (and bias) and the
     embeddings; the norms' weights (and biases) too under sequence parallelism."""
     per_norm = 2 if cfg.norm == "layernorm" else 1
-    linears = 4 + (3 if cfg.mlp == "swiglu" else 2)
+    linears = 4 + (0 if cfg.is_moe else 3 if cfg.mlp == "swiglu" else 2)  # an MoE layer: plain tensors
     block = linears * (2 if cfg.bias else 1) + (2 * per_norm if sequence_parallel else 0)
     n = layers * block
     if first:

@@ -18,6 +18,11 @@ experts and average their gradients.
     (tenfold.techniques.accumulation), and an expert's gradient on one rank holds the tokens of
     its whole ep group, so the sum over the dp / ep replicas holds every token once, dp times.
 
+Beside a pipeline, each stage's dp ranks form its ep groups (the dp axis of that stage's mesh);
+beside tensor parallelism, each tp rank's (the MoE layers are whole on every tp rank,
+`tensor_parallel.gpt_plan`, and see the same tokens: no sequence parallelism), so the tp ranks
+hold the same experts, compute the same gradients and reduce them over their own ep replicas.
+
 Hugging Face MoE families (Mixtral, Qwen2-MoE, Qwen3-MoE: `hf_expert_modules`) hold their routed
 experts as one module with 3-D `gate_up_proj` (E, 2I, d) and `down_proj` (E, d, I) parameters,
 called with the router's (tokens, k) choices and weights; under ep those two become Shard(0)

@@ -19,6 +19,7 @@ from torch.distributed.pipelining import PipelineStage
 
 from tenfold.errors import UserError
 from tenfold.models.loss import replicated_value
+from tenfold.models.moe import _in_backward, moe_layers, with_stage_aux_loss
 from tenfold.models.specs import spec_for
 from tenfold.techniques.accumulation import all_reduce_sum, count_targets
 from tenfold.techniques.pipeline import PipelineSplit, stage_io_examples
@@ -138,6 +139,13 @@ class PipelineRunner:
             PipelineStage(m, s, n_stages, device, input_args=x, output_args=y, group=pp_group)
             for m, s, (x, y) in zip(self.modules, self.stage_ids, io)
         ]
+        # mixture-of-experts stages: each micro-batch's balance losses join the gradient at the
+        # stage output (`_aux_hook`), weighted by the micro-batch's target tokens
+        self.mb_targets: list[int] = []
+        self._aux_calls = [0] * len(self.modules)
+        for i, m in enumerate(self.modules):
+            if moe_layers(m):
+                m.register_forward_hook(self._aux_hook(i))
         self.timer = _StageTimer()
         for st in self.stages:
             if autocast_dtype is not None and autocast_dtype != torch.float32:
@@ -168,6 +176,23 @@ class PipelineRunner:
             logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
         )
         return ce * (self.dp_size * self.loss_scale / self.global_tokens)
+
+    def _aux_hook(self, index: int):
+        """A forward hook on local stage `index`: in a training forward (not a recompute's replay
+        in backward) the output carries the stage's MoE balance losses, their gradient the one
+        `tenfold.models.moe.with_router_aux_loss` gives them without a pipeline: the micro-batch's
+        target tokens x dp x loss scale / global tokens. The schedule runs a stage's forwards in
+        micro-batch order, so the k-th call of a step is micro-batch k."""
+
+        def hook(module, args, output):
+            if not (module.training and torch.is_grad_enabled()) or _in_backward() or not self.mb_targets:
+                return None
+            mb = self._aux_calls[index]
+            self._aux_calls[index] += 1
+            weight = self.mb_targets[mb] * self.dp_size * self.loss_scale / self.global_tokens
+            return with_stage_aux_loss(output, module, weight)
+
+        return hook
 
     def _run(self, inputs: torch.Tensor, targets: torch.Tensor, train: bool,
              positions: torch.Tensor | None = None) -> list[torch.Tensor]:
@@ -202,6 +227,8 @@ class PipelineRunner:
         if isinstance(inputs, (list, tuple)):
             inputs, targets = torch.cat(list(inputs)), torch.cat(list(targets))
         self.global_tokens, self.loss_scale = max(int(global_tokens), 1), float(loss_scale)
+        self.mb_targets = [int((t != IGNORE_INDEX).sum()) for t in targets.tensor_split(self.n_microbatches)]
+        self._aux_calls = [0] * len(self.modules)
         self.timer.busy_s = 0.0
         if self.pp_group is not None and dist.is_initialized():
             # Start the stages together, so the bubble is not mixed with the previous

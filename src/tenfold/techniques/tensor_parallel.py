@@ -48,6 +48,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from tenfold.errors import UserError
+from tenfold.models.moe import MoE
 from tenfold.models.specs import spec_for
 
 TP_FLAG = "parallel.tp_degree (--tp)"
@@ -112,7 +113,14 @@ def gpt_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, Any]:
     if getattr(model, "pos_emb", None) is not None:  # GPT.embed looks positions up as (1, s)
         plan["pos_emb"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
     for key in model.layers:
-        plan.update(_block_plan(f"layers.{key}", names, sequence_parallel, swiglu))
+        block = _block_plan(f"layers.{key}", names, sequence_parallel, swiglu)
+        if isinstance(model.layers[key].mlp, MoE):
+            # a mixture-of-experts layer is not split by tp: every tp rank holds the router, the
+            # shared experts and its ep share of the routed experts, and (no sequence
+            # parallelism: checked by tenfold.capabilities) routes the same tokens as the others
+            block = {k: v for k, v in block.items() if not k.startswith(f"layers.{key}.mlp")}
+            block[f"layers.{key}.mlp"] = None  # covered, not split
+        plan.update(block)
     if getattr(model, "norm", None) is not None:
         plan["norm"] = SequenceParallel() if sequence_parallel else None
     if getattr(model, "output", None) is not None:

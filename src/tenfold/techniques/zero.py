@@ -362,11 +362,12 @@ def _wrap_replicate(model: nn.Module, choices: ZeroChoices, dist: DataParallelRa
 
     mesh = dist.mesh["dp"]
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype_of(choices))
+    ignored = set(expert_params(model)) or None  # split by expert parallelism, reduced by it
     if blocks is None:
         blocks = list(model.layers.values()) if hasattr(model, "layers") else []
     for block in blocks:
-        replicate(block, mesh=mesh, mp_policy=mp)
-    replicate(model, mesh=mesh, mp_policy=mp)
+        replicate(block, mesh=mesh, mp_policy=mp, ignored_params=ignored)
+    replicate(model, mesh=mesh, mp_policy=mp, ignored_params=ignored)
     return model
 
 
