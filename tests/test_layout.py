@@ -3,6 +3,8 @@ them (on a gloo world of one process and on torch's fake process group of 64 ran
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 
 from tenfold.errors import UserError
@@ -107,19 +109,28 @@ def test_a_gloo_world_of_one_has_a_mesh_of_ones():
         dist.destroy_process_group()
 
 
+@contextlib.contextmanager
+def fake_world(rank: int, world_size: int):
+    """This process as `rank` of torch's fake process group (collectives do nothing)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    assert not dist.is_initialized()
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
 def test_a_fake_world_of_64_splits_dp_into_replicas_of_shard_groups():
     """pp 2 x (dp_replicate 2 x dp_shard 4) x tp 4 on rank 37 of torch's fake process group:
     tp is innermost (ranks 36..39), the dp ranks of rank 37 are 33, 37, ..., 61, and the shard
     group is 4 neighbouring dp ranks, replicated across 2 groups. Mutations: MESH_ORDER with dp
     and tp swapped, or replicate and shard swapped -> other ranks."""
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
     from tenfold.layout import build_hybrid_mesh, build_mesh
 
-    assert not dist.is_initialized()
-    dist.init_process_group("fake", store=FakeStore(), rank=37, world_size=64)
-    try:
+    with fake_world(37, 64):
         layout = build_layout(64, pp=2, tp=4, shard_group=4)
         mesh = build_mesh(layout, "cpu")
         assert mesh.mesh_dim_names == ("pp", "dp", "tp") and tuple(mesh.mesh.shape) == (2, 8, 4)
@@ -131,8 +142,6 @@ def test_a_fake_world_of_64_splits_dp_into_replicas_of_shard_groups():
         assert hybrid.mesh_dim_names == ("dp_replicate", "dp_shard") and tuple(hybrid.mesh.shape) == (2, 4)
         assert hybrid["dp_shard"].mesh.tolist() == [33, 37, 41, 45]
         assert hybrid["dp_replicate"].mesh.tolist() == [37, 53]
-    finally:
-        dist.destroy_process_group()
 
 
 def test_a_fake_world_of_64_splits_the_gradient_ranks_into_data_and_cp():
@@ -140,14 +149,9 @@ def test_a_fake_world_of_64_splits_the_gradient_ranks_into_data_and_cp():
     group: the mesh's "dp" holds the 8 dp x cp ranks that reduce the same gradients (33, 37, ...,
     61), cp is its inner part (the neighbours 33 and 37), and a shard group is dp_shard x cp = 4
     of them. Mutations: cp outside dp in the split, or the shard group without cp -> other ranks."""
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
     from tenfold.layout import build_context_parallel_mesh, build_hybrid_mesh, build_mesh
 
-    assert not dist.is_initialized()
-    dist.init_process_group("fake", store=FakeStore(), rank=37, world_size=64)
-    try:
+    with fake_world(37, 64):
         layout = build_layout(64, pp=2, tp=4, shard_group=2, cp=2)
         assert layout == Layout(pp=2, dp_replicate=2, dp_shard=2, cp=2, tp=4)
         mesh = build_mesh(layout, "cpu")
@@ -158,22 +162,15 @@ def test_a_fake_world_of_64_splits_the_gradient_ranks_into_data_and_cp():
         assert hybrid["dp_shard"].mesh.tolist() == [33, 37, 41, 45]
         assert hybrid["dp_replicate"].mesh.tolist() == [37, 53]
         assert build_context_parallel_mesh(build_layout(64, pp=2, tp=4), mesh) is None
-    finally:
-        dist.destroy_process_group()
 
 
 def test_a_fake_world_of_64_groups_neighbouring_dp_ranks_into_ep_groups():
     """pp 2 x dp 8 x tp 4 with ep 4 on rank 37 (dp ranks 33, 37, ..., 61, dp index 1): its ep
     group is dp indices 0-3, the ranks holding its experts are dp indices 1 and 5. Mutation:
     EP_DIMS in the other order -> ep over strided dp ranks."""
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
     from tenfold.layout import build_expert_mesh, build_mesh
 
-    assert not dist.is_initialized()
-    dist.init_process_group("fake", store=FakeStore(), rank=37, world_size=64)
-    try:
+    with fake_world(37, 64):
         layout = build_layout(64, pp=2, tp=4, ep=4)
         mesh = build_mesh(layout, "cpu")
         assert mesh["dp"].mesh.tolist() == [33, 37, 41, 45, 49, 53, 57, 61]
@@ -182,8 +179,6 @@ def test_a_fake_world_of_64_groups_neighbouring_dp_ranks_into_ep_groups():
         assert experts["ep"].mesh.tolist() == [33, 37, 41, 45]
         assert experts["dp_mod_ep"].mesh.tolist() == [37, 53]
         assert build_expert_mesh(build_layout(64, pp=2, tp=4), mesh) is None
-    finally:
-        dist.destroy_process_group()
 
 
 def test_expert_and_context_parallelism_together_are_refused():
