@@ -50,6 +50,11 @@ class Stack:
     # "tenfold": eager PyTorch + autocast (fp32 residual stream, fp32 log-probabilities and
     # their gradient); "megatron": fused kernels, 16-bit residual (Korthikanti et al. 2022).
     activation_style: str = "tenfold"
+    # True: the loss runs under torch.compile (torchtitan compiles its loss function), whose one
+    # fused backward kernel writes the logits' gradient from the saved log-probabilities: two
+    # fp32 b x s x V tensors at the start of backward instead of eager PyTorch's three
+    # (tenfold compiles each block, never the loss).
+    compiled_loss: bool = False
 
     def departures(self) -> list[str]:
         """`key=value` for every choice that differs from tenfold's engine."""

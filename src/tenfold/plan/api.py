@@ -326,7 +326,8 @@ def _stage_memory(shape: ModelShape, hw: Hardware, run: ResolvedRun, rank: int) 
         if run.lora is not None:
             # QLoRA: a weight dequantized for its matmul, before the loss's tensors exist in the
             # forward and after the head's backward freed them (plan/lora.py)
-            act = max(act, act - (sa.extra_bytes if last else 0.0) + lora_plan.dequant_working_bytes(cfg, run))
+            act = max(act, sa.stored_bytes + sa.extra_bytes - sa.loss_bytes + sa.working_bytes
+                      + lora_plan.dequant_working_bytes(cfg, run))
         cpu += sa.cpu_bytes
         tp_seq_bytes = run.micro_batch * run.local_seq_len * cfg.d_model * element_bytes(run.precision)
     unit = largest_unit_params(shape, run.tp, run.ep)

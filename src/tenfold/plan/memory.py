@@ -148,7 +148,8 @@ def largest_model_that_fits(memory_bytes: float, stage: int, dp: int) -> float:
 class ActTerm:
     """One saved tensor of a transformer layer: bytes per token, or per token x seq for the
     s^2 attention terms. `tp` says how tensor parallelism treats it: "shard" (divided by t),
-    "replicated" (divided by t only with sequence parallelism). `part` is what selective
+    "replicated" (divided by t only with sequence parallelism), "gathered" (never divided: a
+    Linear's input after sequence parallelism's all-gather, replicated without it). `part` is what selective
     recompute can drop: "attn_core" or "mlp" internals, or "keep"."""
 
     name: str
@@ -254,17 +255,21 @@ def _tenfold_terms(cfg: ModelConfig, h: int, f: int, a: int, B: float, half: boo
     # Linear (autocast caches casts of leaf weights only): 3 copies before wq/wk/wv, 2 before
     # w1/w3 (SwiGLU). In fp32 the one output tensor is shared by those Linears.
     norm_own = (4.0 + 4.0) if cfg.norm == "rmsnorm" else 4.0
+    norm_own += norm_stats_bytes_per_token(cfg) / h
     n_up = 2 if cfg.mlp == "swiglu" else 1
     n_qkv = 1 if cfg.norm == "rmsnorm" else 3
     n_up_casts = 1 if cfg.norm == "rmsnorm" else n_up
-    attn_in = norm_own + (n_qkv * B if half else 4.0)
-    mlp_in = norm_own + (n_up_casts * B if half else 4.0)
+    attn_in = n_qkv * B if half else 4.0
+    mlp_in = n_up_casts * B if half else 4.0
     if cfg.norm == "rmsnorm":
         norm_src = f"{T}: RMSNorm saves its fp32 input and fp32 x*rsqrt; the Linears after it share its one 16-bit output"
     else:
         norm_src = (f"{T}: LayerNorm (fp32 under autocast) saves its input; each following Linear saves its own "
                     "16-bit cast of the fp32 norm output")
-    add(ActTerm("norm1 (+ q/k/v input casts)", attn_in * h, "replicated", "keep", source=norm_src))
+    # Under sequence parallelism a norm runs on its s/t tokens, and the Linears after it save
+    # their input after the all-gather (ColwiseParallel's input redistribution): whole.
+    add(ActTerm("norm1", norm_own * h, "replicated", "keep", source=norm_src))
+    add(ActTerm("q/k/v input", attn_in * h, "gathered", "keep", source=norm_src))
     add(ActTerm("q, k, v (SDPA inputs)", 3 * B * h, "shard", "keep",
                 source=f"{T}: SDPA saves q, k, v; GQA k/v are repeat_interleave'd to full width"))
     if flash:
@@ -272,14 +277,35 @@ def _tenfold_terms(cfg: ModelConfig, h: int, f: int, a: int, B: float, half: boo
                     source=f"{T}: flash SDPA saves its output and fp32 logsumexp"))
     else:
         add(ActTerm("attention probabilities", B * a, "shard", "attn_core", per_seq=True, source="math SDPA: softmax output as^2b"))
-    add(ActTerm("wo input (transposed copy)", B * h, "shard", "keep", source=f"{T}: y.transpose(1, 2).reshape copies"))
-    add(ActTerm("norm2 (+ mlp input casts)", mlp_in * h, "replicated", "keep", source=norm_src))
+    if not flash:
+        # A fused kernel (flash, memory-efficient, cuDNN; the CPU flash kernel too) allocates
+        # its output (b, s, heads, d) and returns it transposed: y.transpose(1, 2).reshape is
+        # then a view, and wo saves the SDPA output counted above. The math kernel's output is
+        # (b, heads, s, d) contiguous, and the reshape copies.
+        add(ActTerm("wo input (transposed copy)", B * h, "shard", "keep",
+                    source=f"{T}: math SDPA: y.transpose(1, 2).reshape copies"))
+    add(ActTerm("norm2", norm_own * h, "replicated", "keep", source=norm_src))
+    add(ActTerm("mlp input", mlp_in * h, "gathered", "keep", source=norm_src))
     if cfg.mlp == "swiglu":
         add(ActTerm("w1 x, silu(w1 x), w3 x, product", 4 * B * f, "shard", "mlp",
                     source=f"{T}: silu saves its input, mul both operands, w2 its input"))
     else:
         add(ActTerm("w1 x, gelu(w1 x)", 2 * B * f, "shard", "mlp", source=f"{T}: gelu saves its input, w2 its input"))
     return tuple(terms)
+
+
+def norm_stats_bytes_per_token(cfg: ModelConfig) -> float:
+    """What a norm saves per token beside its per-channel tensors: RMSNorm its fp32 reciprocal
+    RMS (4 bytes), LayerNorm (native_layer_norm) its fp32 mean and reciprocal std (8 bytes)."""
+    return 4.0 if cfg.norm == "rmsnorm" else 8.0
+
+
+# The loss at the start of backward, in bytes per token per vocabulary entry (split over tp
+# under loss_parallel): cross_entropy's fp32 log-probabilities (saved by log_softmax), the fp32
+# gradient nll_loss's backward writes into, and the fp32 gradient log_softmax's backward makes
+# from both; the three live together until log_softmax's backward returns.
+LOSS_BYTES_PER_VOCAB = 12.0
+COMPILED_LOSS_BYTES_PER_VOCAB = 8.0  # Stack.compiled_loss: the log-probabilities and the logits' gradient
 
 
 def params_16bit_in_compute(run: ResolvedRun) -> bool:
@@ -317,7 +343,7 @@ def activation_bytes_per_layer(cfg: ModelConfig, run: ResolvedRun, drop_parts: t
         if term.part in drop_parts:
             continue
         n = term.bytes_per_token * b * s * (run.seq_len if term.per_seq else 1)
-        if term.tp == "shard" or run.sequence_parallel:
+        if term.tp == "shard" or (run.sequence_parallel and term.tp == "replicated"):
             n /= tp
         total += n
     if "attn_core" not in drop_parts:
@@ -367,9 +393,15 @@ class StageActivations:
     layer_full_bytes: float  # one layer, one micro-batch, nothing recomputed
     inflight: float  # micro-batches in flight (times the interleave factor)
 
+    loss_bytes: float = 0.0  # of extra_bytes: the last stage's final norm and loss
+
     @property
     def total(self) -> float:
-        return self.stored_bytes + self.working_bytes + self.extra_bytes
+        """At the start of backward the loss's tensors are live; they are freed before the first
+        recomputed layer is rebuilt (backward runs through the head first), so the working
+        set and the loss are never held at once."""
+        persistent = self.extra_bytes - self.loss_bytes
+        return self.stored_bytes + persistent + max(self.working_bytes, self.loss_bytes)
 
 
 def inflight_microbatches(schedule: str, pp: int, m: int, v: int, rank: int = 0) -> float:
@@ -443,28 +475,31 @@ def stage_activations(cfg: ModelConfig, run: ResolvedRun, modules: tuple[int, ..
     else:  # pragma: no cover - parse_recompute rejects anything else
         raise AssertionError(k)
     stored = per_mb if k == "offload" else per_mb * inflight
-    extra = 0.0
+    extra, loss = 0.0, 0.0
     tokens = run.micro_batch * run.local_seq_len
     if first and run.stack.dropout:
         # Korthikanti §4.3: embedding dropout mask sbhp/t (p micro-batches in flight).
         extra += tokens * cfg.d_model * inflight / (run.tp if run.sequence_parallel else 1)
     if last:
-        extra += final_layer_activation_bytes(cfg, run)
-    return StageActivations(stored, working, extra, cpu, full, inflight)
+        loss = final_layer_activation_bytes(cfg, run)
+        extra += loss
+    return StageActivations(stored, working, extra, cpu, full, inflight, loss)
 
 
 def final_layer_activation_bytes(cfg: ModelConfig, run: ResolvedRun) -> float:
     """Korthikanti §4.3 (counted on the last stage): final norm input 2sbh/t, output projection
-    input 2sbh/t, fp32 logits 4sbv/t. tenfold keeps fp32 log-probabilities for the loss and, at
-    the start of backward, their fp32 gradient too: 8 bytes x b x s x V (the engine's loss)."""
+    input 2sbh/t, fp32 logits 4sbv/t. tenfold's loss at the start of backward holds three fp32
+    b x s x V tensors (LOSS_BYTES_PER_VOCAB), and its final norm what a block's norm keeps."""
     bs = run.micro_batch * run.local_seq_len
     h, tp = cfg.d_model, run.tp
     B = element_bytes(run.precision)
     if run.lora is not None and run.stack.activation_style == "tenfold":
         return lora_plan.final_layer_bytes(cfg, run)
     if run.stack.activation_style == "tenfold":
-        norm = ((4.0 + 4.0) if cfg.norm == "rmsnorm" else 4.0) + B
-        return bs * (norm * h + 8.0 * cfg.vocab_size / tp)
+        norm = ((4.0 + 4.0) if cfg.norm == "rmsnorm" else 4.0) * h + norm_stats_bytes_per_token(cfg)
+        # the output Linear's 16-bit input: after sequence parallelism's all-gather, whole
+        loss = COMPILED_LOSS_BYTES_PER_VOCAB if run.stack.compiled_loss else LOSS_BYTES_PER_VOCAB
+        return bs * (norm / (tp if run.sequence_parallel else 1) + B * h + loss * cfg.vocab_size / tp)
     return bs * (2 * B * h / (tp if run.sequence_parallel else 1) + 4.0 * cfg.vocab_size / tp)
 
 

@@ -158,7 +158,8 @@ def _titan_memory(gpus: int, seq: int, mb: int, ac: str, gib: float, style: str 
 
 TITAN_CP = ("torchtitan, benchmarks/llama3_h100_202412_torchtitan.md (Dec 2024), Tables 2 and 6; the same runs are "
             "Tables 5 and 6 of the torchtitan paper (Liang et al., arXiv 2410.06511)")
-_TITAN_CP_STACK = ("torch.compile, which the planner does not model (eager kernels priced); Float8 linears priced "
+_TITAN_CP_STACK = ("torch.compile, which the planner does not model (eager kernels priced) beyond the compiled "
+                   "loss (Stack.compiled_loss); Float8 linears priced "
                    "at the H100's FP8 peak (--fp8); torchtitan's CP is PyTorch's ring attention, priced as "
                    "tenfold's all-gather")
 
@@ -168,7 +169,7 @@ def _titan_cp(cp: int, seq: int, tps: float, gib: float) -> list[PublishedRun]:
     torch.compile: throughput, and the reserved memory (`RESERVED`)."""
     model = LLAMA3_8B if seq <= LLAMA3_8B.max_seq_len else replace(LLAMA3_8B, max_seq_len=seq)
     run = resolve(model, 8, precision="bf16", zero_stage=3, recompute="full", seq_len=seq, micro_batch=1,
-                  grad_accum=1, cp=cp, fp8=True, check=False)
+                  grad_accum=1, cp=cp, fp8=True, stack=Stack(compiled_loss=True), check=False)
     name = f"Llama 3.1 8B FSDP {8 // cp} x CP {cp}, seq {seq}, full AC, float8 (torchtitan)"
     return [
         PublishedRun(name, f"{TITAN_CP}, Table 2", run, GRAND_TETON, "tokens_per_s_per_gpu", tps, 0.25,
@@ -183,7 +184,8 @@ def _titan_405_cp(cp: int, seq: int, tps: float, gib: float) -> list[PublishedRu
     Float8, async TP and torch.compile."""
     model = replace(LLAMA3_405B, max_seq_len=max(seq, LLAMA3_405B.max_seq_len))
     run = resolve(model, 512, precision="bf16", zero_stage=3, recompute="full", tp=8, sequence_parallel=True, pp=8,
-                  cp=cp, pp_schedule="1f1b", seq_len=seq, micro_batch=1, grad_accum=8, fp8=True, check=False)
+                  cp=cp, pp_schedule="1f1b", seq_len=seq, micro_batch=1, grad_accum=8, fp8=True,
+                  stack=Stack(compiled_loss=True), check=False)
     name = f"Llama 3.1 405B TP 8 PP 8 FSDP {8 // cp} x CP {cp}, seq {seq}, float8 (torchtitan)"
     assumed = ("local batch 8 = 8 micro-batches of one sequence (torchtitan's default pipeline micro-batch size); "
                "async TP priced as plain TP (never overlapped); " + _TITAN_CP_STACK)
