@@ -474,12 +474,6 @@ def stage_activations(cfg: ModelConfig, run: ResolvedRun, modules: tuple[int, ..
         cpu = layers * full * inflight
     else:  # pragma: no cover - parse_recompute rejects anything else
         raise AssertionError(k)
-    if run.pp > 1:
-        # torch.distributed.pipelining keeps each in-flight micro-batch's stage output (to run
-        # backward from it) and, past the first stage, its received input: one residual-stream
-        # tensor each (split by sequence under sequence parallelism).
-        ends = (0 if first else 1) + (0 if last else 1)
-        per_mb += ends * recompute_layer_bytes(cfg, run)
     stored = per_mb if k == "offload" else per_mb * inflight
     extra, loss = 0.0, 0.0
     tokens = run.micro_batch * run.local_seq_len
