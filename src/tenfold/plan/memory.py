@@ -397,11 +397,7 @@ class StageActivations:
 
     @property
     def total(self) -> float:
-        """At the start of backward the loss's tensors are live; they are freed before the first
-        recomputed layer is rebuilt (backward runs through the head first), so the working
-        set and the loss are never held at once."""
-        persistent = self.extra_bytes - self.loss_bytes
-        return self.stored_bytes + persistent + max(self.working_bytes, self.loss_bytes)
+        return self.stored_bytes + self.working_bytes + self.extra_bytes
 
 
 def inflight_microbatches(schedule: str, pp: int, m: int, v: int, rank: int = 0) -> float:
