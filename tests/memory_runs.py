@@ -1,4 +1,4 @@
-"""One optimizer step of tenfold's GPT measured by the tensor tracker (engine.memory), for the
+"""One optimizer step of tenfold's GPT measured by the tensor tracker (engine.memory.measure), for the
 memory and recompute tests: `from memory_runs import measure`."""
 
 from __future__ import annotations

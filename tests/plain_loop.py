@@ -105,7 +105,7 @@ def train(run: SimpleNamespace, until: int, manager: ck.CheckpointManager | None
 
 
 def states(run: SimpleNamespace) -> dict:
-    """The run's parts as the manager's `states` (what engine/fit.checkpoint_states builds)."""
+    """The run's parts as the manager's `states` (what engine/loop/fit.checkpoint_states builds)."""
     return ck.training_states(run.model, run.optimizer, scheduler=run.scheduler, scaler=run.scaler,
                               loader=run.loader, counters=run.state)
 

@@ -118,7 +118,7 @@ def test_fp16_on_this_cpu_reports_no_mfu_above_100_percent(tmp_path, monkeypatch
     is measured again): without fp16 matrix instructions no MFU and the reason; with them
     exactly model FLOPs x tokens/s over the fp16 peak; against a peak the run beats no MFU
     with the reason, never above 100%, and the peak marked to be measured again.
-    Mutations: the fast-kernel rule (engine/peak.mfu_peak) or the 100% cap (engine/summary.mfu)
+    Mutations: the fast-kernel rule (engine/observe/peak.mfu_peak) or the 100% cap (engine/observe/summary.mfu)
     removed -> an MFU is reported where none may be."""
     monkeypatch.setenv("TENFOLD_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(peak_mod, "fast_kernels", lambda dtype: dtype != "fp16" or fast)

@@ -1,4 +1,4 @@
-"""engine/safe_files.Folder: files in a run folder are never reached through a link.
+"""engine/outputs/safe_files.Folder: files in a run folder are never reached through a link.
 
 Each test plants what a hostile user of a shared filesystem could (a link at the name tenfold
 writes or reads, a FIFO, a device, a name with '..') and checks that the link's target is

@@ -77,7 +77,7 @@ class Fit:
         self.cfg, self.run, self.dist, self.state = cfg, parts.run, parts.dist, state
         self.out_dir = Path(self.cfg.log.out)
         self.writer: MetricsWriter | None = None  # none until the outputs are open
-        self.watchdog = None  # engine/watchdog.StepWatchdog while a multi-process fit() runs
+        self.watchdog = None  # engine/observe/watchdog.StepWatchdog while a multi-process fit() runs
         self.val_loss: float | None = None
 
     def __call__(self) -> dict:

@@ -185,7 +185,7 @@ def training_states(model, optimizer, *, scheduler=None, scaler=None, loader=Non
                     lora=None) -> dict:
     """The `states` a training run checkpoints, under the names the on-disk format uses:
     model + optimizer in DCP, the rest as JSON (see `manager.DCP_STATES` / `RANK_STATES`).
-    `lora`: a LoRA run's base identity (engine/lora_run.LoraCheckpointState); the model state is
+    `lora`: a LoRA run's base identity (engine/loop/lora_run.LoraCheckpointState); the model state is
     then the adapters only."""
     states: dict[str, Any] = {"model": ModelState(model, trainable_only=lora is not None), "rng": RNGState()}
     if lora is not None:
