@@ -288,6 +288,30 @@ def test_sigterm_saves_at_next_step_boundary_and_stops(tmp_path):
     assert signal.getsignal(signal.SIGTERM) is not m._on_signal
 
 
+def test_a_signal_that_lands_while_the_ranks_agree_is_kept(tmp_path, monkeypatch):
+    """The handler can run between the collective's answer and its assignment: the flag it sets
+    survives that answer (False, from the other ranks) and stops the run at the next boundary."""
+    run = make_run()
+    m = manager(tmp_path, run, every=0)
+    m.install_signal_handlers()
+    agreed = manager_module.d.any_rank
+
+    def signal_during_agreement(flag):
+        os.kill(os.getpid(), signal.SIGTERM)  # handled before this function returns
+        return False  # the other ranks, asked before the signal, say "go on"
+
+    try:
+        train_step(run)
+        monkeypatch.setattr(manager_module.d, "any_rank", signal_during_agreement)
+        assert not m.after_step(1)
+        monkeypatch.setattr(manager_module.d, "any_rank", agreed)
+        train_step(run)
+        assert m.after_step(2) is True
+    finally:
+        m.close()
+    assert ck.read_latest(tmp_path / "checkpoints") == tmp_path / "checkpoints" / "step_2"
+
+
 def test_async_save_snapshot_is_exact(tmp_path):
     """Background save: training goes on while step 3 is written; resume is still exact."""
     reference = train(make_run(), STEPS)

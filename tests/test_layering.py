@@ -89,13 +89,14 @@ def test_the_rule_catches_a_violation(tmp_path):
 
 def test_the_rule_sees_relative_and_type_checking_imports(tmp_path):
     pkg = tmp_path / "tenfold"
-    (pkg / "engine").mkdir(parents=True)
+    (pkg / "engine" / "loop").mkdir(parents=True)
     (pkg / "plan").mkdir()
-    for f in ("__init__.py", "cli.py", "engine/__init__.py", "engine/loop/trainer.py", "plan/__init__.py"):
+    for f in ("__init__.py", "cli.py", "engine/__init__.py", "engine/loop/__init__.py", "engine/loop/trainer.py",
+              "plan/__init__.py"):
         (pkg / f).write_text("")
     bad = pkg / "plan" / "bad.py"
-    bad.write_text("from typing import TYPE_CHECKING\nfrom .. import cli\nfrom ..engine.trainer import Trainer\n"
-                   "if TYPE_CHECKING:\n    from ..engine import trainer\nfrom . import other_name\n")
+    bad.write_text("from typing import TYPE_CHECKING\nfrom .. import cli\nfrom ..engine.loop.trainer import Trainer\n"
+                   "if TYPE_CHECKING:\n    from ..engine.loop import trainer\nfrom . import other_name\n")
     assert _hits(bad, FORBIDDEN["plan"], pkg) == ["tenfold.cli", "tenfold.engine.loop.trainer", "tenfold.engine.loop.trainer"]
     assert "tenfold.plan" in imports_of(bad, pkg)  # a name of the package itself
     assert _trainer_importers(pkg) == {"plan/bad.py": ["tenfold.engine.loop.trainer", "tenfold.engine.loop.trainer"]}

@@ -98,6 +98,18 @@ def test_batch_triplet_rule(micro, accum, glob, dp, want):
     assert tuple(resolve_batch(micro, accum, glob, dp)) == want
 
 
+@pytest.mark.parametrize("glob,dp,pp,rounds,want", [
+    (1536, 64, 16, False, (1, 24, 1536)),  # GPT-3's batch on 64 dp ranks: 24 micro-batches feed 16 stages
+    (1536, 64, 4, False, (6, 4, 1536)),    # 4 stages take a larger micro-batch
+    (1536, 64, 16, True, (8, 3, 1536)),    # interleaved: no divisor up to 8 gives a multiple of 16: the plain rule
+    (64, 2, 4, True, (8, 4, 64)),
+    (48, 2, 4, True, (6, 4, 48)),          # 24 per rank: 8 would leave 3 micro-batches, 6 leaves 4
+    (8, 2, 8, False, (4, 1, 8)),           # too few sequences for 8 stages: the plain rule, the check names it
+])
+def test_a_derived_micro_batch_feeds_the_pipeline(glob, dp, pp, rounds, want):
+    assert tuple(resolve_batch(None, None, glob, dp, pp, rounds_of_pp=rounds)) == want
+
+
 @pytest.mark.parametrize("args", [(2, 4, 16, 1), (3, None, 16, 1), (None, 3, 16, 2), (True, None, None, 1), (0, None, None, 1)])
 def test_batch_triplet_refuses_what_does_not_add_up(args):
     with pytest.raises(UserError):

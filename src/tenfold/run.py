@@ -305,7 +305,8 @@ def resolve(model: ModelConfig | None, world_size: int, *, params: float | None 
     stages = num_stages(pp, c["pp_schedule"], v) if pp > 1 else 1
     run = ResolvedRun(
         model=model, params=float(params if params is not None else param_count(model)), dims=dims,
-        batch=resolve_batch(c["micro_batch"], c["grad_accum"], c["global_batch"], dp),
+        batch=resolve_batch(c["micro_batch"], c["grad_accum"], c["global_batch"], dp, pp,
+                            rounds_of_pp=c["pp_schedule"] in MULTI_STAGE_SCHEDULES),
         seq_len=seq_len, precision=resolve_precision(c["precision"], on_cpu, c["fp8"]), recompute=parse_recompute(c["recompute"]),
         zero_stage=c["zero_stage"], pp_schedule=c["pp_schedule"], virtual_stages=v,
         stage_layers=stage_layer_counts(n_layers, stages, c["pp_split"] if pp > 1 else None),

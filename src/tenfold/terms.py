@@ -255,12 +255,15 @@ class BatchTriplet(NamedTuple):
     global_batch: int  # sequences per optimizer step, all ranks: micro x accum x dp
 
 
-def resolve_batch(micro: int | None, accum: int | None, global_batch: int | None, dp: int) -> BatchTriplet:
+def resolve_batch(micro: int | None, accum: int | None, global_batch: int | None, dp: int,
+                  pp: int = 1, rounds_of_pp: bool = False) -> BatchTriplet:
     """`global = micro x accum x dp` (DeepSpeed's `train_batch_size = train_micro_batch_size_per_gpu
     x gradient_accumulation_steps x world size`): any two give the third. Fewer than two: the
     micro-batch defaults to 8 sequences, or with only the global batch given, to the largest
     divisor of global / dp up to 8, and accumulation makes up the rest; no accumulation when
-    nothing but the micro-batch is given."""
+    nothing but the micro-batch is given. Under a pipeline of `pp` stages the derived micro-batch
+    leaves at least `pp` micro-batches per step (a multiple of `pp` with `rounds_of_pp`, as the
+    interleaved schedules run them) where the global batch allows it."""
     for name, v in (("micro_batch", micro), ("grad_accum", accum), ("global_batch", global_batch)):
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
             raise UserError(f"{_flag(name)} must be a positive integer, got {v!r}")
@@ -269,8 +272,7 @@ def resolve_batch(micro: int | None, accum: int | None, global_batch: int | None
         accum = accum or 1
         return BatchTriplet(micro, accum, micro * accum * dp)
     if micro is None and accum is None:
-        per_rank = _exact_quotient(global_batch, dp, "the data-parallel size")
-        micro = max(d for d in range(1, min(DEFAULT_MICRO_BATCH, per_rank) + 1) if per_rank % d == 0)
+        micro = _default_micro_batch(_exact_quotient(global_batch, dp, "the data-parallel size"), pp, rounds_of_pp)
     if micro is None:
         micro = _exact_quotient(global_batch, accum * dp, f"--grad-accum x data-parallel size = {accum} x {dp}")
     elif accum is None:
@@ -281,6 +283,14 @@ def resolve_batch(micro: int | None, accum: int | None, global_batch: int | None
             f"= {micro} x {accum} x {dp} = {micro * accum * dp}; give two of the three and tenfold derives the third"
         )
     return BatchTriplet(micro, accum, global_batch)
+
+
+def _default_micro_batch(per_rank: int, pp: int, rounds_of_pp: bool) -> int:
+    """The largest divisor of the per-rank batch up to 8, preferring one that gives a pipeline
+    of `pp` stages the micro-batches its schedule needs (else the pipeline check names them)."""
+    divisors = [d for d in range(1, min(DEFAULT_MICRO_BATCH, per_rank) + 1) if per_rank % d == 0]
+    feeds = [d for d in divisors if per_rank // d >= pp and not (rounds_of_pp and (per_rank // d) % pp)]
+    return max(feeds or divisors)
 
 
 def _exact_quotient(total: int, divisor: int, what: str) -> int:

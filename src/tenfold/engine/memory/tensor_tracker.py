@@ -86,8 +86,23 @@ def _follow_category_peaks(tracker: Any, current: dict) -> None:
         tracker.grad_peak[dev] = max(tracker.grad_peak.get(dev, 0), by_name.get("Gradient", 0))
 
 
-def _make_tracker_class():
-    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _RefType
+def _follow_total_peak(tracker: Any) -> None:
+    """MemTracker's global peak and its snapshot, without its per-module snapshots."""
+    for dev, snap in tracker._curr_mem_snap.items():
+        if tracker._peak_mem.get(dev, 0) < snap["Total"]:
+            tracker._peak_mem[dev] = snap["Total"]
+            tracker._peak_mem_snap[dev] = dict(snap)
+
+
+def _mark_frozen_params_hooked(tracker: Any, module: nn.Module) -> None:
+    """MemTracker hooks every parameter's gradient, and torch refuses a hook on a tensor that
+    takes no gradient (a LoRA run's frozen base): those are marked as hooked."""
+    for param in module.parameters():
+        if not param.requires_grad and tracker._param_to_grad_hook_handles.get(param) is None:
+            tracker._param_to_grad_hook_handles[param] = (_NO_HOOK, _NO_HOOK)
+
+
+def _make_stage_mod_tracker_class():
     from torch.distributed._tools.mod_tracker import ModTracker
     from torch.autograd.graph import register_multi_grad_hook
     from torch.utils._pytree import tree_flatten
@@ -122,6 +137,14 @@ def _make_tracker_class():
                 else:
                     self._post_bw_callbacks_to_enqueue.append(self._get_pop_fn(w_mod, name, True))
 
+    return StageModTracker
+
+
+def _make_tracker_class():
+    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _RefType
+
+    stage_mod_tracker = _make_stage_mod_tracker_class()
+
     # A str enum: each member equals MemTracker's own member of the same name and value.
     step_ref_type = _RefType("StepRefType", {**{m.name: m.value for m in _MemRefType}, "GATHERED": GATHERED})
 
@@ -140,7 +163,7 @@ def _make_tracker_class():
         def __init__(self, per_module: bool = True, gathered: set[int] = frozenset(),
                      params: set[int] = frozenset()) -> None:
             super().__init__()
-            self._mod_tracker = StageModTracker()
+            self._mod_tracker = stage_mod_tracker()
             self._ref_class = step_ref_type
             self.per_module = per_module  # False: only the step's totals (much less overhead)
             self.act_peak: dict = {}  # per device: (highest Activation + Temp, the snapshot then)
@@ -155,18 +178,11 @@ def _make_tracker_class():
             if self.per_module:
                 super()._update_peak_stats(peak_state)
             else:  # MemTracker's global part only: no per-module peak snapshots (deep copies)
-                for dev, snap in self._curr_mem_snap.items():
-                    if self._peak_mem.get(dev, 0) < snap["Total"]:
-                        self._peak_mem[dev] = snap["Total"]
-                        self._peak_mem_snap[dev] = dict(snap)
+                _follow_total_peak(self)
             _follow_category_peaks(self, self._curr_mem_snap)
 
         def _track_module_params_and_buffers(self, module: nn.Module, install_grad_hooks: bool = True):
-            # MemTracker hooks every parameter's gradient, and torch refuses a hook on a tensor
-            # that takes no gradient (a LoRA run's frozen base): those are marked as hooked.
-            for param in module.parameters():
-                if not param.requires_grad and self._param_to_grad_hook_handles.get(param) is None:
-                    self._param_to_grad_hook_handles[param] = (_NO_HOOK, _NO_HOOK)
+            _mark_frozen_params_hooked(self, module)
             return super()._track_module_params_and_buffers(module, install_grad_hooks)
 
         def _pre_fw_hook(self, module: nn.Module, inputs: Any) -> None:

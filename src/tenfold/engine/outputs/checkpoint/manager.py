@@ -94,7 +94,8 @@ class CheckpointManager:
         self.async_save = async_save
         self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
         self._pending: _PendingSave | None = None
-        self._preempt = False
+        self._signalled = False  # set by the signal handler only: never overwritten by the loop
+        self._stopping = False  # every rank agreed to stop (preempted())
         self._old_handlers: dict[int, Any] = {}
         self.saves: list[SaveResult] = []
         self.last_saved_step: int | None = None
@@ -121,9 +122,9 @@ class CheckpointManager:
                 return
 
     def _on_signal(self, signum, frame) -> None:
-        if self._preempt and signum == signal.SIGINT:
+        if (self._signalled or self._stopping) and signum == signal.SIGINT:
             raise KeyboardInterrupt
-        self._preempt = True
+        self._signalled = True
 
     def restore_signal_handlers(self) -> None:
         for sig, handler in self._old_handlers.items():
@@ -132,9 +133,11 @@ class CheckpointManager:
 
     def preempted(self) -> bool:
         """Collective: True on every rank once any rank got SIGTERM/SIGINT, or the `--nproc`
-        launcher got one (its stop file)."""
-        self._preempt = d.any_rank(self._preempt or d.stop_requested())
-        return self._preempt
+        launcher got one (its stop file). The handler's flag is read, never written here: a
+        signal that lands while the ranks agree (its handler runs between two bytecodes of this
+        line) is seen at the next step boundary instead of being overwritten by the answer."""
+        self._stopping = d.any_rank(self._signalled or d.stop_requested())
+        return self._stopping
 
     # ----------------------------------------------------------------- save
 
