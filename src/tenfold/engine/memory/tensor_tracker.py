@@ -250,8 +250,8 @@ def file_unsharded_grads_as_gradients(model: nn.Module, tracker: Any) -> list[An
     would count as activations until the last of them is cast: 6.75 GiB of GPT-3 175B's
     activation high-water mark, pp 16). A post-backward that reduces makes the reduce-scatter's
     input and output (`foreach_reduce`): communication buffers (the planner's, one unsharded
-    gradient unit), filed as "Other" (the output's sharded gradients are filed as gradients once
-    they are on the parameters). Returns the handles to remove."""
+    gradient unit), filed as "Other", then the output's storage as a gradient once it holds the
+    parameters' sharded gradients. Returns the handles to remove."""
     grad = tracker._ref_class.GRAD
 
     def file(t: torch.Tensor | None) -> None:
@@ -260,7 +260,11 @@ def file_unsharded_grads_as_gradients(model: nn.Module, tracker: Any) -> list[An
             tracker.held_unsharded_grads = True
 
     def file_group(group: Any) -> None:
-        if group.reduce_grads:
+        if group.reduce_grads:  # the sharded gradients, in the reduce-scatter's output
+            for fsdp_param in group.fsdp_params:
+                sharded = getattr(getattr(fsdp_param, "sharded_param", None), "grad", None)
+                if isinstance(sharded, torch.Tensor):
+                    tracker._update_and_maybe_create_winfos(sharded, grad)
             return
         for fsdp_param in group.fsdp_params:
             file(getattr(getattr(fsdp_param, "_unsharded_param", None), "grad", None))
