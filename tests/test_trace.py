@@ -81,7 +81,7 @@ KNOWN_MISSES = {
         _ACTIVATIONS + "; the plan prices zero-bubble's micro-batches in flight as interleaved 1F1B's, the trace "
         "holds 20% more than interleaved: -26.6%",
     ("pp2_zero_bubble_zero3", "peak_bytes"): "follows the gradient and activation misses: -19.2%",
-    ("recompute_full", "activations_bytes"): _ACTIVATIONS + "; full recompute: the plan +35%",
+    ("recompute_full", "activations_bytes"): _ACTIVATIONS + "; full recompute: the plan +43%",
     ("recompute_full", "peak_bytes"): "follows the activation miss",
     ("fp32", "peak_bytes"): "the plan's peak adds every term at its own high plus one unsharded gradient unit: +3.6%",
     ("one_process", "gathered_params_bytes"): "torch.amp's weight casts: the plan counts every weight, the trace 91% of them",
@@ -99,7 +99,7 @@ KNOWN_MISSES = {
     ("ep2_moe", "activations_bytes"): _ACTIVATIONS + "; MoE blocks: -6.4%",
     ("ep2_moe", "peak_bytes"): "the plan's peak adds every term at its own high, with the activation miss: +5.8%",
     ("ep4_moe_zero2", "activations_bytes"): _ACTIVATIONS + "; MoE blocks: -6.4%",
-    ("ep2_moe_recompute_full", "activations_bytes"): _ACTIVATIONS + "; MoE blocks under full recompute: the plan +17.5%",
+    ("ep2_moe_recompute_full", "activations_bytes"): _ACTIVATIONS + "; MoE blocks under full recompute: the plan +26%",
     ("ep2_moe_recompute_full", "peak_bytes"): "follows the activation miss: +18.3%",
 }
 
@@ -164,6 +164,23 @@ def test_pipelined_unsharded_gradients_are_traced_as_gradients():
     assert acts["traced"] == pytest.approx(acts["planned"], rel=0.10)
     rs = next(c for c in out["collectives"] if c["kind"] == "reduce_scatter")
     assert rs["payload_bytes"] == pytest.approx(out["memory"]["params_bytes"]["traced"] * out["layout"]["dp"], rel=0.01)
+
+
+def test_pipelined_gradient_casts_and_reduce_buffers_are_not_traced_as_activations():
+    """pp 2 under ZeRO-2 with full recompute, wide blocks on 8 tokens (a stage's fp32 gradients
+    far above its activations): FSDP2's post-backward casts each unsharded gradient to fp32 at
+    its first micro-batch, and reduce-scatters them at the last; the trace files the casts as
+    gradients and the reduce-scatter's buffers as communication buffers as they are made, so
+    the traced activation high-water mark (the saved block inputs, the stage's all-gather
+    buffers) stays below the stage's fp32 gradients. Mutation: filed after the post-backward
+    (tensor_tracker.file_unsharded_grads_as_gradients) -> 12.6 MB against 8.7 MB of gradients."""
+    out = plan_trace(["--set", "model.d_model=256", "--set", "model.d_ff=1024", "--seq-len", "8", "--zero", "2",
+                      "--gpus", "4", "--pp", "2", "--ac", "full", "--micro-batch", "1", "--grad-accum", "4"])
+    memory = out["memory"]
+    fp32_grads = memory["grads_bytes"]["planned"]  # the stage's unsharded fp32 gradients, 4 B/param
+    assert memory["grads_bytes"]["traced"] >= fp32_grads
+    for stage in out["stages"]:
+        assert 0 < stage["memory"]["activations_bytes"] < fp32_grads, stage
 
 
 def test_trace_refuses_a_ddp_layout_with_the_reason():

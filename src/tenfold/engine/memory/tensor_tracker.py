@@ -47,6 +47,7 @@ class _GatheredCopies:
     gathered: set[int]
     params: set[int]
     _casting_param = False
+    making: Any = None  # the category of every storage made now (`file_unsharded_grads_as_gradients`), or None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self._casting_param = func is torch.ops.aten._to_copy.default and bool(args) and bool(
@@ -62,6 +63,8 @@ class _GatheredCopies:
         # storages live as long as the model, so their ids stay theirs.
         if self._casting_param or _storage_ids(t) & self.gathered:
             return self._gathered_type
+        if self.making is not None:
+            return self.making
         return reftype
 
     def _track(self, reftype, t: torch.Tensor) -> None:
@@ -240,9 +243,15 @@ def file_unsharded_grads_as_gradients(model: nn.Module, tracker: Any) -> list[An
     `unsharded_accumulated_grad` in the reduce dtype) until the step's reduce-scatter:
     gradients, which the tracker would file as activations because they belong to no
     registered parameter. Hooks on the unsharded parameters and around each group's
-    post-backward file them as gradients. (With sync on, each unit's unsharded gradient lives
-    only until its own reduce-scatter, a transient the planner counts elsewhere.) Returns the
-    handles to remove."""
+    post-backward file them as gradients. Such a post-backward only adds each new gradient into
+    the accumulated one in place or, at the group's first backward of the step, casts it to the
+    reduce dtype (`FSDPParam.to_accumulated_grad_if_needed`): every storage it makes is a
+    gradient, filed so as it is made (filed after the post-backward, one block's fp32 gradients
+    would count as activations until the last of them is cast: 6.75 GiB of GPT-3 175B's
+    activation high-water mark, pp 16). A post-backward that reduces makes the reduce-scatter's
+    input and output (`foreach_reduce`): communication buffers (the planner's, one unsharded
+    gradient unit), filed as "Other", then the output's storage as a gradient once it holds the
+    parameters' sharded gradients. Returns the handles to remove."""
     grad = tracker._ref_class.GRAD
 
     def file(t: torch.Tensor | None) -> None:
@@ -251,7 +260,11 @@ def file_unsharded_grads_as_gradients(model: nn.Module, tracker: Any) -> list[An
             tracker.held_unsharded_grads = True
 
     def file_group(group: Any) -> None:
-        if group.reduce_grads:
+        if group.reduce_grads:  # the sharded gradients, in the reduce-scatter's output
+            for fsdp_param in group.fsdp_params:
+                sharded = getattr(getattr(fsdp_param, "sharded_param", None), "grad", None)
+                if isinstance(sharded, torch.Tensor):
+                    tracker._update_and_maybe_create_winfos(sharded, grad)
             return
         for fsdp_param in group.fsdp_params:
             file(getattr(getattr(fsdp_param, "_unsharded_param", None), "grad", None))
@@ -264,19 +277,26 @@ def file_unsharded_grads_as_gradients(model: nn.Module, tracker: Any) -> list[An
             if isinstance(unsharded, torch.Tensor) and unsharded.requires_grad:
                 handles.append(unsharded.register_post_accumulate_grad_hook(
                     lambda p, g=group: None if g.reduce_grads else file(p.grad)))
-        handles.append(_AroundPostBackward(group, file_group))
+        handles.append(_AroundPostBackward(group, file_group, tracker))
     return handles
 
 
 class _AroundPostBackward:
-    """Calls `after(group)` once FSDP2's post-backward of `group` has run (it casts the
-    unsharded gradient into the accumulated one); `remove()` restores the group's method."""
+    """Runs FSDP2's post-backward of `group` with `tracker` filing every storage it makes as a
+    gradient when the group does not reduce, as a communication buffer ("Other") when it does
+    (`file_unsharded_grads_as_gradients`), then calls `after(group)`; `remove()` restores the
+    group's method."""
 
-    def __init__(self, group: Any, after: Callable[[Any], None]) -> None:
+    def __init__(self, group: Any, after: Callable[[Any], None], tracker: Any) -> None:
         self.group, original = group, group.post_backward
 
         def post_backward(*args: Any, **kwargs: Any) -> Any:
-            out = original(*args, **kwargs)
+            outer = tracker.making
+            tracker.making = tracker._ref_class.OTH if group.reduce_grads else tracker._ref_class.GRAD
+            try:
+                out = original(*args, **kwargs)
+            finally:
+                tracker.making = outer
             after(group)
             return out
 
