@@ -445,6 +445,16 @@ def stage_activations(cfg: ModelConfig, run: ResolvedRun, modules: tuple[int, ..
     else:  # pragma: no cover - parse_recompute rejects anything else
         raise AssertionError(k)
     stored = per_mb if k == "offload" else per_mb * inflight
+    if run.pp > 1:
+        # torch.distributed.pipelining's PipelineStage.forward_one_chunk keeps each micro-batch's
+        # stage output (fwd_cache) until that micro-batch's backward runs from it: one residual-
+        # stream tensor per micro-batch in flight for every stage module the rank holds but the
+        # model's last (whose output feeds the loss: final_layer_activation_bytes); on the device
+        # under offload too (fwd_cache is not a saved tensor). Under sequence parallelism a stage
+        # hands on its (b, s/tp, h) slice. The received input is the first block's kept input,
+        # counted above.
+        outputs = len(modules) - (1 if last else 0)
+        stored += outputs * inflight * ckpt
     extra = 0.0
     tokens = run.micro_batch * run.local_seq_len
     if first and run.stack.dropout:
