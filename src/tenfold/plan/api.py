@@ -287,8 +287,10 @@ def _trace_rest(tr, best: MemoryBreakdown, run: ResolvedRun, hw: Hardware, notes
         tr("inflight_microbatches", best.inflight_microbatches,
            "none: 1; GPipe: m; 1F1B: min(p, m); interleaved: p (1 + (p-1)/(p v))", "Narayanan §2.2; Korthikanti §4.2.3")
         tr("activations_bytes", best.activations_bytes,
-           f"layers x per-layer({run.recompute.text}) x in-flight + working layer + embedding/logits extras",
-           "Korthikanti Table 2 and §4.3; torch.utils.checkpoint semantics")
+           f"layers x per-layer({run.recompute.text}) x in-flight + working layer + embedding/logits extras"
+           + (" + each stage module's kept output (b x s x h) x in-flight, but the model's last" if pp > 1 else ""),
+           "Korthikanti Table 2 and §4.3; torch.utils.checkpoint semantics"
+           + ("; torch.distributed.pipelining's fwd_cache" if pp > 1 else ""))
     tr("gathered_params_bytes", best.gathered_params_bytes,
        "FSDP2: ZeRO-3 2 units (the whole stage when blocks are under the persistence threshold), ZeRO-2 / replicate / pipelined the whole stage, in the compute dtype; "
        "DDP or one process: torch.amp's 16-bit weight casts", "PyTorch FSDP2 MixedPrecisionPolicy, PR #128884; torch.amp")

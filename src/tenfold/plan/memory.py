@@ -368,6 +368,7 @@ class StageActivations:
     cpu_bytes: float  # offloaded activations
     layer_full_bytes: float  # one layer, one micro-batch, nothing recomputed
     inflight: float  # micro-batches in flight (times the interleave factor)
+    stage_output_bytes: float = 0.0  # of stored_bytes: the pipeline's kept stage outputs
 
     @property
     def total(self) -> float:
@@ -445,6 +446,17 @@ def stage_activations(cfg: ModelConfig, run: ResolvedRun, modules: tuple[int, ..
     else:  # pragma: no cover - parse_recompute rejects anything else
         raise AssertionError(k)
     stored = per_mb if k == "offload" else per_mb * inflight
+    stage_outputs = 0.0
+    if run.pp > 1:
+        # torch.distributed.pipelining's PipelineStage.forward_one_chunk keeps each micro-batch's
+        # stage output (fwd_cache) until that micro-batch's backward runs from it: one residual-
+        # stream tensor per micro-batch in flight for every stage module the rank holds but the
+        # model's last (whose output feeds the loss: final_layer_activation_bytes); on the device
+        # under offload too (fwd_cache is not a saved tensor). Under sequence parallelism a stage
+        # hands on its (b, s/tp, h) slice. The received input is the first block's kept input,
+        # counted above.
+        stage_outputs = (len(modules) - (1 if last else 0)) * inflight * ckpt
+        stored += stage_outputs
     extra = 0.0
     tokens = run.micro_batch * run.local_seq_len
     if first and run.stack.dropout:
@@ -452,7 +464,7 @@ def stage_activations(cfg: ModelConfig, run: ResolvedRun, modules: tuple[int, ..
         extra += tokens * cfg.d_model * inflight / (run.tp if run.sequence_parallel else 1)
     if last:
         extra += final_layer_activation_bytes(cfg, run)
-    return StageActivations(stored, working, extra, cpu, full, inflight)
+    return StageActivations(stored, working, extra, cpu, full, inflight, stage_outputs)
 
 
 def final_layer_activation_bytes(cfg: ModelConfig, run: ResolvedRun) -> float:
