@@ -237,3 +237,30 @@ def test_a_module_entered_twice_measures_without_torchs_file_a_bug_warning():
     assert measured["params_bytes"] == 8 * 8 * 4 + 8 * 4
     assert not [w for w in caught if "file a bug" in str(w.message)], [str(w.message) for w in caught]
     assert warnings.formatwarning is formatwarning
+
+
+def test_pipeline_receive_buffers_count_from_the_steps_start():
+    """torch.distributed.pipelining makes its receive buffers at the first step and keeps them;
+    a later step that never touches one still holds it: the tracker files each as an activation
+    from the tracked step's start (checked on a stand-in with PipelineStage's attributes; the
+    trace checks the real stages, tests/test_trace.py)."""
+    from types import SimpleNamespace
+
+    from tenfold.engine.memory.tensor_tracker import measure_cpu, pipeline_receive_buffers
+
+    layer = torch.nn.Linear(8, 8)
+    inputs = [SimpleNamespace(buffer=torch.zeros(64, 8)) for _ in range(3)]
+    grads = [SimpleNamespace(buffer=torch.zeros(32, 8)), SimpleNamespace(buffer=None)]
+    stage = SimpleNamespace(args_recv_info={i: (x,) for i, x in enumerate(inputs)},
+                            grad_recv_info={i: (g,) for i, g in enumerate(grads)})
+    model = torch.nn.Sequential(layer)
+    model.runner = SimpleNamespace(stages=[stage])
+    assert len(pipeline_receive_buffers(model)) == 4
+    optimizer = torch.optim.SGD(layer.parameters(), lr=0.1)
+
+    def step() -> None:  # no activations of its own: the forward's output is freed at once
+        with torch.no_grad():
+            model(torch.zeros(1, 8))
+
+    measured, _ = measure_cpu(model, optimizer, step, torch.device("cpu"))
+    assert measured["activations_bytes"] >= (3 * 64 + 32) * 8 * F32

@@ -137,16 +137,23 @@ def test_v9_first_stage_total_eq6_and_interleave():
     # TP=8, SP, selective, p=8: the first stage holds p micro-batches x L/p layers = L layers.
     # Eq. 6 counts the layers' saved activations only: Megatron frees a stage's output once it
     # is sent (deallocate_pipeline_outputs), torch.distributed.pipelining keeps it until its
-    # micro-batch's backward, one sbh/t (SP) per stage module per micro-batch in flight.
+    # micro-batch's backward, one sbh/t (SP) per stage module per micro-batch in flight, and
+    # makes a receive buffer per micro-batch for each stage input and output gradient (the first
+    # stage receives gradients only: 64 of them here).
     s = korthikanti(8, True, pp=8, global_batch=64, recompute="selective")
     sbh_t = 2048 * 12288 * 2 / 8
     sa = stage_activations(GPT3, s, (12,), first=True, last=False)
-    assert sa.stage_output_bytes == 8 * sbh_t
-    assert (sa.stored_bytes - sa.stage_output_bytes) / 2**30 == pytest.approx(9.56, rel=0.005)
+    assert sa.stage_output_bytes == 8 * sbh_t and sa.receive_buffer_bytes == 64 * sbh_t
+    eq6 = sa.stored_bytes - sa.stage_output_bytes - sa.receive_buffer_bytes
+    assert eq6 / 2**30 == pytest.approx(9.56, rel=0.005)
     s3 = s.with_(pp_schedule="interleaved", virtual_stages=3, check=False)
     sa3 = stage_activations(GPT3, s3, (4, 4, 4), first=True, last=False)
-    assert sa3.stage_output_bytes == pytest.approx(3 * 8 * (1 + 7 / 24) * sbh_t)
-    assert (sa3.stored_bytes - sa3.stage_output_bytes) / 2**30 == pytest.approx(12.35, rel=0.005)
+    in_flight = 8 * (1 + 7 / 24)
+    assert sa3.stage_output_bytes == pytest.approx(3 * in_flight * sbh_t)
+    # three stage modules send gradients back, two of them (not stage 0) receive inputs
+    assert sa3.receive_buffer_bytes == pytest.approx((3 * 64 + 2 * (64 - in_flight)) * sbh_t)
+    eq6_interleaved = sa3.stored_bytes - sa3.stage_output_bytes - sa3.receive_buffer_bytes
+    assert eq6_interleaved / 2**30 == pytest.approx(12.35, rel=0.005)
 
 
 # Korthikanti Table 3 + 5: (heads, hidden, layers, gpus, global batch, time s, MFU %, HFU %).

@@ -29,6 +29,9 @@ CASES = {
     "tp2_zero1": ["--zero", "1", "--gpus", "8", "--tp", "2"],
     "tp2_sequence_parallel": ["--zero", "3", "--gpus", "8", "--tp", "2", "--sequence-parallel"],
     "pp2_zero3": ["--zero", "3", "--gpus", "8", "--pp", "2", "--grad-accum", "4"],
+    # 8 blocks on 4 stages: the plan's most loaded rank is a middle one (rank 1: blocks only, a
+    # receive buffer per micro-batch each way), where the trace meets every term
+    "pp4_zero3_middle": ["--zero", "3", "--gpus", "8", "--pp", "4", "--grad-accum", "8", "--set", "model.n_layers=8"],
     # multi-stage schedules: 4 stages on 2 pipeline ranks (rank 0 holds stages 0 and 2)
     "pp2_interleaved_zero3": ["--zero", "3", "--gpus", "8", "--pp", "2", "--pp-schedule", "interleaved",
                               "--virtual-stages", "2", "--grad-accum", "4"],
@@ -47,6 +50,11 @@ EP_CASES = ("ep2_moe", "ep4_moe_zero2", "ep2_moe_recompute_full")
 TERMS = ("params_bytes", "grads_bytes", "optimizer_bytes", "gathered_params_bytes", "activations_bytes", "peak_bytes")
 
 _ACTIVATIONS = "eager activations on the traced CPU step differ from the per-layer table (not yet closed)"
+_EMBEDDING_ACCUMULATOR = (
+    "the plan adds one block's bf16 gradients (on the parameters until FSDP2's post-backward adds them in) to "
+    "every unit's unsharded fp32 ones; the traced high-water mark holds them beside the blocks' fp32 gradients "
+    "but not beside the embedding's (64 KiB, the root unit's), not yet explained (a middle stage, blocks only, "
+    "agrees: pp4_zero3_middle)")
 KNOWN_MISSES = {
     ("zero3", "activations_bytes"): _ACTIVATIONS,
     ("zero3_resharded", "gathered_params_bytes"):
@@ -61,25 +69,23 @@ KNOWN_MISSES = {
     ("tp2_zero1", "peak_bytes"): "follows the activation miss",
     ("tp2_sequence_parallel", "activations_bytes"): _ACTIVATIONS + "; tensor parallel: -20%",
     ("tp2_sequence_parallel", "peak_bytes"): "follows the activation miss",
-    ("pp2_zero3", "grads_bytes"):
-        "the unsharded fp32 gradients FSDP2 holds across the micro-batches agree; the traced high-water mark holds "
-        "16 KiB more (a unit's gradient beside them while it is added in), -4%",
-    ("pp2_zero3", "activations_bytes"): _ACTIVATIONS + "; pipelined: -6.3%",
+    ("pp2_zero3", "grads_bytes"): _EMBEDDING_ACCUMULATOR + ", +15.9%",
+    ("pp2_zero3", "activations_bytes"): _ACTIVATIONS + "; pipelined: -3.3%",
     ("pp2_zero3", "gathered_params_bytes"): "under pipelining the plan holds the whole stage gathered, the trace less",
-    ("pp2_interleaved_zero3", "grads_bytes"):
-        "as pp2_zero3: the traced high-water mark holds 16 KiB more than the unsharded fp32 gradients, -4.1%",
+    ("pp2_zero3", "peak_bytes"): "the plan's peak adds every term at its own high, with the gradient miss: +5.1%",
+    ("pp2_interleaved_zero3", "grads_bytes"): "as pp2_zero3: " + _EMBEDDING_ACCUMULATOR + ", +15.9%",
     ("pp2_interleaved_zero3", "gathered_params_bytes"):
         "under pipelining the plan holds both local stages gathered, the trace less: +19.9%",
-    ("pp2_interleaved_zero3", "activations_bytes"): _ACTIVATIONS + "; interleaved, v 2: -8.0%",
+    ("pp2_interleaved_zero3", "activations_bytes"): _ACTIVATIONS + "; interleaved, v 2: -3.7%",
     ("pp2_zero_bubble_zero3", "grads_bytes"):
-        "the traced high-water mark holds 96.5 KiB more than the unsharded fp32 gradients (interleaved: 16 KiB): "
-        "-20.0%, not yet explained",
+        "the traced high-water mark holds 16 KiB more than the unsharded fp32 gradients and one block's bf16 ones: "
+        "-3.4%, not yet explained",
     ("pp2_zero_bubble_zero3", "gathered_params_bytes"):
         "under pipelining the plan holds both local stages gathered, the trace less: +19.9%",
     ("pp2_zero_bubble_zero3", "activations_bytes"):
         _ACTIVATIONS + "; the plan prices zero-bubble's micro-batches in flight as interleaved 1F1B's, the trace "
-        "holds 15.5% more than interleaved: -20.4%",
-    ("pp2_zero_bubble_zero3", "peak_bytes"): "follows the gradient and activation misses: -13.7%",
+        "holds 14% more than interleaved: -15.7%",
+    ("pp2_zero_bubble_zero3", "peak_bytes"): "follows the gradient and activation misses: -9.1%",
     ("recompute_full", "activations_bytes"): _ACTIVATIONS + "; full recompute: the plan +43%",
     ("recompute_full", "peak_bytes"): "follows the activation miss",
     ("fp32", "peak_bytes"): "the plan's peak adds every term at its own high plus one unsharded gradient unit: +3.6%",
@@ -140,6 +146,18 @@ def test_known_misses_name_real_cases():
     assert {term for _, term in KNOWN_MISSES} <= set(TERMS)
 
 
+def test_the_traced_pipeline_holds_a_receive_buffer_per_micro_batch():
+    """1F1B on 2 stages, 4 micro-batches of b x s x h bf16: the first stage holds 4 buffers for
+    its output's gradient, the last 4 for its input (PipelineStage makes them at the first step
+    and keeps them), all within the traced activations, as the plan prices them."""
+    out = traced("pp2_zero3")
+    one = 8 * 32 * 64 * 2
+    for stage in out["stages"]:
+        m = stage["memory"]
+        assert m["receive_buffer_bytes"] == 4 * one, stage["stage"]
+        assert m["activations_bytes"] > m["receive_buffer_bytes"]
+
+
 def test_trace_records_the_fsdp2_collectives_of_the_full_world():
     """ZeRO-3 on 8 ranks: the reduce-scatters run on groups of 8 and carry each rank's whole
     unsharded gradient (8 x its shard) per micro-batch, and the all-gathers gather the
@@ -156,10 +174,11 @@ def test_trace_records_the_fsdp2_collectives_of_the_full_world():
 def test_pipelined_unsharded_gradients_are_traced_as_gradients():
     """Under pipelining FSDP2 holds every micro-batch's gradient unsharded, in fp32, until one
     reduce-scatter at the end of the step: the trace files them as gradients (the plan's grads
-    term), not as activations, and reduces each once per step."""
-    out = traced("pp2_zero3")
+    term: the fp32 ones and one block's bf16 ones before they are added in), not as
+    activations, and reduces each once per step."""
+    out = traced("pp4_zero3_middle")
     grads, acts = out["memory"]["grads_bytes"], out["memory"]["activations_bytes"]
-    assert grads["traced"] == pytest.approx(grads["planned"], rel=0.05)
+    assert grads["traced"] == pytest.approx(grads["planned"], rel=0.01)
     assert acts["traced"] == pytest.approx(acts["planned"], rel=0.10)
     rs = next(c for c in out["collectives"] if c["kind"] == "reduce_scatter")
     assert rs["payload_bytes"] == pytest.approx(out["memory"]["params_bytes"]["traced"] * out["layout"]["dp"], rel=0.01)
@@ -176,7 +195,7 @@ def test_pipelined_gradient_casts_and_reduce_buffers_are_not_traced_as_activatio
     out = plan_trace(["--set", "model.d_model=256", "--set", "model.d_ff=1024", "--seq-len", "8", "--zero", "2",
                       "--gpus", "4", "--pp", "2", "--ac", "full", "--micro-batch", "1", "--grad-accum", "4"])
     memory = out["memory"]
-    fp32_grads = memory["grads_bytes"]["planned"]  # the stage's unsharded fp32 gradients, 4 B/param
+    fp32_grads = memory["params_bytes"]["traced"] * out["layout"]["dp"]  # the stage's unsharded fp32 gradients
     assert memory["grads_bytes"]["traced"] >= fp32_grads
     for stage in out["stages"]:
         assert 0 < stage["memory"]["activations_bytes"] < fp32_grads, stage

@@ -174,10 +174,12 @@ class ResolvedRun:
 
     def busiest_ranks(self) -> list[int]:
         """The pipeline ranks that can bound a step or hold the most: the first (embedding, the
-        most micro-batches in flight), the last (output layer and loss), and the one with the
-        most blocks."""
+        most micro-batches in flight), the second (the most in flight of the ranks that receive
+        both each micro-batch's input and its output's gradient: torch.distributed.pipelining
+        keeps a buffer of each per micro-batch), the last (output layer and loss), and the one
+        with the most blocks."""
         most = max(range(self.pp), key=self.rank_layers)
-        return sorted({0, self.pp - 1, most})
+        return sorted({0, min(1, self.pp - 1), self.pp - 1, most})
 
     def rank_stage_layers(self, pp_rank: int) -> tuple[int, ...]:
         """Blocks of each stage module one pipeline rank holds (recompute wraps each on its own)."""

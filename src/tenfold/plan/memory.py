@@ -127,6 +127,18 @@ def model_states(n_params: float, run: ResolvedRun) -> ModelStates:
     return st
 
 
+def held_grad_cast_bytes(run: ResolvedRun, largest_unit: float) -> float:
+    """Gradients beside the ones model_states counts while FSDP2 holds a pipelined stage's
+    gradients unsharded in the reduce dtype (fp32) across micro-batches: a unit's backward leaves
+    its gradients on the parameters in the compute dtype, and the unit's post-backward adds them
+    into the fp32 ones one parameter at a time (torch 2.13's FSDPParamGroup.post_backward,
+    FSDPParam.accumulate_unsharded_grad_if_needed): one unit's 16-bit gradients at their high."""
+    if run.pp == 1 or run.zero_runs_as < 2 or run.offload != "none" or run.stack.master_weights:
+        return 0.0
+    compute = element_bytes(run.precision)
+    return largest_unit * compute if compute < bytes_per_param(run).grads else 0.0
+
+
 def _zero_paper_run(stage: int, dp: int) -> ResolvedRun:
     """The ZeRO paper's setting: fp16 mixed precision with fp32 master weights, data parallel."""
     return resolve(None, dp, params=1.0, precision="fp16", zero_stage=stage, stack=Stack(master_weights=True),
@@ -369,6 +381,7 @@ class StageActivations:
     layer_full_bytes: float  # one layer, one micro-batch, nothing recomputed
     inflight: float  # micro-batches in flight (times the interleave factor)
     stage_output_bytes: float = 0.0  # of stored_bytes: the pipeline's kept stage outputs
+    receive_buffer_bytes: float = 0.0  # of stored_bytes: the pipeline's receive buffers beyond those
 
     @property
     def total(self) -> float:
@@ -446,7 +459,7 @@ def stage_activations(cfg: ModelConfig, run: ResolvedRun, modules: tuple[int, ..
     else:  # pragma: no cover - parse_recompute rejects anything else
         raise AssertionError(k)
     stored = per_mb if k == "offload" else per_mb * inflight
-    stage_outputs = 0.0
+    stage_outputs = receive_buffers = 0.0
     if run.pp > 1:
         # torch.distributed.pipelining's PipelineStage.forward_one_chunk keeps each micro-batch's
         # stage output (fwd_cache) until that micro-batch's backward runs from it: one residual-
@@ -456,7 +469,9 @@ def stage_activations(cfg: ModelConfig, run: ResolvedRun, modules: tuple[int, ..
         # hands on its (b, s/tp, h) slice. The received input is the first block's kept input,
         # counted above.
         stage_outputs = (len(modules) - (1 if last else 0)) * inflight * ckpt
-        stored += stage_outputs
+        receive_buffers = receive_buffer_bytes(len(modules), first, last, run.grad_accum,
+                                               inflight if k != "offload" else 0.0, ckpt)
+        stored += stage_outputs + receive_buffers
     extra = 0.0
     tokens = run.micro_batch * run.local_seq_len
     if first and run.stack.dropout:
@@ -464,7 +479,20 @@ def stage_activations(cfg: ModelConfig, run: ResolvedRun, modules: tuple[int, ..
         extra += tokens * cfg.d_model * inflight / (run.tp if run.sequence_parallel else 1)
     if last:
         extra += final_layer_activation_bytes(cfg, run)
-    return StageActivations(stored, working, extra, cpu, full, inflight, stage_outputs)
+    return StageActivations(stored, working, extra, cpu, full, inflight, stage_outputs, receive_buffers)
+
+
+def receive_buffer_bytes(n_modules: int, first: bool, last: bool, microbatches: int, inflight_kept: float,
+                         tensor_bytes: float) -> float:
+    """torch.distributed.pipelining's receive buffers beyond the in-flight inputs counted as the
+    first block's kept input: PipelineStage (torch 2.13) makes one buffer per micro-batch for each
+    stage input (on every stage module but the model's first) and one for each stage output's
+    gradient (on every stage module but the model's last) at its first step and keeps them for
+    the run (pytorch/pytorch#136380). `inflight_kept`: the micro-batches whose received input is
+    also the first block's kept input (0 where the blocks' inputs go to the host)."""
+    receiving = n_modules - (1 if first else 0)
+    returning = n_modules - (1 if last else 0)
+    return (receiving * max(0.0, microbatches - inflight_kept) + returning * microbatches) * tensor_bytes
 
 
 def final_layer_activation_bytes(cfg: ModelConfig, run: ResolvedRun) -> float:
@@ -490,7 +518,7 @@ def comm_buffer_bytes(run: ResolvedRun, largest_unit: float, tp_seq_bytes: float
     ZeRO-0/1 on DDP (no tensor parallelism): two gradient buckets in flight (bucket_cap_mb=25).
     FSDP2 (ZeRO-2/3, and every stage under tensor parallelism): a unit's unsharded gradients
     before its reduce-scatter (the gathered parameters are gathered_param_bytes). Nothing
-    without data parallelism. PP: send/recv buffers."""
+    without data parallelism. PP: the input gradient a stage is sending."""
     b = bytes_per_param(run)
     unit_param_bytes, grads = block_param_bytes(run), b.grads  # float8 with --fp8 under FSDP2
     if run.lora is not None and run.model is not None:  # the frozen base gathered, the adapters' gradients
@@ -504,9 +532,9 @@ def comm_buffer_bytes(run: ResolvedRun, largest_unit: float, tp_seq_bytes: float
     else:
         n = 2 * DDP_BUCKET_BYTES
         why = f"2 x {DDP_BUCKET_BYTES // MiB} MiB DDP gradient buckets"
-    if run.pp > 1:
-        n += 2 * tp_seq_bytes
-        why += " + 2 p2p activation buffers"
+    if run.pp > 1:  # the received tensors are activations (receive_buffer_bytes)
+        n += tp_seq_bytes
+        why += " + the input gradient being sent"
     return n, why
 
 

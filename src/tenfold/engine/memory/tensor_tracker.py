@@ -215,6 +215,19 @@ def _storage_ids(t: Any) -> set[int]:
         return set()
 
 
+def pipeline_receive_buffers(model: nn.Module) -> list[torch.Tensor]:
+    """The receive buffers of this rank's pipeline stages (`model.runner.stages`, tenfold's
+    PipelinedModel): torch.distributed.pipelining's PipelineStage makes one per micro-batch for
+    each stage input and each output's gradient at the first step and keeps them for the run
+    (pytorch/pytorch#136380). A step sees a buffer only once it receives into it; these are filed
+    as activations from the step's start, where a device holds them."""
+    buffers = []
+    for stage in getattr(getattr(model, "runner", None), "stages", ()):
+        for infos in (*stage.args_recv_info.values(), *stage.grad_recv_info.values()):
+            buffers += [i.buffer for i in infos if isinstance(getattr(i, "buffer", None), torch.Tensor)]
+    return buffers
+
+
 def fsdp_param_groups(model: nn.Module) -> list[Any]:
     """FSDP2's parameter groups (one per fully_shard unit) inside `model`."""
     groups = []
@@ -360,6 +373,8 @@ def _tracked_step(model: nn.Module, optimizer: Any, run_step: Callable[[], None]
     tracker = _make_tracker_class()(per_module, gathered=gathered_storages(model), params=param_storages(model))
     optimizers = optimizers_of(optimizer)
     tracker.track_external(model, *optimizers)
+    for buffer in pipeline_receive_buffers(model):  # made in an earlier step, kept for the run
+        tracker._update_and_maybe_create_winfos(buffer, tracker._ref_class.ACT)
     at_step: dict[str, dict] = {}
     handles = file_unsharded_grads_as_gradients(model, tracker)
 
