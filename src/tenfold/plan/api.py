@@ -323,7 +323,8 @@ def _fits(m: MemoryBreakdown, hw: Hardware, gpus: int) -> bool:
 def _stage_memory(shape: ModelShape, hw: Hardware, run: ResolvedRun, rank: int) -> MemoryBreakdown:
     cfg = shape.cfg
     n_params = run_rank_params(shape, run, rank)
-    st = _model_states(shape, run, rank, n_params)
+    unit = largest_unit_params(shape, run.tp, run.ep)
+    st = _model_states(shape, run, rank, n_params, unit)
     first, last = rank == 0, rank == run.pp - 1
     act = act_work = per_layer = inflight = None
     cpu = st.cpu_bytes
@@ -337,9 +338,6 @@ def _stage_memory(shape: ModelShape, hw: Hardware, run: ResolvedRun, rank: int) 
             act = max(act, act - (sa.extra_bytes if last else 0.0) + lora_plan.dequant_working_bytes(cfg, run))
         cpu += sa.cpu_bytes
         tp_seq_bytes = run.micro_batch * run.local_seq_len * cfg.d_model * element_bytes(run.precision)
-    unit = largest_unit_params(shape, run.tp, run.ep)
-    if run.lora is None:
-        st.grads_bytes += memory.held_grad_cast_bytes(run, unit)
     buffers, _ = memory.comm_buffer_bytes(run, unit, tp_seq_bytes)
     autocast = (lora_plan.autocast_copy_bytes(cfg, run, run.rank_layers(rank)) if run.lora and cfg is not None
                 else memory.autocast_weight_copy_bytes(n_params, run))
@@ -376,15 +374,16 @@ def _stage_memory(shape: ModelShape, hw: Hardware, run: ResolvedRun, rank: int) 
     )
 
 
-def _model_states(shape: ModelShape, run: ResolvedRun, rank: int, n_params: float) -> memory.ModelStates:
+def _model_states(shape: ModelShape, run: ResolvedRun, rank: int, n_params: float,
+                  largest_unit: float) -> memory.ModelStates:
     """ZeRO's model states, or a LoRA run's: the frozen base (16-bit or NF4) and the adapters'
     weights, gradients and AdamW states (plan/lora.py)."""
     if run.lora is None or shape.cfg is None:
         if run.ep > 1 and shape.cfg is not None:  # split experts: whole on their replicas (plan/moe.py)
             experts = moe_plan.rank_expert_params(shape.cfg, run, run.rank_layers(rank))
-            return _add_states(memory.model_states(n_params - experts, run),
+            return _add_states(memory.model_states(n_params - experts, run, largest_unit),
                                memory.model_states(experts, replace(run, zero_stage=0, shard_group=None)))
-        return memory.model_states(n_params, run)
+        return memory.model_states(n_params, run, largest_unit)
     s = lora_plan.model_states(n_params, run.rank_layers(rank), shape.cfg, run)
     return memory.ModelStates(params_bytes=s.params, grads_bytes=s.grads, master_weights_bytes=0.0,
                               optimizer_moments_bytes=s.moments, grad_copy_bytes=0.0, cpu_bytes=s.cpu)

@@ -68,19 +68,21 @@ class ModelStates:
         return self.params_bytes + self.grads_bytes + self.optimizer_bytes
 
 
-def model_states(n_params: float, run: ResolvedRun) -> ModelStates:
+def model_states(n_params: float, run: ResolvedRun, largest_unit: float = 0.0) -> ModelStates:
     """ZeRO §5 / Table 1 for one rank holding `n_params` (already divided by tp and pp):
     stage 0: (2+2+K)Ψ; stage 1 (P_os): 2Ψ + 2Ψ + KΨ/N_d; stage 2 (P_os+g): 2Ψ + (2+K)Ψ/N_d;
     stage 3 (P_os+g+p): (2+2+K)Ψ/N_d. Offload (ZeRO-Offload, Ren et al. 2021; DeepSpeed's
     estimate_zero2/3_model_states_mem_needs): optimizer states live on the CPU, gradients as
-    below; `optimizer+params` moves parameters too."""
+    below; `optimizer+params` moves parameters too. `largest_unit`: the parameters of the
+    largest FSDP2 unit (the gradients held under pipelining, below)."""
     b = bytes_per_param(run)
     z, dp = run.zero_runs_as, run.shard_size  # hybrid sharding: the states are split over one shard group
     opt_div = dp if z >= 1 else 1
     # Under pipeline parallelism torch.distributed.pipelining turns FSDP2's gradient sync and
     # resharding after backward off until the last micro-batch: every rank holds its stage's
     # unreduced gradients and, after a backward, its unsharded parameters (stage 2's memory).
-    grad_div = dp if z >= 2 and run.pp == 1 else 1
+    held = z >= 2 and run.pp > 1
+    grad_div = 1 if held or z < 2 else dp
     # FSDP2 (tenfold's ZeRO-2/3) keeps each rank's fp32 shard at every stage and under
     # pipelining; the unsharded copies it computes with are gathered_param_bytes. DeepSpeed's
     # ZeRO-2 (a 16-bit stack) keeps whole 16-bit parameters.
@@ -88,7 +90,7 @@ def model_states(n_params: float, run: ResolvedRun) -> ModelStates:
     param_div = dp if (z >= 3 and run.pp == 1) or fsdp2_shards else 1
     st = ModelStates(
         params_bytes=b.params * n_params / param_div,
-        grads_bytes=b.grads * n_params / grad_div,
+        grads_bytes=b.grads * n_params / grad_div + (_unit_grad_cast_bytes(run, b, largest_unit) if held else 0.0),
         master_weights_bytes=b.master * n_params / opt_div,
         optimizer_moments_bytes=b.optimizer * n_params / opt_div,
         grad_copy_bytes=b.grad_copy * n_params / opt_div,
@@ -127,16 +129,16 @@ def model_states(n_params: float, run: ResolvedRun) -> ModelStates:
     return st
 
 
-def held_grad_cast_bytes(run: ResolvedRun, largest_unit: float) -> float:
-    """Gradients beside the ones model_states counts while FSDP2 holds a pipelined stage's
-    gradients unsharded in the reduce dtype (fp32) across micro-batches: a unit's backward leaves
-    its gradients on the parameters in the compute dtype, and the unit's post-backward adds them
-    into the fp32 ones one parameter at a time (torch 2.13's FSDPParamGroup.post_backward,
-    FSDPParam.accumulate_unsharded_grad_if_needed): one unit's 16-bit gradients at their high."""
-    if run.pp == 1 or run.zero_runs_as < 2 or run.offload != "none" or run.stack.master_weights:
-        return 0.0
+def _unit_grad_cast_bytes(run: ResolvedRun, b: BytesPerParam, largest_unit: float) -> float:
+    """Gradients beside the ones FSDP2 holds unsharded in the reduce dtype (fp32) across a
+    pipelined stage's micro-batches: a unit's backward leaves its gradients on the parameters in
+    the compute dtype, and the unit's post-backward adds them into the fp32 ones one parameter at
+    a time (torch 2.13's FSDPParamGroup.post_backward, FSDPParam.accumulate_unsharded_grad_if_needed):
+    one unit's 16-bit gradients at their high."""
     compute = element_bytes(run.precision)
-    return largest_unit * compute if compute < bytes_per_param(run).grads else 0.0
+    if run.offload != "none" or run.stack.master_weights or compute >= b.grads:
+        return 0.0
+    return largest_unit * compute
 
 
 def _zero_paper_run(stage: int, dp: int) -> ResolvedRun:
@@ -381,7 +383,7 @@ class StageActivations:
     layer_full_bytes: float  # one layer, one micro-batch, nothing recomputed
     inflight: float  # micro-batches in flight (times the interleave factor)
     stage_output_bytes: float = 0.0  # of stored_bytes: the pipeline's kept stage outputs
-    receive_buffer_bytes: float = 0.0  # of stored_bytes: the pipeline's receive buffers beyond those
+    receive_buffer_bytes: float = 0.0  # of stored_bytes: receive buffers beyond the in-flight block inputs
 
     @property
     def total(self) -> float:

@@ -228,6 +228,12 @@ def pipeline_receive_buffers(model: nn.Module) -> list[torch.Tensor]:
     return buffers
 
 
+def pipeline_receive_buffer_bytes(model: nn.Module) -> int:
+    """Bytes of `pipeline_receive_buffers`, each its own storage (fake storages share a null
+    address, so `unique_nbytes` would count one)."""
+    return sum(b.untyped_storage().nbytes() for b in pipeline_receive_buffers(model))
+
+
 def fsdp_param_groups(model: nn.Module) -> list[Any]:
     """FSDP2's parameter groups (one per fully_shard unit) inside `model`."""
     groups = []

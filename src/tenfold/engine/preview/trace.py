@@ -413,14 +413,6 @@ def check_traceable(run, dp: int) -> None:
                         f"on {dp} data-parallel ranks runs on DDP, whose C++ gradient buckets cannot run on fake tensors")
 
 
-def _receive_buffer_bytes(model) -> int:
-    """Bytes of the pipeline's receive buffers, each its own storage (fake storages share a null
-    address, so `unique_nbytes` would count one)."""
-    from tenfold.engine.memory.tensor_tracker import pipeline_receive_buffers
-
-    return sum(b.untyped_storage().nbytes() for b in pipeline_receive_buffers(model))
-
-
 def trace_rank(train_flags: list[str], world: int, rank: int) -> dict:
     """Set up the run of `train_flags` as rank `rank` of `world` and trace one step (the
     module docstring). Returns {"rank", "stage", "batch" (the micro-batches the step ran, over
@@ -436,7 +428,7 @@ the data-parallel ranks the mesh has), "layout" (the mesh built), "memory": MEMO
     from tenfold.engine.loop import parts as P
     from tenfold.engine.loop import step as S
     from tenfold.engine.parallel.distributed import join_layout
-    from tenfold.engine.memory.tensor_tracker import measure_cpu
+    from tenfold.engine.memory.tensor_tracker import measure_cpu, pipeline_receive_buffer_bytes
     from tenfold.run import resolve_run
     from tenfold.run_args import add_run_arguments, config_from_args
     from tenfold.techniques.precision import build_precision
@@ -473,7 +465,7 @@ the data-parallel ranks the mesh has), "layout" (the mesh built), "memory": MEMO
         log.recording = True
         measured, _ = measure_cpu(model, optimizer, one_step, d.device)
         log.recording = False
-        measured["receive_buffer_bytes"] = _receive_buffer_bytes(model)  # of the activations
+        measured["receive_buffer_bytes"] = pipeline_receive_buffer_bytes(model)  # of the activations
     batch = {"micro_batch": run.micro_batch, "grad_accum": len(batches), "dp": d.data_size, "seq_len": run.seq_len,
              "global_batch": run.micro_batch * len(batches) * d.data_size}
     layout = {"processes": d.world_size, "pp": d.pp_size, "dp": d.data_size, "cp": d.cp_size, "tp": d.tp_size,
