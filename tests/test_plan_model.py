@@ -135,6 +135,20 @@ def test_pipeline_memory_is_the_most_loaded_stage_and_gpipe_holds_m():
     assert gpipe.memory.activations_bytes > 4 * f1b.memory.activations_bytes
 
 
+def test_the_second_pipeline_rank_is_priced_when_another_holds_the_most_blocks():
+    """A split whose largest stage is rank 3's (13 blocks): rank 1 holds fewer blocks but more
+    micro-batches in flight and receive buffers both ways, and is the most loaded; the rank
+    reported is the most loaded of all eight. Mutation: rank 1 left out of
+    ResolvedRun.busiest_ranks -> rank 0 reported."""
+    s = planned("gpt3-175b", 64, precision="bf16", tp=8, pp=8, micro_batch=1, global_batch=64, seq_len=2048,
+                sequence_parallel=False, stack=deepspeed_stack(), pp_split=[11, 12, 12, 13, 12, 12, 12, 12])
+    shape, hw = _prepare(s, "a100-80gb", None, None)
+    every_rank = [_stage_memory(shape, hw, s, r).total_bytes for r in range(8)]
+    assert max(range(8), key=s.rank_layers) == 3
+    memory = predict(s, "a100-80gb").memory
+    assert memory.stage == "pp rank 1" and memory.total_bytes == max(every_rank)
+
+
 def test_cpu_hardware_reads_the_engine_cache_without_torch(tmp_path, monkeypatch):
     from tenfold.plan.cpu_peak import cache_key, machine_threads
 
