@@ -116,11 +116,12 @@ def test_pipeline_and_unknown_blocks_are_user_errors(tmp_path):
 
 
 def test_cli_bad_hf_input_exits_2(tmp_path):
-    r = cli("train", "--hf-config", str(tmp_path / "missing.json"), "--steps", "1", "--no-progress")
+    out = ("--out", str(tmp_path / "run"))  # not the default runs/tenfold, which `make demo` fills
+    r = cli("train", "--hf-config", str(tmp_path / "missing.json"), "--steps", "1", "--no-progress", *out)
     assert r.returncode == 2 and "--hf-config" in r.stderr and "missing.json" in r.stderr and "Traceback" not in r.stderr
     (tmp_path / "empty").mkdir()
     (tmp_path / "empty" / "config.json").write_text(LLAMA.read_text())
-    r = cli("train", "--hf-pretrained", str(tmp_path / "empty"), "--steps", "1", "--no-progress")
+    r = cli("train", "--hf-pretrained", str(tmp_path / "empty"), "--steps", "1", "--no-progress", *out)
     assert r.returncode == 2 and "no *.safetensors" in r.stderr and "Traceback" not in r.stderr
 
 
