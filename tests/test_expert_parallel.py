@@ -7,8 +7,10 @@ rank r's rows are the one process's micro-batch r, tenfold.data.loader's order r
 micro-batch's router balance loss is computed over the same tokens. fp32: only the order of the
 floating-point sums differs (the all-to-all regroups rows; the dp average).
 
-On 4 ranks the same comparison holds ep 2 beside a 1F1B pipeline (pp 2 x dp 2, mode "pipeline")
-and beside tensor parallelism (tp 2 x dp 2 without sequence parallelism, mode "tensor")."""
+On 4 ranks the same comparison holds ep 2 over dp 4 (two ranks hold each half of the experts,
+which ZeRO-2/3 shard between them, mode "replicas"), beside a 1F1B pipeline (pp 2 x dp 2, mode
+"pipeline") and beside tensor parallelism (tp 2 x dp 2 without sequence parallelism, mode
+"tensor")."""
 
 from __future__ import annotations
 
@@ -65,6 +67,43 @@ def test_ep_layouts_match_one_process_losses_and_first_step_gradients(two_ranks,
             assert worst <= RTOL * scale + 1e-9, (name, worst, scale)
         assert got["loads"] == reference["loads"]  # every rank logs the global assignments
     assert reference["losses"][-1] < reference["losses"][0] - 0.3  # it learns
+
+
+@pytest.fixture(scope="module")
+def replica_ranks(tmp_path_factory):
+    return torchrun("replicas", tmp_path_factory.mktemp("dp4ep2"), nproc=4, worker="moe_worker.py", timeout=600)
+
+
+@pytest.fixture(scope="module")
+def reference_six(tmp_path_factory):
+    """One process, micro 1 x accum 4, with 6 experts a layer."""
+    import torch
+
+    torch.set_num_threads(1)
+    return worker.run_steps(worker.config(0, 1, 4, str(tmp_path_factory.mktemp("ref6")), n_experts=6))
+
+
+def _expert_numel(n_experts: int) -> int:
+    m = worker.MODEL
+    return m["n_layers"] * 3 * n_experts * m["d_model"] * m["d_expert"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("run, dp_share", [("dp4-0", 2), ("dp4-2", 4), ("dp4-3", 4), ("dp4-3-six", 4)])
+def test_ep2_on_four_ranks_shards_the_experts_over_their_replicas_and_matches_one_process(
+        replica_ranks, reference_micro1, reference_six, run, dp_share):
+    """dp 4, ep 2: each half of the experts lives on two ranks. ZeRO-2/3 shard it over the two
+    (FSDP2 over "dp_mod_ep"), so a rank keeps 1/4 of the experts' elements, as of every other
+    weight; ZeRO-0 keeps its half whole. Losses every step and first-step gradients equal one
+    process (the sharded gradients are FSDP2's average over the replicas, rescaled to the sum over
+    dp: a wrong factor or a missed reduction fails the gradients)."""
+    reference = reference_six if run.endswith("six") else reference_micro1
+    n_experts = 6 if run.endswith("six") else worker.MODEL["n_experts"]
+    for rank in ("0", "1", "2", "3"):
+        got = replica_ranks[rank][run]
+        _assert_matches(got, reference)
+        assert got["grads"].keys() == reference["grads"].keys()
+        assert got["held_expert_numel"] * dp_share == _expert_numel(n_experts)
 
 
 @pytest.fixture(scope="module")

@@ -50,11 +50,14 @@ def test_plan_prices_memory_on_total_and_mfu_on_active_parameters():
 
 
 def _qwen3(gpus: int, **choices):
-    return planned("qwen3-235b-a22b", gpus, precision="bf16", seq_len=4096, micro_batch=1, recompute="full",
-                   zero_stage=3, **choices)
+    return planned("qwen3-235b-a22b", gpus, **{"precision": "bf16", "seq_len": 4096, "micro_batch": 1, "recompute": "full",
+                                               "zero_stage": 3, **choices})
 
 
-def test_expert_parallelism_divides_only_the_experts_and_leaves_them_unsharded_by_zero():
+def test_expert_parallelism_splits_the_experts_and_zero_shards_them_over_their_replicas():
+    """ZeRO-3 shards a rank's 1/ep of the experts over the dp / ep ranks holding the same ones, so
+    each rank keeps 1/dp of every weight, with or without ep (tests/test_expert_parallel.py
+    measures the same 1/dp on 4 ranks); ZeRO-0 keeps the rank's 1/ep whole."""
     from tenfold.models.presets import expert_param_count
 
     cfg = PRESETS["qwen3-235b-a22b"]
@@ -62,8 +65,11 @@ def test_expert_parallelism_divides_only_the_experts_and_leaves_them_unsharded_b
     experts, dense = expert_param_count(cfg), param_count(cfg) - expert_param_count(cfg)
     # ep 1: ZeRO-3 shards everything over 64 ranks (fp32 weights, 4 bytes each)
     assert one.memory.params_bytes == pytest.approx(4 * param_count(cfg) / 64, rel=1e-6)
-    # ep 8: the dense part over 64 ranks, 1/8 of the experts whole on each rank (the engine's layout)
-    assert ep8.memory.params_bytes == pytest.approx(4 * (dense / 64 + experts / 8), rel=1e-6)
+    # ep 8: the dense part over 64 ranks, 1/8 of the experts over the 8 ranks holding them
+    assert ep8.memory.params_bytes == pytest.approx(4 * (dense / 64 + experts / 8 / 8), rel=1e-6)
+    assert ep8.memory.optimizer_bytes == pytest.approx(8 * (dense / 64 + experts / 64), rel=1e-6)
+    whole = predict(_qwen3(64, ep=8, zero_stage=0), "h100-sxm")
+    assert whole.memory.params_bytes == pytest.approx(4 * (dense + experts / 8), rel=1e-6)
     assert ep8.time.ep_comm_s > 0 and one.time.ep_comm_s == 0
 
 
@@ -92,14 +98,20 @@ def test_all_to_all_crossing_nodes_costs_the_nic_and_its_volume_is_four_per_laye
 @pytest.mark.parametrize("gpus", [64, 1024])
 def test_search_considers_expert_parallelism_for_a_235b_a22b_model(gpus):
     from tenfold.plan.hardware import get_hardware
+    from tenfold.plan.report import _layout, varying_keys
     from tenfold.plan.search import _layouts, search
 
     base = planned("qwen3-235b-a22b", gpus, precision="bf16", seq_len=4096, global_batch=gpus * 4)
     eps = {run.ep for run in _layouts(base, get_hardware("h100-sxm"), None, gpus)}
     assert {1, 2, 8, 64} <= eps and max(eps) <= 128
     assert predict(_qwen3(gpus, ep=64), "h100-sxm").fits
-    result = search(base, "h100-sxm", top_k=3)
+    result = search(base, "h100-sxm", top_k=5)
     assert result.best and result.best[0].fits
+    # with the experts sharded over their replicas, expert parallelism is among the fastest
+    # layouts that fit (the pick on 1,024 GPUs), each row naming its degree once
+    assert any(p.strategy["ep"] > 1 for p in result.best)
+    varying = varying_keys(result.best)
+    assert all(_layout(p, varying).count("ep=") == (p.strategy["ep"] > 1) for p in result.best)
 
 
 def test_dense_models_search_no_expert_parallelism():

@@ -3,7 +3,7 @@ tests/test_expert_parallel.py, never by pytest itself (no test functions).
 
     python -m torch.distributed.run --standalone --nproc-per-node N tests/workers/moe_worker.py MODE OUT.json
 
-MODE: equivalence (2 ranks), pipeline or tensor (4 ranks).
+MODE: equivalence (2 ranks), pipeline, tensor or replicas (4 ranks).
 
 Every rank builds the `Trainer` on the same token array (zero_worker's) with the tiny MoE model,
 runs steps and records its losses and the first step's gradients (whole tensors, gathered);
@@ -47,6 +47,7 @@ def run_steps(cfg: dict) -> dict:
     from tenfold.engine.loop.trainer import Trainer
     from tenfold.models.moe import MoE
     from tenfold.techniques import zero
+    from tenfold.techniques.expert_parallel import expert_params
 
     t = Trainer(cfg, dataset=token_array())
     t.setup()
@@ -59,6 +60,8 @@ def run_steps(cfg: dict) -> dict:
                     grads[name.replace("_fsdp_wrapped_module.", "")] = full(p.grad).flatten()[:64].tolist()
 
     t.optimizer.register_step_pre_hook(capture)
+    # the elements of the split experts' weights this rank keeps (its FSDP2 shard of its ep part)
+    held_expert_numel = sum(p.to_local().numel() for p in expert_params(zero.unwrap(t.model)))
     # a pipeline stage holds some of the MoE layers: its rows of the expert load are theirs
     layers = [int(name.split(".")[1]) for name, m in zero.unwrap(t.model).named_modules() if isinstance(m, MoE)]
     losses, norms, loads = [], [], []
@@ -67,7 +70,8 @@ def run_steps(cfg: dict) -> dict:
         losses.append(result.loss)
         norms.append(result.grad_norm)
         loads.append(result.expert_load)
-    return {"losses": losses, "grad_norms": norms, "grads": grads, "loads": loads, "layers": layers}
+    return {"losses": losses, "grad_norms": norms, "grads": grads, "loads": loads, "layers": layers,
+            "held_expert_numel": held_expert_numel}
 
 
 def mode_equivalence(out_dir: str) -> dict:
@@ -117,9 +121,21 @@ def mode_tensor(out_dir: str) -> dict:
     return runs
 
 
+def mode_replicas(out_dir: str) -> dict:
+    """4 ranks: dp 4 with ep 2, so two ranks hold each half of the experts; ZeRO-2/3 shard those
+    experts over the two (FSDP2 over "dp_mod_ep"), ZeRO-0 keeps them whole and all-reduces them.
+    micro 1 x accum 1 x dp 4: the one process's micro 1 x accum 4. With 6 experts each rank's 3
+    do not split in two: FSDP2 shards them on their second dimension."""
+    runs = {f"dp4-{stage}": run_steps(config(stage, 1, 1, os.path.join(out_dir, f"dp4-{stage}"), ep=2))
+            for stage in (0, 2, 3)}
+    runs["dp4-3-six"] = run_steps(config(3, 1, 1, os.path.join(out_dir, "dp4-six"), ep=2, n_experts=6))
+    return runs
+
+
 def main() -> None:
     mode, out_path = sys.argv[1], sys.argv[2]
-    modes = {"equivalence": mode_equivalence, "pipeline": mode_pipeline, "tensor": mode_tensor}
+    modes = {"equivalence": mode_equivalence, "pipeline": mode_pipeline, "tensor": mode_tensor,
+             "replicas": mode_replicas}
     result = modes[mode](os.path.dirname(out_path))
     write_per_rank(result, out_path)
 

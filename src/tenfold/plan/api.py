@@ -343,10 +343,11 @@ def _stage_memory(shape: ModelShape, hw: Hardware, run: ResolvedRun, rank: int) 
                 else memory.autocast_weight_copy_bytes(n_params, run))
     gathered = memory.gathered_param_bytes(n_params, run, unit) + autocast  # each term at its own high
     if run.ep > 1 and cfg is not None and memory.runs_on_fsdp2(run.zero_stage, run.tp, run.dp, run.offload):
-        # FSDP2 gathers the dense part; the ep-split experts compute on their own 16-bit casts (plan/moe.py)
+        # FSDP2 gathers the dense part by blocks, the ep-split experts in units of their own (or
+        # they compute on autocast's casts under `replicate`, plan/moe.py)
         experts = moe_plan.rank_expert_params(cfg, run, run.rank_layers(rank))
-        gathered = (memory.gathered_param_bytes(n_params - experts, run, unit) + moe_plan.expert_copy_bytes(cfg, run, rank)
-                    + autocast)
+        gathered = (memory.gathered_param_bytes(n_params - experts, run, unit)
+                    + moe_plan.expert_working_copy_bytes(cfg, run, rank) + autocast)
     at_peak = gathered
     if autocast and act_work and run.recompute.kind in ("full", "every", "segments", "op"):
         # [recompute] torch.amp + recompute: autocast's cache holds every 16-bit weight copy
@@ -379,10 +380,10 @@ def _model_states(shape: ModelShape, run: ResolvedRun, rank: int, n_params: floa
     """ZeRO's model states, or a LoRA run's: the frozen base (16-bit or NF4) and the adapters'
     weights, gradients and AdamW states (plan/lora.py)."""
     if run.lora is None or shape.cfg is None:
-        if run.ep > 1 and shape.cfg is not None:  # split experts: whole on their replicas (plan/moe.py)
+        if run.ep > 1 and shape.cfg is not None:  # split experts: sharded over or whole on their replicas (plan/moe.py)
             experts = moe_plan.rank_expert_params(shape.cfg, run, run.rank_layers(rank))
             return _add_states(memory.model_states(n_params - experts, run, largest_unit),
-                               memory.model_states(experts, replace(run, zero_stage=0, shard_group=None)))
+                               memory.model_states(experts, moe_plan.expert_states_run(run)))
         return memory.model_states(n_params, run, largest_unit)
     s = lora_plan.model_states(n_params, run.rank_layers(rank), shape.cfg, run)
     return memory.ModelStates(params_bytes=s.params, grads_bytes=s.grads, master_weights_bytes=0.0,

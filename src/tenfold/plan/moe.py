@@ -6,11 +6,12 @@ ACTIVE ones (tenfold.models.presets.flops_per_token). Under `--ep N` a rank hold
 every MoE block's routed experts; the rest of the model is data-parallel as usual.
 
 What tenfold's engine runs (techniques/expert_parallel.py): the ep ranks are dp ranks; the
-experts are split over ep and NOT sharded further by ZeRO (their weights, gradients and AdamW
-states are whole on each of the dp / ep replicas that hold them, reduced over those replicas once
-per step); the dense part follows the ZeRO stage over every dp rank. Under ZeRO-2/3 FSDP2 gathers
-the dense part only; the experts compute on 16-bit casts of their fp32 weights
-(`expert_copy_bytes`).
+experts are split over ep, and ZeRO-2/3 shard each rank's part further over the dp / ep replicas
+that hold the same experts (each experts module an FSDP2 unit over them, `experts_sharded`), so a
+rank keeps 1/dp of the experts' states as of the dense ones; FSDP2 gathers a block's experts with
+the block. ZeRO-0/1 (DDP) and `replicate` under tensor parallelism keep them whole on each replica
+and all-reduce their gradients over the replicas once per step; under `replicate` the experts
+compute on 16-bit casts of their fp32 weights (`expert_working_copy_bytes`).
 
 All-to-all (GShard, Lepikhin et al. 2020, section 2.2; Megatron-Core's MoE token dispatcher):
 each MoE layer sends every token's k routed copies to the experts' ranks and back, forward
@@ -23,9 +24,12 @@ DualPipe overlaps it, Liu et al. 2024 section 3.2.1).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from tenfold.models.presets import ModelConfig, expert_param_count
 from tenfold.plan import comm
 from tenfold.plan.hardware import Hardware
+from tenfold.plan.fp8 import block_param_bytes
 from tenfold.run import ResolvedRun
 from tenfold.terms import element_bytes
 
@@ -43,17 +47,40 @@ def rank_expert_params(cfg: ModelConfig, run: ResolvedRun, layers: int) -> float
     return layers * expert_params_per_layer(cfg) / run.ep
 
 
-def expert_copy_bytes(cfg: ModelConfig, run: ResolvedRun, pp_rank: int) -> float:
-    """The 16-bit casts of a rank's ep-split experts (models/moe.py `RoutedExperts.forward` under
-    autocast; FSDP2 leaves these weights in fp32), which the grouped GEMMs save for backward: a
-    block's from its forward to its backward, a recomputed block's only while it recomputes, so
-    one at a time. None in fp32 (no autocast) or without ep (FSDP2 gathers the experts with the
-    rest of the block)."""
-    if run.ep <= 1 or not cfg.is_moe or run.precision == "fp32":
+def experts_sharded(run: ResolvedRun) -> bool:
+    """Whether FSDP2 shards the ep-split experts over their dp / ep replicas: ZeRO-2/3 (and ZeRO-1
+    under tensor parallelism, which runs as 2); DDP and `replicate` keep them whole."""
+    return run.ep > 1 and run.zero_runs_as >= 2
+
+
+def expert_states_run(run: ResolvedRun) -> ResolvedRun:
+    """`run` as the experts' states see it: sharded over their dp / ep replicas (one FSDP2 mesh,
+    no hybrid split) under `experts_sharded`, whole on each replica (ZeRO-0) otherwise."""
+    if experts_sharded(run):
+        return replace(run, shard_group=run.dp // run.ep)
+    return replace(run, zero_stage=0, shard_group=None)
+
+
+def expert_working_copy_bytes(cfg: ModelConfig, run: ResolvedRun, pp_rank: int) -> float:
+    """The copies of a rank's ep-split experts its grouped GEMMs compute on, at their high.
+    Sharded (`experts_sharded`): FSDP2's gathered units in the compute dtype, each layer's from
+    its forward to its backward when a unit persists (ZeRO-2, pipelining, or at most
+    `param_persistence_threshold` elements, counted as FSDP2 counts a DTensor: every expert of the
+    layer), else two layers' at once (the one computing and the one prefetched). Whole under
+    `replicate` (tensor parallelism at ZeRO-0): autocast's 16-bit casts (models/moe.py
+    `RoutedExperts.forward`), a block's from its forward to its backward, a recomputed block's
+    only while it recomputes, so one at a time; none in fp32."""
+    if run.ep <= 1 or not cfg.is_moe:
         return 0.0
-    layers, recomputed = run.rank_layers(pp_rank), recomputed_layers(run, pp_rank)
+    layers, per_layer = run.rank_layers(pp_rank), expert_params_per_layer(cfg)
+    if experts_sharded(run):
+        persist = run.zero_runs_as == 2 or run.pp > 1 or per_layer <= run.param_persistence_threshold
+        return block_param_bytes(run) * (layers if persist else min(2, layers)) * per_layer / run.ep
+    if run.precision == "fp32":
+        return 0.0
+    recomputed = recomputed_layers(run, pp_rank)
     held = layers - recomputed + min(recomputed, 1)
-    return 2.0 * held * expert_params_per_layer(cfg) / run.ep
+    return 2.0 * held * per_layer / run.ep
 
 
 def ep_group(run: ResolvedRun, hw: Hardware) -> comm.Group:

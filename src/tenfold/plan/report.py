@@ -34,9 +34,9 @@ def _duration(x: float) -> str:
 
 
 # The strategy keys `_layout` writes (or leaves out only at a value it shows by omission:
-# no offload, no shard group, fp32 reduction); any other key that differs between the rows of
+# no offload, no shard group, fp32 reduction, cp or ep 1); any other key that differs between the rows of
 # one table is added as `key=value`, so two rows never read alike unless they are alike.
-_LAYOUT_KEYS = frozenset({"world_size", "pp", "dp", "cp", "tp", "pp_schedule", "virtual_stages", "stage_layers",
+_LAYOUT_KEYS = frozenset({"world_size", "pp", "dp", "cp", "ep", "tp", "pp_schedule", "virtual_stages", "stage_layers",
                           "zero_stage", "zero_runs_as", "recompute", "micro_batch", "grad_accum", "global_batch",
                           "offload", "shard_group", "reduce_dtype", "sequence_parallel"})
 

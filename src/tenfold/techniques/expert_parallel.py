@@ -12,11 +12,18 @@ experts and average their gradients.
   * dispatch: tokens sorted by expert, split sizes exchanged, one all-to-all there, the local
     experts' grouped GEMM, one all-to-all back (`_AllToAll` is its own backward with the splits
     swapped);
-  * the data-parallel wrappers leave the expert weights alone (DDP ignores them, FSDP2 gets them
-    as `ignored_params`); `reduce_expert_gradients` sums their gradients over the ranks that hold
-    the same experts and divides by dp: each rank's loss is already scaled by dp / global tokens
+  * ZeRO-2/3 shard the expert weights further over the ranks that hold the same experts
+    ("dp_mod_ep"; torchtitan's FSDP over dp_shard_mod_ep): each experts module is its own FSDP2
+    unit on that mesh (`tenfold.techniques.zero`), so a rank keeps 1/dp of every expert's weight,
+    gradient and AdamW states, as it does of the dense weights. Stages 0/1 (DDP) and replicated
+    tensor-parallel runs leave the expert weights alone (DDP ignores them, `replicate` gets them as
+    `ignored_params`): they stay whole on each replica.
+  * the reduction: each rank's loss is already scaled by dp / global tokens
     (tenfold.techniques.accumulation), and an expert's gradient on one rank holds the tokens of
-    its whole ep group, so the sum over the dp / ep replicas holds every token once, dp times.
+    its whole ep group, so the SUM over the dp / ep replicas holds every token once, dp times.
+    `reduce_expert_gradients` divides that sum by dp: whole experts are summed by an all-reduce
+    over the replicas first; sharded ones come out of FSDP2's reduce-scatter as the replicas'
+    AVERAGE (sum / (dp / ep)), which leaves a division by ep.
 
 Beside a pipeline, each stage's dp ranks form its ep groups (the dp axis of that stage's mesh);
 beside tensor parallelism, each tp rank's (the MoE layers are whole on every tp rank,
@@ -138,13 +145,18 @@ class HFExpertParallelForward:
         return torch.zeros_like(hidden_states).index_add(0, token, y.to(hidden_states.dtype))
 
 
+def split_expert_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules holding the routed experts that expert parallelism split (`apply_expert_parallel`):
+    ZeRO-2/3 make each one its own FSDP2 unit over the ranks holding the same experts. None
+    without ep: there the experts are data-parallel weights like any other."""
+    ours = [m.experts for m in moe_layers(model) if isinstance(m.dispatch, ExpertParallelDispatch)]
+    return ours + [m for m in hf_expert_modules(model) if isinstance(m.__dict__.get("forward"), HFExpertParallelForward)]
+
+
 def expert_params(model: nn.Module) -> list[nn.Parameter]:
-    """The routed experts' weights that expert parallelism split (`apply_expert_parallel`): what
-    the dp wrappers skip and `reduce_expert_gradients` reduces. None without ep: there the
-    experts are data-parallel weights like any other (DDP reduces them, FSDP2 shards them)."""
-    ours = [p for m in moe_layers(model) if isinstance(m.dispatch, ExpertParallelDispatch) for p in m.experts.parameters()]
-    return ours + [getattr(m, n) for m in hf_expert_modules(model)
-                   if isinstance(m.__dict__.get("forward"), HFExpertParallelForward) for n in HF_EXPERT_WEIGHTS]
+    """The routed experts' weights that expert parallelism split: what DDP and `replicate` skip and
+    `reduce_expert_gradients` reduces (`split_expert_modules`' parameters)."""
+    return [p for m in split_expert_modules(model) for p in m.parameters()]
 
 
 def _shard_experts(module: nn.Module, names, ep_mesh) -> None:
@@ -169,13 +181,19 @@ def apply_expert_parallel(model: nn.Module, ep_mesh) -> None:
 
 
 @torch.no_grad()
-def reduce_expert_gradients(model: nn.Module, replica_group, dp_size: int) -> None:
-    """Expert gradients: summed over the ranks holding the same experts (`replica_group`, None when
-    there is one such rank), divided by dp (see the module docstring)."""
+def reduce_expert_gradients(model: nn.Module, replica_group, dp_size: int, averaged_by_fsdp: bool) -> None:
+    """Expert gradients divided by dp from their sum over the ranks holding the same experts (see
+    the module docstring). `averaged_by_fsdp`: FSDP2 shards the experts (ZeRO-2/3) and has
+    averaged them over those ranks; otherwise they are whole and are summed here over
+    `replica_group` (None when there is one such rank)."""
+    replicas = replica_group.size() if replica_group is not None else 1
     for p in expert_params(model):
         if p.grad is None:
             continue
         local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+        if averaged_by_fsdp:
+            local.div_(dp_size // replicas)  # average x replicas / dp = sum / dp
+            continue
         if replica_group is not None:
             dist.all_reduce(local, group=replica_group)
         local.div_(dp_size)

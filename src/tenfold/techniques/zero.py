@@ -45,11 +45,12 @@ import torch.distributed as torch_dist
 import torch.nn as nn
 from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 from tenfold.errors import TenfoldNote, UserError
-from tenfold.techniques.expert_parallel import expert_params
+from tenfold.techniques.expert_parallel import expert_params, split_expert_modules
 from tenfold.techniques.nf4 import is_nf4
 from tenfold.techniques.offload import host_optimizer, offload_policy, offloads, offloads_optimizer_only, optimizer_device
 from tenfold.techniques.optimizer import adamw_kwargs, allocate_states, build_optimizer, clip_grad_norm as _clip, param_groups
@@ -96,6 +97,8 @@ class DataParallelRanks(Protocol):
     def mesh(self) -> Any: ...  # torch DeviceMesh ("pp", "dp", "tp"), None on one process
     @property
     def hybrid_mesh(self) -> Any: ...  # ("dp_replicate", "dp_shard") under hybrid sharding, else None
+    @property
+    def ep_mesh(self) -> Any: ...  # ("dp_mod_ep", "ep") under expert parallelism, else None
 
 
 ENGINES = {
@@ -242,26 +245,42 @@ def _wrap_fsdp2(model: nn.Module, choices: ZeroChoices, dist: DataParallelRanks,
     threshold = int(choices.param_persistence_threshold)
     if blocks is None:
         blocks = list(model.layers.values()) if hasattr(model, "layers") else []
-    # expert-parallel experts are split over ep already; their gradients are reduced on their own.
-    # FSDP2 neither gathers nor shards them: the units' sizes (bucket, persistence threshold)
-    # count the parameters it does.
-    ignored = set(expert_params(model)) or None
-    skip = frozenset(map(id, ignored or ()))
+    # expert-parallel experts: units of their own over the ranks holding the same experts, made
+    # first so the block units leave them to those (fully_shard skips managed submodules); the
+    # blocks' sizes (bucket, persistence threshold) count the parameters they shard themselves.
+    for experts in split_expert_modules(model):
+        fully_shard(experts, mesh=dist.ep_mesh["dp_mod_ep"], mp_policy=mp, offload_policy=offload,
+                    reshard_after_forward=_reshard_after_forward(stage, _numel(experts), threshold),
+                    shard_placement_fn=_expert_placement(experts, dist.ep_mesh["dp_mod_ep"].size()))
+    skip = frozenset(map(id, expert_params(model)))  # fully_shard replaced them: their ids now
     units = fsdp_units(blocks, stage, unit_bucket(choices, dist.device.type), skip)
     backward_next = _backward_follows_forward(len(units), dist)
     for unit, next_ in zip(units, backward_next):
         reshard = _reshard_after_forward(stage, sum(_numel(b, skip) for b in unit), threshold) and not next_
         fully_shard(unit if len(unit) > 1 else unit[0], mesh=mesh, mp_policy=mp, offload_policy=offload,
-                    reshard_after_forward=reshard, ignored_params=ignored)
+                    reshard_after_forward=reshard)
     block_params = {id(p) for b in blocks for p in b.parameters()}
     root_numel = sum(p.numel() for p in model.parameters() if id(p) not in block_params)
     reshard = _reshard_after_forward(stage, root_numel, threshold) and not backward_next[-1]
-    fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard,
-                ignored_params=ignored)
+    fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard)
     setattr(model, _HYBRID_ATTR, mesh.ndim == 2)
     if dist.device.type == "cpu":
         _gather_ahead_on_cpu(model)
     return model
+
+
+def _expert_placement(experts: nn.Module, replicas: int):
+    """How FSDP2 shards an experts module's (E/ep, ., .) local weights over `replicas` ranks: on
+    the expert dimension (its default, Shard(0)) while each rank gets whole experts, on the next
+    one when there are fewer local experts than ranks (dim 0 would leave ranks empty and pad;
+    torchtitan's rule for its experts)."""
+    local_experts = min(p.to_local().shape[0] if hasattr(p, "to_local") else p.shape[0] for p in experts.parameters())
+    return None if local_experts % replicas == 0 else (lambda _param: Shard(1))
+
+
+def experts_sharded(model: nn.Module) -> bool:
+    """Whether FSDP2 shards (and averages the gradients of) the expert-parallel experts."""
+    return any(isinstance(m, FSDPModule) for m in split_expert_modules(unwrap(model)))
 
 
 def shard_mesh(dist: DataParallelRanks):

@@ -72,7 +72,7 @@ def apply_gradients(p: Parts, loss: float, global_tokens: int, step: int) -> Ste
     the optimizer step being taken (1-based)."""
     params = [q for q in p.model.parameters() if q.requires_grad]
     if p.dist.ep_size > 1:
-        reduce_expert_gradients(p.model, expert_replica_group(p.dist), p.dist.dp_size)
+        reduce_expert_gradients(p.model, expert_replica_group(p.dist), p.dist.dp_size, zero.experts_sharded(p.model))
     if p.dist.tp_size > 1:
         settle_gradients(params)
     train = p.train  # clipping and the non-finite rule are not part of the run's layout
