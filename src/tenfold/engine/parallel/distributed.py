@@ -53,7 +53,7 @@ class DistInfo:
     tp_size: int = 1
     tp_rank: int = 0
     mesh: object | None = None  # torch DeviceMesh ("pp", "dp", "tp") when world_size > 1
-    shard_size: int = 0  # dp ranks that shard together: dp_size, or the HSDP group (0: one process)
+    shard_size: int = 1  # ranks a ZeRO-2/3 state is split over (x cp), as tenfold.run.ResolvedRun.shard_size
     hybrid_mesh: object | None = None  # ("dp_replicate", "dp_shard") under hybrid sharding (tenfold.layout.build_hybrid_mesh)
     ep_size: int = 1  # expert parallelism: ranks one MoE layer's experts are split over (a split of dp)
     ep_mesh: object | None = None  # ("dp_mod_ep", "ep") view of the dp axis (tenfold.layout.build_expert_mesh)
@@ -123,14 +123,15 @@ def world_size_from_env() -> int:
     return int(os.environ["WORLD_SIZE"]) if launched_by_torchrun() else 1
 
 
-def init_distributed(pp_size: int = 1, timeout_s: float = 600.0, tp_size: int = 1, shard_size: int | None = None,
+def init_distributed(pp_size: int = 1, timeout_s: float = 600.0, tp_size: int = 1, shard_group: int | None = None,
                      offload: bool = False, cp_size: int = 1, ep_size: int = 1) -> DistInfo:
     """Join the job's process group with pp x dp x cp x tp ranks over the job's processes (the
-    layout's rules: tenfold.layout.build_layout). `shard_size`: the HSDP group, dp ranks that
-    shard together. `offload`: ZeRO-Offload, which runs on FSDP2 even on one process
+    layout's rules: tenfold.layout.build_layout). `shard_group`: the hybrid-sharding group
+    (`parallel.shard_group_size`), dp ranks that shard together; None: every dp rank.
+    `offload`: ZeRO-Offload, which runs on FSDP2 even on one process
     (`_one_process_group`) and reduces host tensors (`backend_for`). `ep_size`: expert-parallel
     ranks, a split of dp."""
-    return join_layout(build_layout(world_size_from_env(), pp_size, tp_size, shard_size, cp=cp_size, ep=ep_size),
+    return join_layout(build_layout(world_size_from_env(), pp_size, tp_size, shard_group, cp=cp_size, ep=ep_size),
                        timeout_s, offload)
 
 
