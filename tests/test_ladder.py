@@ -61,11 +61,11 @@ def test_rungs_are_cumulative_and_train_the_same_tokens():
 
 @pytest.mark.parametrize("fast_bf16", [True, False])
 def test_a_cpu_without_bf16_instructions_skips_the_mixed_rung_and_the_rest_train_in_fp32(monkeypatch, fast_bf16):
-    from tenfold import terms
+    from tenfold import host
     from tenfold.ladder import machine
 
     monkeypatch.setattr(machine, "device_type", lambda: "cpu")
-    monkeypatch.setattr(terms, "cpu_has_bf16_matmul", lambda: fast_bf16)
+    monkeypatch.setattr(host, "cpu_has_bf16_matmul", lambda: fast_bf16)
     dtype, skip = machine.mixed_precision()
     assert (dtype, skip is None) == (("bf16", True) if fast_bf16 else ("fp32", False))
     s = _setup(mixed_dtype=dtype, mixed_skip=skip)

@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from tenfold.engine.parallel.distributed import shutdown
-from tenfold import terms
+from tenfold import host, terms
 from tenfold.config import build_config
 from tenfold.techniques.optimizer import build_optimizer, clip_grad_norm
 from tenfold.engine.loop.schedule import build_scheduler
@@ -173,15 +173,15 @@ def test_cpu_bf16_matrix_instructions_are_read_from_the_flags_line(tmp_path):
         path.write_text(f"processor\t: 0\nmodel name\t: Some CPU\nflags\t\t: fpu sse2 {flags}\n\n")
         return path
 
-    assert terms.cpu_has_bf16_matmul(cpuinfo("avx2 avx512f avx512_bf16"))
-    assert terms.cpu_has_bf16_matmul(cpuinfo("avx2 amx_tile amx_bf16"))
-    assert not terms.cpu_has_bf16_matmul(cpuinfo("avx2 avx512f avx512_vnni"))  # AVX-512 alone is not enough
-    assert not terms.cpu_has_bf16_matmul(tmp_path / "absent")
+    assert host.cpu_has_bf16_matmul(cpuinfo("avx2 avx512f avx512_bf16"))
+    assert host.cpu_has_bf16_matmul(cpuinfo("avx2 amx_tile amx_bf16"))
+    assert not host.cpu_has_bf16_matmul(cpuinfo("avx2 avx512f avx512_vnni"))  # AVX-512 alone is not enough
+    assert not host.cpu_has_bf16_matmul(tmp_path / "absent")
 
 
 @pytest.mark.parametrize("fast_bf16", [True, False])
 def test_auto_precision_is_bf16_on_gpus_and_fast_cpus_else_fp32(monkeypatch, fast_bf16):
-    monkeypatch.setattr(terms, "cpu_has_bf16_matmul", lambda: fast_bf16)
+    monkeypatch.setattr(host, "cpu_has_bf16_matmul", lambda: fast_bf16)
     assert terms.resolve_precision("auto", on_cpu=False) == "bf16"
     assert terms.resolve_precision("auto", on_cpu=True) == ("bf16" if fast_bf16 else "fp32")
     assert terms.resolve_precision("auto", on_cpu=True, fp8=True) == "bf16"  # FP8 runs inside bf16 autocast
@@ -197,7 +197,7 @@ def test_the_trainer_computes_in_the_precision_auto_picks(small_cfg, monkeypatch
     reports follow the CPU's bf16 instructions; a named precision is not touched."""
     from tenfold.engine.loop.trainer import Trainer
 
-    monkeypatch.setattr(terms, "cpu_has_bf16_matmul", lambda: fast_bf16)
+    monkeypatch.setattr(host, "cpu_has_bf16_matmul", lambda: fast_bf16)
     assert build_config({}).precision.dtype == "auto"  # the default
     t = Trainer(small_cfg(precision={"dtype": "auto"}))
     t.setup()

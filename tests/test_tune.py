@@ -35,10 +35,10 @@ def _trial(tid: str, key: str, rates: list[float | None], baseline: bool = False
 
 @pytest.mark.parametrize("fast_bf16", [True, False])
 def test_bf16_trials_on_a_cpu_only_where_it_has_bf16_matrix_instructions(monkeypatch, fast_bf16):
-    from tenfold import terms
+    from tenfold import host
     from tenfold.tune import setup
 
-    monkeypatch.setattr(terms, "cpu_has_bf16_matmul", lambda: fast_bf16)
+    monkeypatch.setattr(host, "cpu_has_bf16_matmul", lambda: fast_bf16)
     tried, bf16_runs = setup._precisions("cpu")
     assert tried == (["fp32", "bf16"] if fast_bf16 else ["fp32"])  # never fp16 on a CPU
     assert bf16_runs  # a user's own bf16 baseline still runs in bf16 (torch's CPU autocast)

@@ -23,9 +23,10 @@ from tenfold.errors import UserError
 from tenfold.layout import Layout, build_layout, check_degree_values
 from tenfold.lora_terms import LORA_BASES, LoraSpec, check_targets, lora_spec
 from tenfold.models.presets import ModelConfig, param_count
+from tenfold.host import local_device_is_cpu
 from tenfold.terms import (
     MULTI_STAGE_SCHEDULES, PRECISION_CHOICES, BatchTriplet,
-    RecomputePolicy, check_tp_split, local_device_is_cpu, num_stages, parse_recompute, resolve_batch, resolve_precision,
+    RecomputePolicy, check_tp_split, num_stages, parse_recompute, resolve_batch, resolve_precision,
     stage_layer_counts, virtual_stages_for, zero_runs_as,
 )
 

@@ -10,13 +10,10 @@ No torch here: the planner runs on a laptop without it.
 
 from __future__ import annotations
 
-import functools
-import os
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 from typing import NamedTuple
 
+from tenfold import host
 from tenfold.errors import UserError
 
 # Label of a position without a target (padding, a fine-tuning prompt): no loss, not counted.
@@ -45,57 +42,11 @@ def check_precision(name: str) -> str:
 # `precision.dtype = "auto"` (the default) picks one of PRECISIONS by where the run computes.
 PRECISION_CHOICES = ("auto", *PRECISIONS)
 DEFAULT_PRECISION = "auto"  # precision.dtype unset: `resolve_precision` picks for the device
-# x86 flags (/proc/cpuinfo) of bf16 matrix instructions, which torch's CPU bf16 GEMMs (oneDNN)
-# use. Without them bf16 matmuls run through conversions: a `tiny` training step measured 11x
-# slower in bf16 than in fp32 on a 2-core AVX2 EPYC (docs/precision.md).
-CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
-
-
-CPUINFO = Path("/proc/cpuinfo")
-
-
-def cpuinfo_field(name: str, cpuinfo: Path = CPUINFO) -> str | None:
-    """The value of the first `name : value` line of /proc/cpuinfo; None where the file (not
-    Linux) or the line is missing."""
-    try:
-        text = cpuinfo.read_text()
-    except OSError:
-        return None
-    for line in text.splitlines():
-        key, sep, value = line.partition(":")
-        if sep and key.strip() == name:
-            return value.strip()
-    return None
-
-
-@functools.lru_cache(maxsize=4)
-def cpu_has_bf16_matmul(cpuinfo: Path = CPUINFO) -> bool:
-    """Whether this machine's CPU has bf16 matrix instructions (CPU_BF16_FLAGS in the `flags`
-    line of /proc/cpuinfo; False where that file does not exist)."""
-    flags = (cpuinfo_field("flags", cpuinfo) or "").split()
-    return any(flag in flags for flag in CPU_BF16_FLAGS)
-
-
-def bf16_pays(on_cpu: bool) -> bool:
-    """Whether bf16 matmuls are fast where the run computes: on a GPU, and on a CPU with bf16
-    matrix instructions. The one rule behind `auto`, the ladder's mixed rung and tune's trials."""
-    return not on_cpu or cpu_has_bf16_matmul()
-
-
-def local_device_is_cpu() -> bool:
-    """Whether `tenfold train` on this machine computes on its CPU: torch's own answer (no CUDA
-    device) where torch is loaded; else, torch-free, whether no GPU device node exists."""
-    torch = sys.modules.get("torch")
-    if torch is not None:
-        return not torch.cuda.is_available()
-    return not any(Path(node).exists() for node in ("/dev/nvidiactl", "/dev/kfd"))
-
-
 def resolve_precision(name: str, on_cpu: bool, fp8: bool = False) -> str:
     """`auto` -> bf16 on a GPU, on a CPU with bf16 matrix instructions and under FP8 (whose
     matmuls run inside bf16 autocast), fp32 on other CPUs; any other name as given."""
     if name == "auto":
-        return "bf16" if fp8 or bf16_pays(on_cpu) else "fp32"
+        return "bf16" if fp8 or host.bf16_pays(on_cpu) else "fp32"
     return check_precision(name)
 
 
@@ -464,11 +415,3 @@ def check_tp_split(tp: int, n_heads: int, n_kv_heads: int | None = None, vocab_s
     if vocab_size and vocab_size % tp:
         raise UserError(f"{flag} {tp} must divide the vocabulary of {vocab_size} tokens (the embedding and the output "
                         f"layer are split by token; pad model.vocab_size to a multiple of {tp}); allowed: {allowed}")
-
-
-# --------------------------------------------------------------------------- files
-
-
-def cache_dir() -> Path:
-    """Where measured machine constants are kept: $TENFOLD_CACHE_DIR, else ~/.cache/tenfold."""
-    return Path(os.environ.get("TENFOLD_CACHE_DIR") or Path.home() / ".cache" / "tenfold")

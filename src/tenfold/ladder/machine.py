@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-from tenfold.terms import bf16_pays
+from tenfold.host import bf16_pays
 
 
 def default_nproc() -> int:

@@ -1,7 +1,7 @@
 """This machine's measured GEMM peak, as the planner reads it (the MFU denominator on a CPU).
 
 `tenfold.engine.observe.peak` measures it (with torch) and keeps it in `cpu_peak.json` in the cache
-folder (`tenfold.terms.cache_dir`: $TENFOLD_CACHE_DIR, else ~/.cache/tenfold). An entry's key
+folder (`tenfold.host.cache_dir`: $TENFOLD_CACHE_DIR, else ~/.cache/tenfold). An entry's key
 names what the figure depends on: the CPU model and core count, the torch version and the
 thread count it was measured with (`cache_key`); when one of them changes, so does the key,
 and the figure is measured again. Each entry holds one figure per dtype, measured only when a
@@ -23,7 +23,7 @@ from importlib import metadata
 from pathlib import Path
 
 from tenfold.errors import UserError
-from tenfold.terms import cache_dir, cpuinfo_field
+from tenfold.host import cache_dir, cpuinfo_field
 
 # Cache entries measured another way are measured again (the key carries it too).
 METHOD = "bounded-mm-linear-v3"

@@ -13,7 +13,8 @@ from tenfold.config import TenfoldConfig
 from tenfold.errors import UserError
 from tenfold.plan.hardware import Hardware
 from tenfold.tune.candidates import KNOBS
-from tenfold.terms import bf16_pays, resolve_precision
+from tenfold.host import bf16_pays
+from tenfold.terms import resolve_precision
 
 DEFAULT_OUT = "runs/tune"
 DEFAULT_BUDGET_S = 600.0

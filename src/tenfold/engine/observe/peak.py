@@ -39,7 +39,7 @@ import time
 from typing import Callable
 
 from tenfold.plan.cpu_peak import MEASURED_DTYPES, cache_key, cache_path, read_cache, without_stale
-from tenfold.terms import cpu_has_bf16_matmul, cpuinfo_field
+from tenfold.host import cpu_has_bf16_matmul, cpuinfo_field
 
 SIZES = (512, 1024, 2048)
 REPEATS = 3  # timed calls per size and call, after one warm-up
@@ -47,7 +47,7 @@ MAX_GEMM_S = 0.5  # no size whose one GEMM would take longer than this
 BUDGET_S = 2.0  # the measurement stops here, however busy the machine
 BUSY = 0.5  # load average per core above which a measured peak is re-measured when quieter
 # x86 flags of fp16 matrix instructions (oneDNN's fp16 GEMMs: AVX512-FP16, AMX-FP16); the bf16
-# ones are tenfold.terms.CPU_BF16_FLAGS.
+# ones are tenfold.host.CPU_BF16_FLAGS.
 CPU_FP16_FLAGS = ("avx512_fp16", "amx_fp16")
 NOT_MEASURED = ("MFU not measured yet: this CPU's GEMM peak is measured at the end of the run (a few seconds, "
                 "outside its timings) and cached for the next")

@@ -54,7 +54,7 @@ def room_here(local_ranks: int, with_torch: bool = False):
     a machine without a GPU, its host memory shared by them, torch-free; on a GPU machine one
     device's memory, read through torch (`with_torch`; None without it)."""
     from tenfold.plan.room import Room
-    from tenfold.terms import local_device_is_cpu
+    from tenfold.host import local_device_is_cpu
 
     if local_device_is_cpu():
         return Room(local_ranks)
