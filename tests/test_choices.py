@@ -79,6 +79,23 @@ def test_each_flag_exists_and_sets_its_key(row):
             assert getattr(getattr(config_from_args(args), section), name) == value
 
 
+@pytest.mark.parametrize("row", [c for c in RUN_CHOICES if c.flag], ids=lambda c: c.name)
+def test_each_flag_help_is_written_from_its_row(row):
+    """tenfold train --help and tenfold plan --help list each choice's allowed values and default
+    as its row holds them (one table: a value added to the row appears in the help)."""
+    from tenfold.choices import flag_help
+    from tenfold.cli import build_parser
+
+    for command in ("train", "plan"):
+        sub = build_parser([command])._subparsers._group_actions[0].choices[command]
+        action = next(a for a in sub._actions if row.flag in a.option_strings)
+        assert action.help == flag_help(row)
+    for value in row.allowed or ():
+        assert str(value) in flag_help(row)
+    if row.default_text or row.default not in (None, False):
+        assert "(default" in flag_help(row)
+
+
 @pytest.mark.parametrize("name", sorted(SAMPLES))
 def test_each_configured_choice_reaches_the_run_and_back(name):
     """The config's value reaches ResolvedRun under the row's name (choices_from_config), and

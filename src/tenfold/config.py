@@ -17,7 +17,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 from tenfold.errors import UserError
 from tenfold.lr_schedule import validate_schedule_params
 from tenfold.models.presets import ModelConfig, get_preset
-from tenfold.terms import DEFAULT_PRECISION, OFFLOADS, PRECISION_CHOICES, REDUCE_DTYPES, parse_recompute
+from tenfold.choices import allowed_of, default_of
+from tenfold.terms import parse_recompute
 
 try:
     import tomllib
@@ -152,7 +153,7 @@ class TrainSection(_Section):
     # torch.compile each transformer block (techniques/compile.py). Off by default: on a 2-core
     # CPU it measured 1.02-1.12x eager on `small` and costs 25-45 s of compile time per process,
     # more than short runs gain (docs/compile.md).
-    compile: bool = False
+    compile: bool = default_of("compile")  # type: ignore[assignment]
     # Refuse a run whose predicted memory per rank exceeds what the rank has, before anything is
     # built (tenfold.plan.room); false (--no-fit-check) starts it anyway.
     fit_check: bool = True
@@ -165,12 +166,12 @@ class TrainSection(_Section):
 
 class PrecisionSection(_Section):
     # auto: bf16 on GPUs and on CPUs with bf16 matrix instructions, else fp32 (terms.resolve_precision)
-    dtype: Literal[PRECISION_CHOICES] = DEFAULT_PRECISION  # type: ignore[valid-type]
+    dtype: Literal[allowed_of("precision")] = default_of("precision")  # type: ignore[valid-type]
     # Float8 matmuls in the transformer blocks' Linears (torchao), the rest in `dtype` (bf16):
     # a switch on top of bf16, not a dtype (techniques/fp8.py, docs/precision.md).
-    fp8: bool = False
+    fp8: bool = default_of("fp8")  # type: ignore[assignment]
     # FP8 on a device without float8 matmuls (a CPU, CUDA < 8.9): the numerics, slowly; for tests.
-    fp8_emulate: bool = False
+    fp8_emulate: bool = default_of("fp8_emulate")  # type: ignore[assignment]
     # fp16 dynamic loss scaling, DeepSpeed's keys and defaults (deepspeed/runtime/config.py).
     loss_scale: float = Field(0.0, ge=0.0)  # 0 = dynamic, > 0 = static scale
     initial_scale_power: int = Field(16, ge=0, le=63)
@@ -196,7 +197,7 @@ class PrecisionSection(_Section):
 
 
 class RecomputeSection(_Section):
-    policy: str = "none"  # tenfold.terms.RECOMPUTE_FORMS
+    policy: str = default_of("recompute")  # type: ignore[assignment]  # tenfold.terms.RECOMPUTE_FORMS
 
     @field_validator("policy")
     @classmethod
@@ -205,17 +206,17 @@ class RecomputeSection(_Section):
 
 
 class ParallelSection(_Section):
-    zero_stage: int = Field(0, ge=0, le=3)
+    zero_stage: int = Field(default_of("zero_stage"), ge=min(allowed_of("zero_stage")), le=max(allowed_of("zero_stage")))
     nproc: int = Field(1, gt=0)  # processes per node: `tenfold train --nproc N` starts N local ranks
     # nodes the run spans (torchrun --nnodes on each); the run has nnodes x nproc processes
     nnodes: int = Field(1, gt=0)
-    pp_degree: int = Field(1, gt=0)
-    ep_degree: int = Field(1, gt=0)  # expert parallelism: MoE experts split over ep of the dp ranks
-    tp_degree: int = Field(1, gt=0)  # tensor parallelism: each layer's matrices split over tp ranks
+    pp_degree: int = Field(default_of("pp"), gt=0)
+    ep_degree: int = Field(default_of("ep"), gt=0)  # expert parallelism: MoE experts split over ep of the dp ranks
+    tp_degree: int = Field(default_of("tp"), gt=0)  # tensor parallelism: each layer's matrices split over tp ranks
     sequence_parallel: bool | None = None  # None: on when tp_degree > 1 (tenfold.run.sequence_parallel_for)
     # context parallelism: each sequence split over cp ranks (techniques/context_parallel.py)
-    cp_degree: int = Field(1, gt=0)
-    pp_schedule: Literal["gpipe", "1f1b", "interleaved", "zero-bubble"] = "1f1b"  # tenfold.terms.PIPELINE_SCHEDULES
+    cp_degree: int = Field(default_of("cp"), gt=0)
+    pp_schedule: Literal[allowed_of("pp_schedule")] = default_of("pp_schedule")  # type: ignore[valid-type]
     virtual_stages: int | None = Field(None, gt=0)  # None: 2 for interleaved schedules, else 1
     pp_split: list[int] | None = None
     # Hybrid sharding (HSDP; DeepSpeed MiCS): ZeRO-2/3 shard inside groups of this many
@@ -223,15 +224,15 @@ class ParallelSection(_Section):
     shard_group_size: int | None = Field(None, gt=0)
     # ZeRO-Offload (tenfold.terms.OFFLOADS, techniques/offload.py, docs/zero.md): "optimizer" puts AdamW's
     # states and step in host memory; "optimizer+params" (ZeRO-3) the sharded parameters and gradients too
-    offload: Literal[OFFLOADS] = "none"  # type: ignore[valid-type]
-    param_persistence_threshold: int = Field(100_000, ge=0)  # stage3_param_persistence_threshold
+    offload: Literal[allowed_of("offload")] = default_of("offload")  # type: ignore[valid-type]
+    param_persistence_threshold: int = Field(default_of("param_persistence_threshold"), ge=0)  # stage3_param_persistence_threshold
     reduce_bucket_size: int | None = None
     overlap_comm: bool | None = None
-    contiguous_gradients: bool = True
+    contiguous_gradients: bool = default_of("contiguous_gradients")  # type: ignore[assignment]
     # The dtype data-parallel gradients are reduced in (DeepSpeed's communication_data_type).
     # fp32 (torchtitan's and Megatron's default): every partial sum exact to fp32. bf16: half
     # the bytes, each partial sum rounded to 8 mantissa bits (docs/precision.md).
-    reduce_dtype: Literal[REDUCE_DTYPES] = "fp32"  # type: ignore[valid-type]
+    reduce_dtype: Literal[allowed_of("reduce_dtype")] = default_of("reduce_dtype")  # type: ignore[valid-type]
     timeout_s: float = Field(600.0, gt=0)
     # A rank whose step runs past max(watchdog x median step, watchdog_min_s) stops the job
     # (engine/observe/watchdog.py); 0 turns the watchdog off. Multi-process runs only.

@@ -12,8 +12,7 @@ from __future__ import annotations
 import argparse
 
 from tenfold.errors import say
-from tenfold.choices import flag_keys
-from tenfold.terms import OFFLOADS
+from tenfold.choices import LORA_GROUP, flag_help, flag_keys, flags_of_group
 
 
 def add_run_arguments(p: argparse.ArgumentParser, priced_only: bool = False) -> None:
@@ -52,7 +51,6 @@ def _run_group(p: argparse.ArgumentParser, only_train) -> None:
 def _model_group(p: argparse.ArgumentParser) -> None:
     m = p.add_argument_group("model and data")
     m.add_argument("--model", help="preset: tiny, small, gpt3-125m ... gpt3-175b, llama-7b/13b/70b (default tiny)")
-    m.add_argument("--seq-len", type=int, help="tokens per sequence (default: the model's context)")
     m.add_argument("--data", help="text / JSONL / .bin / parquet file or directory, a datasets save_to_disk folder, or hf:NAME (default: this Python's stdlib sources)")
     m.add_argument("--data-format", help="text | jsonl | prompt-completion | chat | bin (default: detected from the data)")
     m.add_argument("--tokenizer", help="byte | bpe | a tokenizer.json or Hugging Face tokenizer folder (default: byte, or the --hf-pretrained folder's own)")
@@ -60,62 +58,47 @@ def _model_group(p: argparse.ArgumentParser) -> None:
     m.add_argument("--hf-config", metavar="config.json", help="a Hugging Face causal LM from its config.json (random init, no download; needs tenfold[hf])")
     m.add_argument("--hf-pretrained", metavar="DIR", help="a local Hugging Face folder with config.json + *.safetensors weights")
     m.add_argument("--blocks", metavar="ClassName", help="the model's repeated block class for recompute and ZeRO (default: found automatically)")
+    _choice_flags(m, "model and data")
 
 
 def _optimization_group(p: argparse.ArgumentParser, only_train) -> None:
     t = p.add_argument_group("optimization")
     t.add_argument("--steps", type=int, help="optimizer steps (default 200)")
-    t.add_argument("--micro-batch", type=int, help="sequences per micro-batch per rank (default 8)")
-    t.add_argument("--grad-accum", type=int, help="micro-batches accumulated per optimizer step")
-    t.add_argument("--global-batch", type=int, help="sequences per optimizer step over all ranks")
     t.add_argument("--lr", type=float, help=only_train("peak learning rate (default 2e-3)"))
     t.add_argument("--seed", type=int, help=only_train("seed for init and data order (default 1337)"))
     t.add_argument("--eval-every", type=int, help=only_train("validation loss every N steps (0: at the end only)"))
     t.add_argument("--on-nan", help=only_train("non-finite loss in bf16/fp32: stop (default) or skip"))
+    _choice_flags(t, "optimization")
 
 
 def _technique_group(p: argparse.ArgumentParser, only_train) -> None:
     x = p.add_argument_group("techniques")
-    x.add_argument("--precision", help="auto (default: bf16 on GPUs and on CPUs with bf16 matrix instructions, else fp32) "
-                   "| fp32 | bf16 | fp16 (dynamic loss scaling); for FP8 see --fp8")
-    x.add_argument("--fp8", action="store_true", default=None, help="float8 matmuls in the transformer blocks (torchao; "
-                   "the embedding, head and the rest stay bf16); needs an H100/H200/B200-class GPU (compute capability >= 8.9)")
-    x.add_argument("--fp8-emulate", action="store_true", default=None, help="allow --fp8 without float8 matmuls "
-                   "(CPU, older GPUs): the same numerics, slowly; for tests")
-    x.add_argument("--ac", help="activation recompute: none | full | every:N | segments:K | selective[:attention|:mlp] | op "
-                   "(per-op: keep every other matmul's and attention's outputs, recompute the rest) | offload")
-    x.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                   help="torch.compile each transformer block (compile time reported on its own; default off: "
-                   "see docs/compile.md for where it pays)")
-    x.add_argument("--zero", type=int, help="ZeRO stage 0-3 across data-parallel ranks")
-    x.add_argument("--reduce-dtype", help="dtype data-parallel gradients are reduced in: fp32 (default) | bf16 "
-                   "(DeepSpeed's communication_data_type: half the bytes, partial sums rounded to bf16)")
+    _choice_flags(x, "techniques")
     x.add_argument("--nproc", type=int, help="start N local ranks (a torchrun shortcut)")
     x.add_argument("--watchdog", type=float, metavar="FACTOR", help=only_train("multi-process runs: a step that runs past FACTOR x "
                    "the median step (and parallel.watchdog_min_s, 30 s) stops the job, naming the rank that stalled "
                    "(default 10; 0: off)"))
-    x.add_argument("--shard-group", type=int, metavar="N", help="hybrid sharding (HSDP) with --zero 2/3: shard inside "
-                   "groups of N data-parallel ranks (e.g. one node), replicate across groups (default: all dp ranks)")
-    x.add_argument("--offload", choices=OFFLOADS, help="ZeRO-Offload with --zero 2/3: "
-                   "none (default) | optimizer (AdamW's states and step in host memory, the parameters on the "
-                   "device) | optimizer+params (--zero 3: sharded weights and gradients in host memory too; docs/zero.md)")
-    x.add_argument("--pp", type=int, help="pipeline stages")
-    x.add_argument("--tp", type=int, help="tensor-parallel ranks: each layer's matrices split over N ranks (must divide the heads)")
-    x.add_argument("--ep", type=int, help="expert-parallel ranks: each MoE layer's experts split over N of the "
-                   "data-parallel ranks, tokens exchanged by all-to-all (must divide dp and the experts)")
-    x.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None,
-                   help="split norms and the residual stream by sequence over the tp ranks (default: on when --tp > 1)")
-    x.add_argument("--cp", type=int, help="context-parallel ranks: each sequence split over N ranks (load-balanced "
-                   "for the causal mask), attention across them; for long sequences (docs/context_parallel.md)")
-    x.add_argument("--pp-schedule", help="gpipe | 1f1b | interleaved | zero-bubble")
-    x.add_argument("--virtual-stages", type=int, help="stages per rank for interleaved schedules")
-    x.add_argument("--pp-split", type=_int_list, metavar="N,N,...", help="transformer blocks per pipeline stage, e.g. 1,3 (default: even, embedding and head weighted as one block each)")
+
+
+def _choice_flags(group, name: str) -> None:
+    """The run choices' flags listed under --help section `name`, each as its row says
+    (tenfold.choices: the value it takes, its help with the allowed values and the default)."""
+    for c in flags_of_group(name):
+        kwargs: dict = {"help": flag_help(c)}
+        if c.value == "switch":
+            kwargs.update(action="store_true", default=None)
+        elif c.value == "on-off":
+            kwargs.update(action=argparse.BooleanOptionalAction, default=None)
+        else:
+            kwargs["type"] = {"int": int, "str": str, "int_list": _int_list}[c.value]
+        if c.metavar:
+            kwargs["metavar"] = c.metavar
+        group.add_argument(c.flag, **kwargs)
 
 
 def _lora_group(p: argparse.ArgumentParser) -> None:
-    lo = p.add_argument_group("low-rank adapters (LoRA, QLoRA: docs/lora.md)")
-    lo.add_argument("--lora", type=int, metavar="RANK", help="train rank-RANK adapters on the blocks' Linears, the "
-                    "base frozen in the compute dtype (Hu et al. 2021; PEFT's format)")
+    lo = p.add_argument_group(LORA_GROUP)
+    _choice_flags(lo, LORA_GROUP)
     lo.add_argument("--qlora", type=int, nargs="?", const=-1, metavar="RANK", help="LoRA on a frozen base in 4-bit "
                     "NF4 with double quantization (Dettmers et al. 2023); RANK defaults to --lora's, else 8")
     lo.add_argument("--lora-alpha", type=float, metavar="A", help="adapter scale alpha / RANK (default 2 x RANK)")
