@@ -34,6 +34,7 @@ from tenfold.techniques.precision import (
     autocast_context,
     build_loss_scaler,
     build_precision,
+    Update,
     finish_step,
     grads_have_inf_or_nan,
     resolve_dtype,
@@ -284,7 +285,7 @@ def _step_setup(dtype: str = "fp16"):
 def _finish(opt, sched, precision, model, max_norm, loss=1.0):
     """The trainer's step tail (Trainer.apply_gradients calls exactly this function)."""
     params = list(model.parameters())
-    return finish_step(opt, sched, precision, params, loss, 32, lambda m: clip_grad_norm(params, m), max_norm)
+    return finish_step(Update(opt, sched, precision, lambda m: clip_grad_norm(params, m), max_norm), params, loss, 32)
 
 
 def test_forced_overflow_skips_the_step_everywhere_it_matters():

@@ -254,16 +254,19 @@ def test_plan_prices_sequence_parallelism_as_train_runs_it(capsys):
 
 
 def test_planner_traffic_per_layer_is_narayanans():
-    """One layer, one micro-batch, no embedding/head: 8 b s h (t-1)/t elements (Narayanan et
-    al. 2021 section 3.2), with or without sequence parallelism."""
+    """One layer (a middle pipeline stage: no embedding, no head), per micro-batch: 8 b s h (t-1)/t
+    elements (Narayanan et al. 2021 section 3.2), with or without sequence parallelism."""
     from tenfold.models.presets import get_preset
     from tenfold.plan.tp_traffic import tp_traffic
+    from tenfold.run import resolve
 
     cfg = get_preset("tiny")
     for sp in (True, False):
-        t = tp_traffic(cfg, tp=4, sequence_parallel=sp, precision="fp32", micro_batch=2, seq_len=16, grad_accum=1,
-                       layers=1, recompute_groups=[], first=False, last=False)
-        assert t.blocks == 8 * 2 * 16 * 256 * 3 / 4 * 4
+        run = resolve(cfg, 12, tp=4, pp=3, pp_split=(1, 1, 2), sequence_parallel=sp, precision="fp32", micro_batch=2,
+                      seq_len=16, grad_accum=3)
+        t = tp_traffic(cfg, run, 1)
+        assert t.blocks == 3 * 8 * 2 * 16 * 256 * 3 / 4 * 4
+        assert t.embedding == t.head == 0
 
 
 # --------------------------------------------------------------------------- the CLI

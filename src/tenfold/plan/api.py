@@ -232,15 +232,7 @@ def _tp_bytes_per_step(shape: ModelShape, run: ResolvedRun) -> float:
         return 0.0
     from tenfold.plan.tp_traffic import tp_traffic
 
-    out = 0.0
-    for rank in run.busiest_ranks():
-        groups = [g for n in run.rank_stage_layers(rank) for g in run.recompute.checkpointed_blocks(n)]
-        traffic = tp_traffic(cfg, tp=run.tp, sequence_parallel=run.sequence_parallel, precision=run.precision,
-                             micro_batch=run.micro_batch, seq_len=run.seq_len, grad_accum=run.grad_accum,
-                             layers=run.rank_layers(rank), recompute_groups=groups, first=rank == 0,
-                             last=rank == run.pp - 1, dp=run.dp, zero=run.zero_runs_as)
-        out = max(out, traffic.total)
-    return out
+    return max(tp_traffic(cfg, run, rank).total for rank in run.busiest_ranks())
 
 
 # --------------------------------------------------------------------------- memory

@@ -35,6 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tenfold.models.presets import ModelConfig
+from tenfold.run import ResolvedRun
 
 
 @dataclass(frozen=True)
@@ -59,12 +60,14 @@ def ring(kind: str, t: int) -> float:
     return (2.0 if kind == "all_reduce" else 1.0) * (t - 1) / t
 
 
-def tp_traffic(cfg: ModelConfig, *, tp: int, sequence_parallel: bool, precision: str, micro_batch: int,
-               seq_len: int, grad_accum: int, layers: int, recompute_groups: list[list[int]], first: bool = True,
-               last: bool = True, dp: int = 1, zero: int = 0) -> TPTraffic:
-    """One pipeline stage's traffic (`layers` blocks; `first`/`last`: it holds the embedding /
-    the head); `recompute_groups`: the checkpointed groups of blocks on this stage
-    (tenfold.terms.RecomputePolicy.checkpointed_blocks)."""
+def tp_traffic(cfg: ModelConfig, run: ResolvedRun, pp_rank: int) -> TPTraffic:
+    """The traffic of pipeline rank `pp_rank` of `run`: its blocks (and their checkpointed groups,
+    tenfold.terms.RecomputePolicy.checkpointed_blocks), the embedding on the first rank, the head
+    on the last."""
+    tp, sequence_parallel, precision = run.tp, run.sequence_parallel, run.precision
+    micro_batch, seq_len, grad_accum, dp, zero = run.micro_batch, run.seq_len, run.grad_accum, run.dp, run.zero_runs_as
+    layers, first, last = run.rank_layers(pp_rank), pp_rank == 0, pp_rank == run.pp - 1
+    recompute_groups = [g for n in run.rank_stage_layers(pp_rank) for g in run.recompute.checkpointed_blocks(n)]
     if tp <= 1:
         return TPTraffic(0, 0, 0, 0, 0, 0, 0)
     h, m = cfg.d_model, grad_accum

@@ -354,23 +354,29 @@ class StepResult:
     expert_load: list[list[int]] | None = None  # MoE: the step's assignments per expert, per MoE block
 
 
-def finish_step(
-    optimizer: torch.optim.Optimizer,
-    scheduler: Any,
-    precision: Precision,
-    params: list[torch.nn.Parameter],
-    loss: float,
-    target_tokens: int,
-    clip: Callable[[float], float],
-    max_norm: float,
-    on_nan: str = "stop",
-    step: int = 0,
-) -> StepResult:
+@dataclass(frozen=True)
+class Update:
+    """What the step tail updates and by which rules: the optimizer and its LR schedule (None:
+    none), the run's precision (its loss scaler), `clip(max_norm)` clipping to the global gradient
+    norm over every shard and stage and returning the pre-clip norm (max_norm 0: measure only),
+    and `on_nan`, what a non-finite loss does in bf16/fp32 ("stop" or "skip")."""
+
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    precision: Precision
+    clip: Callable[[float], float]
+    max_norm: float
+    on_nan: str = "stop"
+
+
+def finish_step(update: Update, params: list[torch.nn.Parameter], loss: float, target_tokens: int,
+                step: int = 0) -> StepResult:
     """Everything after the last micro-batch's backward, in the order of the module docstring.
 
-    `loss` is the global mean loss (the same on every rank); `clip(max_norm)` clips to the
-    global gradient norm over every shard and stage and returns the pre-clip norm.
+    `loss` is the global mean loss (the same on every rank); `step`: the number of the optimizer
+    step being taken (1-based), for the messages.
     """
+    optimizer, scheduler, precision = update.optimizer, update.scheduler, update.precision
     scaler = precision.scaler
     used_scale = scaler.scale
     scaler.unscale_grads_(params)
@@ -378,9 +384,9 @@ def finish_step(
         non_finite = grads_have_inf_or_nan(params)  # one vote over all ranks
     else:
         non_finite = not math.isfinite(loss)
-    norm = float("nan") if non_finite else clip(max_norm)
+    norm = float("nan") if non_finite else update.clip(update.max_norm)
     if non_finite or not math.isfinite(norm):
-        message = _skip(optimizer, precision, loss, on_nan, step)
+        message = _skip(optimizer, precision, loss, update.on_nan, step)
         return StepResult(loss, float("nan"), True, target_tokens, used_scale, message)
     optimizer.step()
     if scheduler is not None:

@@ -31,7 +31,8 @@ from tenfold.models.adapter import ModelAdapter, adapt
 from tenfold.models.gpt import GPT
 from tenfold.models.hf import build_hf_model
 from tenfold.run import ResolvedRun, resolve_run
-from tenfold.techniques import fp8, zero
+from tenfold.techniques import zero
+from tenfold.techniques.converters import converters_for
 from tenfold.techniques.precision import Precision, build_precision
 
 TP_SEED_OFFSET = 2718  # Megatron-LM's model-parallel seed offset (megatron/core/tensor_parallel/random.py)
@@ -164,6 +165,7 @@ def build_optimizer(model: nn.Module, run: ResolvedRun, train: TrainSection, tim
                     dist: DistInfo) -> tuple[torch.optim.Optimizer, Any]:
     """AdamW (ZeroRedundancyOptimizer at ZeRO-1) and the LR schedule over the run's steps."""
     optimizer = zero.build_optimizer_for(model, train, run, dist)
-    fp8.precompute_scales_after_steps(optimizer, model)  # --fp8 under FSDP2: scales in one all-reduce
+    for converter in converters_for(run, dist.device, dist.dp_size):  # e.g. --fp8 under FSDP2: scales in one all-reduce
+        converter.after_optimizer_built(optimizer, model)
     tighten_timeouts_after_first_step(optimizer, timeout_s, dist)
     return optimizer, build_scheduler(optimizer, train, train.steps)

@@ -26,7 +26,7 @@ from tenfold.techniques import accumulation as acc
 from tenfold.techniques import zero
 from tenfold.techniques.context_parallel import local_batch
 from tenfold.techniques.expert_parallel import reduce_expert_gradients
-from tenfold.techniques.precision import StepResult, finish_step
+from tenfold.techniques.precision import StepResult, Update, finish_step
 from tenfold.techniques.tensor_parallel import loss_context, settle_gradients
 
 log = logging.getLogger("tenfold")
@@ -76,8 +76,9 @@ def apply_gradients(p: Parts, loss: float, global_tokens: int, step: int) -> Ste
     if p.dist.tp_size > 1:
         settle_gradients(params)
     train = p.train  # clipping and the non-finite rule are not part of the run's layout
-    result = finish_step(p.optimizer, p.scheduler, p.precision, params, loss, global_tokens,
-                         lambda max_norm: clip(p, max_norm), train.grad_clip, on_nan=train.on_nan, step=step)
+    update = Update(p.optimizer, p.scheduler, p.precision, lambda max_norm: clip(p, max_norm), train.grad_clip,
+                    on_nan=train.on_nan)
+    result = finish_step(update, params, loss, global_tokens, step=step)
     if result.message and p.dist.is_main:
         log.warning(result.message)
     dp_group = p.dist.mesh["dp"].get_group() if p.dist.mesh is not None else None

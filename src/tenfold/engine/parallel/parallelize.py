@@ -1,7 +1,7 @@
 """The one place where the techniques are applied to a model, in a fixed order.
 
-Order (torchtitan's `parallelize_llama`): low-rank adapters -> pipeline split -> NF4 base ->
-float8 conversion -> tensor parallelism -> context-parallel attention -> activation recompute -> torch.compile per block ->
+Order (torchtitan's `parallelize_llama`): low-rank adapters -> pipeline split -> model
+converters (NF4 base, float8 Linears: techniques/converters.py) -> tensor parallelism -> context-parallel attention -> activation recompute -> torch.compile per block ->
 ZeRO/FSDP wrapping, on one ("pp", "dp", "tp") device mesh. Expert parallelism (MoE experts split
 over ep of the dp ranks, techniques/expert_parallel.py) comes after tensor parallelism and before
 the ZeRO wrappers, which skip the split experts. Adapters are a model conversion
@@ -37,8 +37,8 @@ from tenfold.engine.parallel.distributed import DistInfo, embedding_group
 from tenfold.errors import UserError
 from tenfold.models.adapter import ModelAdapter
 from tenfold.run import ResolvedRun
-from tenfold.lora_terms import nf4_shards
-from tenfold.techniques import context_parallel, expert_parallel, fp8, lora, nf4, recompute, zero
+from tenfold.techniques import context_parallel, expert_parallel, fp8, lora, recompute, zero
+from tenfold.techniques.converters import converters_for
 from tenfold.techniques import tensor_parallel as tp
 from tenfold.techniques.compile import apply_compile, check_supported as check_compile_supported
 from tenfold.techniques.pipeline import PipelineSplit, split_for_rank
@@ -78,11 +78,8 @@ def parallelize(
 
 def _apply_techniques(model: nn.Module, run: ResolvedRun, dist: DistInfo, blocks, param_dtype, kind: str,
                       tp_plan: dict | None) -> nn.Module:
-    if run.lora is not None and run.lora.base == "nf4":
-        nf4.apply_nf4(model, blocks if blocks is not None else recompute.find_blocks(model), nf4_shards(run))
-    if run.fp8:
-        fp8.apply_fp8(model, blocks if blocks is not None else recompute.find_blocks(model), dist.device,
-                      run.fp8_emulate, fsdp_all_gather=run.zero_stage >= 2 and dist.dp_size > 1)
+    for converter in converters_for(run, dist.device, dist.dp_size):  # module swaps, before every wrapper
+        converter.convert(model, blocks if blocks is not None else recompute.find_blocks(model))
     if dist.tp_size > 1:
         tp.apply_tensor_parallel(model, dist.mesh["tp"], tp.plan_for(model, kind, run.sequence_parallel, tp_plan))
     if dist.cp_size > 1:  # before recompute, which then re-runs the cp attention's all-gather
