@@ -17,12 +17,15 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import FP32_RTOL, read_metrics, rel_err, torchrun, train_summary
+from conftest import FP32_RTOL, HERE, read_metrics, rel_err, torchrun, train_summary
 from workers import tp_worker as worker
 from workers.zero_worker import MODEL, run_steps, token_array
 
@@ -251,6 +254,20 @@ def test_plan_prices_sequence_parallelism_as_train_runs_it(capsys):
     assert (on["strategy"]["sequence_parallel"], off["strategy"]["sequence_parallel"]) == (True, False)
     assert on["memory"]["activations_bytes"] < off["memory"]["activations_bytes"]
     assert on["tp_bytes_per_step"] > 0 and not on["unsupported"]
+
+
+def test_the_vocabulary_parallel_embedding_makes_only_its_own_rows_gradient():
+    """tenfold's vocabulary-parallel embedding: its backward makes this rank's (V / tp, d) rows of
+    the gradient, already Shard(0) like the weight; torch's RowwiseParallel makes the whole
+    (V, d) matrix on every rank (Replicate) and keeps its rows only later (3.7 GB on GPT-3's
+    first pipeline stage at tp 4). One rank on torch's fake process group, shapes recorded as
+    the backward makes them. (The numerics: the tp tests above, which equal one process.)"""
+    proc = subprocess.run([sys.executable, str(HERE / "workers" / "vocab_embedding_worker.py")],
+                          capture_output=True, text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["tenfold"] == {"whole_matrix": False, "placements": ["S(0)"], "local_shape": [1024 // 4, 16]}
+    assert got["torch"]["whole_matrix"] and got["torch"]["placements"] == ["R"]
 
 
 def test_planner_traffic_per_layer_is_narayanans():

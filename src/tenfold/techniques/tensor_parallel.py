@@ -11,8 +11,12 @@ sequence position instead of replicated (`SequenceParallel` norms; the all-reduc
 reduce-scatter, and an all-gather runs before the next column split), which divides their
 activations by tp at the same communication volume.
 
-The vocabulary is split too: the token embedding by rows (`RowwiseParallel` on an
-`nn.Embedding`) and the output projection by columns with its logits left sharded on the
+The vocabulary is split too: the token embedding by rows (`VocabParallelEmbedding`, Megatron-LM's
+VocabParallelEmbedding: each rank looks up the tokens of its own rows, zeroes the others', and
+the partial outputs are summed by the same reduce-scatter or all-reduce as torch's
+`RowwiseParallel`; its backward makes only this rank's rows of the weight's gradient, where
+DTensor's embedding backward makes the whole (V, d) matrix on every rank and this rank then keeps
+its rows) and the output projection by columns with its logits left sharded on the
 vocabulary (`use_local_output=False`), and the cross-entropy runs under
 `torch.distributed.tensor.parallel.loss_parallel`, so the (b, s, V) logits never exist whole on
 one rank. `loss_context` enters it around forward + backward, as its documentation asks.
@@ -39,12 +43,18 @@ is the same as for tenfold's GPT.
 from __future__ import annotations
 
 import contextlib
+import types
+from functools import partial
 from typing import Any, ContextManager
 
+import torch
 import torch.nn as nn
-from torch.distributed.tensor import Replicate, Shard
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
-    ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel, loss_parallel, parallelize_module,
+    ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel, SequenceParallel, loss_parallel,
+    parallelize_module,
 )
 
 from tenfold.errors import UserError
@@ -54,6 +64,46 @@ from tenfold.models.specs import spec_for
 TP_FLAG = "parallel.tp_degree (--tp)"
 KNOWN_MODELS = ("tenfold's GPT and Hugging Face Llama, Qwen2 or Mistral models (q/k/v/o_proj, gate/up/down_proj, "
                 "embed_tokens, lm_head)")
+
+
+# --------------------------------------------------------------------------- the vocabulary-parallel embedding
+
+
+class VocabParallelEmbedding(ParallelStyle):
+    """An `nn.Embedding` split by rows over the tp ranks (weight Shard(0)), its output handed on
+    in `output_layout` (Shard(1): sequence shards, a reduce-scatter; Replicate(): an all-reduce)
+    as a local tensor. Same forward as `RowwiseParallel` on an embedding; its backward keeps to
+    this rank's rows (module docstring)."""
+
+    def __init__(self, output_layout: Placement):
+        super().__init__()
+        self.output_layout = output_layout
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if not isinstance(module, nn.Embedding):
+            raise UserError(f"{TP_FLAG}: the vocabulary-parallel split takes an nn.Embedding, not {type(module).__name__}")
+        module.register_parameter("weight", nn.Parameter(
+            distribute_tensor(module.weight.data, device_mesh, [Shard(0)], src_data_rank=self.src_data_rank),
+            requires_grad=module.weight.requires_grad))
+        module.forward = types.MethodType(partial(_vocab_parallel_lookup, output_layout=self.output_layout), module)
+        return module
+
+
+def _vocab_parallel_lookup(module: nn.Embedding, ids: torch.Tensor, output_layout: Placement) -> torch.Tensor:
+    """This rank's rows of the embedding for `ids` (zeros for the ids of other ranks' rows),
+    summed over the tp ranks into `output_layout`."""
+    weight = module.weight
+    local = weight.to_local()
+    mesh = weight.device_mesh
+    start = mesh.get_local_rank() * -(-weight.shape[0] // mesh.size())  # Shard(0) splits rows as torch.chunk does
+    ids = ids.to_local() if isinstance(ids, DTensor) else ids
+    elsewhere = (ids < start) | (ids >= start + local.shape[0])
+    pad = module.padding_idx
+    local_pad = pad - start if pad is not None and start <= pad < start + local.shape[0] else None
+    out = F.embedding((ids - start).masked_fill(elsewhere, 0), local, padding_idx=local_pad)
+    out = out.masked_fill(elsewhere.unsqueeze(-1), 0.0)
+    partial_sum = DTensor.from_local(out, mesh, [Partial()], run_check=False)
+    return partial_sum.redistribute(placements=[output_layout]).to_local()
 
 
 # --------------------------------------------------------------------------- plans
@@ -109,9 +159,9 @@ def gpt_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, Any]:
     plan: dict[str, Any] = {}
     # A pipeline stage (tenfold.techniques.pipeline.GPTStage) holds only some of these.
     if getattr(model, "tok_emb", None) is not None:
-        plan["tok_emb"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
+        plan["tok_emb"] = VocabParallelEmbedding(seq)
     if getattr(model, "pos_emb", None) is not None:  # GPT.embed looks positions up as (1, s)
-        plan["pos_emb"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
+        plan["pos_emb"] = VocabParallelEmbedding(seq)
     for key in model.layers:
         block = _block_plan(f"layers.{key}", names, sequence_parallel, swiglu)
         if isinstance(model.layers[key].mlp, MoE):
@@ -144,8 +194,7 @@ def hf_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, Any]:
     plan: dict[str, Any] = {}
     if getattr(inner, "embed_tokens", None) is not None:
         # the full model computes position ids and the causal mask from the embedding output's length: keep it whole
-        plan[f"{base}.embed_tokens"] = RowwiseParallel(input_layouts=Replicate(),
-                                                       output_layouts=seq if staged else Replicate())
+        plan[f"{base}.embed_tokens"] = VocabParallelEmbedding(seq if staged else Replicate())
     for key in (layers.keys() if staged else range(len(layers))):
         plan.update(_block_plan(f"{base}.layers.{key}", names, sequence_parallel, swiglu=True,
                                 attn_input_by_keyword="hidden_states"))
@@ -260,11 +309,10 @@ def loss_context(tp: int) -> ContextManager:
 
 def settle_gradients(params: list[nn.Parameter]) -> None:
     """Give each tensor-parallel gradient its parameter's layout, once per step before the
-    optimizer. Autograd leaves two kinds of mismatch: a sequence-parallel norm's weight
-    gradient is Partial (each tp rank summed only its own sequence positions; Megatron-LM
-    all-reduces these layer-norm gradients over the tp group too), and the vocabulary-parallel
-    embedding's is Replicate, the whole (V, d) matrix, of which this rank keeps its rows.
-    Under FSDP2 the reduce-scatter does this itself; then every layout already matches."""
+    optimizer. Autograd leaves a sequence-parallel norm's weight gradient Partial (each tp rank
+    summed only its own sequence positions; Megatron-LM all-reduces these layer-norm gradients
+    over the tp group too). Under FSDP2 the reduce-scatter does this itself; then every layout
+    already matches."""
     for p in params:
         grad = p.grad
         if grad is not None and hasattr(grad, "placements") and hasattr(p, "placements"):
