@@ -315,6 +315,16 @@ def test_emit_refuses_what_train_cannot_run(tmp_path, capsys, extra, needle):
     assert needle in err and err.count("\n") == 1 and not toml.exists()
 
 
+def _same_memory_but_the_buffers(planned_line: str, dry_run_out: str) -> bool:
+    """The dry run's memory line is the plan's, term by term and at its peak, but for FSDP2's
+    all-gather buffers in `gathered params` (and so `total`): the dry run prices the engine of the
+    machine it runs on, which on a CPU issues one unit's gather ahead where a GPU holds two
+    (tenfold.plan.memory.all_gather_buffer)."""
+    line = next(x for x in dry_run_out.splitlines() if "predicted (planner)" in x)
+    kept = lambda text: [t for t in text.split(" | ") if not t.split()[0] in ("gathered", "total")]  # noqa: E731
+    return kept(line.split("predicted (planner): ")[1]) == kept(planned_line.split("predicted (planner): ")[1])
+
+
 @pytest.mark.parametrize("model,gpu,gpus,extra,nodes", [
     ("llama-70b", "h100-sxm", 64, [], 8),
     ("gpt3-175b", "a100-80gb", 1024, ["--global-batch", "1536"], 128),
@@ -339,14 +349,14 @@ def test_a_fleet_plan_emits_a_config_train_accepts_on_that_fleet(tmp_path, capsy
         monkeypatch.setenv(key, value)
     assert main(["train", "--config", str(toml), "--dry-run"]) == 0
     out = capsys.readouterr().out
-    assert planned_line.removeprefix("memory ") in out and f"{gpus} = pp" in out
+    assert _same_memory_but_the_buffers(planned_line, out) and f"{gpus} = pp" in out
     monkeypatch.setenv("WORLD_SIZE", str(gpus // 2))  # half the planned processes: refused, named
     assert main(["train", "--config", str(toml), "--dry-run"]) == 2
     assert f"{gpus} processes planned, but torchrun started {gpus // 2}" in capsys.readouterr().err
     for key in ("RANK", "WORLD_SIZE"):
         monkeypatch.delenv(key)
     assert main(["train", "--config", str(toml), "--dry-run"]) == 0  # nnodes x nproc without torchrun
-    assert planned_line.removeprefix("memory ") in capsys.readouterr().out
+    assert _same_memory_but_the_buffers(planned_line, capsys.readouterr().out)
     assert main(["train", "--config", str(toml), "--out", str(tmp_path / "never")]) == 2
     assert f"start it on every node with: torchrun --nnodes {nodes}" in capsys.readouterr().err
     assert not (tmp_path / "never").exists()

@@ -240,10 +240,11 @@ def test_measured_memory_per_rank_shows_the_sharding(two_ranks):
 @pytest.mark.slow
 def test_gathered_parameters_are_measured_and_planned_as_their_own_term(two_ranks):
     """`gathered_params_bytes`, measured on each rank (FSDP2's all-gather output storages filed
-    as gathered copies, never as activations) and planned: nothing under DDP in fp32 (stages
-    0-1), the whole model in fp32 at ZeRO-2 (every unit stays gathered from its forward to its
-    backward), part of it at ZeRO-3 (units gathered one or two at a time); the planner's figure
-    within 2% at ZeRO-2 and 15% at ZeRO-3 (measured: exact, -10%).
+    and their all-gather buffers filed as gathered copies, never as activations) and planned:
+    nothing under DDP in fp32 (stages 0-1), the whole model in fp32 at ZeRO-2 (every unit stays
+    gathered from its forward to its backward) and the buffer of the unit gathered ahead, part
+    of it at ZeRO-3 (units gathered one or two at a time); the planner's figure within 2% at
+    ZeRO-2 and 15% at ZeRO-3.
     Mutation: the tracker not filing FSDP2's gathered storages apart -> 0 at ZeRO-2."""
     from tenfold.config import build_config
     from tenfold.engine.memory.measure import predicted_memory
@@ -255,10 +256,12 @@ def test_gathered_parameters_are_measured_and_planned_as_their_own_term(two_rank
         planned = {s: predicted_memory(resolve_run(build_config(worker.config(s, "fp32", 1, 2, ".")), 2))["gathered_params_bytes"]
                    for s in range(4)}
         assert m[0]["gathered_params_bytes"] == m[1]["gathered_params_bytes"] == planned[0] == planned[1] == 0
-        assert m[2]["gathered_params_bytes"] == pytest.approx(params0, rel=0.02)
-        assert m[2]["gathered_params_bytes"] == pytest.approx(planned[2], rel=0.02)
-        assert 0 < m[3]["gathered_params_bytes"] < 0.9 * params0
-        assert m[3]["gathered_params_bytes"] == pytest.approx(planned[3], rel=0.15)
+        # ZeRO-2: the whole model, and the all-gather buffer of the unit gathered ahead (on CPU the
+        # blocks form one unit up to the bucket, so the buffer holds them all)
+        assert params0 < m[2]["gathered_params_bytes"] < 2 * params0
+        assert m[2]["gathered_params_bytes"] == pytest.approx(planned[2], rel=0.02), (m[2], planned[2])
+        assert 0 < m[3]["gathered_params_bytes"] < m[2]["gathered_params_bytes"]
+        assert m[3]["gathered_params_bytes"] == pytest.approx(planned[3], rel=0.15), (m[3], planned[3])
 
 
 @pytest.mark.multiprocess

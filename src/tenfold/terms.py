@@ -364,6 +364,9 @@ REDUCE_DTYPES = ("fp32", "bf16")  # parallel.reduce_dtype: the dtype data-parall
 # torch DDP's default gradient bucket (DistributedDataParallel bucket_cap_mb=25): what DDP holds in
 # flight, and the unit size ZeRO-2 groups blocks to on CPU (techniques/zero.py unit_bucket)
 DDP_BUCKET_BYTES = 25 * 2**20
+# ZeRO-2's FSDP2 unit on a CPU (gloo): blocks grouped up to torch DDP's default bucket, in fp32 gradient
+# elements (tenfold.techniques.zero.unit_bucket)
+CPU_UNIT_BUCKET = DDP_BUCKET_BYTES // 4
 
 
 def zero_runs_as(zero_stage: int, tp: int, dp: int, offload: str = "none") -> int:

@@ -333,14 +333,18 @@ def _stage_memory(shape: ModelShape, hw: Hardware, run: ResolvedRun, rank: int) 
     buffers, _ = memory.comm_buffer_bytes(run, unit, tp_seq_bytes)
     autocast = (lora_plan.autocast_copy_bytes(cfg, run, run.rank_layers(rank)) if run.lora and cfg is not None
                 else memory.autocast_weight_copy_bytes(n_params, run))
-    gathered = memory.gathered_param_bytes(n_params, run, unit) + autocast  # each term at its own high
+    on_cpu = hw.name == "cpu"  # the engine's CPU units (techniques/zero.py)
+    gathered = memory.gathered_param_bytes(n_params, run, unit, on_cpu=on_cpu) + autocast  # each term at its own high
+    next_unit = None
     if run.ep > 1 and cfg is not None and memory.runs_on_fsdp2(run.zero_stage, run.tp, run.dp, run.offload):
         # FSDP2 gathers the dense part by blocks, the ep-split experts in units of their own (or
         # they compute on autocast's casts under `replicate`, plan/moe.py)
         experts = moe_plan.rank_expert_params(cfg, run, run.rank_layers(rank))
-        gathered = (memory.gathered_param_bytes(n_params - experts, run, unit)
+        next_unit = moe_plan.expert_params_per_layer(cfg) / run.ep if moe_plan.experts_sharded(run) else None
+        gathered = (memory.gathered_param_bytes(n_params - experts, run, unit, next_unit, on_cpu)
                     + moe_plan.expert_working_copy_bytes(cfg, run, rank) + autocast)
-    at_peak = gathered
+    # FSDP2's all-gather buffers are held in forward only, before the activation high (plan/memory.py)
+    at_peak = gathered - memory.all_gather_buffer_bytes(run, unit, next_unit, on_cpu)
     if autocast and act_work and run.recompute.kind in ("full", "every", "segments", "op"):
         # [recompute] torch.amp + recompute: autocast's cache holds every 16-bit weight copy
         # until the forward ends (the copies' high), but a checkpointed layer's copies are not
@@ -350,7 +354,7 @@ def _stage_memory(shape: ModelShape, hw: Hardware, run: ResolvedRun, rank: int) 
         # copies / L). Measured on tiny/small bf16 `full`: -16%/-25% before, within 7% after;
         # `op` checkpoints every block the same way (its policy keeps no weight cast): -21%
         # before on tiny (docs/recompute.md, tests/test_memory.py).
-        at_peak = gathered - autocast + max(autocast - act_work, autocast / max(cfg.n_layers, 1))
+        at_peak = at_peak - autocast + max(autocast - act_work, autocast / max(cfg.n_layers, 1))
     allocated = st.total + at_peak + (act or 0.0) + buffers
     reserve = memory.ALLOCATOR_RESERVE_FRACTION * ((act or 0.0) + buffers + at_peak)
     total = allocated + reserve + hw.runtime_overhead_bytes

@@ -13,7 +13,7 @@ from tenfold.models.presets import ModelConfig
 from tenfold.plan import lora as lora_plan
 from tenfold.plan.fp8 import block_param_bytes
 from tenfold.run import ResolvedRun, Stack, resolve
-from tenfold.terms import DDP_BUCKET_BYTES, MULTI_STAGE_SCHEDULES, RecomputePolicy, element_bytes, op_saved_tensors, runs_on_fsdp2
+from tenfold.terms import CPU_UNIT_BUCKET, DDP_BUCKET_BYTES, MULTI_STAGE_SCHEDULES, RecomputePolicy, element_bytes, op_saved_tensors, runs_on_fsdp2
 
 MiB = 2**20
 
@@ -540,7 +540,8 @@ def comm_buffer_bytes(run: ResolvedRun, largest_unit: float, tp_seq_bytes: float
     return n, why
 
 
-def gathered_param_bytes(stage_params: float, run: ResolvedRun, largest_unit: float) -> float:
+def gathered_param_bytes(stage_params: float, run: ResolvedRun, largest_unit: float,
+                         next_unit: float | None = None, on_cpu: bool = False) -> float:
     """Unsharded working copies of parameters on the device, beyond the rank's own parameters
     (`params_bytes`), at their high (the start of backward): FSDP2's all-gathered units in the
     compute dtype (MixedPrecisionPolicy param_dtype; float8 blocks with --fp8). ZeRO-3 without
@@ -550,15 +551,70 @@ def gathered_param_bytes(stage_params: float, run: ResolvedRun, largest_unit: fl
     its last micro-batch): every unit of the stage, from its forward to its backward. DDP and
     one process keep fp32 parameters under torch.amp: `autocast_weight_copy_bytes`, which the
     caller adds. A 16-bit stack (master weights) computes on its own 16-bit parameters."""
-    unit_bytes = block_param_bytes(run)
-    if run.lora is not None and run.model is not None:  # the frozen base (16-bit or NF4) and the adapters
-        unit_bytes = lora_plan.unit_bytes_per_param(run)[0]
+    unit_bytes = _gathered_bytes_per_param(run)
     if run.zero_runs_as == 3 and run.pp == 1:
-        return unit_bytes * zero3_gathered_params(stage_params, run, largest_unit)
+        return unit_bytes * (zero3_gathered_params(stage_params, run, largest_unit)
+                             + all_gather_buffer(run, largest_unit, next_unit, on_cpu))
     fsdp2 = runs_on_fsdp2(run.zero_stage, run.tp, run.dp, run.offload)
     if fsdp2 and not run.stack.master_weights:
-        return unit_bytes * stage_params
+        return unit_bytes * (stage_params * active_stage_share(run)
+                             + all_gather_buffer(run, largest_unit, next_unit, on_cpu))
     return 0.0
+
+
+def _gathered_bytes_per_param(run: ResolvedRun) -> float:
+    if run.lora is not None and run.model is not None:  # the frozen base (16-bit or NF4) and the adapters
+        return lora_plan.unit_bytes_per_param(run)[0]
+    return block_param_bytes(run)
+
+
+def all_gather_buffer_bytes(run: ResolvedRun, largest_unit: float, next_unit: float | None = None,
+                            on_cpu: bool = False) -> float:
+    """Bytes of `all_gather_buffer`. They are held in forward, before the activations reach their
+    high; in backward FSDP2 frees each buffer at its copy-out, so they are left out of the peak
+    (the trace's peaks agree: tests/test_trace.py)."""
+    if not (run.zero_runs_as == 3 and run.pp == 1) and not (
+            runs_on_fsdp2(run.zero_stage, run.tp, run.dp, run.offload) and not run.stack.master_weights):
+        return 0.0  # `gathered_param_bytes` adds none
+    return _gathered_bytes_per_param(run) * all_gather_buffer(run, largest_unit, next_unit, on_cpu)
+
+
+def all_gather_buffer(run: ResolvedRun, largest_unit: float, next_unit: float | None = None,
+                      on_cpu: bool = False) -> float:
+    """Parameters in FSDP2's all-gather buffers beside the gathered ones: a unit's parameters are
+    all-gathered into one flat buffer and copied out into their own storages; in forward the
+    buffer is freed only after the next unit's copy-out (FSDP2's `wait_for_unshard`, so that the
+    copy-out overlaps the next all-gather), so two units' buffers exist at once: the largest and
+    `next_unit` (None: one as large; a block's expert-parallel experts are a unit of their own
+    after it). None where FSDP2 does not shard (one rank, `replicate`). `on_cpu`: the engine's
+    CPU units (tenfold.techniques.zero: ZeRO-2 groups blocks up to `CPU_UNIT_BUCKET` elements,
+    and each unit's gather is issued ahead as async work), one unit's buffer at a time."""
+    if run.zero_runs_as < 2 or run.shard_size <= 1:
+        return 0.0
+    if on_cpu:
+        bucket = run.reduce_bucket_size or CPU_UNIT_BUCKET
+        grouped = max(1, int(bucket // largest_unit)) if run.zero_runs_as == 2 and largest_unit else 1
+        return min(grouped, max(run.rank_layers(0), 1)) * largest_unit
+    if run.pp > 1 and run.pp_schedule in MULTI_STAGE_SCHEDULES:
+        # the runtime schedules unshard whole stages ahead of their compute (`active_stage_share`)
+        # and wait for them outside forward, which frees each buffer at its own copy-out
+        return largest_unit
+    return largest_unit + (largest_unit if next_unit is None else next_unit)
+
+
+# torch.distributed.pipelining's runtime schedules (interleaved, zero-bubble) unshard at most this
+# many of a rank's stage modules at once: they prefetch the next three stages to compute and
+# reshard the others (`_add_unshard_reshard(max_active_stages=3)`, torch 2.13 schedules.py).
+MAX_ACTIVE_STAGES = 3
+
+
+def active_stage_share(run: ResolvedRun) -> float:
+    """The share of a pipeline rank's stage modules whose FSDP2 units are gathered at once: all of
+    them under 1F1B and GPipe (one stage a rank), 3 of v under the multi-stage schedules
+    (`MAX_ACTIVE_STAGES`; stages taken as equal)."""
+    if run.pp <= 1 or run.pp_schedule not in MULTI_STAGE_SCHEDULES:
+        return 1.0
+    return min(run.virtual_stages, MAX_ACTIVE_STAGES) / run.virtual_stages
 
 
 

@@ -55,7 +55,7 @@ from tenfold.techniques.nf4 import is_nf4
 from tenfold.techniques.offload import host_optimizer, offload_policy, offloads, offloads_optimizer_only, optimizer_device
 from tenfold.techniques.optimizer import adamw_kwargs, allocate_states, build_optimizer, clip_grad_norm as _clip, param_groups
 from tenfold.techniques.tied_embeddings import uncounted_in_norm
-from tenfold.terms import DDP_BUCKET_BYTES, ZERO_STAGES, runs_on_fsdp2, zero_runs_as
+from tenfold.terms import CPU_UNIT_BUCKET, ZERO_STAGES, runs_on_fsdp2, zero_runs_as
 
 if TYPE_CHECKING:
     from tenfold.config import TrainSection
@@ -99,6 +99,8 @@ class DataParallelRanks(Protocol):
     def hybrid_mesh(self) -> Any: ...  # ("dp_replicate", "dp_shard") under hybrid sharding, else None
     @property
     def ep_mesh(self) -> Any: ...  # ("dp_mod_ep", "ep") under expert parallelism, else None
+    @property
+    def engine_device_type(self) -> str: ...  # the device type the engine's choices follow ("cuda", "cpu")
 
 
 ENGINES = {
@@ -253,7 +255,7 @@ def _wrap_fsdp2(model: nn.Module, choices: ZeroChoices, dist: DataParallelRanks,
                     reshard_after_forward=_reshard_after_forward(stage, _numel(experts), threshold),
                     shard_placement_fn=_expert_placement(experts, dist.ep_mesh["dp_mod_ep"].size()))
     skip = frozenset(map(id, expert_params(model)))  # fully_shard replaced them: their ids now
-    units = fsdp_units(blocks, stage, unit_bucket(choices, dist.device.type), skip)
+    units = fsdp_units(blocks, stage, unit_bucket(choices, dist.engine_device_type), skip)
     backward_next = _backward_follows_forward(len(units), dist)
     for unit, next_ in zip(units, backward_next):
         reshard = _reshard_after_forward(stage, sum(_numel(b, skip) for b in unit), threshold) and not next_
@@ -264,7 +266,7 @@ def _wrap_fsdp2(model: nn.Module, choices: ZeroChoices, dist: DataParallelRanks,
     reshard = _reshard_after_forward(stage, root_numel, threshold) and not backward_next[-1]
     fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard)
     setattr(model, _HYBRID_ATTR, mesh.ndim == 2)
-    if dist.device.type == "cpu":
+    if dist.engine_device_type == "cpu":
         _gather_ahead_on_cpu(model)
     return model
 
@@ -329,7 +331,6 @@ def _backward_follows_forward(n_units: int, dist: DataParallelRanks) -> list[boo
     return [i == n_units - 1 for i in range(n_units)] + [True]
 
 
-CPU_UNIT_BUCKET = DDP_BUCKET_BYTES // 4  # torch DDP's default bucket in fp32 gradient elements
 
 
 def unit_bucket(choices: ZeroChoices, device_type: str) -> int | None:

@@ -296,33 +296,52 @@ def file_unsharded_grads_as_gradients(model: nn.Module, tracker: Any) -> list[An
             if isinstance(unsharded, torch.Tensor) and unsharded.requires_grad:
                 handles.append(unsharded.register_post_accumulate_grad_hook(
                     lambda p, g=group: None if g.reduce_grads else file(p.grad)))
-        handles.append(_AroundPostBackward(group, file_group, tracker))
+        handles.append(_AroundMethod(group, "post_backward", _post_backward_category(tracker), tracker, after=file_group))
     return handles
 
 
-class _AroundPostBackward:
-    """Runs FSDP2's post-backward of `group` with `tracker` filing every storage it makes as a
-    gradient when the group does not reduce, as a communication buffer ("Other") when it does
-    (`file_unsharded_grads_as_gradients`), then calls `after(group)`; `remove()` restores the
+class _AroundMethod:
+    """Runs method `name` of FSDP2's parameter group `group` with `tracker` filing every storage
+    it makes under `category(group)`, then calls `after(group)`; `remove()` restores the
     group's method."""
 
-    def __init__(self, group: Any, after: Callable[[Any], None], tracker: Any) -> None:
-        self.group, original = group, group.post_backward
+    def __init__(self, group: Any, name: str, category: Callable[[Any], Any], tracker: Any,
+                 after: Callable[[Any], None] | None = None) -> None:
+        self.group, self.name, original = group, name, getattr(group, name)
 
-        def post_backward(*args: Any, **kwargs: Any) -> Any:
+        def around(*args: Any, **kwargs: Any) -> Any:
             outer = tracker.making
-            tracker.making = tracker._ref_class.OTH if group.reduce_grads else tracker._ref_class.GRAD
+            tracker.making = category(group)
             try:
                 out = original(*args, **kwargs)
             finally:
                 tracker.making = outer
-            after(group)
+            if after is not None:
+                after(group)
             return out
 
-        group.post_backward = post_backward
+        setattr(group, name, around)
 
     def remove(self) -> None:
-        self.group.__dict__.pop("post_backward", None)
+        self.group.__dict__.pop(self.name, None)
+
+
+def _post_backward_category(tracker: Any) -> Callable[[Any], Any]:
+    """A post-backward that reduces makes communication buffers ("Other"); one that does not
+    only accumulates gradients."""
+    return lambda group: tracker._ref_class.OTH if group.reduce_grads else tracker._ref_class.GRAD
+
+
+def file_all_gathers_as_gathered(model: nn.Module, tracker: Any) -> list[Any]:
+    """FSDP2's all-gather buffer of a unit (`FSDPParamGroup.unshard`: one flat tensor of the
+    unit's unsharded parameters, made when the all-gather is issued and freed after the copy-out
+    into the parameters' own storages) is a gathered copy in flight: filed as gathered
+    parameters, which the tracker would file as activations. Under the pipelining runtime
+    schedules (interleaved, zero-bubble) whole stages are unsharded ahead of their compute, and
+    each of their units' buffers waits for the stage's first compute. Returns the handles to
+    remove."""
+    return [_AroundMethod(group, "unshard", lambda g: tracker._gathered_type, tracker)
+            for group in fsdp_param_groups(model)]
 
 
 def gathered_storages(model: nn.Module) -> set[int]:
@@ -382,7 +401,7 @@ def _tracked_step(model: nn.Module, optimizer: Any, run_step: Callable[[], None]
     for buffer in pipeline_receive_buffers(model):  # made in an earlier step, kept for the run
         tracker._update_and_maybe_create_winfos(buffer, tracker._ref_class.ACT)
     at_step: dict[str, dict] = {}
-    handles = file_unsharded_grads_as_gradients(model, tracker)
+    handles = file_unsharded_grads_as_gradients(model, tracker) + file_all_gathers_as_gathered(model, tracker)
 
     params = list(model.parameters())
 

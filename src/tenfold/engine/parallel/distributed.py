@@ -63,6 +63,15 @@ class DistInfo:
     cp_size: int = 1
     cp_rank: int = 0
     cp_group: object | None = None
+    # The device type whose engine choices this rank follows ("": its own device's). The trace of
+    # a GPU run (engine/preview/trace.py) computes on fake CPU tensors and builds the GPU run.
+    engine_device: str = ""
+
+    @property
+    def engine_device_type(self) -> str:
+        """"cuda" or "cpu": what the engine's device-dependent choices (tenfold.techniques.zero's
+        FSDP2 units and prefetching) follow."""
+        return self.engine_device or self.device.type
 
     @property
     def data_rank(self) -> int:

@@ -42,6 +42,7 @@ import subprocess
 import sys
 import time
 from collections import defaultdict
+from dataclasses import replace
 from contextlib import contextmanager
 from typing import Any
 
@@ -440,7 +441,8 @@ the data-parallel ranks the mesh has), "layout" (the mesh built), "memory": MEMO
     check_traceable(run, run.grad_ranks)
     if not dist.is_initialized():
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
-    d = join_layout(run.dims, cfg.parallel.timeout_s, offload=run.offload != "none")
+    # the GPU run's engine: its FSDP2 units and prefetching, not those a CPU run picks
+    d = replace(join_layout(run.dims, cfg.parallel.timeout_s, offload=run.offload != "none"), engine_device="cuda")
     precision = build_precision(run.precision, cfg.precision, d.device)
     log = _collective_log_class()()
     log.default_group, log.p2p_group = d.dp_size, d.pp_size
