@@ -156,7 +156,7 @@ class TiedEmbedding:
                 continue
             if p.grad is None:
                 raise RuntimeError(f"tied weight {name} has no gradient after the pipeline step")
-            settle_gradients([p])  # a vocabulary-parallel embedding's gradient comes back Replicate
+            settle_gradients([p])  # a gradient in another layout than its weight takes the weight's first
             grad = p.grad
             local = grad.to_local() if hasattr(grad, "to_local") else grad
             if local.is_contiguous():
