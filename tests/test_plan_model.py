@@ -204,7 +204,7 @@ def test_largest_micro_batch_is_the_boundary_of_fitting():
 def test_fp8_prices_the_blocks_matmuls_at_the_fp8_peak_and_gathers_a_byte_per_weight():
     """--fp8 (torchao float8 linears): the blocks' GEMMs at the hardware's dense FP8 peak, the
     float8 casts as memory traffic, and under FSDP2 the block weights gathered in one byte."""
-    from tenfold.plan.memory import gathered_param_bytes
+    from tenfold.plan.gathered import gathered_param_bytes
     from tenfold.plan.shape import largest_unit_params, shape_of
 
     run = planned("llama-7b", 8, precision="bf16", zero_stage=3, micro_batch=2, seq_len=4096)

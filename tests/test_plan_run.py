@@ -319,7 +319,7 @@ def _same_memory_but_the_buffers(planned_line: str, dry_run_out: str) -> bool:
     """The dry run's memory line is the plan's, term by term and at its peak, but for FSDP2's
     all-gather buffers in `gathered params` (and so `total`): the dry run prices the engine of the
     machine it runs on, which on a CPU issues one unit's gather ahead where a GPU holds two
-    (tenfold.plan.memory.all_gather_buffer)."""
+    (tenfold.plan.gathered.all_gather_buffer)."""
     line = next(x for x in dry_run_out.splitlines() if "predicted (planner)" in x)
     kept = lambda text: [t for t in text.split(" | ") if not t.split()[0] in ("gathered", "total")]  # noqa: E731
     return kept(line.split("predicted (planner): ")[1]) == kept(planned_line.split("predicted (planner): ")[1])

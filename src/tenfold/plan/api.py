@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from tenfold.errors import UserError
 from tenfold.plan import lora as lora_plan
 from tenfold.plan import cp_traffic, memory
+from tenfold.plan import gathered as gathered_plan
 from tenfold.plan import moe as moe_plan
 from tenfold.plan.hardware import Hardware, get_hardware, with_gpus_per_node
 from tenfold.models.presets import active_param_count
@@ -47,7 +48,7 @@ class MemoryBreakdown:
     inflight_microbatches: float | None
     comm_buffers_bytes: float
     # Unsharded working copies of parameters beside the rank's own (FSDP2's all-gathered units,
-    # torch.amp's 16-bit weight casts): memory.gathered_param_bytes + autocast_weight_copies_bytes
+    # torch.amp's 16-bit weight casts): plan/gathered.py's gathered_param_bytes + autocast_weight_copies_bytes
     gathered_params_bytes: float
     autocast_weight_copies_bytes: float  # of gathered_params_bytes: torch.amp's casts (DDP, one process)
     allocated_bytes: float  # what torch.cuda.max_memory_allocated would show
@@ -332,19 +333,19 @@ def _stage_memory(shape: ModelShape, hw: Hardware, run: ResolvedRun, rank: int) 
         tp_seq_bytes = run.micro_batch * run.local_seq_len * cfg.d_model * element_bytes(run.precision)
     buffers, _ = memory.comm_buffer_bytes(run, unit, tp_seq_bytes)
     autocast = (lora_plan.autocast_copy_bytes(cfg, run, run.rank_layers(rank)) if run.lora and cfg is not None
-                else memory.autocast_weight_copy_bytes(n_params, run))
+                else gathered_plan.autocast_weight_copy_bytes(n_params, run))
     on_cpu = hw.name == "cpu"  # the engine's CPU units (techniques/zero.py)
-    gathered = memory.gathered_param_bytes(n_params, run, unit, on_cpu=on_cpu) + autocast  # each term at its own high
+    gathered = gathered_plan.gathered_param_bytes(n_params, run, unit, on_cpu=on_cpu) + autocast  # each term at its own high
     next_unit = None
     if run.ep > 1 and cfg is not None and memory.runs_on_fsdp2(run.zero_stage, run.tp, run.dp, run.offload):
         # FSDP2 gathers the dense part by blocks, the ep-split experts in units of their own (or
         # they compute on autocast's casts under `replicate`, plan/moe.py)
         experts = moe_plan.rank_expert_params(cfg, run, run.rank_layers(rank))
         next_unit = moe_plan.expert_params_per_layer(cfg) / run.ep if moe_plan.experts_sharded(run) else None
-        gathered = (memory.gathered_param_bytes(n_params - experts, run, unit, next_unit, on_cpu)
+        gathered = (gathered_plan.gathered_param_bytes(n_params - experts, run, unit, next_unit, on_cpu)
                     + moe_plan.expert_working_copy_bytes(cfg, run, rank) + autocast)
-    # FSDP2's all-gather buffers are held in forward only, before the activation high (plan/memory.py)
-    at_peak = gathered - memory.all_gather_buffer_bytes(run, unit, next_unit, on_cpu)
+    # FSDP2's all-gather buffers are held in forward only, before the activation high (plan/gathered.py)
+    at_peak = gathered - gathered_plan.all_gather_buffer_bytes(run, unit, next_unit, on_cpu)
     if autocast and act_work and run.recompute.kind in ("full", "every", "segments", "op"):
         # [recompute] torch.amp + recompute: autocast's cache holds every 16-bit weight copy
         # until the forward ends (the copies' high), but a checkpointed layer's copies are not

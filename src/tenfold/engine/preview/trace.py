@@ -415,10 +415,9 @@ def check_traceable(run, dp: int) -> None:
 
 
 def trace_rank(train_flags: list[str], world: int, rank: int) -> dict:
-    """Set up the run of `train_flags` as rank `rank` of `world` and trace one step (the
-    module docstring). Returns {"rank", "stage", "batch" (the micro-batches the step ran, over
-the data-parallel ranks the mesh has), "layout" (the mesh built), "memory": MEMORY_KEYS,
-"collectives": [...]}."""
+    """Set up the run of `train_flags` as rank `rank` of `world` and trace one step (the module docstring).
+    Returns {"rank", "stage", "batch" (the micro-batches the step ran, over the data-parallel ranks the
+    mesh has), "layout" (the mesh built), "memory": MEMORY_KEYS, "collectives": [...]}."""
     t0 = time.perf_counter()
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
     import torch
@@ -441,8 +440,8 @@ the data-parallel ranks the mesh has), "layout" (the mesh built), "memory": MEMO
     check_traceable(run, run.grad_ranks)
     if not dist.is_initialized():
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
-    # the GPU run's engine: its FSDP2 units and prefetching, not those a CPU run picks
-    d = replace(join_layout(run.dims, cfg.parallel.timeout_s, offload=run.offload != "none"), engine_device="cuda")
+    d = replace(join_layout(run.dims, cfg.parallel.timeout_s, offload=run.offload != "none"),
+                engine_device="cuda")  # the GPU run's FSDP2 units and prefetching, not a CPU run's
     precision = build_precision(run.precision, cfg.precision, d.device)
     log = _collective_log_class()()
     log.default_group, log.p2p_group = d.dp_size, d.pp_size
