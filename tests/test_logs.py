@@ -195,6 +195,18 @@ def test_wandb_gets_every_logged_step_and_the_final_figures(tmp_path, monkeypatc
     assert run.summary["final/tokens_per_s"] > 0 and run.finished
 
 
+def test_wandb_gets_the_output_folder_as_an_absolute_path(tmp_path, monkeypatch):
+    """A relative --out reaches W&B resolved against the run's working directory, so that its
+    files land under OUT whatever folder W&B's background process works in."""
+    fake = _FakeWandb()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    monkeypatch.chdir(tmp_path)
+    cfg = small_config(tmp_path, train={"steps": 1}, log={"wandb": True, "out": "relative"})
+    Trainer(build_config(cfg)).fit()
+    (run,) = fake.runs
+    assert run.kwargs["dir"] == str(tmp_path / "relative")
+
+
 def test_wandb_that_cannot_start_does_not_stop_training(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "wandb", _FakeWandb(fail=RuntimeError("api_key not configured (no-tty)")))
     cfg = small_config(tmp_path, train={"steps": 2}, log={"wandb": True})

@@ -64,7 +64,9 @@ def start(log_section, config: dict, out_dir: Path, start_step: int, say: Callab
         name = f"{name} (resumed at step {start_step})"
     try:
         run = wandb.init(project=log_section.wandb_project, name=name, group=out_dir.resolve().name,
-                         dir=str(out_dir), config=config)
+                         # absolute: given a relative folder, an offline run's files were written under
+                         # another folder (the repository's, for a run started in a temporary one)
+                         dir=str(out_dir.resolve()), config=config)
     except Exception as e:  # noqa: BLE001 - W&B is a side channel: training goes on without it
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         say(f"wandb: not started ({first}); training goes on without it (WANDB_MODE=offline logs without a network)")
