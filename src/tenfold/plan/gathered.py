@@ -23,14 +23,20 @@ def gathered_param_bytes(stage_params: float, run: ResolvedRun, largest_unit: fl
     one process keep fp32 parameters under torch.amp: `autocast_weight_copy_bytes`, which the
     caller adds. A 16-bit stack (master weights) computes on its own 16-bit parameters."""
     unit_bytes = _gathered_bytes_per_param(run)
+    if not _fsdp2_gathers(run):
+        return 0.0
     if run.zero_runs_as == 3 and run.pp == 1:
         return unit_bytes * (zero3_gathered_params(stage_params, run, largest_unit)
                              + all_gather_buffer(run, largest_unit, next_unit, on_cpu))
-    fsdp2 = runs_on_fsdp2(run.zero_stage, run.tp, run.dp, run.offload)
-    if fsdp2 and not run.stack.master_weights:
-        return unit_bytes * (stage_params * active_stage_share(run)
-                             + all_gather_buffer(run, largest_unit, next_unit, on_cpu))
-    return 0.0
+    return unit_bytes * (stage_params * active_stage_share(run)
+                         + all_gather_buffer(run, largest_unit, next_unit, on_cpu))
+
+
+def _fsdp2_gathers(run: ResolvedRun) -> bool:
+    """Whether FSDP2 gathers the rank's parameters into working copies: ZeRO-3 without
+    pipelining, or any FSDP2 layout whose parameters are not a 16-bit stack's own."""
+    return (run.zero_runs_as == 3 and run.pp == 1) or (
+        runs_on_fsdp2(run.zero_stage, run.tp, run.dp, run.offload) and not run.stack.master_weights)
 
 
 def _gathered_bytes_per_param(run: ResolvedRun) -> float:
@@ -44,9 +50,8 @@ def all_gather_buffer_bytes(run: ResolvedRun, largest_unit: float, next_unit: fl
     """Bytes of `all_gather_buffer`. They are held in forward, before the activations reach their
     high; in backward FSDP2 frees each buffer at its copy-out, so they are left out of the peak
     (the trace's peaks agree: tests/test_trace.py)."""
-    if not (run.zero_runs_as == 3 and run.pp == 1) and not (
-            runs_on_fsdp2(run.zero_stage, run.tp, run.dp, run.offload) and not run.stack.master_weights):
-        return 0.0  # `gathered_param_bytes` adds none
+    if not _fsdp2_gathers(run):
+        return 0.0
     return _gathered_bytes_per_param(run) * all_gather_buffer(run, largest_unit, next_unit, on_cpu)
 
 
