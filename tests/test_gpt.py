@@ -5,7 +5,7 @@ these tests hold them to the plain formulas they replaced."""
 
 import torch
 
-from tenfold.models.gpt import RMSNorm, apply_rope, rope_tables
+from tenfold.models.gpt import LayerNorm, RMSNorm, apply_rope, rope_tables
 
 
 def pairwise_rope(x: torch.Tensor, theta: float = 10000.0) -> torch.Tensor:
@@ -105,6 +105,35 @@ def test_rmsnorm_under_autocast_feeds_its_linears_the_same_16bit_values():
     assert torch.equal(y_ours, y_ref)
     for a, b in zip(g_ours, g_ref):  # the 3 (2) branch gradients now add in bf16: ~bf16 eps apart
         assert (a - b).norm() <= 4e-3 * b.norm(), ((a - b).norm() / b.norm()).item()
+
+
+def test_layernorm_computes_in_fp32_and_casts_its_output_once():
+    """tenfold's LayerNorm equals nn.LayerNorm in fp32 (values and gradients, bit for bit), and
+    under autocast with a 16-bit input it normalises the fp32 copy of its input (what it keeps
+    for backward: the fp32 input and fp32 statistics) and returns one 16-bit output."""
+    torch.manual_seed(5)
+    ref = torch.nn.LayerNorm(32)
+    ours = LayerNorm(32)
+    with torch.no_grad():
+        ref.weight.copy_(torch.rand(32) + 0.5)
+        ref.bias.copy_(torch.randn(32))
+    ours.load_state_dict(ref.state_dict())
+    x = (torch.randn(4, 7, 32) * 3).requires_grad_()
+    g = torch.randn(4, 7, 32)
+    assert torch.equal(ours(x), ref(x))
+    for a, b in zip(torch.autograd.grad(ours(x), (x, ours.weight, ours.bias), g),
+                    torch.autograd.grad(ref(x), (x, ref.weight, ref.bias), g)):
+        assert torch.equal(a, b)
+
+    xb = x.detach().bfloat16().requires_grad_()
+    kept = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t, lambda t: t), \
+            torch.autocast("cpu", dtype=torch.bfloat16):
+        yb = ours(xb)
+    assert yb.dtype == torch.bfloat16
+    assert torch.equal(yb, ref(xb.detach().float()).bfloat16())
+    assert {t.dtype for t in kept if t.dim() == 3} == {torch.float32}  # the fp32 input, mean and 1/std
+    assert any(t.shape == xb.shape for t in kept)
 
 
 def test_param_count_equals_the_built_model_for_every_block_kind():

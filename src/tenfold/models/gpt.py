@@ -23,6 +23,16 @@ from tenfold.models.moe import MoE
 from tenfold.models.presets import ModelConfig
 
 
+def _norm_output(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """A norm's fp32 result as the layers after it read it. Only Linears read a norm's output:
+    under autocast it is cast to 16 bits once here, where autocast would cast the fp32 output
+    again for each of wq/wk/wv (w1/w3) and keep every copy for backward (docs/precision.md)."""
+    device = x.device.type
+    if torch.is_autocast_enabled(device):
+        return y.to(torch.get_autocast_dtype(device))
+    return y.type_as(x)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-5):
         super().__init__()
@@ -33,20 +43,25 @@ class RMSNorm(nn.Module):
         # Normalise in fp32 for stability under autocast, as LLaMA does. F.rms_norm runs
         # pow/mean/rsqrt/mul inside ATen, dispatched once from Python instead of five times
         # (docs/benchmarks.md, "Optimization ladder after the bf16 step work").
-        y = F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps)
-        device = x.device.type
-        if torch.is_autocast_enabled(device):
-            # Only Linears read a norm's output. Cast it to 16 bits once here: autocast would
-            # cast the fp32 output again for each of wq/wk/wv (w1/w3) and keep every copy for
-            # backward (docs/precision.md).
-            return y.to(torch.get_autocast_dtype(device))
-        return y.type_as(x)
+        return _norm_output(F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps), x)
+
+
+class LayerNorm(nn.LayerNorm):
+    """nn.LayerNorm computed in fp32 whatever the input's dtype, its output cast once
+    (`_norm_output`). CUDA's autocast runs layer_norm in fp32 and returns fp32, which each
+    following Linear casts again; CPU's autocast runs it in 16 bits. Here both devices compute
+    and keep the same tensors: the fp32 input, mean and 1/std, one 16-bit output."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = None if self.weight is None else self.weight.float()
+        bias = None if self.bias is None else self.bias.float()
+        return _norm_output(F.layer_norm(x.float(), self.normalized_shape, weight, bias, self.eps), x)
 
 
 def make_norm(cfg: ModelConfig) -> nn.Module:
     if cfg.norm == "rmsnorm":
         return RMSNorm(cfg.d_model, cfg.norm_eps)
-    return nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps)
+    return LayerNorm(cfg.d_model, eps=cfg.norm_eps)
 
 
 def rope_tables(head_dim: int, seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
