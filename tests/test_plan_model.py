@@ -12,7 +12,7 @@ from tenfold.models.presets import PRESETS, ModelConfig
 from tenfold.plan import hardware
 from tenfold.plan.api import _prepare, _stage_memory, predict
 from tenfold.plan.flops import layer_forward_flops_per_token
-from tenfold.plan.memory import activation_bytes_per_layer
+from tenfold.plan.memory import activation_bytes_per_layer, loss_bytes_per_token, stage_activations
 from tenfold.plan.search import search
 from tenfold.run import Stack
 
@@ -52,11 +52,13 @@ def _saved_tensor_bytes(cfg: ModelConfig, dtype: str, b: int, s: int) -> int:
 def test_tenfold_activation_model_matches_saved_tensors(name, dtype):
     cfg, b, s = PRESETS[name], 2, 64
     measured = _saved_tensor_bytes(cfg, dtype, b, s)
-    plan = predict(planned(cfg, precision=dtype, micro_batch=b, seq_len=s), "a100-80gb")
-    predicted = plan.memory.activations_bytes + plan.memory.autocast_weight_copies_bytes
-    # Predicted also holds the fp32 gradient of the log-probabilities (4 b s V) that exists at the
-    # start of backward but is not a saved tensor; take it out for this comparison.
-    predicted -= 4 * b * s * cfg.vocab_size
+    run = planned(cfg, precision=dtype, micro_batch=b, seq_len=s)
+    plan = predict(run, "a100-80gb")
+    sa = stage_activations(cfg, run, (cfg.n_layers,), first=True, last=True)
+    # The saved tensors: every block's and the last layer's, of which the loss's log-probabilities
+    # only (its two gradients exist at the start of the backward but are not saved tensors).
+    loss_gradients = (loss_bytes_per_token(cfg, run) - 4 * cfg.vocab_size) * b * s
+    predicted = sa.stored_bytes + sa.extra_bytes - loss_gradients + plan.memory.autocast_weight_copies_bytes
     assert predicted == pytest.approx(measured, rel=0.05)
 
 

@@ -326,8 +326,10 @@ def test_default_activation_accounting_holds_the_fp32_loss_tensors():
     megatron = memory.final_layer_activation_bytes(cfg, planned(cfg, micro_batch=b, seq_len=s,
                                                                 stack=Stack(activation_style="megatron")))
     assert Stack().activation_style == "tenfold"
-    # + the final RMSNorm: its fp32 input and fp32 x*rsqrt, and its 16-bit output for the head
-    assert default - 8 * b * s * V == pytest.approx((4 + 4 + 2) * b * s * cfg.d_model)
+    # the loss at the start of its backward: fp32 log-probabilities, their gradient and the
+    # logits' gradient (12 b s V); + the final RMSNorm: its fp32 input, fp32 x*rsqrt and 1/rms,
+    # and its 16-bit output for the head
+    assert default - 12 * b * s * V == pytest.approx((4 + 4 + 2) * b * s * cfg.d_model + 4 * b * s)
     assert megatron - 4 * b * s * V == pytest.approx(2 * 2 * b * s * cfg.d_model)
 
 

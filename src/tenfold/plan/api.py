@@ -313,6 +313,34 @@ def _fits(m: MemoryBreakdown, hw: Hardware, gpus: int) -> bool:
     return m.total_bytes <= m.capacity_bytes and _host_fits(m, hw, gpus)
 
 
+def _allocated_at_peak(run: ResolvedRun, st: memory.ModelStates, at_peak: float, act: float, buffers: float,
+                       unit: float, sending: float) -> float:
+    """The step's high: every term at its own high, or, where the engine's order is known, the
+    larger of the activation high and the gradients' reduction after it."""
+    if _no_gradients_at_activation_high(run):
+        # the high is the start of the backward, before any gradient of the step exists; the
+        # sharded gradients and the reduce-scatter's buffer come after, with the activations freed
+        return max(st.total - st.grads_bytes + at_peak + act, st.total + buffers)
+    if memory.holds_unsharded_gradients(run):
+        # the one reduce-scatter of the step's gradients comes after the last backward, with the
+        # activations freed; at the activation high a unit's 16-bit gradients are already added
+        # into the held fp32 ones, and only the input gradient being sent is in flight
+        return max(st.total - memory.unit_grad_cast_bytes(run, unit) + at_peak + act + sending,
+                   st.total + at_peak + buffers)
+    return st.total + at_peak + act + buffers
+
+
+def _no_gradients_at_activation_high(run: ResolvedRun) -> bool:
+    """Whether a step's activations peak before its gradients exist: one micro-batch, no
+    pipeline, on one process or on FSDP2 (ZeRO-2/3 or tensor parallelism, whose units
+    reduce-scatter their gradients as the backward reaches them); the optimizer's
+    `zero_grad(set_to_none=True)` freed the last step's. With accumulation or a pipeline the
+    gradients of earlier micro-batches are held (the grads term); DDP's buckets live for the run."""
+    one_process = run.world_size == 1
+    return (run.pp == 1 and run.grad_accum == 1 and run.offload == "none"
+            and (one_process or memory.runs_on_fsdp2(run.zero_stage, run.tp, run.dp, run.offload)))
+
+
 def _stage_memory(shape: ModelShape, hw: Hardware, run: ResolvedRun, rank: int) -> MemoryBreakdown:
     cfg = shape.cfg
     n_params = run_rank_params(shape, run, rank)
@@ -327,13 +355,16 @@ def _stage_memory(shape: ModelShape, hw: Hardware, run: ResolvedRun, rank: int) 
         act, act_work, per_layer, inflight = sa.total, sa.working_bytes, sa.layer_full_bytes, sa.inflight
         if run.lora is not None:
             # QLoRA: a weight dequantized for its matmul, before the loss's tensors exist in the
-            # forward and after the head's backward freed them (plan/lora.py)
-            act = max(act, act - (sa.extra_bytes if last else 0.0) + lora_plan.dequant_working_bytes(cfg, run))
+            # forward and after the head's backward freed them (plan/lora.py), in a block's
+            # backward in place of its other temporaries
+            dequant = lora_plan.dequant_working_bytes(cfg, run)
+            act = max(act, sa.stored_bytes + sa.working_bytes - sa.backward_bytes + max(sa.backward_bytes, dequant))
         cpu += sa.cpu_bytes
         tp_seq_bytes = run.micro_batch * run.local_seq_len * cfg.d_model * element_bytes(run.precision)
     buffers, _ = memory.comm_buffer_bytes(run, unit, tp_seq_bytes)
     autocast = (lora_plan.autocast_copy_bytes(cfg, run, run.rank_layers(rank)) if run.lora and cfg is not None
-                else gathered_plan.autocast_weight_copy_bytes(n_params, run))
+                else gathered_plan.autocast_weight_copy_bytes(
+                    n_params, run, gathered_plan.uncast_param_count(cfg, run.rank_layers(rank), first, last)))
     on_cpu = hw.name == "cpu"  # the engine's CPU units (techniques/zero.py)
     gathered = gathered_plan.gathered_param_bytes(n_params, run, unit, on_cpu=on_cpu) + autocast  # each term at its own high
     next_unit = None
@@ -356,7 +387,7 @@ def _stage_memory(shape: ModelShape, hw: Hardware, run: ResolvedRun, rank: int) 
         # `op` checkpoints every block the same way (its policy keeps no weight cast): -21%
         # before on tiny (docs/recompute.md, tests/test_memory.py).
         at_peak = at_peak - autocast + max(autocast - act_work, autocast / max(cfg.n_layers, 1))
-    allocated = st.total + at_peak + (act or 0.0) + buffers
+    allocated = _allocated_at_peak(run, st, at_peak, act or 0.0, buffers, unit, tp_seq_bytes)
     reserve = memory.ALLOCATOR_RESERVE_FRACTION * ((act or 0.0) + buffers + at_peak)
     total = allocated + reserve + hw.runtime_overhead_bytes
     name = "only" if run.pp == 1 else ("first" if first else "last" if last else f"pp rank {rank}")

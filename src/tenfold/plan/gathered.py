@@ -116,11 +116,27 @@ def zero3_gathered_params(stage_params: float, run: ResolvedRun, largest_unit: f
     return min(2, layers) * largest_unit
 
 
-def autocast_weight_copy_bytes(stage_params: float, run: ResolvedRun) -> float:
+def autocast_weight_copy_bytes(stage_params: float, run: ResolvedRun, uncast_params: float = 0.0) -> float:
     """torch.amp with fp32 params outside FSDP2 (DDP, one process): each Linear saves the
     16-bit cast of its weight for backward, so a full 16-bit copy of the rank's matmul weights
-    is alive from forward to backward (2 bytes/param). Under FSDP2 the layers compute on its
-    gathered 16-bit copies instead (gathered_param_bytes); a 16-bit stack on its own params."""
+    is alive from forward to backward (2 bytes/param); `uncast_params` are the rank's weights no
+    matmul reads (`uncast_param_count`). Under FSDP2 the layers compute on its gathered 16-bit
+    copies instead (gathered_param_bytes); a 16-bit stack on its own params."""
     if run.precision == "fp32" or run.stack.master_weights or runs_on_fsdp2(run.zero_stage, run.tp, run.dp, run.offload):
         return 0.0
-    return element_bytes(run.precision) * stage_params
+    return element_bytes(run.precision) * max(0.0, stage_params - uncast_params)
+
+
+def uncast_param_count(cfg, blocks: int, first: bool, last: bool) -> float:
+    """Weights of a rank of tenfold's GPT that torch.amp leaves in fp32: the lookup tables on
+    the first stage (an embedding is on none of autocast's lists; a token table tied to the
+    output projection is cast for that matmul) and the norms' weights, which compute in fp32
+    (tenfold/models/gpt.py)."""
+    if cfg is None:
+        return 0.0
+    tables = 0.0
+    if first:
+        tables += 0 if cfg.tie_embeddings else cfg.vocab_size * cfg.d_model
+        tables += cfg.max_seq_len * cfg.d_model if cfg.pos == "learned" else 0
+    norm = cfg.d_model * (2 if cfg.norm == "layernorm" else 1)
+    return tables + norm * (2 * blocks + (1 if last else 0))

@@ -127,10 +127,10 @@ def layer_terms(cfg: ModelConfig, run) -> list[tuple[str, float, str, str, str]]
     return terms
 
 
-def final_layer_bytes(cfg: ModelConfig, run) -> float:
-    """The last stage: the frozen final norm's fp32 input (the frozen head keeps no input) and
-    the loss's fp32 log-probabilities with their fp32 gradient (8 b s V, as without adapters)."""
-    return run.micro_batch * run.local_seq_len * (4.0 * cfg.d_model + 8.0 * cfg.vocab_size / run.tp)
+def final_norm_bytes(cfg: ModelConfig, run) -> float:
+    """The last stage besides the loss: the frozen final norm's fp32 input (the frozen head
+    keeps no input)."""
+    return run.micro_batch * run.local_seq_len * 4.0 * cfg.d_model
 
 
 def autocast_copy_bytes(cfg: ModelConfig, run, layers: int) -> float:

@@ -50,8 +50,9 @@ TORCHTUNE_ROWS = (
     ("Llama 3.1 70B LoRA, 8x A100", "70B", 8, LoraSpec(16, 32.0, targets=_QVO_MLP), 27.6),
     ("Llama 3.1 405B QLoRA, 8x A100", "405B", 8, LoraSpec(16, 32.0, targets=_QVO_MLP, base="nf4"), 44.8e9 / 2**30),
 )
-TORCHTUNE_WHY = ("torchtune's chunked cross-entropy keeps the bf16 logits (2 b s V) where tenfold's loss keeps fp32 "
-                 "log-probabilities and their gradient (8 b s V: 3.9 GiB at Llama 3's vocabulary, batch 2 x 2048); "
+TORCHTUNE_WHY = ("torchtune's chunked cross-entropy keeps the bf16 logits (2 b s V) where tenfold's loss holds fp32 "
+                 "log-probabilities, their gradient and the logits' gradient at the start of its backward (12 b s V: "
+                 "5.9 GiB at Llama 3's vocabulary, batch 2 x 2048); "
                  "torch.compile fuses the eager elementwise tensors tenfold's style counts and torchao's NF4 "
                  "dequantization, whose eager intermediates tenfold prices ((8 + 3 x 2) bytes per value of the "
                  "largest weight: 11.4 GiB at 405B)")

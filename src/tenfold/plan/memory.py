@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from tenfold.models.presets import ModelConfig
 from tenfold.plan import lora as lora_plan
 from tenfold.plan.fp8 import block_param_bytes
+from tenfold.plan.layer_terms import layer_activation_terms, norm_bytes_per_token
 from tenfold.run import ResolvedRun, Stack, resolve
 from tenfold.terms import DDP_BUCKET_BYTES, MULTI_STAGE_SCHEDULES, RecomputePolicy, element_bytes, op_saved_tensors, runs_on_fsdp2
 
@@ -81,7 +82,7 @@ def model_states(n_params: float, run: ResolvedRun, largest_unit: float = 0.0) -
     # Under pipeline parallelism torch.distributed.pipelining turns FSDP2's gradient sync and
     # resharding after backward off until the last micro-batch: every rank holds its stage's
     # unreduced gradients and, after a backward, its unsharded parameters (stage 2's memory).
-    held = z >= 2 and run.pp > 1
+    held = holds_unsharded_gradients(run)
     grad_div = 1 if held or z < 2 else dp
     # FSDP2 (tenfold's ZeRO-2/3) keeps each rank's fp32 shard at every stage and under
     # pipelining; the unsharded copies it computes with are plan/gathered.py's. DeepSpeed's
@@ -90,7 +91,7 @@ def model_states(n_params: float, run: ResolvedRun, largest_unit: float = 0.0) -
     param_div = dp if (z >= 3 and run.pp == 1) or fsdp2_shards else 1
     st = ModelStates(
         params_bytes=b.params * n_params / param_div,
-        grads_bytes=b.grads * n_params / grad_div + (_unit_grad_cast_bytes(run, b, largest_unit) if held else 0.0),
+        grads_bytes=b.grads * n_params / grad_div + (unit_grad_cast_bytes(run, largest_unit) if held else 0.0),
         master_weights_bytes=b.master * n_params / opt_div,
         optimizer_moments_bytes=b.optimizer * n_params / opt_div,
         grad_copy_bytes=b.grad_copy * n_params / opt_div,
@@ -129,12 +130,19 @@ def model_states(n_params: float, run: ResolvedRun, largest_unit: float = 0.0) -
     return st
 
 
-def _unit_grad_cast_bytes(run: ResolvedRun, b: BytesPerParam, largest_unit: float) -> float:
+def holds_unsharded_gradients(run: ResolvedRun) -> bool:
+    """FSDP2 under pipelining: every micro-batch's gradients stay unsharded on the stage until
+    the step's one reduce-scatter, after the last backward."""
+    return run.zero_runs_as >= 2 and run.pp > 1
+
+
+def unit_grad_cast_bytes(run: ResolvedRun, largest_unit: float) -> float:
     """Gradients beside the ones FSDP2 holds unsharded in the reduce dtype (fp32) across a
     pipelined stage's micro-batches: a unit's backward leaves its gradients on the parameters in
     the compute dtype, and the unit's post-backward adds them into the fp32 ones one parameter at
     a time (torch 2.13's FSDPParamGroup.post_backward, FSDPParam.accumulate_unsharded_grad_if_needed):
     one unit's 16-bit gradients at their high."""
+    b = bytes_per_param(run)
     compute = element_bytes(run.precision)
     if run.offload != "none" or run.stack.master_weights or compute >= b.grads:
         return 0.0
@@ -158,146 +166,6 @@ def largest_model_that_fits(memory_bytes: float, stage: int, dp: int) -> float:
 
 
 # --------------------------------------------------------------------------- activations
-@dataclass(frozen=True)
-class ActTerm:
-    """One saved tensor of a transformer layer: bytes per token, or per token x seq for the
-    s^2 attention terms. `tp` says how tensor parallelism treats it: "shard" (divided by t),
-    "replicated" (divided by t only with sequence parallelism). `part` is what selective
-    recompute can drop: "attn_core" or "mlp" internals, or "keep"."""
-
-    name: str
-    bytes_per_token: float
-    tp: str
-    part: str
-    per_seq: bool = False  # True: multiply by s as well (a*s^2*b terms)
-    source: str = ""
-
-
-def layer_activation_terms(cfg: ModelConfig, run: ResolvedRun) -> tuple[ActTerm, ...]:
-    """The per-layer saved activations of one micro-batch (cached; see _layer_terms; a LoRA
-    run's: plan/lora.py)."""
-    st = run.stack
-    if run.lora is not None and st.activation_style == "tenfold":
-        return tuple(ActTerm(n, b, tp, part, source=src) for n, b, tp, part, src in lora_plan.layer_terms(cfg, run))
-    return _layer_terms(cfg, run.precision, st.activation_style, st.flash_attention, st.dropout)
-
-
-@functools.lru_cache(maxsize=256)
-def _layer_terms(cfg: ModelConfig, precision: str, style: str, flash: bool, drop: bool) -> tuple[ActTerm, ...]:
-    """The per-layer saved activations of one micro-batch, per token (multiply by b*s).
-
-    style "megatron" reproduces Korthikanti et al. 2022 §4.1, Eq. (1): sbh(34 + 5as/h) with
-    16-bit activations, 1-byte dropout masks, LayerNorm, a 4h GeLU MLP and no flash attention.
-    The same terms generalise to GQA (k, v of size kv_dim), SwiGLU (Megatron's fused bias-swiglu
-    keeps the 2f input and the f output), fp32 training (4-byte elements), no dropout, and flash
-    attention (no s^2 terms; output O + logsumexp instead).
-
-    style "tenfold" describes tenfold's own model under eager PyTorch + torch.amp
-    (tenfold/models/gpt.py): dropout-free, the residual stream stays fp32 (fp32 params, the
-    embedding output is fp32), RMSNorm computes in fp32 and saves its fp32 input and fp32
-    normalised value, the following Linear saves its own 16-bit cast; SDPA with is_causal saves
-    q, k, v (GQA heads already repeat_interleave'd to full size), output and logsumexp; the
-    output is transposed+reshaped (a copy) for wo; SwiGLU saves w1(x), silu(w1 x), w3(x) and
-    their product. RoPE saves only cos/sin tables (constants, not counted).
-    """
-    h, f = cfg.d_model, cfg.active_ffn_dim
-    kv = cfg.kv_heads * cfg.head_dim
-    a = cfg.n_heads
-    B = element_bytes(precision)  # bytes of one activation element
-    half = precision != "fp32"
-    terms = _megatron_terms(cfg, h, f, kv, a, B, flash, drop) if style == "megatron" else _tenfold_terms(cfg, h, f, a, B, half, flash)
-    return terms + _moe_terms(cfg, B) if cfg.is_moe else terms
-
-
-def _moe_terms(cfg: ModelConfig, B: float) -> tuple[ActTerm, ...]:
-    """What an MoE layer saves beyond its active experts' SwiGLU (counted in f = active width):
-    the router's fp32 logits and probabilities (E each per token) and the k routed copies of
-    each token the grouped GEMM reads (tenfold/models/moe.py; Megatron-Core's permuted tokens)."""
-    src = "tenfold/models/moe.py: router softmax in fp32; tokens gathered per expert (k copies)"
-    k = cfg.experts_per_token
-    return (ActTerm("router logits + probabilities (fp32)", 2 * 4.0 * cfg.n_experts, "replicated", "mlp", source=src),
-            ActTerm("routed token copies, expert outputs", 2 * B * k * cfg.d_model, "replicated", "mlp", source=src),
-            # chosen experts, sort order and token index (int64), chosen and sorted weights (fp32)
-            ActTerm("routing indices and weights", (3 * 8.0 + 2 * 4.0) * k, "replicated", "mlp", source=src))
-
-
-def _megatron_terms(cfg: ModelConfig, h: int, f: int, kv: int, a: int, B: float, flash: bool,
-                    drop: bool) -> tuple[ActTerm, ...]:
-    """Korthikanti et al. 2022 §4.1's terms (see _layer_terms)."""
-    terms: list[ActTerm] = []
-    add = terms.append
-    K = "Korthikanti et al. 2022 §4.1"
-    add(ActTerm("norm1 input", B * h, "replicated", "keep", source=f"{K}: LayerNorm input 2sbh"))
-    add(ActTerm("qkv input", B * h, "replicated", "keep", source=f"{K}: QKV input 2sbh"))
-    add(ActTerm("q, k", B * (h + kv), "shard", "keep", source=f"{K}: Q and K 4sbh (GQA: k is kv_dim)"))
-    add(ActTerm("v", B * kv, "shard", "keep", source=f"{K}: V 2sbh"))
-    if flash:
-        add(ActTerm("attention output O + logsumexp", 4.0 * a, "shard", "attn_core",
-                    source="FlashAttention (Dao 2022): saves O (shared with the out-proj input) and fp32 logsumexp"))
-    else:
-        add(ActTerm("softmax output", B * a, "shard", "attn_core", per_seq=True, source=f"{K}: 2as^2b"))
-        if drop:
-            add(ActTerm("softmax dropout mask", 1.0 * a, "shard", "attn_core", per_seq=True, source=f"{K}: as^2b"))
-            add(ActTerm("softmax dropout output", B * a, "shard", "attn_core", per_seq=True, source=f"{K}: 2as^2b"))
-    add(ActTerm("out-proj input", B * h, "shard", "keep", source=f"{K}: 2sbh"))
-    if drop:
-        add(ActTerm("attention dropout mask", 1.0 * h, "replicated", "keep", source=f"{K}: sbh"))
-    add(ActTerm("norm2 input", B * h, "replicated", "keep", source=f"{K}: LayerNorm input 2sbh"))
-    add(ActTerm("mlp input", B * h, "replicated", "keep", source=f"{K}: linear input 2sbh"))
-    if cfg.mlp == "gelu":
-        add(ActTerm("gelu input", B * f, "shard", "mlp", source=f"{K}: GeLU input 8sbh (f = 4h)"))
-        add(ActTerm("fc2 input", B * f, "shard", "mlp", source=f"{K}: linear input 8sbh (f = 4h)"))
-    else:
-        add(ActTerm("swiglu input (w1 x, w3 x)", 2 * B * f, "shard", "mlp",
-                    source="Megatron fused bias_swiglu saves its 2f input"))
-        add(ActTerm("fc2 input", B * f, "shard", "mlp", source="linear input, f"))
-    if drop:
-        add(ActTerm("mlp dropout mask", 1.0 * h, "replicated", "keep", source=f"{K}: sbh"))
-    return tuple(terms)
-
-
-def _tenfold_terms(cfg: ModelConfig, h: int, f: int, a: int, B: float, half: bool,
-                   flash: bool) -> tuple[ActTerm, ...]:
-    """tenfold's own model under eager PyTorch + torch.amp (see _layer_terms)."""
-    terms: list[ActTerm] = []
-    add = terms.append
-    T = "tenfold/models/gpt.py under torch.amp"
-    # A norm keeps its fp32 input (RMSNorm also its fp32 x*rsqrt). tenfold's RMSNorm casts its
-    # output to the autocast dtype itself, once: one 16-bit copy shared by the Linears after it.
-    # nn.LayerNorm's output stays fp32 and autocast casts it separately for EACH following
-    # Linear (autocast caches casts of leaf weights only): 3 copies before wq/wk/wv, 2 before
-    # w1/w3 (SwiGLU). In fp32 the one output tensor is shared by those Linears.
-    norm_own = (4.0 + 4.0) if cfg.norm == "rmsnorm" else 4.0
-    n_up = 2 if cfg.mlp == "swiglu" else 1
-    n_qkv = 1 if cfg.norm == "rmsnorm" else 3
-    n_up_casts = 1 if cfg.norm == "rmsnorm" else n_up
-    attn_in = norm_own + (n_qkv * B if half else 4.0)
-    mlp_in = norm_own + (n_up_casts * B if half else 4.0)
-    if cfg.norm == "rmsnorm":
-        norm_src = f"{T}: RMSNorm saves its fp32 input and fp32 x*rsqrt; the Linears after it share its one 16-bit output"
-    else:
-        norm_src = (f"{T}: LayerNorm (fp32 under autocast) saves its input; each following Linear saves its own "
-                    "16-bit cast of the fp32 norm output")
-    add(ActTerm("norm1 (+ q/k/v input casts)", attn_in * h, "replicated", "keep", source=norm_src))
-    add(ActTerm("q, k, v (SDPA inputs)", 3 * B * h, "shard", "keep",
-                source=f"{T}: SDPA saves q, k, v; GQA k/v are repeat_interleave'd to full width"))
-    if flash:
-        add(ActTerm("SDPA output + logsumexp", B * h + 4.0 * a, "shard", "attn_core",
-                    source=f"{T}: flash SDPA saves its output and fp32 logsumexp"))
-    else:
-        add(ActTerm("attention probabilities", B * a, "shard", "attn_core", per_seq=True, source="math SDPA: softmax output as^2b"))
-    add(ActTerm("wo input (transposed copy)", B * h, "shard", "keep", source=f"{T}: y.transpose(1, 2).reshape copies"))
-    add(ActTerm("norm2 (+ mlp input casts)", mlp_in * h, "replicated", "keep", source=norm_src))
-    # an MoE layer is whole on every tp rank (tenfold.techniques.tensor_parallel.gpt_plan)
-    mlp_tp = "replicated" if cfg.is_moe else "shard"
-    if cfg.mlp == "swiglu":
-        add(ActTerm("w1 x, silu(w1 x), w3 x, product", 4 * B * f, mlp_tp, "mlp",
-                    source=f"{T}: silu saves its input, mul both operands, w2 its input"))
-    else:
-        add(ActTerm("w1 x, gelu(w1 x)", 2 * B * f, mlp_tp, "mlp", source=f"{T}: gelu saves its input, w2 its input"))
-    return tuple(terms)
-
-
 def params_16bit_in_compute(run: ResolvedRun) -> bool:
     """Whether the layers compute with 16-bit parameters: a 16-bit stack's own (master weights
     kept apart), or FSDP2's all-gathered copies (MixedPrecisionPolicy param_dtype: ZeRO-2/3, and
@@ -316,7 +184,7 @@ def layer_input_bytes_per_token(cfg: ModelConfig, run: ResolvedRun) -> float:
     parameters in compute 16-bit (measured: tiny, ZeRO-3 on 2 ranks, full recompute)."""
     if run.precision == "fp32":
         return 4.0 * cfg.d_model
-    if run.stack.activation_style == "tenfold" and not params_16bit_in_compute(run):
+    if run.stack.activation_style == "tenfold" and residual_stream_is_fp32(run):
         return 4.0 * cfg.d_model
     return 2.0 * cfg.d_model
 
@@ -333,7 +201,7 @@ def activation_bytes_per_layer(cfg: ModelConfig, run: ResolvedRun, drop_parts: t
         if term.part in drop_parts:
             continue
         n = term.bytes_per_token * b * s * (run.seq_len if term.per_seq else 1)
-        if term.tp == "shard" or run.sequence_parallel:
+        if term.tp == "shard" or (run.sequence_parallel and term.tp == "replicated"):
             n /= tp
         total += n
     if "attn_core" not in drop_parts:
@@ -378,16 +246,19 @@ class StageActivations:
 
     stored_bytes: float  # kept for backward: in-flight micro-batches x layers
     working_bytes: float  # one layer's recomputed activations during backward
-    extra_bytes: float  # embedding / final norm / logits
+    extra_bytes: float  # the last stage's final norm, logits and loss
     cpu_bytes: float  # offloaded activations
     layer_full_bytes: float  # one layer, one micro-batch, nothing recomputed
     inflight: float  # micro-batches in flight (times the interleave factor)
     stage_output_bytes: float = 0.0  # of stored_bytes: the pipeline's kept stage outputs
     receive_buffer_bytes: float = 0.0  # of stored_bytes: receive buffers beyond the in-flight block inputs
+    backward_bytes: float = 0.0  # of working_bytes: a block's backward temporaries (block_backward_bytes)
 
     @property
     def total(self) -> float:
-        return self.stored_bytes + self.working_bytes + self.extra_bytes
+        # The loss and the final norm are freed by their own backward, before the first block's
+        # backward recomputes anything: the two never coincide.
+        return self.stored_bytes + max(self.working_bytes, self.extra_bytes)
 
 
 def inflight_microbatches(schedule: str, pp: int, m: int, v: int, rank: int = 0) -> float:
@@ -468,20 +339,52 @@ def stage_activations(cfg: ModelConfig, run: ResolvedRun, modules: tuple[int, ..
         # stream tensor per micro-batch in flight for every stage module the rank holds but the
         # model's last (whose output feeds the loss: final_layer_activation_bytes); on the device
         # under offload too (fwd_cache is not a saved tensor). Under sequence parallelism a stage
-        # hands on its (b, s/tp, h) slice. The received input is the first block's kept input,
-        # counted above.
+        # hands on its (b, s/tp, h) slice.
         stage_outputs = (len(modules) - (1 if last else 0)) * inflight * ckpt
         receive_buffers = receive_buffer_bytes(len(modules), first, last, run.grad_accum,
-                                               inflight if k != "offload" else 0.0, ckpt)
+                                               inflight if _first_block_keeps_its_input(run) else 0.0, ckpt)
         stored += stage_outputs + receive_buffers
-    extra = 0.0
     tokens = run.micro_batch * run.local_seq_len
     if first and run.stack.dropout:
         # Korthikanti §4.3: embedding dropout mask sbhp/t (p micro-batches in flight).
-        extra += tokens * cfg.d_model * inflight / (run.tp if run.sequence_parallel else 1)
-    if last:
-        extra += final_layer_activation_bytes(cfg, run)
-    return StageActivations(stored, working, extra, cpu, full, inflight, stage_outputs, receive_buffers)
+        stored += tokens * cfg.d_model * inflight / (run.tp if run.sequence_parallel else 1)
+    extra = final_layer_activation_bytes(cfg, run) if last else 0.0
+    backward = block_backward_bytes(cfg, run) if run.stack.activation_style == "tenfold" else 0.0
+    return StageActivations(stored, working + backward, extra, cpu, full, inflight, stage_outputs, receive_buffers,
+                            backward)
+
+
+def block_backward_bytes(cfg: ModelConfig, run: ResolvedRun) -> float:
+    """What a block's backward makes beside the activations it still holds, at its high, the
+    MLP's output projection (w2): w2's weight gradient in the compute dtype (f x h / t, a
+    temporary until it is added into the parameter's gradient), the gradient of w2's input
+    (b s f / t), the gradient of the block's output in the compute dtype (whole under sequence
+    parallelism: DTensor all-gathers it for the row-parallel w2's backward) and the residual
+    stream's fp32 gradient (b s h, divided by t under sequence parallelism). An MoE layer's
+    routed and shared experts run their backward one after the other: the wider of the two."""
+    B = element_bytes(run.precision)
+    h, tp = cfg.d_model, run.tp
+    f = max(cfg.experts_per_token * cfg.expert_dim, cfg.shared_dim) if cfg.is_moe else cfg.ffn_dim
+    tokens = run.micro_batch * run.local_seq_len
+    split = tp if run.sequence_parallel else 1
+    weight_gradient = 0.0 if run.lora is not None else B * h * f / tp  # a frozen base makes none
+    return weight_gradient + tokens * (B * f / tp + B * h + 4.0 * h / split)
+
+
+def _first_block_keeps_its_input(run: ResolvedRun) -> bool:
+    """Whether a stage's received input is the first block's kept input (counted with the
+    block): under a policy that checkpoints blocks (the checkpoint keeps it), and where the
+    first norm keeps the tensor it is given: Korthikanti's 16-bit LayerNorm input, or tenfold's
+    norm on an fp32 residual stream (`x.float()` is `x`). tenfold's norm on a 16-bit stream
+    keeps an fp32 copy instead, and the received tensor is only a receive buffer."""
+    if run.recompute.kind in ("full", "every", "segments", "op"):
+        return True
+    return run.stack.activation_style == "megatron" or residual_stream_is_fp32(run)
+
+
+def residual_stream_is_fp32(run: ResolvedRun) -> bool:
+    """tenfold's residual stream is fp32 (fp32 training, or fp32 parameters under autocast)."""
+    return run.precision == "fp32" or not params_16bit_in_compute(run)
 
 
 def receive_buffer_bytes(n_modules: int, first: bool, last: bool, microbatches: int, inflight_kept: float,
@@ -499,17 +402,31 @@ def receive_buffer_bytes(n_modules: int, first: bool, last: bool, microbatches: 
 
 def final_layer_activation_bytes(cfg: ModelConfig, run: ResolvedRun) -> float:
     """Korthikanti §4.3 (counted on the last stage): final norm input 2sbh/t, output projection
-    input 2sbh/t, fp32 logits 4sbv/t. tenfold keeps fp32 log-probabilities for the loss and, at
-    the start of backward, their fp32 gradient too: 8 bytes x b x s x V (the engine's loss)."""
+    input 2sbh/t, fp32 logits 4sbv/t. tenfold: the final norm as a block's (`_norm_terms`) and
+    the loss at its backward (`loss_bytes_per_token`)."""
     bs = run.micro_batch * run.local_seq_len
     h, tp = cfg.d_model, run.tp
     B = element_bytes(run.precision)
     if run.lora is not None and run.stack.activation_style == "tenfold":
-        return lora_plan.final_layer_bytes(cfg, run)
+        return lora_plan.final_norm_bytes(cfg, run) + bs * loss_bytes_per_token(cfg, run)
     if run.stack.activation_style == "tenfold":
-        norm = ((4.0 + 4.0) if cfg.norm == "rmsnorm" else 4.0) + B
-        return bs * (norm * h + 8.0 * cfg.vocab_size / tp)
+        per_channel, per_token = norm_bytes_per_token(cfg)
+        norm_kept = (per_channel * h + per_token) / (tp if run.sequence_parallel else 1)
+        return bs * (norm_kept + B * h + loss_bytes_per_token(cfg, run))
     return bs * (2 * B * h / (tp if run.sequence_parallel else 1) + 4.0 * cfg.vocab_size / tp)
+
+
+def loss_bytes_per_token(cfg: ModelConfig, run: ResolvedRun) -> float:
+    """The cross-entropy's fp32 tensors at their high, the start of backward (tenfold/models/
+    loss.py: log_softmax of the fp32 logits, then nll_loss). On one tp rank: the saved
+    log-probabilities, their gradient and the logits' gradient being made, 3 x 4 V. Under
+    tensor parallelism (`loss_parallel`, the logits split over the vocabulary) torch's
+    log-softmax backward makes one more: the saved log-probabilities, their gradient, exp of
+    them and the product it subtracts, 4 x 4 V / t (torch.distributed.tensor.parallel.loss,
+    `_log_softmax_backward_handler`)."""
+    if run.tp > 1:
+        return 4 * 4.0 * cfg.vocab_size / run.tp
+    return 3 * 4.0 * cfg.vocab_size
 
 
 # --------------------------------------------------------------------------- buffers

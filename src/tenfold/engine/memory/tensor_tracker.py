@@ -235,13 +235,22 @@ def pipeline_receive_buffer_bytes(model: nn.Module) -> int:
 
 
 def fsdp_param_groups(model: nn.Module) -> list[Any]:
-    """FSDP2's parameter groups (one per fully_shard unit) inside `model`."""
-    groups = []
-    for m in model.modules():
+    """FSDP2's parameter groups inside `model`: one per fully_shard unit, or several where a
+    unit's parameters sit on different meshes (a state's `_fsdp_param_groups`, torch 2.13)."""
+    groups, seen = [], set()
+    # a pipelined model registers its stages' submodules; each stage's root unit is the stage module
+    stage_roots = [m for m in getattr(model, "parts", ()) if isinstance(m, nn.Module)]
+    for m in [*model.modules(), *stage_roots]:
+        if id(m) in seen:
+            continue
+        seen.add(id(m))
         get_state = getattr(m, "_get_fsdp_state", None)
-        group = getattr(get_state(), "_fsdp_param_group", None) if callable(get_state) else None
-        if group is not None:
-            groups.append(group)
+        state = get_state() if callable(get_state) else None
+        if state is None:
+            continue
+        many = getattr(state, "_fsdp_param_groups", None)
+        one = getattr(state, "_fsdp_param_group", None) if many is None else None
+        groups += list(many) if many is not None else ([one] if one is not None else [])
     return groups
 
 

@@ -10,9 +10,12 @@ optimizer step), with two substitutions that move no data:
     (torch.testing._internal.distributed.fake_pg), which accepts every collective of a world of
     any size and does nothing, as torchtitan's memory estimation runs a large world on one
     process (torchtitan/scripts/estimate/estimation.py).
+DTensor derives each operator's global output shape on fake tensors of its own; in the trace
+those would be the trace's, so that propagation runs apart from the tracker, as in a real run
+(stand_ins.py `sharding_metadata_apart`).
 
 A mixture-of-experts router's choices depend on values fake tensors do not have; the trace
-routes every token balanced (`_balanced_routing`: token t's k experts are t k, ..., t k + k - 1
+routes every token balanced (`balanced_routing`: token t's k experts are t k, ..., t k + k - 1
 mod E, every expert the same share, the planner's assumption, tenfold.plan.moe), so the routing
 bookkeeping (counts, sort, all-to-all split sizes) runs on real index tensors beside the fake
 activations. An all-to-all of real tensors (the expert-parallel split sizes) returns this rank's
@@ -45,6 +48,14 @@ from collections import defaultdict
 from dataclasses import replace
 from contextlib import contextmanager
 from typing import Any
+
+from tenfold.engine.preview.stand_ins import (
+    balanced_routing,
+    ddp_reduces_in_python,
+    ddp_without_shape_check,
+    module_conversion_to_itself_keeps_it,
+    sharding_metadata_apart,
+)
 
 # The child's imports (torch, the engine) are inside the functions: `tenfold plan` imports this
 # module for `trace_run` without torch.
@@ -195,34 +206,6 @@ def _as_every_rank_sends(func, args) -> None:
             out.copy_(inp)
 
 
-@contextmanager
-def _balanced_routing():
-    """Every MoE layer routes token t to experts t k, ..., t k + k - 1 (mod E), a real index
-    tensor (module docstring); the weights are the router's scores of those experts, as
-    `MoE.route` takes them."""
-    import torch
-    from torch.utils._python_dispatch import _disable_current_modes
-
-    from tenfold.models.moe import MoE
-
-    original = MoE.route
-
-    def route(self, h):
-        scores, chosen, _ = original(self, h)
-        with _disable_current_modes():
-            chosen = (torch.arange(chosen.numel()) % self.n_experts).reshape(chosen.shape)
-        weights = scores.gather(-1, chosen)
-        if self.norm_topk:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        return scores, chosen, weights
-
-    MoE.route = route
-    try:
-        yield
-    finally:
-        MoE.route = original
-
-
 def _no_value(dtype):
     """What `.item()` of a fake value with no known value returns: False for a flag (no
     overflow), 0.0 for a float (the loss, a norm: finite), 1 for an integer (torch.pipelining's
@@ -233,30 +216,6 @@ def _no_value(dtype):
     if dtype == torch.bool:
         return False
     return 0.0 if dtype.is_floating_point else 1
-
-
-@contextmanager
-def _module_conversion_to_itself_keeps_it():
-    """`nn.Module._apply(fn)` where `fn` returns every tensor as it is (`.to(its device)`,
-    `.float()` of fp32 weights) returns the module. torch swaps every FakeTensor parameter on
-    such a conversion even when nothing changes, which fails ("Cannot swap t1 because it has
-    weakref associated with it", torch 2.13); the engine's `model.to(dist.device)`
-    (engine/loop/parts.py) and Hugging Face's `from_config(...).float()` (models/hf.py) are such calls."""
-    import torch
-    import torch.nn as nn
-
-    original = nn.Module._apply
-
-    def _apply(self, fn, recurse=True):
-        with torch.no_grad():
-            unchanged = all(fn(t) is t for t in [*self.parameters(), *self.buffers()])
-        return self if unchanged else original(self, fn, recurse)
-
-    nn.Module._apply = _apply
-    try:
-        yield
-    finally:
-        nn.Module._apply = original
 
 
 NAMED_GROUP_CALLS = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast", "all_gather",
@@ -327,35 +286,6 @@ def _named_groups(log):
     finally:
         for name, fn in originals.items():
             setattr(dist, name, fn)
-
-
-@contextmanager
-def _ddp_without_shape_check():
-    """DDP's constructor compares every parameter's shape across ranks in C++ through real host
-    memory (`_verify_param_shape_across_processes`), which fake tensors have none of: skipped
-    here (every rank of a fake world runs the same build). The reducer, its buckets and its
-    all-reduces run as in a run."""
-    import torch.nn.parallel.distributed as ddp
-
-    original = ddp._verify_param_shape_across_processes
-    ddp._verify_param_shape_across_processes = lambda *args, **kwargs: None
-    try:
-        yield
-    finally:
-        ddp._verify_param_shape_across_processes = original
-
-
-def _ddp_reduces_in_python(model) -> None:
-    """DDP without a communication hook all-reduces each bucket in C++ and reads the result
-    from the work's future, which the fake backend leaves empty: such a DDP gets PyTorch's
-    `allreduce_hook` (torch.distributed.algorithms.ddp_comm_hooks.default_hooks), the documented
-    equivalent of DDP's own reduction (an all-reduce of each bucket), whose future
-    `_named_groups` fills."""
-    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-    from torch.nn.parallel import DistributedDataParallel
-
-    if isinstance(model, DistributedDataParallel) and not model._comm_hooks:
-        model.register_comm_hook(model.process_group, allreduce_hook)
 
 
 def _summarize(records: list[dict]) -> list[dict]:
@@ -446,12 +376,12 @@ def trace_rank(train_flags: list[str], world: int, rank: int) -> dict:
     log = _collective_log_class()()
     log.default_group, log.p2p_group = d.dp_size, d.pp_size
     log.labels = group_labels(d)
-    with FakeTensorMode(allow_non_fake_inputs=True), log, _module_conversion_to_itself_keeps_it(), \
-            _ddp_without_shape_check(), _named_groups(log), _balanced_routing():
+    with FakeTensorMode(allow_non_fake_inputs=True), log, module_conversion_to_itself_keeps_it(), \
+            ddp_without_shape_check(), _named_groups(log), balanced_routing(), sharding_metadata_apart():
         P.seed_everything(cfg.train.seed)
         model, adapter, lora = P.build_model(P.new_model(run, cfg, None), run, cfg.model.blocks, d, precision, None,
                                              None, None)
-        _ddp_reduces_in_python(model)
+        ddp_reduces_in_python(model)
         optimizer, scheduler = P.build_optimizer(model, run, cfg.train, cfg.parallel.timeout_s, d)
         parts = P.Parts(run, d, precision, None, adapter, model, optimizer, scheduler, None, cfg.train, lora)
         shape = (run.micro_batch, run.seq_len)
