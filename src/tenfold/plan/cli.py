@@ -307,12 +307,14 @@ def _trace(args, t: Target, plan, advice) -> dict:
     # describes; the others differ from one of them only by the micro-batches they hold.
     traces = trace_run(flags, run.world_size, run.pp, run.grad_ranks, run.tp, stages=sorted({0, stage, run.pp - 1}))
     # The planner states collective bytes for the tensor-parallel group (plan/tp_traffic.py), the
-    # cp group (plan/cp_traffic.py) and the ep group's all-to-alls (plan/moe.py); its
-    # data-parallel traffic is a time (plan/dp_time.py): tp bytes are compared where tp is all
-    # there is, cp and ep bytes with their traced groups'.
+    # cp group (plan/cp_traffic.py), the ep group's all-to-alls (plan/moe.py) and the dp groups
+    # (plan/dp_time.py, for the slowest stage: compared without a pipeline); tp bytes are
+    # compared where tp is all there is, the others with their traced groups'.
     planned_bytes = plan.tp_bytes_per_step if run.grad_ranks == 1 and run.pp == 1 else None
+    planned_dp = plan.time.dp_bytes if run.grad_ranks > 1 and run.pp == 1 and run.ep == 1 and run.cp == 1 else None
     return compare(memory_by_category(plan.memory), traces, stage, planned_bytes,
-                   plan.cp_bytes_per_step if run.cp > 1 else None, plan.ep_bytes_per_step if run.ep > 1 else None)
+                   plan.cp_bytes_per_step if run.cp > 1 else None, plan.ep_bytes_per_step if run.ep > 1 else None,
+                   planned_dp)
 
 
 @dataclass

@@ -13,7 +13,9 @@ What each stage moves (ZeRO §7 volumes; the engines tenfold runs, techniques/ze
            after backward is switched off until the last micro-batch); its gradients are
            reduce-scattered after each micro-batch's backward.
   stage 3  FSDP2, reshard_after_forward=True: per micro-batch, each layer is all-gathered for
-           its forward, all-gathered again for its backward, and reduce-scattered.
+           its forward, all-gathered again for its backward, and reduce-scattered; blocks under
+           the persistence threshold stay gathered to their backward, and so, without
+           pipelining, do the last block and the root (their backward follows at once).
            A layer recomputed inside a checkpointed segment of several blocks
            (`segments:K`) runs its forward hooks again in backward before its own backward
            hook fired, so it is gathered a third time; a block checkpointed on its own
@@ -61,6 +63,7 @@ class StageWork:
     micro_batches: int
     pp: int
     reduce_once: bool = False  # FSDP2 reducing at the last micro-batch only (ZeRO-1 under TP)
+    blocks_persist: bool = False  # ZeRO-3 blocks under the persistence threshold: gathered forward to backward
 
 
 @dataclass(frozen=True)
@@ -123,12 +126,29 @@ def _ddp(stage: int, w: StageWork, hw: Hardware, g: comm.Group, overlap: bool) -
     return ar, exposed, formula
 
 
-def _fsdp(stage: int, w: StageWork, hw: Hardware, g: comm.Group, overlap: bool) -> tuple[float, float, str]:
-    ag = comm.all_gather_time(w.layer_param_bytes, hw, g)
-    rs = comm.reduce_scatter_time(w.layer_grad_bytes, hw, g)
-    ag_root = comm.all_gather_time(w.root_param_bytes, hw, g)
-    rs_root = comm.reduce_scatter_time(w.root_grad_bytes, hw, g)
-    L, m = w.layers, w.micro_batches
+@dataclass(frozen=True)
+class FsdpSchedule:
+    """How often FSDP2 gathers and reduces a unit: per micro-batch (`fwd_ag`, `bwd_ag` per
+    layer, `rs_mb`), or once per step (`ag_once`, 1 - `rs_mb`)."""
+
+    fwd_ag: float
+    bwd_ag: float
+    ag_once: float
+    rs_mb: float
+    root_bwd_ag: float
+
+    def gathers(self, layers: int, m: int) -> tuple[float, float]:
+        """(layer gathers, root gathers) per step."""
+        return (m * layers * (self.fwd_ag + self.bwd_ag) + self.ag_once * layers,
+                m * (self.fwd_ag + self.root_bwd_ag) + self.ag_once)
+
+    def reduces(self, m: int) -> float:
+        """Reduce-scatters of each unit per step."""
+        return m * self.rs_mb + (1.0 - self.rs_mb)
+
+
+def fsdp_schedule(stage: int, w: StageWork) -> FsdpSchedule:
+    L = w.layers
     pipelined = w.pp > 1
     # ZeRO-1 under tensor parallelism (FSDP2 without gradient sync until the last micro-batch)
     # reduce-scatters once per step and gathers every micro-batch (it reshards after backward).
@@ -137,12 +157,44 @@ def _fsdp(stage: int, w: StageWork, hw: Hardware, g: comm.Group, overlap: bool) 
     # Stage 2 keeps its gathered units across micro-batches (techniques/zero.py `_keep_gathered`)
     # and a pipeline gathers at its first forward: once per step.
     fwd_ag = 1.0 if (stage == 3 or once) and not pipelined else 0.0
-    ag_once = 1.0 - fwd_ag
-    bwd_ag = (1.0 + (w.regathered_layers / L if L else 0.0)) if stage == 3 else 0.0
-    rs_mb = 0.0 if pipelined or once else 1.0
-    per_mb = L * (fwd_ag + bwd_ag) * ag + fwd_ag * ag_root + (ag_root if stage == 3 else 0.0) + rs_mb * (L * rs + rs_root)
-    per_step = ag_once * (L * ag + ag_root) + (1.0 - rs_mb) * (L * rs + rs_root)
-    total = m * per_mb + per_step
+    # Stage 3 gathers a block again for its backward unless it stays gathered: blocks under the
+    # persistence threshold, and without pipelining the last block and the root, whose backward
+    # follows their forward at once (techniques/zero.py `_backward_follows_forward`).
+    resharded = 0.0 if w.blocks_persist else (L if pipelined else max(0, L - 1))
+    bwd_ag = ((resharded + w.regathered_layers) / L if L else 0.0) if stage == 3 else 0.0
+    return FsdpSchedule(fwd_ag=fwd_ag, bwd_ag=bwd_ag, ag_once=1.0 - fwd_ag, rs_mb=0.0 if pipelined or once else 1.0,
+                        root_bwd_ag=1.0 if stage == 3 and pipelined and not w.blocks_persist else 0.0)
+
+
+def dp_step_bytes(stage: int, w: StageWork, shard: int, replicas: int = 1) -> float:
+    """Bytes one rank sends per step over its data-parallel groups, in a ring (nccl-tests'
+    bus factors: (n-1)/n of an all-gather's output or a reduce-scatter's input, 2 (n-1)/n of an
+    all-reduce's buffer): what `tenfold plan --trace` records on the dp groups."""
+    ring = (shard - 1) / shard if shard > 1 else 0.0
+    grads = w.layers * w.layer_grad_bytes + w.root_grad_bytes
+    if stage <= 1:  # DDP's all-reduce; ZeRO-1 also all-gathers the updated parameters
+        params = w.layers * w.layer_param_bytes + w.root_param_bytes
+        return 2 * ring * grads + (ring * params if stage == 1 else 0.0)
+    sched = fsdp_schedule(stage, w)
+    layer_gathers, root_gathers = sched.gathers(w.layers, w.micro_batches)
+    sent = ring * (layer_gathers * w.layer_param_bytes + root_gathers * w.root_param_bytes
+                   + sched.reduces(w.micro_batches) * grads)
+    if replicas > 1:  # hybrid sharding: each 1/shard gradient shard all-reduced across the replicas
+        sent += 2 * (replicas - 1) / replicas * grads / shard
+    return sent
+
+
+def _fsdp(stage: int, w: StageWork, hw: Hardware, g: comm.Group, overlap: bool) -> tuple[float, float, str]:
+    ag = comm.all_gather_time(w.layer_param_bytes, hw, g)
+    rs = comm.reduce_scatter_time(w.layer_grad_bytes, hw, g)
+    ag_root = comm.all_gather_time(w.root_param_bytes, hw, g)
+    rs_root = comm.reduce_scatter_time(w.root_grad_bytes, hw, g)
+    L, m = w.layers, w.micro_batches
+    pipelined = w.pp > 1
+    sched = fsdp_schedule(stage, w)
+    fwd_ag, bwd_ag, ag_once, rs_mb = sched.fwd_ag, sched.bwd_ag, sched.ag_once, sched.rs_mb
+    layer_gathers, root_gathers = sched.gathers(L, m)
+    total = layer_gathers * ag + root_gathers * ag_root + sched.reduces(m) * (L * rs + rs_root)
     what = f"FSDP2 stage {stage}: all-gather fwd " + ("per layer per micro-batch" if fwd_ag else "once per step")
     what += " + all-gather bwd per layer per micro-batch" if stage == 3 else ""
     what += (" + reduce-scatter per layer per micro-batch" if rs_mb else

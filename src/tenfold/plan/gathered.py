@@ -111,9 +111,16 @@ def zero3_gathered_params(stage_params: float, run: ResolvedRun, largest_unit: f
     layers = run.rank_layers(0) if run.model is not None else 0
     if not layers:  # --params: the whole stage is one unit
         return stage_params
-    if largest_unit * run.tp <= threshold:
+    if blocks_persist(run, largest_unit):
         return stage_params  # every block persists, and the root with them
     return min(2, layers) * largest_unit
+
+
+def blocks_persist(run: ResolvedRun, block_params: float) -> bool:
+    """ZeRO-3 keeps a block unit gathered from forward to backward when its whole parameter
+    count (FSDP2 counts a DTensor's elements: the rank's share x tp) is at most
+    `parallel.param_persistence_threshold` (techniques/zero.py `_reshard_after_forward`)."""
+    return block_params * run.tp <= run.param_persistence_threshold
 
 
 def autocast_weight_copy_bytes(stage_params: float, run: ResolvedRun, uncast_params: float = 0.0) -> float:

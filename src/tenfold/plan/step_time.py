@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from tenfold.errors import UserError
 from tenfold.plan import comm, cp_traffic, dp_time, fp8, memory
+from tenfold.plan import gathered as gathered_plan
 from tenfold.plan import lora as lora_plan
 from tenfold.plan import moe as moe_plan
 from tenfold.plan import time as tm
@@ -37,6 +38,7 @@ class TimeBreakdown:
     overhead_s: float = 0.0  # measured per-step + per-micro-batch overhead (Hardware; `tenfold tune`)
     embedding_sync_s: float = 0.0  # tied embeddings under pp: the first + last stage's gradient all-reduce
     ep_comm_s: float = 0.0  # MoE token dispatch + combine all-to-alls under expert parallelism (plan/moe.py)
+    dp_bytes: float = 0.0  # what one rank of the slowest stage sends per step on its dp groups (dp_time.dp_step_bytes)
 
 
 @dataclass
@@ -110,8 +112,9 @@ def step_time(shape: ModelShape, hw: Hardware, r: ResolvedRun, tr,
     # (the engine's (pp, dp_replicate, dp_shard, tp) mesh).
     gpn = hw.gpus_per_node
     replicas = comm.group_layout(r.replicas, r.tp * r.shard_size, gpn) if r.shard_group else None
-    dp = dp_time.dp_step_comm(z, stage_work(shape, r, mb), hw, comm.group_layout(r.shard_size, r.tp, gpn),
-                              r.stack.overlap_comm, replicas)
+    work = stage_work(shape, r, mb)
+    dp = dp_time.dp_step_comm(z, work, hw, comm.group_layout(r.shard_size, r.tp, gpn), r.stack.overlap_comm, replicas)
+    dp_bytes = dp_time.dp_step_bytes(z, work, r.shard_size, replicas.size if replicas else 1) if r.grad_ranks > 1 else 0.0
     n_params = max(trained_params(shape, r, rank) for rank in r.busiest_ranks())
     on_rank = n_params / (r.shard_size if z >= 1 else 1)
     # What crosses the host link at the step: DeepSpeed's ZeRO-Offload sends 16-bit grads down
@@ -136,7 +139,7 @@ def step_time(shape: ModelShape, hw: Hardware, r: ResolvedRun, tr,
         compute_s=m * (mb.fwd + mb.bwd), recompute_s=m * mb.rc, tp_comm_s=m * mb.tpc, pp_comm_s=m * mb.ppc,
         host_transfer_s=m * mb.host, bubble_s=bubble, dp_comm_s=dp.total_s, dp_comm_exposed_s=dp.exposed_s,
         optimizer_s=opt, step_s=step, bubble_fraction=bubble / (m * t_mb), source="model", overhead_s=overhead,
-        embedding_sync_s=sync, ep_comm_s=m * mb.epc,
+        embedding_sync_s=sync, ep_comm_s=m * mb.epc, dp_bytes=dp_bytes,
     )
     return t, model_flops, hw_flops
 
@@ -243,6 +246,7 @@ def stage_work(shape: ModelShape, r: ResolvedRun, mb: MicroBatch) -> dp_time.Sta
         root_param_bytes=element_bytes(r.precision) * root, root_grad_bytes=root_grads,
         regathered_layers=regathered, micro_batches=r.grad_accum, pp=r.pp,
         reduce_once=r.zero_stage == 1 and r.zero_runs_as == 2,
+        blocks_persist=shape.known and gathered_plan.blocks_persist(r, per_layer),
     )
 
 

@@ -220,7 +220,8 @@ def _no_value(dtype):
 
 NAMED_GROUP_CALLS = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast", "all_gather",
                      "reduce_scatter", "send", "recv", "batch_isend_irecv", "all_reduce_coalesced",
-                     "all_to_all_single")
+                     "all_to_all_single",
+                     "all_gather_single", "reduce_scatter_single")  # FSDP2's, torch 2.13
 # (isend/irecv stay unwrapped: torch checks a P2POp's function by identity; pipelining sends
 # through batch_isend_irecv, whose group is its ops' group.)
 

@@ -24,12 +24,17 @@ def diff_percent(planned: float | None, traced: float | None) -> float | None:
     return round(100.0 * (planned - traced) / traced, 2)
 
 
+DP_GROUPS = ("dp", "dp_shard", "dp_replicate")  # the mesh dimensions data parallelism reduces over
+
+
 def compare(planned: dict, traces: list[dict], stage: int, planned_traffic: float | None = None,
-            planned_cp: float | None = None, planned_all_to_all: float | None = None) -> dict:
+            planned_cp: float | None = None, planned_all_to_all: float | None = None,
+            planned_dp: float | None = None) -> dict:
     """{"stage", "memory": {key: {planned, traced, diff_percent}}, "stages": per-stage traced
     memory, "collectives": the compared stage's, "traffic": planned vs traced ring bytes,
     "cp_traffic": planned vs traced ring bytes on the cp group (None without cp), "all_to_all":
-    planned vs traced ring bytes of the expert-parallel all-to-alls (group "ep"; None without ep)}."""
+    planned vs traced ring bytes of the expert-parallel all-to-alls (group "ep"; None without ep),
+    "dp_traffic": planned vs traced ring bytes on the data-parallel groups (`DP_GROUPS`)}."""
     traced = next(t for t in traces if t["stage"] == stage)
     memory = {k: {"planned": planned.get(k), "traced": traced["memory"].get(k),
                   "diff_percent": diff_percent(planned.get(k), traced["memory"].get(k))} for k in COMPARED}
@@ -42,6 +47,9 @@ def compare(planned: dict, traces: list[dict], stage: int, planned_traffic: floa
     if planned_cp is not None:
         cp_ring = sum(c["ring_bytes"] for c in traced["collectives"] if c.get("group") == "cp")
         out["cp_traffic"] = {"planned": planned_cp, "traced": cp_ring, "diff_percent": diff_percent(planned_cp, cp_ring)}
+    if planned_dp is not None:
+        dp_ring = sum(c["ring_bytes"] for c in traced["collectives"] if c.get("group") in DP_GROUPS)
+        out["dp_traffic"] = {"planned": planned_dp, "traced": dp_ring, "diff_percent": diff_percent(planned_dp, dp_ring)}
     if planned_all_to_all is not None:
         a2a = sum(c["ring_bytes"] for c in traced["collectives"] if c["kind"] == "all_to_all" and c.get("group") == "ep")
         out["all_to_all"] = {"planned": planned_all_to_all, "traced": a2a,
@@ -91,6 +99,11 @@ def print_comparison(result: dict) -> None:
         d = cp["diff_percent"]
         captions.append(f"cp group bytes per step (K/V all-gather and reduce-scatter): planned {fmt_bytes(cp['planned'])}, "
                         f"traced {fmt_bytes(cp['traced'])}" + ("" if d is None else f" ({d:+.1f}%)"))
+    dp = result.get("dp_traffic")
+    if dp is not None:
+        d = dp["diff_percent"]
+        captions.append(f"data-parallel bytes per step (all-gathers, reduce-scatters, all-reduces): planned "
+                        f"{fmt_bytes(dp['planned'])}, traced {fmt_bytes(dp['traced'])}" + ("" if d is None else f" ({d:+.1f}%)"))
     a2a = result.get("all_to_all")
     if a2a is not None:
         d = a2a["diff_percent"]
