@@ -33,8 +33,8 @@ PUBLISHED_ERRORS = {
     "double quantization saving": 0.0, "LLaMA 7B 4-bit base (FLAN v2 run)": -0.234,
     "Guanaco 7B 4-bit model": -0.227, "Guanaco 13B 4-bit model": -0.280, "Guanaco 33B 4-bit model": -0.171,
     "Guanaco 65B 4-bit model": -0.160, "LLaMA 65B QLoRA on one 48 GB GPU": 0.017,
-    "Llama 3.1 8B LoRA, 1x 4090": 0.365, "Llama 3.1 8B QLoRA, 1x 4090": 0.686, "Llama 3.1 70B LoRA, 8x A100": 0.146,
-    "Llama 3.1 405B QLoRA, 8x A100": 0.417,
+    "Llama 3.1 8B LoRA, 1x 4090": 0.365, "Llama 3.1 8B QLoRA, 1x 4090": 0.686, "Llama 3.1 70B LoRA, 8x A100": 0.204,
+    "Llama 3.1 405B QLoRA, 8x A100": 0.429,
 }
 
 

@@ -61,9 +61,6 @@ EP_CASES = ("ep2_moe", "ep4_moe_zero2", "ep2_moe_recompute_full")
 TERMS = ("params_bytes", "grads_bytes", "optimizer_bytes", "gathered_params_bytes", "activations_bytes", "peak_bytes")
 
 KNOWN_MISSES = {
-    ("zero3_resharded", "gathered_params_bytes"):
-        "the trace holds the root and one resharded block gathered at once beside the all-gather buffers, the plan "
-        "two blocks (FSDP2's backward prefetch, PyTorch PR #128884) beside them: +5.3%, not yet explained",
     ("pp2_zero_bubble_zero3", "grads_bytes"):
         "zero-bubble runs a block's weight gradients apart from its input gradients, later: the traced high holds two "
         "blocks' 16-bit gradients beside the unsharded fp32 ones, the plan one: -14.7%",

@@ -16,7 +16,7 @@ from tenfold.plan import gathered as gathered_plan
 from tenfold.plan import moe as moe_plan
 from tenfold.plan.hardware import Hardware, get_hardware, with_gpus_per_node
 from tenfold.models.presets import active_param_count
-from tenfold.plan.shape import ModelShape, largest_unit_params, run_rank_params, shape_of
+from tenfold.plan.shape import ModelShape, largest_unit_params, layer_params, run_rank_params, shape_of
 from tenfold.plan.step_time import TimeBreakdown, compute_share, step_time
 from tenfold.run import ResolvedRun
 from tenfold.terms import element_bytes
@@ -366,7 +366,8 @@ def _stage_memory(shape: ModelShape, hw: Hardware, run: ResolvedRun, rank: int) 
                 else gathered_plan.autocast_weight_copy_bytes(
                     n_params, run, gathered_plan.uncast_param_count(cfg, run.rank_layers(rank), first, last)))
     on_cpu = hw.name == "cpu"  # the engine's CPU units (techniques/zero.py)
-    gathered = gathered_plan.gathered_param_bytes(n_params, run, unit, on_cpu=on_cpu) + autocast  # each term at its own high
+    block = layer_params(shape, run.tp, run.ep) if shape.known else None
+    gathered = gathered_plan.gathered_param_bytes(n_params, run, unit, on_cpu=on_cpu, block=block) + autocast  # each term at its own high
     next_unit = None
     if run.ep > 1 and cfg is not None and memory.runs_on_fsdp2(run.zero_stage, run.tp, run.dp, run.offload):
         # FSDP2 gathers the dense part by blocks, the ep-split experts in units of their own (or

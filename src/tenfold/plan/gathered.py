@@ -12,12 +12,12 @@ from tenfold.terms import CPU_UNIT_BUCKET, MULTI_STAGE_SCHEDULES, element_bytes,
 
 
 def gathered_param_bytes(stage_params: float, run: ResolvedRun, largest_unit: float,
-                         next_unit: float | None = None, on_cpu: bool = False) -> float:
+                         next_unit: float | None = None, on_cpu: bool = False, block: float | None = None) -> float:
     """Unsharded working copies of parameters on the device, beyond the rank's own parameters
     (`params_bytes`), at their high (the start of backward): FSDP2's all-gathered units in the
     compute dtype (MixedPrecisionPolicy param_dtype; float8 blocks with --fp8). ZeRO-3 without
-    pipelining: two units at once, the one computing and the prefetched next (PyTorch PR
-    #128884; DeepSpeed's ZeRO-3 likewise). ZeRO-2, `replicate` under tensor parallelism and any
+    pipelining: `zero3_gathered_params` and the all-gather buffers of the units fetched ahead
+    (PyTorch PR #128884; DeepSpeed's ZeRO-3 likewise). ZeRO-2, `replicate` under tensor parallelism and any
     FSDP2 stage under pipelining (torch.distributed.pipelining keeps the stage unsharded until
     its last micro-batch): every unit of the stage, from its forward to its backward. DDP and
     one process keep fp32 parameters under torch.amp: `autocast_weight_copy_bytes`, which the
@@ -26,7 +26,7 @@ def gathered_param_bytes(stage_params: float, run: ResolvedRun, largest_unit: fl
     if not _fsdp2_gathers(run):
         return 0.0
     if run.zero_runs_as == 3 and run.pp == 1:
-        return unit_bytes * (zero3_gathered_params(stage_params, run, largest_unit)
+        return unit_bytes * (zero3_gathered_params(stage_params, run, largest_unit, block)
                              + all_gather_buffer(run, largest_unit, next_unit, on_cpu))
     return unit_bytes * (stage_params * active_stage_share(run)
                          + all_gather_buffer(run, largest_unit, next_unit, on_cpu))
@@ -95,25 +95,27 @@ def active_stage_share(run: ResolvedRun) -> float:
 
 
 
-def zero3_gathered_params(stage_params: float, run: ResolvedRun, largest_unit: float) -> float:
+def zero3_gathered_params(stage_params: float, run: ResolvedRun, largest_unit: float,
+                          block: float | None = None) -> float:
     """Parameters ZeRO-3 holds gathered at once without pipelining (techniques/zero.py
     `_wrap_fsdp2`): block units of at most `parallel.param_persistence_threshold` elements
     (DeepSpeed's stage3_param_persistence_threshold) stay gathered from forward to backward, and
-    the root unit (embedding, final norm, head) is never freed after forward (FSDP2's root
-    heuristic: its backward follows at once), so with persistent blocks the whole stage is
-    gathered (tests/test_trace.py: exact). Blocks above the threshold are freed after forward;
-    two units at once in backward, the one computing and the prefetched next (PyTorch PR
-    #128884): a two-rank gloo run measures 10% less (tests/test_zero.py), the trace the root and
-    one block (tests/test_trace.py KNOWN_MISSES). The threshold is compared with a block's whole
-    parameter count, as FSDP2 counts a DTensor's elements (`largest_unit` x tp: the block's
-    tp-split weights)."""
-    threshold = run.param_persistence_threshold
+    the root unit (embedding, final norm, head) is never freed after forward (its backward
+    follows at once: `_backward_follows_forward`), so with persistent blocks the whole stage is
+    gathered (tests/test_trace.py: exact). Blocks above the threshold are freed after forward:
+    the root and the block computing are gathered, the next block's copy is its all-gather
+    buffer (`all_gather_buffer`; in backward the prefetched block and one buffer: as much). The
+    threshold is compared with a block's whole parameter count, as FSDP2 counts a DTensor's
+    elements (`largest_unit` x tp: the block's tp-split weights). `block`: one block's
+    parameters on the rank (unknown: two of the largest units)."""
     layers = run.rank_layers(0) if run.model is not None else 0
     if not layers:  # --params: the whole stage is one unit
         return stage_params
     if blocks_persist(run, largest_unit):
         return stage_params  # every block persists, and the root with them
-    return min(2, layers) * largest_unit
+    if block is None:
+        return min(2, layers) * largest_unit
+    return stage_params - (layers - 1) * block  # the root and one block
 
 
 def blocks_persist(run: ResolvedRun, block_params: float) -> bool:
