@@ -36,6 +36,11 @@ CASES = {
     "gpt3_blocks_tp2": ["--zero", "2", "--gpus", "8", "--tp", "2", *GPT3_BLOCKS],
     # the tied embedding on both ends of the pipeline, split over the vocabulary
     "gpt3_blocks_pp2_tp2": ["--zero", "2", "--gpus", "8", "--tp", "2", "--pp", "2", "--grad-accum", "4", *GPT3_BLOCKS],
+    # Hugging Face Llama (its own RMSNorm and rotary code): ZeRO-3, tp 2, and tied embeddings over pp 2
+    "hf_llama_zero3": ["--zero", "3", "--gpus", "8", "--hf-config", "tests/data/llama-tiny/config.json"],
+    "hf_llama_tp2": ["--zero", "3", "--gpus", "8", "--tp", "2", "--hf-config", "tests/data/llama-tiny/config.json"],
+    "hf_llama_tied_pp2": ["--zero", "3", "--gpus", "8", "--pp", "2", "--grad-accum", "4",
+                          "--hf-config", "tests/data/llama-tied-tiny/config.json"],
     "pp2_zero3": ["--zero", "3", "--gpus", "8", "--pp", "2", "--grad-accum", "4"],
     # 8 blocks on 4 stages: the plan's most loaded rank is a middle one (rank 1: blocks only, a
     # receive buffer per micro-batch each way), where the trace meets every term
@@ -81,9 +86,10 @@ KNOWN_MISSES = {
 
 
 def plan_trace(flags: list[str]) -> dict:
-    """`tenfold plan --trace --json` of the small model on a fleet of `flags`: its `trace`."""
-    cmd = [sys.executable, "-m", "tenfold", "plan", "--model", "tiny", *SHAPE, "--gpu", "h100-sxm", "--trace", "--json",
-           *flags]
+    """`tenfold plan --trace --json` of the small model (or of the Hugging Face config `flags`
+    names) on a fleet of `flags`: its `trace`."""
+    model = ["--seq-len", "32"] if "--hf-config" in flags else ["--model", "tiny", *SHAPE]
+    cmd = [sys.executable, "-m", "tenfold", "plan", *model, "--gpu", "h100-sxm", "--trace", "--json", *flags]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=HERE.parent, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout)["trace"]

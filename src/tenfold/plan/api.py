@@ -313,6 +313,15 @@ def _fits(m: MemoryBreakdown, hw: Hardware, gpus: int) -> bool:
     return m.total_bytes <= m.capacity_bytes and _host_fits(m, hw, gpus)
 
 
+def _autocast_copy_bytes(cfg, run: ResolvedRun, rank: int, n_params: float) -> float:
+    """torch.amp's 16-bit weight copies on pipeline rank `rank` (plan/gathered.py; a LoRA run's:
+    plan/lora.py)."""
+    if run.lora and cfg is not None:
+        return lora_plan.autocast_copy_bytes(cfg, run, run.rank_layers(rank))
+    uncast = gathered_plan.uncast_param_count(cfg, run.rank_layers(rank), rank == 0, rank == run.pp - 1)
+    return gathered_plan.autocast_weight_copy_bytes(n_params, run, uncast)
+
+
 def _allocated_at_peak(run: ResolvedRun, st: memory.ModelStates, at_peak: float, act: float, buffers: float,
                        unit: float, sending: float) -> float:
     """The step's high: every term at its own high, or, where the engine's order is known, the
@@ -362,9 +371,7 @@ def _stage_memory(shape: ModelShape, hw: Hardware, run: ResolvedRun, rank: int) 
         cpu += sa.cpu_bytes
         tp_seq_bytes = run.micro_batch * run.local_seq_len * cfg.d_model * element_bytes(run.precision)
     buffers, _ = memory.comm_buffer_bytes(run, unit, tp_seq_bytes)
-    autocast = (lora_plan.autocast_copy_bytes(cfg, run, run.rank_layers(rank)) if run.lora and cfg is not None
-                else gathered_plan.autocast_weight_copy_bytes(
-                    n_params, run, gathered_plan.uncast_param_count(cfg, run.rank_layers(rank), first, last)))
+    autocast = _autocast_copy_bytes(cfg, run, rank, n_params)
     on_cpu = hw.name == "cpu"  # the engine's CPU units (techniques/zero.py)
     block = layer_params(shape, run.tp, run.ep) if shape.known else None
     gathered = gathered_plan.gathered_param_bytes(n_params, run, unit, on_cpu=on_cpu, block=block) + autocast  # each term at its own high

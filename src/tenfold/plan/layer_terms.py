@@ -37,11 +37,12 @@ def layer_activation_terms(cfg: ModelConfig, run: ResolvedRun) -> tuple[ActTerm,
     st = run.stack
     if run.lora is not None and st.activation_style == "tenfold":
         return tuple(ActTerm(n, b, tp, part, source=src) for n, b, tp, part, src in lora_plan.layer_terms(cfg, run))
-    return _layer_terms(cfg, run.precision, st.activation_style, st.flash_attention, st.dropout)
+    return _layer_terms(cfg, run.precision, st.activation_style, st.flash_attention, st.dropout, run.model_kind == "hf")
 
 
 @functools.lru_cache(maxsize=256)
-def _layer_terms(cfg: ModelConfig, precision: str, style: str, flash: bool, drop: bool) -> tuple[ActTerm, ...]:
+def _layer_terms(cfg: ModelConfig, precision: str, style: str, flash: bool, drop: bool,
+                 hf: bool = False) -> tuple[ActTerm, ...]:
     """The per-layer saved activations of one micro-batch, per token (multiply by b*s).
 
     style "megatron" reproduces Korthikanti et al. 2022 §4.1, Eq. (1): sbh(34 + 5as/h) with
@@ -56,14 +57,15 @@ def _layer_terms(cfg: ModelConfig, precision: str, style: str, flash: bool, drop
     in the compute dtype (`_norm_terms`); SDPA with is_causal saves q, k, v (GQA heads already
     repeat_interleave'd to full size), its output (wo's input, a view) and logsumexp; the math
     kernel's output is copied for wo; SwiGLU saves w1(x), silu(w1 x), w3(x) and their product.
-    RoPE saves only cos/sin tables (constants, not counted).
+    RoPE saves only cos/sin tables (constants, not counted). `hf`: a Hugging Face model's own
+    norms (`norm_bytes_per_token`).
     """
     h, f = cfg.d_model, cfg.active_ffn_dim
     kv = cfg.kv_heads * cfg.head_dim
     a = cfg.n_heads
     B = element_bytes(precision)  # bytes of one activation element
     half = precision != "fp32"
-    terms = _megatron_terms(cfg, h, f, kv, a, B, flash, drop) if style == "megatron" else _tenfold_terms(cfg, h, f, a, B, half, flash)
+    terms = _megatron_terms(cfg, h, f, kv, a, B, flash, drop) if style == "megatron" else _tenfold_terms(cfg, h, f, a, B, half, flash, hf)
     return terms + _moe_terms(cfg, B) if cfg.is_moe else terms
 
 
@@ -118,13 +120,13 @@ def _megatron_terms(cfg: ModelConfig, h: int, f: int, kv: int, a: int, B: float,
 
 
 def _tenfold_terms(cfg: ModelConfig, h: int, f: int, a: int, B: float, half: bool,
-                   flash: bool) -> tuple[ActTerm, ...]:
+                   flash: bool, hf: bool = False) -> tuple[ActTerm, ...]:
     """tenfold's own model under eager PyTorch + torch.amp (see _layer_terms)."""
     terms: list[ActTerm] = []
     add = terms.append
     T = "tenfold/models/gpt.py under torch.amp"
     for where in ("norm1", "norm2"):
-        terms += _norm_terms(cfg, where, B if half else 4.0)
+        terms += _norm_terms(cfg, where, B if half else 4.0, hf)
     add(ActTerm("q, k, v (SDPA inputs)", 3 * B * h, "shard", "keep",
                 source=f"{T}: SDPA saves q, k, v; GQA k/v are repeat_interleave'd to full width"))
     if flash:
@@ -149,21 +151,25 @@ def _tenfold_terms(cfg: ModelConfig, h: int, f: int, a: int, B: float, half: boo
     return tuple(terms)
 
 
-def norm_bytes_per_token(cfg: ModelConfig) -> tuple[float, float]:
-    """(bytes per channel, bytes per token) that one of tenfold's norms keeps for backward
-    besides its output (tenfold/models/gpt.py: both compute in fp32 from `x.float()`):
-    LayerNorm (native_layer_norm) its fp32 input, mean and 1/std; RMSNorm (F.rms_norm's ATen
-    decomposition) its fp32 input, the fp32 x / rms that the weight multiplies, and 1/rms."""
-    return (8.0, 4.0) if cfg.norm == "rmsnorm" else (4.0, 8.0)
+def norm_bytes_per_token(cfg: ModelConfig, hf: bool = False, B: float = 2.0) -> tuple[float, float]:
+    """(bytes per channel, bytes per token) that one norm keeps for backward besides its
+    output. tenfold's (tenfold/models/gpt.py: both compute in fp32 from `x.float()`): LayerNorm
+    (native_layer_norm) its fp32 input, mean and 1/std; RMSNorm (F.rms_norm's ATen
+    decomposition) its fp32 input, the fp32 x / rms that the weight multiplies, and 1/rms. A
+    Hugging Face RMSNorm (LlamaRMSNorm: x.float(), its mean square, x * rsqrt, cast back, then
+    the weight) keeps its fp32 input, 1/rms and the normalised value in the compute dtype `B`."""
+    if cfg.norm != "rmsnorm":
+        return 4.0, 8.0
+    return (4.0 + B, 4.0) if hf else (8.0, 4.0)
 
 
-def _norm_terms(cfg: ModelConfig, where: str, out_bytes: float) -> tuple[ActTerm, ...]:
+def _norm_terms(cfg: ModelConfig, where: str, out_bytes: float, hf: bool = False) -> tuple[ActTerm, ...]:
     """A norm before the attention or the MLP: what it keeps (split by sequence parallelism
     with the residual stream), and its one output copy the Linears after it keep, cast once to
     the compute dtype (fp32 without autocast). Under sequence parallelism that copy is the
     whole sequence: DTensor all-gathers the norm's output before the column-parallel Linears,
     which keep the gathered tensor (Megatron gathers it again in backward instead)."""
-    per_channel, per_token = norm_bytes_per_token(cfg)
+    per_channel, per_token = norm_bytes_per_token(cfg, hf, out_bytes)
     name = "RMSNorm" if cfg.norm == "rmsnorm" else "LayerNorm"
     src = "tenfold/models/gpt.py: the norm computes in fp32 and casts its output once"
     return (ActTerm(f"{where} ({name}: fp32 input, statistics)", per_channel * cfg.d_model + per_token,

@@ -410,7 +410,7 @@ def final_layer_activation_bytes(cfg: ModelConfig, run: ResolvedRun) -> float:
     if run.lora is not None and run.stack.activation_style == "tenfold":
         return lora_plan.final_norm_bytes(cfg, run) + bs * loss_bytes_per_token(cfg, run)
     if run.stack.activation_style == "tenfold":
-        per_channel, per_token = norm_bytes_per_token(cfg)
+        per_channel, per_token = norm_bytes_per_token(cfg, run.model_kind == "hf", B)
         norm_kept = (per_channel * h + per_token) / (tp if run.sequence_parallel else 1)
         return bs * (norm_kept + B * h + loss_bytes_per_token(cfg, run))
     return bs * (2 * B * h / (tp if run.sequence_parallel else 1) + 4.0 * cfg.vocab_size / tp)
