@@ -244,8 +244,13 @@ def test_gathered_parameters_are_measured_and_planned_as_their_own_term(two_rank
     nothing under DDP in fp32 (stages 0-1), the whole model in fp32 at ZeRO-2 (every unit stays
     gathered from its forward to its backward) and the buffer of the unit gathered ahead, part
     of it at ZeRO-3 (units gathered one or two at a time); the planner's figure within 2% at
-    ZeRO-2 and 15% at ZeRO-3.
+    ZeRO-2; at ZeRO-3 the plan (the root, the block computing and the next one's all-gather
+    buffer) exactly, or one block more: on CPU the engine issues FSDP2's gathers as async gloo
+    work (techniques/zero.py `_gather_ahead_on_cpu`), and a rank that runs ahead holds the next
+    block's copy while the previous one is not yet freed (seen on rank 0 in about one run of
+    four, the machine quiet or loaded).
     Mutation: the tracker not filing FSDP2's gathered storages apart -> 0 at ZeRO-2."""
+    from tenfold.models.presets import block_param_count, get_preset
     from tenfold.config import build_config
     from tenfold.engine.memory.measure import predicted_memory
     from tenfold.run import resolve_run
@@ -261,7 +266,9 @@ def test_gathered_parameters_are_measured_and_planned_as_their_own_term(two_rank
         assert params0 < m[2]["gathered_params_bytes"] < 2 * params0
         assert m[2]["gathered_params_bytes"] == pytest.approx(planned[2], rel=0.02), (m[2], planned[2])
         assert 0 < m[3]["gathered_params_bytes"] < m[2]["gathered_params_bytes"]
-        assert m[3]["gathered_params_bytes"] == pytest.approx(planned[3], rel=0.15), (m[3], planned[3])
+        shape = {k: v for k, v in worker.MODEL.items() if k != "name"}
+        block = 4 * block_param_count(get_preset("tiny").with_overrides(**shape))  # fp32
+        assert m[3]["gathered_params_bytes"] in (planned[3], planned[3] + block), (m[3], planned[3], block)
 
 
 @pytest.mark.multiprocess
