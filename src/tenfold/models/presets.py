@@ -247,7 +247,8 @@ def get_preset(name: str) -> ModelConfig:
         raise UserError(f"unknown model preset {name!r}; allowed: {', '.join(PRESETS)}") from None
 
 
-def _norm_params(cfg: ModelConfig) -> int:
+def norm_param_count(cfg: ModelConfig) -> int:
+    """One norm's parameters: LayerNorm's weight and bias, RMSNorm's weight."""
     return cfg.d_model * (2 if cfg.norm == "layernorm" else 1)
 
 
@@ -261,7 +262,7 @@ def block_param_count(cfg: ModelConfig) -> int:
         attn += q + 2 * kv
     if cfg.qk_norm:
         attn += 2 * cfg.head_dim
-    return attn + _ffn_param_count(cfg, active=False) + 2 * _norm_params(cfg)
+    return attn + _ffn_param_count(cfg, active=False) + 2 * norm_param_count(cfg)
 
 
 def _ffn_param_count(cfg: ModelConfig, active: bool) -> int:
@@ -302,7 +303,7 @@ def embedding_param_count(cfg: ModelConfig) -> int:
 
 def head_param_count(cfg: ModelConfig) -> int:
     """Final norm plus the output projection (zero extra when tied to the embedding)."""
-    return _norm_params(cfg) + (0 if cfg.tie_embeddings else cfg.vocab_size * cfg.d_model)
+    return norm_param_count(cfg) + (0 if cfg.tie_embeddings else cfg.vocab_size * cfg.d_model)
 
 
 def param_count(cfg: ModelConfig) -> int:
@@ -317,7 +318,7 @@ def active_param_count(cfg: ModelConfig) -> int:
 
 def non_embedding_param_count(cfg: ModelConfig) -> int:
     """Kaplan et al. 2020's N: parameters excluding the token and position embeddings."""
-    n = cfg.n_layers * block_param_count(cfg) + _norm_params(cfg)
+    n = cfg.n_layers * block_param_count(cfg) + norm_param_count(cfg)
     if not cfg.tie_embeddings:
         n += cfg.vocab_size * cfg.d_model  # the untied output matmul does work per token
     return n

@@ -5,6 +5,7 @@ and their all-gather buffers, the pipeline's unsharded stages, torch.amp's 16-bi
 
 from __future__ import annotations
 
+from tenfold.models.presets import embedding_param_count, norm_param_count
 from tenfold.plan import lora as lora_plan
 from tenfold.plan.fp8 import block_param_bytes
 from tenfold.run import ResolvedRun
@@ -143,9 +144,6 @@ def uncast_param_count(cfg, blocks: int, first: bool, last: bool) -> float:
     (tenfold/models/gpt.py)."""
     if cfg is None:
         return 0.0
-    tables = 0.0
-    if first:
-        tables += 0 if cfg.tie_embeddings else cfg.vocab_size * cfg.d_model
-        tables += cfg.max_seq_len * cfg.d_model if cfg.pos == "learned" else 0
-    norm = cfg.d_model * (2 if cfg.norm == "layernorm" else 1)
-    return tables + norm * (2 * blocks + (1 if last else 0))
+    tied = cfg.vocab_size * cfg.d_model if cfg.tie_embeddings else 0
+    tables = embedding_param_count(cfg) - tied if first else 0
+    return tables + norm_param_count(cfg) * (2 * blocks + (1 if last else 0))

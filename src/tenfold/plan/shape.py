@@ -14,6 +14,7 @@ from tenfold.models.presets import (
     get_preset,
     expert_param_count,
     head_param_count,
+    norm_param_count,
     moe_layer_param_count,
     param_count,
 )
@@ -55,7 +56,7 @@ def rank_params(shape: ModelShape, layers: int, first: bool, last: bool, tp: int
     if not shape.known:
         return shape.params / (tp * pp)
     cfg = shape.cfg
-    norm = cfg.d_model * (2 if cfg.norm == "layernorm" else 1)
+    norm = norm_param_count(cfg)
     n = layers * layer_params(shape, tp, ep)
     if first:
         n += embedding_param_count(cfg) / tp
@@ -80,7 +81,7 @@ def layer_params(shape: ModelShape, tp: int, ep: int = 1) -> float:
     if not shape.known:
         return 0.0
     cfg = shape.cfg
-    norm = cfg.d_model * (2 if cfg.norm == "layernorm" else 1)
+    norm = norm_param_count(cfg)
     moe = _block_moe(cfg)
     experts = _block_experts(cfg)
     return (_block_params(cfg) - 2 * norm - moe) / tp + moe - experts + experts / ep + 2 * norm

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tenfold.models.presets import ModelConfig
+from tenfold.models.presets import ModelConfig, norm_param_count
 from tenfold.run import ResolvedRun
 
 
@@ -92,7 +92,7 @@ def tp_traffic(cfg: ModelConfig, run: ResolvedRun, pp_rank: int) -> TPTraffic:
         loss = m * 3 * ring("all_reduce", tp) * micro_batch * seq_len * 4.0
     norms = 0.0
     if sequence_parallel:
-        norm_numel = h * (2 if cfg.norm == "layernorm" else 1)
+        norm_numel = norm_param_count(cfg)
         per_reduce = (2 * layers + (1 if last else 0)) * norm_numel * 4.0 * ring("all_reduce", tp)
         norms = per_reduce * (m if dp > 1 and zero >= 2 else 1)
     clip = ring("all_reduce", tp) * 4.0 * dtensor_count(cfg, layers, first, last, sequence_parallel) if dp == 1 else 0.0

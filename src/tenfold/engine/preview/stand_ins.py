@@ -5,6 +5,18 @@ a call) that moves no data and is undone after the trace."""
 from __future__ import annotations
 
 from contextlib import contextmanager
+from typing import Any
+
+
+@contextmanager
+def _replaced(owner: Any, name: str, value: Any):
+    """`owner.name` is `value` inside the block, and its own value again after it."""
+    original = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield original
+    finally:
+        setattr(owner, name, original)
 
 
 @contextmanager
@@ -28,11 +40,8 @@ def balanced_routing():
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return scores, chosen, weights
 
-    MoE.route = route
-    try:
+    with _replaced(MoE, "route", route):
         yield
-    finally:
-        MoE.route = original
 
 
 @contextmanager
@@ -52,11 +61,8 @@ def module_conversion_to_itself_keeps_it():
             unchanged = all(fn(t) is t for t in [*self.parameters(), *self.buffers()])
         return self if unchanged else original(self, fn, recurse)
 
-    nn.Module._apply = _apply
-    try:
+    with _replaced(nn.Module, "_apply", _apply):
         yield
-    finally:
-        nn.Module._apply = original
 
 
 @contextmanager
@@ -77,11 +83,8 @@ def sharding_metadata_apart():
         with _disable_current_modes():
             return original(self, op_schema)
 
-    ShardingPropagator._propagate_tensor_meta_non_cached = apart
-    try:
+    with _replaced(ShardingPropagator, "_propagate_tensor_meta_non_cached", apart):
         yield
-    finally:
-        ShardingPropagator._propagate_tensor_meta_non_cached = original
 
 
 @contextmanager
@@ -92,12 +95,8 @@ def ddp_without_shape_check():
     all-reduces run as in a run."""
     import torch.nn.parallel.distributed as ddp
 
-    original = ddp._verify_param_shape_across_processes
-    ddp._verify_param_shape_across_processes = lambda *args, **kwargs: None
-    try:
+    with _replaced(ddp, "_verify_param_shape_across_processes", lambda *args, **kwargs: None):
         yield
-    finally:
-        ddp._verify_param_shape_across_processes = original
 
 
 def ddp_reduces_in_python(model) -> None:
